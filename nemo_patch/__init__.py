@@ -1,0 +1,61 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""nemo_patch: control over when NeMo 2.x training runs consolidate their distributed checkpoints.
+
+Importing this package applies the overlay (unless ``NEMO_PATCH_DISABLE=1``): ``nemo.lightning.MegatronStrategy``
+becomes :class:`nemo_patch.MegatronStrategy`, which accepts ``save_consolidated`` and
+``ckpt_consolidation_frequency``. Installing the package does the same for every interpreter, without importing
+NeMo at start-up (see :mod:`_nemo_patch_autoload`).
+"""
+
+from nemo_patch._nemo_version import check_nemo_version
+
+__nemo_version__ = check_nemo_version()
+
+from nemo_patch.checkpoint_io import MegatronCheckpointIO  # noqa: E402
+from nemo_patch.consolidate import ConsolidationError, ConsolidationResult, consolidate_checkpoint  # noqa: E402
+from nemo_patch.consolidation_callback import ConsolidationCallback  # noqa: E402
+from nemo_patch.consolidation_policy import (  # noqa: E402
+    ACCEPTED_FREQUENCIES,
+    ConsolidationPolicy,
+    parse_consolidation_frequency,
+    resolve_policy,
+)
+from nemo_patch.latest_pointer import read_latest_pointer  # noqa: E402
+from nemo_patch.load_consolidated import load_consolidated_into, load_consolidated_state_dict  # noqa: E402
+from nemo_patch.overlay import apply_overlay, overlay_applied  # noqa: E402
+from nemo_patch.strategy import MegatronStrategy  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACCEPTED_FREQUENCIES",
+    "ConsolidationCallback",
+    "ConsolidationError",
+    "ConsolidationPolicy",
+    "ConsolidationResult",
+    "MegatronCheckpointIO",
+    "MegatronStrategy",
+    "apply_overlay",
+    "consolidate_checkpoint",
+    "load_consolidated_into",
+    "load_consolidated_state_dict",
+    "overlay_applied",
+    "parse_consolidation_frequency",
+    "read_latest_pointer",
+    "resolve_policy",
+]
+
+apply_overlay()

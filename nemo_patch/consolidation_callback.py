@@ -1,0 +1,87 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Lightning callback that drives checkpoint consolidation from the training loop's hooks."""
+
+from typing import Any, Dict, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from nemo_patch.checkpoint_io import MegatronCheckpointIO, find_base_checkpoint_io
+
+__all__ = ["ConsolidationCallback"]
+
+
+def _consolidating_io(trainer: Optional["pl.Trainer"]) -> Optional[MegatronCheckpointIO]:
+    if trainer is None:
+        return None
+    base = find_base_checkpoint_io(trainer.strategy.checkpoint_io)
+    if isinstance(base, MegatronCheckpointIO) and base.consolidation is not None:
+        return base
+    return None
+
+
+class ConsolidationCallback(Callback):
+    """Consolidates finished checkpoints at the cadence of the trainer's :class:`MegatronCheckpointIO`.
+
+    :class:`nemo_patch.MegatronStrategy` appends it to ``trainer.callbacks`` in ``setup`` (as NeMo's strategy does
+    with its ``AsyncFinalizerCallback``), so it runs after NeMo's ``ModelCheckpoint`` and ``AsyncFinalizerCallback``
+    in every hook: a save made or finalized in a hook is seen in the same hook.
+
+    * ``on_train_batch_end`` / ``on_validation_end``: consolidate the saves that finished and are due.
+    * ``on_train_end``: the same, then, in ``latest`` mode, consolidate the newest finished checkpoint.
+    * ``state_dict`` / ``load_state_dict``: the count of finished checkpoints, stored in each checkpoint by Lightning
+      so that ``every_n`` keeps counting across a resume.
+
+    Args:
+        trainer: the trainer it is attached to (callbacks appended during ``strategy.setup`` miss Lightning's own
+            ``setup`` hook, so the strategy passes it here).
+    """
+
+    def __init__(self, trainer: Optional["pl.Trainer"] = None) -> None:
+        self._trainer = trainer
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Remember the trainer (for :meth:`state_dict`)."""
+        self._trainer = trainer
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
+        """Consolidate saves that finished in this step and are due."""
+        io = _consolidating_io(trainer)
+        if io is not None:
+            io.consolidate_finished()
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Consolidate saves made on validation end (``ModelCheckpoint`` with a monitored metric)."""
+        self.on_train_batch_end(trainer)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Consolidate what is still due; in ``latest`` mode, consolidate the newest finished checkpoint once."""
+        io = _consolidating_io(trainer)
+        if io is not None:
+            io.finish_fit()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"finished_count": n, "global_step": s}`` for the checkpoint being saved, or ``{}``."""
+        io = _consolidating_io(self._trainer)
+        if io is None:
+            return {}
+        return io.consolidation.state_dict(self._trainer.global_step)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore the count of finished checkpoints from the checkpoint the run resumes from."""
+        io = _consolidating_io(self._trainer)
+        if io is not None and state_dict:
+            io.consolidation.load_state_dict(state_dict)

@@ -1,0 +1,114 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Load a consolidated ``model.safetensors`` back into a megatron-core model with TP=1 and PP=1.
+
+Consolidated names are the distributed checkpoint's canonical keys, which megatron-core derives from a module's
+``state_dict`` names by applying each ``TransformerLayer``'s ``submodules_config.sharded_state_dict_keys_map`` (the
+local, non-Transformer-Engine spec maps ``input_layernorm.`` to ``self_attention.linear_qkv.layer_norm_`` and
+``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``; the TE spec maps nothing). :func:`load_consolidated_into`
+applies the same map, read from the model itself, so a model of either spec loads the same file.
+"""
+
+from pathlib import Path
+from typing import Dict, Union
+
+import torch
+from safetensors.torch import load_file
+
+from nemo_patch.consolidate import SAFETENSORS_FILENAME
+
+__all__ = ["canonical_key_map", "load_consolidated_into", "load_consolidated_state_dict"]
+
+
+def load_consolidated_state_dict(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
+    """Read a consolidated checkpoint.
+
+    Args:
+        path: a ``consolidated/`` directory or the ``model.safetensors`` file in it.
+
+    Returns:
+        Consolidated name -> CPU tensor, in the dtypes they were trained in.
+
+    Raises:
+        FileNotFoundError: if no ``model.safetensors`` is found at ``path``.
+    """
+    path = Path(path)
+    file = path / SAFETENSORS_FILENAME if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"No consolidated {SAFETENSORS_FILENAME} at {path}")
+    return load_file(str(file))
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the megatron-core module inside a NeMo ``LightningModule`` (its ``.module``), else ``model``."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def canonical_key_map(model: torch.nn.Module) -> Dict[str, str]:
+    """Map each ``state_dict`` key of a TP=1 megatron-core model to its consolidated (canonical) name.
+
+    ``_extra_state`` entries are not weights and are left out.
+
+    Args:
+        model: a megatron-core model (e.g. ``GPTModel``) or a NeMo ``LightningModule`` wrapping one in ``.module``.
+
+    Returns:
+        ``state_dict`` key -> canonical key.
+    """
+    model = _unwrap(model)
+    prefix_maps = {}
+    for name, module in model.named_modules():
+        keys_map = getattr(getattr(module, "submodules_config", None), "sharded_state_dict_keys_map", None)
+        if keys_map:
+            prefix_maps[f"{name}." if name else ""] = keys_map
+    mapping = {}
+    for key in model.state_dict():
+        if key.endswith("_extra_state"):
+            continue
+        canonical = key
+        for layer_prefix, keys_map in prefix_maps.items():
+            if not key.startswith(layer_prefix):
+                continue
+            rest = key[len(layer_prefix) :]
+            for old, new in keys_map.items():
+                if rest.startswith(old):
+                    canonical = layer_prefix + new + rest[len(old) :]
+                    break
+        mapping[key] = canonical
+    return mapping
+
+
+def load_consolidated_into(model: torch.nn.Module, path: Union[str, Path]) -> None:
+    """Load a consolidated checkpoint into a TP=1, PP=1 model, strictly.
+
+    Args:
+        model: a megatron-core model of either layer spec (local or Transformer Engine), or a NeMo
+            ``LightningModule`` wrapping one in ``.module``, with the architecture the checkpoint was trained with.
+        path: a ``consolidated/`` directory or its ``model.safetensors`` file.
+
+    Raises:
+        KeyError: if a model weight has no tensor in the file or the file holds a tensor the model does not have;
+            the message lists them. ``_extra_state`` entries are not weights and are not required.
+        RuntimeError: if a shape does not match (from ``torch.nn.Module.load_state_dict``).
+    """
+    tensors = load_consolidated_state_dict(path)
+    key_map = canonical_key_map(model)
+    missing = sorted(key for key, canonical in key_map.items() if canonical not in tensors)
+    unexpected = sorted(set(tensors) - set(key_map.values()))
+    if missing or unexpected:
+        raise KeyError(f"Consolidated checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    state = {key: tensors[canonical] for key, canonical in key_map.items()}
+    _unwrap(model).load_state_dict(state, strict=False)

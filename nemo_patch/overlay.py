@@ -1,0 +1,47 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Make NeMo's public ``MegatronStrategy`` name refer to :class:`nemo_patch.MegatronStrategy`."""
+
+import sys
+
+from _nemo_patch_autoload import TARGET_MODULE, overlay_disabled
+from nemo_patch.strategy import MegatronStrategy, NeMoMegatronStrategy
+
+__all__ = ["apply_overlay", "overlay_applied"]
+
+
+def overlay_applied() -> bool:
+    """Whether NeMo's ``megatron_strategy.MegatronStrategy`` currently is :class:`nemo_patch.MegatronStrategy`."""
+    module = sys.modules.get(TARGET_MODULE)
+    return module is not None and module.MegatronStrategy is MegatronStrategy
+
+
+def apply_overlay() -> bool:
+    """Replace NeMo's ``MegatronStrategy`` by :class:`nemo_patch.MegatronStrategy` in every loaded ``nemo`` module.
+
+    That covers ``nemo.lightning.MegatronStrategy``, ``nemo.lightning.pytorch.strategies.MegatronStrategy`` and the
+    defining module, plus any ``nemo.*`` module that imported the name before. Applying twice is harmless. Instances
+    stay instances of NeMo's class (``nemo_patch.MegatronStrategy`` subclasses it).
+
+    Returns:
+        ``True`` if the overlay is in effect, ``False`` if ``NEMO_PATCH_DISABLE`` turned it off.
+    """
+    if overlay_disabled():
+        return False
+    for name, module in list(sys.modules.items()):
+        if (name == "nemo" or name.startswith("nemo.")) and module is not None:
+            if module.__dict__.get("MegatronStrategy") is NeMoMegatronStrategy:
+                module.MegatronStrategy = MegatronStrategy
+    return True

@@ -1,0 +1,1 @@
+"""Test and demo aids for nemo_patch. Nothing here is imported by the product code paths."""
