@@ -127,7 +127,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             return []
         written = []
         for save in self.consolidation.collect_finished(self.is_save_finished):
-            output = self._consolidate(save.path, save.global_step)
+            output = self._consolidate(save)
             if output is not None:
                 written.append(output)
         return written
@@ -147,9 +147,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         newest = self.consolidation.newest_finished
         if newest is None:
             return None
-        if (newest.path / CONSOLIDATED_DIRNAME).is_dir():
+        if newest.consolidated and (newest.path / CONSOLIDATED_DIRNAME).is_dir():
             return self._point_latest(newest.path)
-        return self._consolidate(newest.path, newest.global_step)
+        return self._consolidate(newest)
 
     def finish_fit(self) -> None:
         """End-of-``fit`` step: consolidate what is due, in ``latest`` mode the newest checkpoint, and forget saves
@@ -169,13 +169,14 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             logger.exception("Could not point LATEST at %s", checkpoint_dir)
         return checkpoint_dir / CONSOLIDATED_DIRNAME
 
-    def _consolidate(self, checkpoint_dir: Path, global_step: Optional[int]) -> Optional[Path]:
+    def _consolidate(self, save: CheckpointSave) -> Optional[Path]:
         try:
-            consolidate_checkpoint(checkpoint_dir, global_step=global_step)
+            consolidate_checkpoint(save.path, global_step=save.global_step)
         except Exception:  # a consolidation failure must never kill the training run
-            logger.exception("Consolidation of checkpoint %s (global step %s) failed", checkpoint_dir, global_step)
+            logger.exception("Consolidation of checkpoint %s (global step %d) failed", save.path, save.global_step)
             return None
-        return self._point_latest(checkpoint_dir)
+        save.consolidated = True
+        return self._point_latest(save.path)
 
 
 def find_base_checkpoint_io(checkpoint_io: Any) -> Any:

@@ -130,7 +130,7 @@ def resolve_policy(save_consolidated: Optional[bool], frequency: Optional[str]) 
         ValueError: if ``save_consolidated`` is not ``None``/``True``/``False``, if the frequency is invalid,
             or if ``save_consolidated=False`` is combined with a frequency.
     """
-    if save_consolidated not in (None, True, False) or not isinstance(save_consolidated, (bool, type(None))):
+    if not isinstance(save_consolidated, (bool, type(None))):
         raise ValueError(f"Invalid save_consolidated {save_consolidated!r}: expected None, True or False.")
     if frequency is None:
         return ConsolidationPolicy(mode="each") if save_consolidated else None

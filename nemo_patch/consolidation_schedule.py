@@ -45,11 +45,13 @@ class CheckpointSave:
         global_step: the trainer's global step when it was saved.
         written: ``True`` once the checkpoint IO has finished writing it (immediately for a sync save, in the
             async request's finalize step for an async save).
+        consolidated: ``True`` once ``consolidated/`` was published for it.
     """
 
     path: Path
     global_step: int
     written: bool = False
+    consolidated: bool = False
 
     def mark_written(self) -> None:
         """Finalize callback for async saves."""
@@ -70,6 +72,8 @@ class ConsolidationSchedule:
         self.finished_count = 0
         #: The newest finished checkpoint (highest global step; a step's first finished copy wins over its ``-last``).
         self.newest_finished: Optional[CheckpointSave] = None
+        #: Every finished save of this run (``-last`` copies included), oldest first.
+        self.history: List[CheckpointSave] = []
         self._registered_count = 0
         self._last_registered_step: Optional[int] = None
         self._last_finished_step: Optional[int] = None
@@ -98,6 +102,7 @@ class ConsolidationSchedule:
         due = []
         while self.pending and self.pending[0].written and is_finished(self.pending[0]):
             save = self.pending.pop(0)
+            self.history.append(save)
             if save.global_step == self._last_finished_step:
                 continue  # the -last copy of a step already counted
             self._last_finished_step = save.global_step

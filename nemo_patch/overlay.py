@@ -33,13 +33,18 @@ def apply_overlay() -> bool:
 
     That covers ``nemo.lightning.MegatronStrategy``, ``nemo.lightning.pytorch.strategies.MegatronStrategy`` and the
     defining module, plus any ``nemo.*`` module that imported the name before. Applying twice is harmless. Instances
-    stay instances of NeMo's class (``nemo_patch.MegatronStrategy`` subclasses it).
+    stay instances of NeMo's class (``nemo_patch.MegatronStrategy`` subclasses it). The class's ``__module__`` becomes
+    NeMo's module, so references to it that are written to disk (a checkpoint's ``context/io.json``) use NeMo's
+    public name, resolve to this class wherever the overlay is installed and to NeMo's own class elsewhere.
 
     Returns:
         ``True`` if the overlay is in effect, ``False`` if ``NEMO_PATCH_DISABLE`` turned it off.
     """
     if overlay_disabled():
         return False
+    # Under the overlay this class *is* NeMo's public MegatronStrategy: NeMo's IOMixin records it in a checkpoint's
+    # context/io.json by that importable name (as stock NeMo does), not by nemo_patch's.
+    MegatronStrategy.__module__ = TARGET_MODULE
     for name, module in list(sys.modules.items()):
         if (name == "nemo" or name.startswith("nemo.")) and module is not None:
             if module.__dict__.get("MegatronStrategy") is NeMoMegatronStrategy:

@@ -17,11 +17,12 @@
 import importlib
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
 from nemo.lightning.io import pl as nemo_io_pl
+from nemo.lightning.io.mixin import _io_transform_args
 
 from nemo_patch.checkpoint_io import MegatronCheckpointIO, find_base_checkpoint_io, replace_base_checkpoint_io
 from nemo_patch.consolidation_callback import ConsolidationCallback
@@ -76,8 +77,26 @@ class MegatronStrategy(NeMoMegatronStrategy):
         self.save_consolidated = save_consolidated
         self.ckpt_consolidation_frequency = ckpt_consolidation_frequency
         super().__init__(*args, **kwargs)
+        # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
+        io_config = getattr(self, "__io__", None)
+        if io_config is not None:
+            for name, value in self._own_io_args().items():
+                setattr(io_config, name, value)
         if self._checkpoint_io is not None:
             self._checkpoint_io = self._with_consolidation(self._checkpoint_io)
+
+    def _own_io_args(self) -> Dict[str, Any]:
+        own = {"save_consolidated": self.save_consolidated, "ckpt_consolidation_frequency": self.ckpt_consolidation_frequency}
+        return {name: value for name, value in own.items() if value is not None}
+
+    def io_transform_args(self, init_fn: Callable, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """Record the constructor arguments (NeMo's ``IOMixin`` hook) exactly as NeMo records them for its own
+        ``MegatronStrategy``, plus the consolidation arguments when they are given. With neither given, the
+        checkpoint's ``context/io.json`` is the same as stock NeMo's."""
+        own = {name: kwargs.pop(name) for name in ("save_consolidated", "ckpt_consolidation_frequency") if name in kwargs}
+        config = _io_transform_args(self, NeMoMegatronStrategy.__init__, *args, **kwargs)
+        config.update({name: value for name, value in own.items() if value is not None})
+        return config
 
     @property
     def _consolidation_requested(self) -> bool:

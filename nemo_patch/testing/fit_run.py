@@ -1,0 +1,165 @@
+"""Train the tiny NeMo GPT on the CPU and report what happened to its checkpoints: the demo's and tests' engine.
+
+``python -m nemo_patch.testing.fit_run --out DIR [--frequency F] [--save-consolidated] [--max-steps N]
+[--save-every N] [--async-save] [--stock] [--probe-logits] [--json FILE]`` runs one real fit (``llm.train`` with
+``nl.Trainer``, ``nl.MegatronStrategy``, NeMo's ``ModelCheckpoint`` and ``NeMoLogger``, resuming from ``DIR`` if it
+holds checkpoints) inside :func:`nemo_patch.testing.cpu_harness.megatron_on_cpu`, and writes a JSON report.
+Test/demo aid only.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+__all__ = ["CHECKPOINT_FILENAME", "checkpoint_report", "run_tiny_fit"]
+
+#: ``ModelCheckpoint`` file-name template: NeMo's ``step`` here is the 0-based index of the last training step.
+CHECKPOINT_FILENAME = "tiny_gpt--{step}-{consumed_samples}"
+
+
+def checkpoint_report(checkpoint_root: Path, steps: Optional[Dict[str, int]] = None) -> List[Dict[str, Any]]:
+    """One entry per checkpoint directory under ``checkpoint_root``, sorted by name.
+
+    Args:
+        checkpoint_root: the ``checkpoints/`` directory of a run.
+        steps: checkpoint name -> global step, for checkpoints this process saw finish.
+
+    Returns:
+        Dicts with ``name``, ``global_step`` (``None`` if unknown), ``consolidated`` (bool) and ``consolidated_bytes``.
+    """
+    entries = []
+    for path in sorted(p for p in checkpoint_root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        out = path / "consolidated"
+        entries.append(
+            {
+                "name": path.name,
+                "global_step": (steps or {}).get(path.name),
+                "consolidated": out.is_dir(),
+                "consolidated_bytes": sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else 0,
+            }
+        )
+    return entries
+
+
+def run_tiny_fit(
+    out: Path,
+    frequency: Optional[str] = None,
+    save_consolidated: Optional[bool] = None,
+    max_steps: int = 6,
+    save_every: int = 2,
+    async_save: bool = False,
+    stock: bool = False,
+    probe_logits: bool = False,
+) -> Dict[str, Any]:
+    """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
+
+    Args:
+        out: the NeMoLogger ``log_dir``; checkpoints land in ``out/tiny_gpt/checkpoints``.
+        frequency: ``ckpt_consolidation_frequency`` (``None``: not passed).
+        save_consolidated: ``save_consolidated`` (``None``: not passed).
+        max_steps: trainer ``max_steps``.
+        save_every: ``ModelCheckpoint(every_n_train_steps=...)``.
+        async_save: ``ckpt_async_save`` of the strategy.
+        stock: check that ``nl.MegatronStrategy`` is NeMo's own class (run with ``NEMO_PATCH_DISABLE=1``).
+        probe_logits: after ``fit``, compare the trained model's logits with a fresh TP=1 model loaded from
+            ``LATEST/consolidated`` through :func:`nemo_patch.load_consolidated_into`.
+
+    Returns:
+        A JSON-able report: ``strategy_class``, ``checkpoints`` (see :func:`checkpoint_report`), ``latest``,
+        ``finished_count``, and with ``probe_logits`` the ``max_abs_logit_diff``.
+    """
+    import torch
+    from nemo import lightning as nl
+    from nemo.collections import llm
+
+    import nemo_patch
+    from nemo_patch.checkpoint_io import find_base_checkpoint_io
+    from nemo_patch.testing import tiny_gpt
+    from nemo_patch.testing.cpu_harness import megatron_on_cpu
+
+    kwargs: Dict[str, Any] = {"ckpt_async_save": async_save}
+    if frequency is not None:
+        kwargs["ckpt_consolidation_frequency"] = frequency
+    if save_consolidated is not None:
+        kwargs["save_consolidated"] = save_consolidated
+    if stock and nemo_patch.overlay_applied():
+        raise RuntimeError("--stock needs NEMO_PATCH_DISABLE=1, so that NeMo runs without the overlay")
+    strategy = nl.MegatronStrategy(**kwargs)
+    trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps)
+    log = tiny_gpt.make_logger(out, save_every=save_every, filename=CHECKPOINT_FILENAME)
+    model = tiny_gpt.tiny_gpt_model()
+    resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
+    report: Dict[str, Any] = {"strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}"}
+    with megatron_on_cpu():
+        llm.train(model, tiny_gpt.TinyTokenDataModule(), trainer, log=log, resume=resume, tokenizer=None)
+        root = out / "tiny_gpt" / "checkpoints"
+        if probe_logits:
+            report["max_abs_logit_diff"] = _probe_logits(model, root)
+
+    base = find_base_checkpoint_io(strategy.checkpoint_io)
+    schedule = getattr(base, "consolidation", None)
+    steps = {save.path.name: save.global_step for save in schedule.history} if schedule else {}
+    report["checkpoints"] = checkpoint_report(root, steps)
+    latest = nemo_patch.read_latest_pointer(root)
+    report["latest"] = latest.name if latest else None
+    report["finished_count"] = schedule.finished_count if schedule else None
+    report["global_step"] = trainer.global_step
+    del torch
+    return report
+
+
+def _probe_logits(model: Any, root: Path) -> float:
+    """Max |logit difference| between the trained model and a fresh one loaded from ``LATEST/consolidated``."""
+    import torch
+    from megatron.core.models.gpt import GPTModel as MCoreGPTModel
+
+    import nemo_patch
+    from nemo_patch.testing import tiny_gpt
+
+    trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
+    fresh = tiny_gpt.tiny_gpt_config().configure_model(tokenizer=None).eval()
+    nemo_patch.load_consolidated_into(fresh, root / "LATEST" / "consolidated")
+    generator = torch.Generator().manual_seed(0)
+    batch = tiny_gpt.causal_batch(torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator))
+    with torch.no_grad():
+        expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        actual = fresh(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    return float((expected - actual).abs().max())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Command-line entry point; see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--frequency", default=None)
+    parser.add_argument("--save-consolidated", choices=["true", "false"], default=None)
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--stock", action="store_true")
+    parser.add_argument("--probe-logits", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
+    report = run_tiny_fit(
+        args.out,
+        frequency=args.frequency,
+        save_consolidated=save_consolidated,
+        max_steps=args.max_steps,
+        save_every=args.save_every,
+        async_save=args.async_save,
+        stock=args.stock,
+        probe_logits=args.probe_logits,
+    )
+    text = json.dumps(report, indent=2)
+    if args.json:
+        args.json.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

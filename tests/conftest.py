@@ -1,0 +1,63 @@
+"""Shared fixtures: real NeMo fits of the tiny GPT on the CPU, each in a fresh interpreter.
+
+Every fit runs ``python -m nemo_patch.testing.fit_run`` in a subprocess: a real ``llm.train`` with ``nl.Trainer``,
+``nl.MegatronStrategy`` (the overlay's, or NeMo's own with ``NEMO_PATCH_DISABLE=1``), NeMo's ``ModelCheckpoint`` and
+``NeMoLogger``, saving real ``torch_dist`` checkpoints. Only CUDA is stubbed (``nemo_patch.testing.cpu_harness``).
+A fresh interpreter per fit keeps NeMo's and megatron-core's process-global state (parallel state, async writer,
+callback group) from leaking between runs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this venv; returns the completed process (text output)."""
+    full_env = {k: v for k, v in os.environ.items() if k != "NEMO_PATCH_DISABLE"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO
+    )
+
+
+def run_fit(out: Path, *, stock: bool = False, **options: Any) -> Dict[str, Any]:
+    """Run one tiny-GPT fit into ``out`` and return its JSON report (see ``nemo_patch.testing.fit_run``)."""
+    args = [sys.executable, "-m", "nemo_patch.testing.fit_run", "--out", str(out), "--json", str(out / "report.json")]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value not in (None, False):
+            args += [flag, str(value)]
+    env = {k: v for k, v in os.environ.items() if k != "NEMO_PATCH_DISABLE"}
+    if stock:
+        args.append("--stock")
+        env["NEMO_PATCH_DISABLE"] = "1"
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    (out / "fit.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        pytest.fail(f"fit failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads((out / "report.json").read_text())
+
+
+def consolidated_names(report: Dict[str, Any]) -> list:
+    """Names of the checkpoints in a report that hold ``consolidated/``."""
+    return [entry["name"] for entry in report["checkpoints"] if entry["consolidated"]]
+
+
+@pytest.fixture(scope="session")
+def each_run(tmp_path_factory) -> Dict[str, Any]:
+    """A 6-step run saving every 2 steps with ``ckpt_consolidation_frequency="each"`` (sync save)."""
+    out = tmp_path_factory.mktemp("each")
+    report = run_fit(out, frequency="each", max_steps=6, save_every=2)
+    report["root"] = out / "tiny_gpt" / "checkpoints"
+    return report
