@@ -48,6 +48,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = [
@@ -184,8 +185,35 @@ def _read_model_tensors(weights_dir: Path, metadata: Metadata, keys: List[str]) 
         for key in batch:
             item = metadata.state_dict_metadata[key]
             state[key] = torch.empty(item.size, dtype=item.properties.dtype)
-        dcp_load(state, storage_reader=reader, no_dist=True)
+        try:
+            dcp_load(state, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+            raise _read_error(weights_dir, metadata, reader, state, error) from error
         yield from state.items()
+
+
+def _read_error(
+    weights_dir: Path, metadata: Metadata, reader: FileSystemReader, state: Dict[str, torch.Tensor], error: BaseException
+) -> "ConsolidationError":
+    """Name the shard file(s) behind a failed batch read: re-read its tensors one at a time to find the culprit."""
+    for key, tensor in state.items():
+        try:
+            dcp_load({key: torch.empty_like(tensor)}, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as single:
+            error = single
+            state = {key: tensor}
+            break
+    files = sorted({info.relative_path for index, info in metadata.storage_data.items() if index.fqn in state})
+    return ConsolidationError(f"Cannot read shard file(s) {', '.join(files)} of {weights_dir}: {_root_cause(error)}")
+
+
+def _root_cause(error: BaseException) -> str:
+    """A one-line description of what failed inside a ``torch.distributed.checkpoint`` load."""
+    if isinstance(error, CheckpointException) and error.failures:
+        cause = next(iter(error.failures.values()))  # (exception, stack summary) per rank
+        if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+            return f"{type(cause[0]).__name__}: {cause[0]}".rstrip(": ")
+    return f"{type(error).__name__}: {error}".rstrip(": ")
 
 
 def _sha256(path: Path) -> str:
@@ -291,7 +319,7 @@ def consolidate_checkpoint(
     except ConsolidationError:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    except Exception as error:
+    except (Exception, CheckpointException) as error:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise ConsolidationError(f"Consolidating {ckpt_dir} failed: {type(error).__name__}: {error}") from error
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, tensor_count, total_bytes)

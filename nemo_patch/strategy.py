@@ -112,14 +112,13 @@ class MegatronStrategy(NeMoMegatronStrategy):
         """
         if not self._consolidation_requested:
             return checkpoint_io
+        policy = resolve_policy(self.save_consolidated, self.ckpt_consolidation_frequency)
         base = find_base_checkpoint_io(checkpoint_io)
         if isinstance(base, MegatronCheckpointIO):
-            base._set_policy(
-                self.save_consolidated,
-                self.ckpt_consolidation_frequency,
-                resolve_policy(self.save_consolidated, self.ckpt_consolidation_frequency),
-            )
+            base._set_policy(self.save_consolidated, self.ckpt_consolidation_frequency, policy)
             return checkpoint_io
+        if policy is None:
+            return checkpoint_io  # e.g. save_consolidated=False: NeMo's checkpoint IO as it is
         if type(base) is nemo_io_pl.MegatronCheckpointIO:
             return replace_base_checkpoint_io(
                 checkpoint_io,

@@ -30,7 +30,7 @@ def checkpoint_report(checkpoint_root: Path, steps: Optional[Dict[str, int]] = N
         Dicts with ``name``, ``global_step`` (``None`` if unknown), ``consolidated`` (bool) and ``consolidated_bytes``.
     """
     entries = []
-    for path in sorted(p for p in checkpoint_root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for path in sorted(p for p in checkpoint_root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")):
         out = path / "consolidated"
         entries.append(
             {

@@ -137,11 +137,16 @@ class TinyTokenDataModule(pl.LightningDataModule):
 
 
 def make_logger(log_dir: Path, save_every: int, name: str = "tiny_gpt", **checkpoint_kwargs: Any) -> Any:
-    """A ``NeMoLogger`` whose NeMo ``ModelCheckpoint`` saves every ``save_every`` global steps, keeping all."""
+    """A ``NeMoLogger`` whose NeMo ``ModelCheckpoint`` saves every ``save_every`` global steps, keeping all.
+
+    The final checkpoint keeps its optimizer state (``save_optim_on_train_end=True``) so that a run can be resumed
+    from it and trained further.
+    """
     from nemo import lightning as nl
 
     checkpoint_kwargs.setdefault("save_top_k", -1)
     checkpoint_kwargs.setdefault("save_last", True)
+    checkpoint_kwargs.setdefault("save_optim_on_train_end", True)
     checkpoint = nl.ModelCheckpoint(every_n_train_steps=save_every, monitor=None, **checkpoint_kwargs)
     return nl.NeMoLogger(log_dir=str(log_dir), name=name, ckpt=checkpoint, use_datetime_version=False)
 

@@ -1,0 +1,96 @@
+"""End-to-end: real NeMo training runs on the CPU, asserting exactly which checkpoints get consolidated.
+
+Each run trains the tiny GPT with ``ModelCheckpoint(every_n_train_steps=2, save_top_k=-1, save_last=True)``.
+Checkpoint names carry NeMo's ``step``, the 0-based index of the last step (global step - 1): the checkpoint of
+global step 4 is ``tiny_gpt--step=3-...``. ``save_last=True`` adds a ``-last`` copy of the newest step.
+
+NeMo ``-last`` copies: a ``-last`` copy of a step that has its own checkpoint is counted with that step and is not
+consolidated; a ``-last`` checkpoint of a step that has no other checkpoint (the final step when ``max_steps`` is not a
+multiple of the save interval) is a finished checkpoint like any other.
+"""
+
+import re
+
+import pytest
+import torch
+
+from conftest import consolidated_names, run_fit
+
+pytestmark = pytest.mark.slow
+
+CKPT = "tiny_gpt--step={}-consumed_samples={}"
+
+
+def _name(global_step, last=False):
+    return CKPT.format(global_step - 1, float(2 * global_step)) + ("-last" if last else "")
+
+
+def test_each_consolidates_every_finished_checkpoint(each_run):
+    assert [e["name"] for e in each_run["checkpoints"]] == [_name(2), _name(4), _name(6), _name(6, last=True)]
+    assert consolidated_names(each_run) == [_name(2), _name(4), _name(6)]
+    assert each_run["latest"] == _name(6)
+    assert each_run["finished_count"] == 3
+    assert [e["global_step"] for e in each_run["checkpoints"]] == [2, 4, 6, 6]
+
+
+def test_every_n_2_consolidates_every_second_finished_checkpoint(tmp_path):
+    report = run_fit(tmp_path, frequency="every_n:2", max_steps=7, save_every=2)
+    # Finished checkpoints: #1 step 2, #2 step 4, #3 step 6, #4 step 7 (only as -last: the final save).
+    assert [e["name"] for e in report["checkpoints"]] == [_name(2), _name(4), _name(6), _name(7, last=True)]
+    assert consolidated_names(report) == [_name(4), _name(7, last=True)]
+    assert report["latest"] == _name(7, last=True)
+    assert report["finished_count"] == 4
+
+
+def test_latest_with_async_save_consolidates_once_at_the_end_and_matches_the_trained_model(tmp_path):
+    report = run_fit(tmp_path, frequency="latest", max_steps=6, save_every=2, async_save=True, probe_logits=True)
+    assert [e["name"] for e in report["checkpoints"]] == [_name(2), _name(4), _name(6), _name(6, last=True)]
+    # Only the newest finished checkpoint; its -last copy (same step, same weights) is not consolidated again.
+    assert consolidated_names(report) == [_name(6)]
+    assert report["latest"] == _name(6)
+    assert report["strategy_class"] == "nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy"
+    # A fresh TP=1 model loaded (strictly) from LATEST/consolidated gives the trained model's logits. Same fp32
+    # weights, same CPU kernels, same batch: the logits are expected to be bit-identical.
+    assert report["max_abs_logit_diff"] == 0.0
+
+
+def test_every_n_count_survives_resume(tmp_path):
+    first = run_fit(tmp_path, frequency="every_n:2", max_steps=6, save_every=2)
+    assert consolidated_names(first) == [_name(4)] and first["finished_count"] == 3
+    # Resumed from global step 6 (3 finished checkpoints): step 8 is the 4th -> consolidated, step 10 the 5th.
+    second = run_fit(tmp_path, frequency="every_n:2", max_steps=10, save_every=2)
+    assert second["finished_count"] == 5
+    assert consolidated_names(second) == [_name(4), _name(8)]
+    assert second["latest"] == _name(8)
+
+
+def _files(root):
+    """Relative file list of a run, with NeMo's per-save context UUIDs and event-file names normalised."""
+    names = set()
+    for path in root.rglob("*"):
+        rel = str(path.relative_to(root))
+        if rel in ("report.json", "fit.log"):
+            continue
+        rel = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<uuid>", rel)
+        names.add(re.sub(r"events\.out\.tfevents\..*", "events.out.tfevents.<run>", rel))
+    return sorted(names)
+
+
+def test_without_arguments_checkpoints_are_stock_nemos(tmp_path):
+    overlay = run_fit(tmp_path / "overlay", max_steps=6, save_every=2)
+    stock = run_fit(tmp_path / "stock", stock=True, max_steps=6, save_every=2)
+    assert stock["strategy_class"] == overlay["strategy_class"]
+    assert consolidated_names(overlay) == [] and overlay["latest"] is None
+    assert _files(tmp_path / "overlay") == _files(tmp_path / "stock")
+    roots = [tmp_path / run / "tiny_gpt" / "checkpoints" for run in ("overlay", "stock")]
+    for entry in overlay["checkpoints"]:
+        ckpts = [root / entry["name"] for root in roots]
+        # Trainer context: byte for byte, apart from NeMo's random per-save UUID.
+        io_json = [re.sub(r"[0-9a-f-]{36}", "<uuid>", (c / "context" / "io.json").read_text()) for c in ckpts]
+        assert io_json[0] == io_json[1]
+        # Lightning state in common.pt: equal apart from the run directory it names.
+        common = [
+            repr(torch.load(c / "weights" / "common.pt", weights_only=False)).replace(str(c.parents[2]), "<run>")
+            for c in ckpts
+        ]
+        assert common[0] == common[1]

@@ -1,0 +1,103 @@
+"""Constructing the strategy and its checkpoint IO: arguments, validation and the checkpoint IO chain."""
+
+import logging
+
+import pytest
+from nemo.lightning.io.pl import MegatronCheckpointIO as NeMoMegatronCheckpointIO
+from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
+
+import nemo_patch
+from nemo_patch import ACCEPTED_FREQUENCIES, ConsolidationPolicy, MegatronCheckpointIO, MegatronStrategy
+from nemo_patch.checkpoint_io import find_base_checkpoint_io
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({}, None),
+        ({"save_consolidated": False}, None),
+        ({"save_consolidated": True}, ConsolidationPolicy("each")),
+        ({"ckpt_consolidation_frequency": "latest"}, ConsolidationPolicy("latest")),
+        ({"save_consolidated": True, "ckpt_consolidation_frequency": "every_n:5"}, ConsolidationPolicy("every_n", 5)),
+    ],
+)
+@pytest.mark.parametrize("async_save", [True, False])
+def test_policy_reaches_the_checkpoint_io(kwargs, expected, async_save):
+    strategy = MegatronStrategy(ckpt_async_save=async_save, **kwargs)
+    assert strategy.consolidation_policy == expected
+    io = strategy.checkpoint_io
+    # NeMo's create_checkpoint_io built the chain; the async wrapper is still outermost when async save is on.
+    assert isinstance(io, AsyncFinalizableCheckpointIO) == async_save
+    base = find_base_checkpoint_io(io)
+    if expected is None:
+        assert type(base) is NeMoMegatronCheckpointIO  # stock IO, untouched
+    else:
+        assert type(base) is MegatronCheckpointIO
+        assert base.consolidation_policy == expected
+        assert base.async_save == async_save and base.save_ckpt_format == "torch_dist"
+
+
+@pytest.mark.parametrize("frequency", ["every_n:0", "every_n:-2", "every_n:x", "every_n", "weekly", 3, ""])
+@pytest.mark.parametrize("cls", [MegatronStrategy, MegatronCheckpointIO])
+def test_bad_frequency_raises_at_construction(cls, frequency):
+    with pytest.raises(ValueError) as info:
+        cls(ckpt_consolidation_frequency=frequency)
+    assert ACCEPTED_FREQUENCIES in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [MegatronStrategy, MegatronCheckpointIO])
+def test_false_with_frequency_raises_naming_both(cls):
+    with pytest.raises(ValueError, match=r"save_consolidated=False contradicts ckpt_consolidation_frequency='latest'"):
+        cls(save_consolidated=False, ckpt_consolidation_frequency="latest")
+
+
+def test_user_supplied_stock_checkpoint_io_is_upgraded_with_its_settings():
+    user_io = NeMoMegatronCheckpointIO(save_ckpt_format="torch_dist", parallel_save=False)
+    strategy = MegatronStrategy(checkpoint_io=user_io, ckpt_consolidation_frequency="every_n:3")
+    base = find_base_checkpoint_io(strategy.checkpoint_io)
+    assert type(base) is MegatronCheckpointIO and base.parallel_save is False
+    assert base.consolidation_policy == ConsolidationPolicy("every_n", 3)
+    assert user_io.__class__ is NeMoMegatronCheckpointIO  # the user's object is not mutated
+
+
+def test_user_supplied_consolidating_io_keeps_its_own_policy_unless_the_strategy_sets_one():
+    own = MegatronCheckpointIO(ckpt_consolidation_frequency="latest")
+    assert MegatronStrategy(checkpoint_io=own).consolidation_policy == ConsolidationPolicy("latest")
+    overridden = MegatronStrategy(checkpoint_io=MegatronCheckpointIO(ckpt_consolidation_frequency="latest"),
+                                  ckpt_consolidation_frequency="each")
+    assert overridden.consolidation_policy == ConsolidationPolicy("each")
+
+
+def test_checkpoint_io_set_after_construction_gets_the_settings():
+    strategy = MegatronStrategy(ckpt_consolidation_frequency="each")
+    strategy.checkpoint_io = AsyncFinalizableCheckpointIO(NeMoMegatronCheckpointIO(async_save=True))
+    assert isinstance(strategy.checkpoint_io, AsyncFinalizableCheckpointIO)
+    assert type(find_base_checkpoint_io(strategy.checkpoint_io)) is MegatronCheckpointIO
+
+
+def test_other_checkpoint_io_keeps_working_without_consolidation(caplog):
+    class CustomIO(NeMoMegatronCheckpointIO):
+        pass
+
+    custom = CustomIO()
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.strategy"):
+        strategy = MegatronStrategy(checkpoint_io=custom, ckpt_consolidation_frequency="each")
+    assert strategy.checkpoint_io is custom
+    assert strategy.consolidation_policy is None
+    assert "will not be consolidated" in caplog.text
+
+
+def test_strategy_records_its_arguments_for_nemo_context():
+    plain = MegatronStrategy(ckpt_async_save=False)
+    assert dict(plain.__io__.__arguments__) == {"ckpt_async_save": False}
+    with_args = MegatronStrategy(ckpt_async_save=False, ckpt_consolidation_frequency="every_n:2")
+    assert dict(with_args.__io__.__arguments__) == {"ckpt_async_save": False, "ckpt_consolidation_frequency": "every_n:2"}
+
+
+def test_upgrade_from_stock_io_keeps_every_setting():
+    stock = NeMoMegatronCheckpointIO(async_save=True, torch_dist_multiproc=2, parallel_load=True)
+    upgraded = MegatronCheckpointIO.from_checkpoint_io(stock, save_consolidated=True)
+    for name, value in vars(stock).items():
+        assert getattr(upgraded, name) == value, name
+    assert upgraded.consolidation_policy == ConsolidationPolicy("each")
+    assert nemo_patch.MegatronCheckpointIO is MegatronCheckpointIO
