@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Train a tiny NeMo GPT on the CPU and show which checkpoints were consolidated.
+
+A real NeMo 2 run: ``llm.train`` with ``nl.Trainer``, ``nl.MegatronStrategy(ckpt_consolidation_frequency=...)`` (the
+overlay's, reached through NeMo's own name), NeMo's ``ModelCheckpoint`` and ``NeMoLogger``, saving ``torch_dist``
+distributed checkpoints. Only CUDA is stubbed out (``nemo_patch.testing.cpu_harness``). Running it again on the
+same ``--out`` resumes the run from its last checkpoint.
+
+Example:
+    python scripts/demo_consolidation_cadence.py --frequency every_n:2 --max-steps 10 --save-every 2 --out runs/demo
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return ""
+
+
+def format_table(report: dict) -> str:
+    """The demo's closing table: one row per checkpoint directory."""
+    rows = [("checkpoint", "global step", "consolidated", "consolidated size")]
+    for entry in report["checkpoints"]:
+        step = entry["global_step"]
+        rows.append(
+            (
+                entry["name"] + ("   <- LATEST" if entry["name"] == report["latest"] else ""),
+                "?" if step is None else str(step),
+                "yes" if entry["consolidated"] else "no",
+                _size(entry["consolidated_bytes"]) if entry["consolidated"] else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--frequency",
+        default="every_n:2",
+        help='ckpt_consolidation_frequency: "each", "latest", "every_n:<k>", or "off" (default: every_n:2)',
+    )
+    parser.add_argument("--max-steps", type=int, default=10, help="global steps to train (default: 10)")
+    parser.add_argument("--save-every", type=int, default=2, help="save a checkpoint every N global steps (default: 2)")
+    parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="NeMoLogger log_dir (default: runs/demo)")
+    parser.add_argument("--async-save", action="store_true", help="use NeMo's asynchronous checkpoint save")
+    args = parser.parse_args()
+
+    from nemo_patch.consolidation_policy import parse_consolidation_frequency
+    from nemo_patch.testing.fit_run import run_tiny_fit
+
+    frequency = None if args.frequency == "off" else args.frequency
+    if frequency is not None:
+        try:
+            parse_consolidation_frequency(frequency)
+        except ValueError as error:
+            parser.error(f"{error} Or \"off\".")
+    start = time.perf_counter()
+    report = run_tiny_fit(
+        args.out, frequency=frequency, max_steps=args.max_steps, save_every=args.save_every, async_save=args.async_save
+    )
+    wall = time.perf_counter() - start
+    print()
+    print(
+        f"ckpt_consolidation_frequency={args.frequency!r}: trained to global step {report['global_step']}, "
+        f"checkpoint every {args.save_every} steps, {'async' if args.async_save else 'sync'} save, {wall:.1f} s wall"
+    )
+    print(f"checkpoints in {args.out / 'tiny_gpt' / 'checkpoints'}:")
+    print(format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

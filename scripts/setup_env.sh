@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment: Python 3.11, the pinned NeMo 2.7.3 stack on the CPU, and
+# nemo-patch itself installed in editable mode (which also installs the overlay's start-up hook, nemo_patch.pth).
+#
+# Usage: bash scripts/setup_env.sh            # venv in .venv (override with NEMO_PATCH_VENV=path)
+# Idempotent: a stamp records the hash of pyproject.toml and the constraints; nothing is done when they are unchanged.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv="${NEMO_PATCH_VENV:-.venv}"
+constraints="constraints/nemo-2.7.3.txt"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null 2>&1 || python=python3
+
+stamp="$venv/.nemo-patch-setup"
+want="$(cat pyproject.toml "$constraints" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+  echo "setup_env: $venv is up to date"
+  exit 0
+fi
+
+echo "setup_env: creating $venv with $("$python" --version 2>&1) (about 2-3 minutes the first time)"
+"$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+# torch first, pinned, so that no resolver step can reach for a multi-GB CUDA build.
+"${pip[@]}" install -q -c "$constraints" "torch==2.13.0"
+"${pip[@]}" install -q -c "$constraints" -e ".[llm,test]"
+echo "$want" > "$stamp"
+echo "setup_env: done"
