@@ -115,7 +115,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     @staticmethod
     def is_save_finished(save: CheckpointSave) -> bool:
         """Whether a written save is finished: NeMo's unfinished marker is gone and the DCP metadata exists."""
-        return not ModelCheckpoint.is_checkpoint_unfinished(save.path) and (save.path / "weights" / ".metadata").is_file()
+        return (
+            not ModelCheckpoint.is_checkpoint_unfinished(save.path) and (save.path / "weights" / ".metadata").is_file()
+        )
 
     def consolidate_finished(self) -> List[Path]:
         """Consolidate the saves that have finished since the last call and are due under the cadence.
@@ -160,7 +162,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         if self.consolidation.policy.consolidates_at_fit_end:
             self.consolidate_newest()
         for save in self.consolidation.drop_pending():
-            logger.warning("Checkpoint %s (global step %d) never finished; not consolidated.", save.path, save.global_step)
+            logger.warning(
+                "Checkpoint %s (global step %d) never finished; not consolidated.", save.path, save.global_step
+            )
 
     def _point_latest(self, checkpoint_dir: Path) -> Optional[Path]:
         try:

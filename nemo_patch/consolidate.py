@@ -25,8 +25,8 @@ Output: ``<ckpt>/consolidated/``
 * ``model.safetensors``: the model weights only. Optimizer state (``optimizer.*``), ``_extra_state`` entries and
   anything that is not a tensor are left out; dtypes are kept. Names are the checkpoint's canonical keys without the
   ``module.`` prefix, with megatron-core's layer-stacked tensors split back per layer:
-  ``module.decoder.layers.mlp.linear_fc1.weight`` of shape ``[L, ...]`` becomes ``decoder.layers.<i>.mlp.linear_fc1.weight``
-  of shape ``[...]`` for ``i`` in ``0..L-1``.
+  ``module.decoder.layers.mlp.linear_fc1.weight`` of shape ``[L, ...]`` becomes
+  ``decoder.layers.<i>.mlp.linear_fc1.weight`` of shape ``[...]`` for ``i`` in ``0..L-1``.
 * ``metadata.json``: see :data:`FORMAT_VERSION` and :class:`ConsolidationResult`.
 
 The output is published atomically: everything is written to a hidden temporary directory next to the final one and
@@ -193,7 +193,11 @@ def _read_model_tensors(weights_dir: Path, metadata: Metadata, keys: List[str]) 
 
 
 def _read_error(
-    weights_dir: Path, metadata: Metadata, reader: FileSystemReader, state: Dict[str, torch.Tensor], error: BaseException
+    weights_dir: Path,
+    metadata: Metadata,
+    reader: FileSystemReader,
+    state: Dict[str, torch.Tensor],
+    error: BaseException,
 ) -> "ConsolidationError":
     """Name the shard file(s) behind a failed batch read: re-read its tensors one at a time to find the culprit."""
     for key, tensor in state.items():

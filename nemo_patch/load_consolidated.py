@@ -109,6 +109,8 @@ def load_consolidated_into(model: torch.nn.Module, path: Union[str, Path]) -> No
     missing = sorted(key for key, canonical in key_map.items() if canonical not in tensors)
     unexpected = sorted(set(tensors) - set(key_map.values()))
     if missing or unexpected:
-        raise KeyError(f"Consolidated checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        raise KeyError(
+            f"Consolidated checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}"
+        )
     state = {key: tensors[canonical] for key, canonical in key_map.items()}
     _unwrap(model).load_state_dict(state, strict=False)

@@ -35,7 +35,9 @@ logger = logging.getLogger(__name__)
 # Looked up in sys.modules: the overlay hook imports this module while NeMo's strategies package is initialising.
 _nemo_megatron_strategy = importlib.import_module("nemo.lightning.pytorch.strategies.megatron_strategy")
 #: NeMo's own class (captured before the overlay replaces the public name; a reload finds the original again).
-NeMoMegatronStrategy = getattr(_nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", _nemo_megatron_strategy.MegatronStrategy)
+NeMoMegatronStrategy = getattr(
+    _nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", _nemo_megatron_strategy.MegatronStrategy
+)
 _nemo_megatron_strategy._NEMO_MEGATRON_STRATEGY = NeMoMegatronStrategy
 
 
@@ -86,14 +88,19 @@ class MegatronStrategy(NeMoMegatronStrategy):
             self._checkpoint_io = self._with_consolidation(self._checkpoint_io)
 
     def _own_io_args(self) -> Dict[str, Any]:
-        own = {"save_consolidated": self.save_consolidated, "ckpt_consolidation_frequency": self.ckpt_consolidation_frequency}
+        own = {
+            "save_consolidated": self.save_consolidated,
+            "ckpt_consolidation_frequency": self.ckpt_consolidation_frequency,
+        }
         return {name: value for name, value in own.items() if value is not None}
 
     def io_transform_args(self, init_fn: Callable, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Record the constructor arguments (NeMo's ``IOMixin`` hook) exactly as NeMo records them for its own
         ``MegatronStrategy``, plus the consolidation arguments when they are given. With neither given, the
         checkpoint's ``context/io.json`` is the same as stock NeMo's."""
-        own = {name: kwargs.pop(name) for name in ("save_consolidated", "ckpt_consolidation_frequency") if name in kwargs}
+        own = {
+            name: kwargs.pop(name) for name in ("save_consolidated", "ckpt_consolidation_frequency") if name in kwargs
+        }
         config = _io_transform_args(self, NeMoMegatronStrategy.__init__, *args, **kwargs)
         config.update({name: value for name, value in own.items() if value is not None})
         return config
@@ -172,4 +179,3 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if not isinstance(base, MegatronCheckpointIO):
             return None
         return base.consolidate_newest()
-

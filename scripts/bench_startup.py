@@ -57,11 +57,19 @@ def main() -> int:
         [sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True, check=True
     ).stderr
     hook_us = sum(
-        int(line.split("|")[0].split(":")[1]) for line in importtime.splitlines() if line.rstrip().endswith("_nemo_patch_autoload")
+        int(line.split("|")[0].split(":")[1])
+        for line in importtime.splitlines()
+        if line.rstrip().endswith("_nemo_patch_autoload")
     )
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('nemo','torch')))"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('nemo','torch')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     print(f"python -c pass, median of {args.runs} runs")
     print(f"{'':28}{'wall ms':>10}")

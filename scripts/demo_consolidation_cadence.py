@@ -65,7 +65,9 @@ def main() -> int:
         help='ckpt_consolidation_frequency: "each", "latest", "every_n:<k>", or "off" (default: every_n:2)',
     )
     parser.add_argument("--max-steps", type=int, default=10, help="global steps to train (default: 10)")
-    parser.add_argument("--save-every", type=int, default=2, help="save a checkpoint every N global steps (default: 2)")
+    parser.add_argument(
+        "--save-every", type=int, default=2, help="save a checkpoint every N global steps (default: 2)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="NeMoLogger log_dir (default: runs/demo)")
     parser.add_argument("--async-save", action="store_true", help="use NeMo's asynchronous checkpoint save")
     args = parser.parse_args()

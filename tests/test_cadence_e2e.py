@@ -13,7 +13,6 @@ import re
 
 import pytest
 import torch
-
 from conftest import consolidated_names, run_fit
 
 pytestmark = pytest.mark.slow

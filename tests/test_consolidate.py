@@ -106,7 +106,9 @@ def test_truncated_shard_fails_cleanly_and_leaves_nothing(checkpoint_copy):
 
 def test_not_a_checkpoint_is_rejected_with_what_is_expected(tmp_path):
     (tmp_path / "weights").mkdir()
-    with pytest.raises(ConsolidationError, match=r"is not a NeMo 2 torch_dist checkpoint: expected a 'weights/\.metadata'"):
+    with pytest.raises(
+        ConsolidationError, match=r"is not a NeMo 2 torch_dist checkpoint: expected a 'weights/\.metadata'"
+    ):
         consolidate_checkpoint(tmp_path)
     with pytest.raises(ConsolidationError):
         resolve_weights_dir(tmp_path / "missing")
@@ -118,8 +120,11 @@ def test_not_a_checkpoint_is_rejected_with_what_is_expected(tmp_path):
     [
         ("module.embedding.word_embeddings.weight", None, "embedding.word_embeddings.weight"),
         ("module.decoder.layers.mlp.linear_fc1.weight", 3, "decoder.layers.3.mlp.linear_fc1.weight"),
-        ("module.decoder.layers.self_attention.linear_qkv.layer_norm_weight", 0,
-         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"),
+        (
+            "module.decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            0,
+            "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+        ),
         ("module.decoder.final_layernorm.weight", None, "decoder.final_layernorm.weight"),
     ],
 )

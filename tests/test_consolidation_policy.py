@@ -27,8 +27,24 @@ def test_accepted_frequencies(value, expected):
 
 @pytest.mark.parametrize(
     "value",
-    ["every_n:0", "every_n:-2", "every_n:x", "every_n", "every_n:", "every_n: 3", "every_n:3 ", "weekly", "EACH",
-     " each", "", 3, 2.0, True, b"each", ["each"]],
+    [
+        "every_n:0",
+        "every_n:-2",
+        "every_n:x",
+        "every_n",
+        "every_n:",
+        "every_n: 3",
+        "every_n:3 ",
+        "weekly",
+        "EACH",
+        " each",
+        "",
+        3,
+        2.0,
+        True,
+        b"each",
+        ["each"],
+    ],
 )
 def test_rejected_frequencies_name_the_accepted_forms(value):
     with pytest.raises(ValueError) as info:

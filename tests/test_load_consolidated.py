@@ -57,8 +57,10 @@ def test_both_namings_load_the_same_file_strictly(tmp_path, te_names):
 
 
 def test_missing_and_unexpected_keys_are_listed(tmp_path):
-    save_file({"decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(12, 4), "extra.weight": torch.zeros(1)},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {"decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(12, 4), "extra.weight": torch.zeros(1)},
+        str(tmp_path / "model.safetensors"),
+    )
     with pytest.raises(KeyError) as info:
         load_consolidated_into(_Model(te_names=False), tmp_path)
     assert "decoder.layers.0.input_layernorm.weight" in str(info.value) and "extra.weight" in str(info.value)

@@ -58,15 +58,15 @@ def test_nl_megatron_strategy_takes_the_new_arguments_without_importing_nemo_pat
 
 def test_disable_env_turns_the_overlay_off():
     code = textwrap.dedent(
-        f"""
+        """
         import json, sys
         import nemo.lightning as nl
-        before = {{"nemo_patch_imported": "nemo_patch" in sys.modules, "module": nl.MegatronStrategy.__module__}}
+        before = {"nemo_patch_imported": "nemo_patch" in sys.modules, "module": nl.MegatronStrategy.__module__}
         # NeMo's own class has no such argument: it swallows unknown keywords into Lightning's DDP kwargs.
         stock = nl.MegatronStrategy(ckpt_consolidation_frequency="latest")
         ignored = not hasattr(stock, "consolidation_policy") and "ckpt_consolidation_frequency" in stock._ddp_kwargs
         import nemo_patch
-        print(json.dumps({{
+        print(json.dumps({
             **before,
             "new_argument_ignored": ignored,
             "still_stock_after_import": nl.MegatronStrategy is not nemo_patch.MegatronStrategy,
@@ -74,7 +74,7 @@ def test_disable_env_turns_the_overlay_off():
             "explicit_class_works": str(nemo_patch.MegatronStrategy(ckpt_consolidation_frequency="every_n:2")
                                         .consolidation_policy),
             "explicit_class_module": nemo_patch.MegatronStrategy.__module__,
-        }}))
+        }))
         """
     )
     result = _json_result(run_python(code, env={"NEMO_PATCH_DISABLE": "1"}))
@@ -122,7 +122,9 @@ def test_nemo_3_is_refused_with_a_message(tmp_path):
     """A dist-info for nemo_toolkit 3.0.0 shadows the installed one; importing nemo_patch must refuse clearly."""
     proc = run_python("import nemo_patch", env=_fake_nemo_toolkit(tmp_path, "3.0.0"))
     assert proc.returncode != 0
-    assert "ImportError: nemo_patch supports nemo_toolkit >= 2.5, < 3 (NeMo 2.x); found nemo_toolkit 3.0.0" in proc.stderr
+    assert (
+        "ImportError: nemo_patch supports nemo_toolkit >= 2.5, < 3 (NeMo 2.x); found nemo_toolkit 3.0.0" in proc.stderr
+    )
     assert "NeMo 3.x has no MegatronStrategy" in proc.stderr
 
 

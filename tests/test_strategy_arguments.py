@@ -63,8 +63,9 @@ def test_user_supplied_stock_checkpoint_io_is_upgraded_with_its_settings():
 def test_user_supplied_consolidating_io_keeps_its_own_policy_unless_the_strategy_sets_one():
     own = MegatronCheckpointIO(ckpt_consolidation_frequency="latest")
     assert MegatronStrategy(checkpoint_io=own).consolidation_policy == ConsolidationPolicy("latest")
-    overridden = MegatronStrategy(checkpoint_io=MegatronCheckpointIO(ckpt_consolidation_frequency="latest"),
-                                  ckpt_consolidation_frequency="each")
+    overridden = MegatronStrategy(
+        checkpoint_io=MegatronCheckpointIO(ckpt_consolidation_frequency="latest"), ckpt_consolidation_frequency="each"
+    )
     assert overridden.consolidation_policy == ConsolidationPolicy("each")
 
 
@@ -91,7 +92,10 @@ def test_strategy_records_its_arguments_for_nemo_context():
     plain = MegatronStrategy(ckpt_async_save=False)
     assert dict(plain.__io__.__arguments__) == {"ckpt_async_save": False}
     with_args = MegatronStrategy(ckpt_async_save=False, ckpt_consolidation_frequency="every_n:2")
-    assert dict(with_args.__io__.__arguments__) == {"ckpt_async_save": False, "ckpt_consolidation_frequency": "every_n:2"}
+    assert dict(with_args.__io__.__arguments__) == {
+        "ckpt_async_save": False,
+        "ckpt_consolidation_frequency": "every_n:2",
+    }
 
 
 def test_upgrade_from_stock_io_keeps_every_setting():

@@ -30,7 +30,9 @@ def checkpoint_report(checkpoint_root: Path, steps: Optional[Dict[str, int]] = N
         Dicts with ``name``, ``global_step`` (``None`` if unknown), ``consolidated`` (bool) and ``consolidated_bytes``.
     """
     entries = []
-    for path in sorted(p for p in checkpoint_root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")):
+    for path in sorted(
+        p for p in checkpoint_root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")
+    ):
         out = path / "consolidated"
         entries.append(
             {
@@ -122,7 +124,9 @@ def _probe_logits(model: Any, root: Path) -> float:
     fresh = tiny_gpt.tiny_gpt_config().configure_model(tokenizer=None).eval()
     nemo_patch.load_consolidated_into(fresh, root / "LATEST" / "consolidated")
     generator = torch.Generator().manual_seed(0)
-    batch = tiny_gpt.causal_batch(torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator))
+    batch = tiny_gpt.causal_batch(
+        torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
+    )
     with torch.no_grad():
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         actual = fresh(batch["tokens"], batch["position_ids"], batch["attention_mask"])
