@@ -12,71 +12,30 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Start-up hook of the nemo_patch overlay; installed as ``nemo_patch.pth`` next to the package.
+"""Start-up entry of the nemo_patch overlay, run by the one line of ``nemo_patch.pth``.
 
-At interpreter start-up, ``site`` runs the one line of ``nemo_patch.pth``, which calls :func:`install`. That adds a
-meta-path finder and nothing else: it imports only the standard library and never imports NeMo. When (and only when)
-a program later imports NeMo's ``nemo.lightning.pytorch.strategies.megatron_strategy`` module, the finder lets NeMo's
-own loader execute it and then imports :mod:`nemo_patch`, which replaces ``MegatronStrategy`` with
-:class:`nemo_patch.MegatronStrategy` everywhere NeMo exposes it (``nemo.lightning.MegatronStrategy`` included).
-
-Set ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to turn the overlay off.
+Loads ``nemo_patch/_autoload.py`` (standard library only) *without* importing the ``nemo_patch`` package, which would
+import torch, and calls its ``install()``. Kept as a separate top-level file because ``.pth`` files can only import
+top-level modules; the logic itself lives in the package, so an editable install always runs the current code.
 """
 
+import importlib.util
 import os
 import sys
-import warnings
-
-__all__ = ["TARGET_MODULE", "install", "overlay_disabled"]
-
-#: The NeMo module whose import triggers the overlay.
-TARGET_MODULE = "nemo.lightning.pytorch.strategies.megatron_strategy"
-
-
-def overlay_disabled() -> bool:
-    """Whether ``NEMO_PATCH_DISABLE`` is set to ``1``, ``true`` or ``yes`` (case-insensitive)."""
-    return os.environ.get("NEMO_PATCH_DISABLE", "").strip().lower() in ("1", "true", "yes")
-
-
-class _OverlayLoader:
-    """Runs NeMo's loader, then applies the overlay to the freshly executed module."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            import nemo_patch  # noqa: F401  (importing it applies the overlay)
-        except Exception as error:  # never break `import nemo` because of the overlay
-            warnings.warn(f"nemo_patch overlay not applied: {error}", RuntimeWarning, stacklevel=2)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _OverlayFinder:
-    """Meta-path finder that wraps the loader of :data:`TARGET_MODULE` and of nothing else."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _OverlayLoader(spec.loader)
-                return spec
-        return None
 
 
 def install() -> None:
-    """Register the finder once, unless the overlay is disabled."""
-    if overlay_disabled() or any(isinstance(finder, _OverlayFinder) for finder in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _OverlayFinder())
+    """Register the overlay's import hook (see :mod:`nemo_patch._autoload`); does nothing if nemo_patch is absent."""
+    module = sys.modules.get("nemo_patch._autoload")
+    if module is None:
+        spec = importlib.util.find_spec("nemo_patch")
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        paths = [os.path.join(location, "_autoload.py") for location in locations]
+        paths = [path for path in paths if os.path.isfile(path)]
+        if not paths:
+            return
+        module_spec = importlib.util.spec_from_file_location("nemo_patch._autoload", paths[0])
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules["nemo_patch._autoload"] = module
+        module_spec.loader.exec_module(module)
+    module.install()

@@ -14,19 +14,26 @@
 
 """nemo_patch: control over when NeMo 2.x training runs consolidate their distributed checkpoints.
 
-Importing this package applies the overlay (unless ``NEMO_PATCH_DISABLE=1``): ``nemo.lightning.MegatronStrategy``
+Importing this package enables the overlay (unless ``NEMO_PATCH_DISABLE=1``): ``nemo.lightning.MegatronStrategy``
 becomes :class:`nemo_patch.MegatronStrategy`, which accepts ``save_consolidated`` and
-``ckpt_consolidation_frequency``. Installing the package does the same for every interpreter, without importing
-NeMo at start-up (see :mod:`_nemo_patch_autoload`).
+``ckpt_consolidation_frequency`` -- at once if NeMo is already imported, else as soon as it is. Installing the package
+does the same for every interpreter, without importing NeMo at start-up (see :mod:`nemo_patch._autoload`).
+
+The NeMo-dependent names (:class:`MegatronStrategy`, :class:`MegatronCheckpointIO`, :class:`ConsolidationCallback`,
+:func:`apply_overlay`, :func:`overlay_applied`) are imported on first use, so that the consolidation engine
+(:func:`consolidate_checkpoint`) can run in a process that never imports NeMo.
 """
 
+import importlib
+import sys
+from typing import Any
+
+from nemo_patch import _autoload
 from nemo_patch._nemo_version import check_nemo_version
 
 __nemo_version__ = check_nemo_version()
 
-from nemo_patch.checkpoint_io import MegatronCheckpointIO  # noqa: E402
 from nemo_patch.consolidate import ConsolidationError, ConsolidationResult, consolidate_checkpoint  # noqa: E402
-from nemo_patch.consolidation_callback import ConsolidationCallback  # noqa: E402
 from nemo_patch.consolidation_policy import (  # noqa: E402
     ACCEPTED_FREQUENCIES,
     ConsolidationPolicy,
@@ -35,10 +42,16 @@ from nemo_patch.consolidation_policy import (  # noqa: E402
 )
 from nemo_patch.latest_pointer import read_latest_pointer  # noqa: E402
 from nemo_patch.load_consolidated import load_consolidated_into, load_consolidated_state_dict  # noqa: E402
-from nemo_patch.overlay import apply_overlay, overlay_applied  # noqa: E402
-from nemo_patch.strategy import MegatronStrategy  # noqa: E402
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "MegatronStrategy": "nemo_patch.strategy",
+    "MegatronCheckpointIO": "nemo_patch.checkpoint_io",
+    "ConsolidationCallback": "nemo_patch.consolidation_callback",
+    "apply_overlay": "nemo_patch.overlay",
+    "overlay_applied": "nemo_patch.overlay",
+}
 
 __all__ = [
     "ACCEPTED_FREQUENCIES",
@@ -58,4 +71,17 @@ __all__ = [
     "resolve_policy",
 ]
 
-apply_overlay()
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nemo_patch' has no attribute {name!r}")
+
+
+if not _autoload.overlay_disabled():
+    if _autoload.TARGET_MODULE in sys.modules:
+        importlib.import_module("nemo_patch.overlay").apply_overlay()
+    else:
+        _autoload.install()

@@ -16,8 +16,7 @@
 
 import sys
 
-from _nemo_patch_autoload import TARGET_MODULE, overlay_disabled
-from nemo_patch.strategy import MegatronStrategy, NeMoMegatronStrategy
+from nemo_patch._autoload import TARGET_MODULE, overlay_disabled
 
 __all__ = ["apply_overlay", "overlay_applied"]
 
@@ -25,7 +24,12 @@ __all__ = ["apply_overlay", "overlay_applied"]
 def overlay_applied() -> bool:
     """Whether NeMo's ``megatron_strategy.MegatronStrategy`` currently is :class:`nemo_patch.MegatronStrategy`."""
     module = sys.modules.get(TARGET_MODULE)
-    return module is not None and module.MegatronStrategy is MegatronStrategy
+    strategy = sys.modules.get("nemo_patch.strategy")
+    return (
+        module is not None
+        and strategy is not None
+        and module.MegatronStrategy is vars(strategy).get("MegatronStrategy")
+    )
 
 
 def apply_overlay() -> bool:
@@ -42,6 +46,9 @@ def apply_overlay() -> bool:
     """
     if overlay_disabled():
         return False
+    # Imported here, not at the top: nemo_patch.strategy imports NeMo, whose import may be what called us.
+    from nemo_patch.strategy import MegatronStrategy, NeMoMegatronStrategy
+
     # Under the overlay this class *is* NeMo's public MegatronStrategy: NeMo's IOMixin records it in a checkpoint's
     # context/io.json by that importable name (as stock NeMo does), not by nemo_patch's.
     MegatronStrategy.__module__ = TARGET_MODULE

@@ -179,3 +179,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if not isinstance(base, MegatronCheckpointIO):
             return None
         return base.consolidate_newest()
+
+
+# Importing this module means the overlay is wanted (NEMO_PATCH_DISABLE=1 still turns it off). When it is imported
+# before NeMo, NeMo's strategy module is first executed from inside the imports above, before this class exists; the
+# start-up hook then leaves the overlay to this line.
+importlib.import_module("nemo_patch.overlay").apply_overlay()

@@ -3,7 +3,8 @@
 # nemo-patch itself installed in editable mode (which also installs the overlay's start-up hook, nemo_patch.pth).
 #
 # Usage: bash scripts/setup_env.sh            # venv in .venv (override with NEMO_PATCH_VENV=path)
-# Idempotent: a stamp records the hash of pyproject.toml and the constraints; nothing is done when they are unchanged.
+# Idempotent: a stamp records the hash of what the install copies (pyproject.toml, the constraints, the start-up
+# hook files); nothing is done when they are unchanged.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -13,7 +14,7 @@ python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null 2>&1 || python=python3
 
 stamp="$venv/.nemo-patch-setup"
-want="$(cat pyproject.toml "$constraints" | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml "$constraints" _nemo_patch_autoload.py nemo_patch.pth | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   echo "setup_env: $venv is up to date"
   exit 0
