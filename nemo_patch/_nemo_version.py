@@ -14,6 +14,7 @@
 
 """Which NeMo releases nemo_patch supports, checked before anything of NeMo's is imported."""
 
+import os
 from importlib import metadata, util
 
 from packaging.version import Version
@@ -47,6 +48,9 @@ def check_nemo_version() -> str:
         )
     if parsed.release < _MIN.release:
         raise ImportError(f"nemo_patch supports {SUPPORTED_NEMO}; found nemo_toolkit {version}.")
-    if util.find_spec("nemo.lightning") is None:
+    # Looked up on disk, not imported: find_spec("nemo.lightning") would import the nemo package.
+    spec = util.find_spec("nemo")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not any(os.path.isdir(os.path.join(location, "lightning")) for location in locations):
         raise ImportError(f"nemo_patch supports {SUPPORTED_NEMO}; nemo_toolkit {version} has no nemo.lightning.")
     return version

@@ -19,18 +19,23 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from nemo.lightning.io import pl as nemo_io_pl
 from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
-from nemo_patch.consolidate import CONSOLIDATED_DIRNAME, consolidate_checkpoint
-from nemo_patch.consolidation_policy import ConsolidationPolicy, resolve_policy
+from nemo_patch.consolidate import CONSOLIDATED_DIRNAME, DEFAULT_MAX_SHARD_SIZE, link_consolidated_output
+from nemo_patch.consolidation_policy import (
+    ConsolidationPolicy,
+    resolve_policy,
+    validate_max_pending,
+    validate_max_shard_size,
+)
 from nemo_patch.consolidation_schedule import CheckpointSave, ConsolidationSchedule
+from nemo_patch.consolidation_worker import DEFAULT_MAX_PENDING, ConsolidationQueue
 from nemo_patch.latest_pointer import update_latest_pointer
 
-__all__ = ["MegatronCheckpointIO", "find_base_checkpoint_io", "replace_base_checkpoint_io"]
+__all__ = ["MegatronCheckpointIO"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +45,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
 
     Saving and loading are NeMo's, unchanged. With consolidation on, global rank 0 records every save it issues;
     once a save is *finished* (written, async finalization done, and NeMo's ``<ckpt>-unfinished`` marker removed),
-    :meth:`consolidate_finished` turns the saves due under the cadence into ``<ckpt>/consolidated/`` (see
-    :func:`nemo_patch.consolidate.consolidate_checkpoint`) and points ``<root>/LATEST`` at the newest one.
+    :meth:`consolidate_finished` hands the saves due under the cadence to a separate consolidation process
+    (:class:`nemo_patch.consolidation_worker.ConsolidationQueue`), which writes ``<ckpt>/consolidated/`` (see
+    :func:`nemo_patch.consolidate.consolidate_checkpoint`); ``<root>/LATEST`` then points at the newest one.
     :class:`nemo_patch.MegatronStrategy` drives it from Lightning's hooks. A consolidation failure is logged and
     never raised into the training loop.
 
@@ -50,6 +56,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         save_consolidated: ``None`` (default), ``True`` or ``False``; see
             :func:`nemo_patch.consolidation_policy.resolve_policy`.
         ckpt_consolidation_frequency: ``None`` (default), ``"each"``, ``"latest"`` or ``"every_n:<k>"``.
+        consolidation_max_shard_size: most bytes of tensor data per output safetensors file (default 5 * 10**9).
+        consolidation_max_pending: consolidation requests that may wait behind the running one (default 2).
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
@@ -61,9 +69,15 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         *args: Any,
         save_consolidated: Optional[bool] = None,
         ckpt_consolidation_frequency: Optional[str] = None,
+        consolidation_max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         **kwargs: Any,
     ) -> None:
         policy = resolve_policy(save_consolidated, ckpt_consolidation_frequency)
+        self.consolidation_max_shard_size = validate_max_shard_size(
+            consolidation_max_shard_size, "consolidation_max_shard_size"
+        )
+        self.consolidation_max_pending = validate_max_pending(consolidation_max_pending, "consolidation_max_pending")
         super().__init__(*args, **kwargs)
         self._set_policy(save_consolidated, ckpt_consolidation_frequency, policy)
 
@@ -73,6 +87,13 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         self.save_consolidated = save_consolidated
         self.ckpt_consolidation_frequency = frequency
         self.consolidation: Optional[ConsolidationSchedule] = ConsolidationSchedule(policy) if policy else None
+        if not hasattr(self, "consolidation_max_shard_size"):
+            self.consolidation_max_shard_size = DEFAULT_MAX_SHARD_SIZE
+        if not hasattr(self, "consolidation_max_pending"):
+            self.consolidation_max_pending = DEFAULT_MAX_PENDING
+        self._queue: Optional[ConsolidationQueue] = None
+        self._outputs: Dict[int, Path] = {}
+        self._copies: Dict[int, List[CheckpointSave]] = {}
 
     @classmethod
     def from_checkpoint_io(
@@ -80,6 +101,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         checkpoint_io: nemo_io_pl.MegatronCheckpointIO,
         save_consolidated: Optional[bool] = None,
         ckpt_consolidation_frequency: Optional[str] = None,
+        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        max_pending: int = DEFAULT_MAX_PENDING,
     ) -> "MegatronCheckpointIO":
         """Make a consolidating IO with the same settings as NeMo's ``checkpoint_io`` (which is left untouched).
 
@@ -89,6 +112,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         policy = resolve_policy(save_consolidated, ckpt_consolidation_frequency)
         upgraded = cls.__new__(cls)
         upgraded.__dict__.update(vars(checkpoint_io))
+        upgraded.consolidation_max_shard_size = max_shard_size
+        upgraded.consolidation_max_pending = max_pending
         upgraded._set_policy(save_consolidated, ckpt_consolidation_frequency, policy)
         return upgraded
 
@@ -113,49 +138,59 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         return request
 
     @staticmethod
-    def is_save_finished(save: CheckpointSave) -> bool:
-        """Whether a written save is finished: NeMo's unfinished marker is gone and the DCP metadata exists."""
+    def is_checkpoint_gone(save: CheckpointSave) -> bool:
+        """Whether a finished checkpoint has been removed or is being removed: its directory or DCP metadata is
+        missing, or NeMo's ``<ckpt>-unfinished`` marker is back (NeMo sets it while deleting a checkpoint)."""
         return (
-            not ModelCheckpoint.is_checkpoint_unfinished(save.path) and (save.path / "weights" / ".metadata").is_file()
+            ModelCheckpoint.is_checkpoint_unfinished(save.path) or not (save.path / "weights" / ".metadata").is_file()
         )
 
-    def consolidate_finished(self) -> List[Path]:
-        """Consolidate the saves that have finished since the last call and are due under the cadence.
+    @property
+    def queue(self) -> ConsolidationQueue:
+        """The consolidation process queue of this run (created on first use, on global rank 0)."""
+        if self._queue is None:
+            self._queue = ConsolidationQueue(
+                self._on_consolidated,
+                max_pending=self.consolidation_max_pending,
+                max_shard_size=self.consolidation_max_shard_size,
+            )
+        return self._queue
+
+    def consolidate_finished(self) -> None:
+        """Hand the saves that finished since the last call and are due under the cadence to the consolidation
+        process, and reap/start consolidation processes. Returns at once (called from the training loop)."""
+        if self.consolidation is None:
+            return
+        due, copies = self.consolidation.collect_finished(self.is_checkpoint_gone)
+        for save in due:
+            self.queue.submit(save)
+        for copy in copies:
+            self._copies.setdefault(copy.global_step, []).append(copy)
+            self._link_copies(copy.global_step)
+        if self._queue is not None:
+            self._queue.poll()
+
+    def consolidate_newest(self) -> bool:
+        """Queue the newest finished checkpoint of the run for consolidation (unless it already is consolidated).
 
         Returns:
-            The ``consolidated/`` directories written (empty off rank 0 or with consolidation off).
+            ``True`` if there is a newest finished checkpoint (queued now, or already consolidated), else ``False``.
         """
         if self.consolidation is None:
-            return []
-        written = []
-        for save in self.consolidation.collect_finished(self.is_save_finished):
-            output = self._consolidate(save)
-            if output is not None:
-                written.append(output)
-        return written
-
-    def consolidate_newest(self) -> Optional[Path]:
-        """Consolidate the newest finished checkpoint of the run and point ``LATEST`` at it.
-
-        A checkpoint that already holds ``consolidated/`` is not consolidated again; ``LATEST`` is pointed at it.
-
-        Returns:
-            The ``consolidated/`` directory, or ``None`` if the run finished no checkpoint, consolidation is off, or
-            consolidation failed (logged).
-        """
-        if self.consolidation is None:
-            return None
+            return False
         self.consolidate_finished()
         newest = self.consolidation.newest_finished
         if newest is None:
-            return None
-        if newest.consolidated and (newest.path / CONSOLIDATED_DIRNAME).is_dir():
-            return self._point_latest(newest.path)
-        return self._consolidate(newest)
+            return False
+        if newest.consolidated:
+            self._point_latest(newest.path)
+        elif not newest.queued:
+            self.queue.submit(newest)
+        return True
 
     def finish_fit(self) -> None:
-        """End-of-``fit`` step: consolidate what is due, in ``latest`` mode the newest checkpoint, and forget saves
-        that never finished (each is logged)."""
+        """End of ``fit``: queue what is due and, in ``latest`` mode, the newest checkpoint; forget saves that never
+        finished (each is logged). Does not wait: see :meth:`wait_for_consolidation`."""
         if self.consolidation is None:
             return
         self.consolidate_finished()
@@ -166,41 +201,45 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                 "Checkpoint %s (global step %d) never finished; not consolidated.", save.path, save.global_step
             )
 
-    def _point_latest(self, checkpoint_dir: Path) -> Optional[Path]:
+    def wait_for_consolidation(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for running and queued consolidations (see :meth:`ConsolidationQueue.wait`).
+
+        Returns:
+            ``True`` if none is left, ``False`` if the timeout ran out (logged; the running one is stopped).
+        """
+        return True if self._queue is None else self._queue.wait(timeout)
+
+    def remove_checkpoint_safely(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
+        """Run ``remove`` for a checkpoint without racing its consolidation (NeMo's top-k removal)."""
+        if self._queue is None:
+            remove()
+        else:
+            self._queue.remove_checkpoint(Path(checkpoint_dir), remove)
+
+    def _on_consolidated(self, save: CheckpointSave, error: Optional[str]) -> None:
+        if error is not None:
+            logger.error(
+                "Consolidation of checkpoint %s (global step %d) failed: %s", save.path, save.global_step, error
+            )
+            return
+        save.consolidated = True
+        self._point_latest(save.path)
+        self._outputs[save.global_step] = save.path / CONSOLIDATED_DIRNAME
+        self._link_copies(save.global_step)
+
+    def _link_copies(self, global_step: int) -> None:
+        output = self._outputs.get(global_step)
+        if output is None or not output.is_dir():
+            return
+        for copy in self._copies.pop(global_step, []):
+            try:
+                link_consolidated_output(output, copy.path)
+                copy.consolidated = True
+            except OSError:
+                logger.exception("Could not reuse %s for the copy %s", output, copy.path)
+
+    def _point_latest(self, checkpoint_dir: Path) -> None:
         try:
             update_latest_pointer(checkpoint_dir)
         except OSError:
             logger.exception("Could not point LATEST at %s", checkpoint_dir)
-        return checkpoint_dir / CONSOLIDATED_DIRNAME
-
-    def _consolidate(self, save: CheckpointSave) -> Optional[Path]:
-        try:
-            consolidate_checkpoint(save.path, global_step=save.global_step)
-        except Exception:  # a consolidation failure must never kill the training run
-            logger.exception("Consolidation of checkpoint %s (global step %d) failed", save.path, save.global_step)
-            return None
-        save.consolidated = True
-        return self._point_latest(save.path)
-
-
-def find_base_checkpoint_io(checkpoint_io: Any) -> Any:
-    """The innermost checkpoint IO under any Lightning ``_WrappingCheckpointIO`` layers (e.g. NeMo's async one)."""
-    while isinstance(checkpoint_io, _WrappingCheckpointIO):
-        checkpoint_io = checkpoint_io.checkpoint_io
-    return checkpoint_io
-
-
-def replace_base_checkpoint_io(checkpoint_io: Any, make: Callable[[Any], Any]) -> Any:
-    """Replace the innermost checkpoint IO of a wrapper chain by ``make(innermost)``; wrappers are kept.
-
-    Returns:
-        The new outermost checkpoint IO (``make(checkpoint_io)`` when there are no wrappers).
-    """
-    if not isinstance(checkpoint_io, _WrappingCheckpointIO):
-        return make(checkpoint_io)
-    wrapper = checkpoint_io
-    while isinstance(wrapper.checkpoint_io, _WrappingCheckpointIO):
-        wrapper = wrapper.checkpoint_io
-    # Lightning's setter refuses to replace a configured base IO; assign the attribute it guards.
-    wrapper._checkpoint_io = make(wrapper.checkpoint_io)
-    return checkpoint_io

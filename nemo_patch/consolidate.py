@@ -22,18 +22,24 @@ them, so any TP/PP layout reads back to the same global tensors.
 
 Output: ``<ckpt>/consolidated/``
 
-* ``model.safetensors``: the model weights only. Optimizer state (``optimizer.*``), ``_extra_state`` entries and
-  anything that is not a tensor are left out; dtypes are kept. Names are the checkpoint's canonical keys without the
-  ``module.`` prefix, with megatron-core's layer-stacked tensors split back per layer:
+* ``model.safetensors`` (or ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json`` when
+  the weights exceed ``max_shard_size``, as Hugging Face splits them): the model weights only. Optimizer state
+  (``optimizer.*``), ``_extra_state`` entries and anything that is not a tensor are left out; dtypes are kept. Names
+  are the checkpoint's canonical keys without the ``module.`` prefix, with megatron-core's layer-stacked tensors
+  split back per layer:
   ``module.decoder.layers.mlp.linear_fc1.weight`` of shape ``[L, ...]`` becomes
   ``decoder.layers.<i>.mlp.linear_fc1.weight`` of shape ``[...]`` for ``i`` in ``0..L-1``.
 * ``metadata.json``: see :data:`FORMAT_VERSION` and :class:`ConsolidationResult`.
 
 The output is published atomically: everything is written to a hidden temporary directory next to the final one and
 renamed into place, so a reader sees either no ``consolidated/`` or a complete one.
+
+Memory: tensors are read one output tensor at a time (one layer of a stacked tensor; see
+:class:`nemo_patch.dcp_reader.DCPRegionReader`) and streamed into the file
+(:func:`nemo_patch.safetensors_writer.write_safetensors`), so peak memory is about the largest single output tensor
+plus the largest stored chunk, not the model size.
 """
 
-import hashlib
 import json
 import logging
 import os
@@ -42,22 +48,34 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Union
 
 import torch
-from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from nemo_patch.dcp_metadata import read_dcp_metadata
+from nemo_patch.dcp_reader import DCPRegionReader
+from nemo_patch.safetensors_writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_FILENAME,
+    SINGLE_FILENAME,
+    TensorSpec,
+    plan_shards,
+    shard_filename,
+    write_index,
+    write_safetensors,
+)
 
 __all__ = [
     "CONSOLIDATED_DIRNAME",
     "FORMAT_VERSION",
     "ConsolidationError",
     "ConsolidationResult",
+    "DEFAULT_MAX_SHARD_SIZE",
     "consolidate_checkpoint",
     "consolidated_key",
+    "link_consolidated_output",
     "model_tensor_keys",
     "resolve_weights_dir",
 ]
@@ -66,8 +84,8 @@ logger = logging.getLogger(__name__)
 
 #: Name of the output directory inside a checkpoint directory.
 CONSOLIDATED_DIRNAME = "consolidated"
-#: Name of the safetensors file inside :data:`CONSOLIDATED_DIRNAME`.
-SAFETENSORS_FILENAME = "model.safetensors"
+#: Name of the safetensors file inside :data:`CONSOLIDATED_DIRNAME` when the weights fit in one shard.
+SAFETENSORS_FILENAME = SINGLE_FILENAME
 #: Name of the metadata file inside :data:`CONSOLIDATED_DIRNAME`.
 METADATA_FILENAME = "metadata.json"
 #: Version of the ``metadata.json`` layout written by this module.
@@ -77,8 +95,6 @@ TMP_PREFIX = ".consolidated.tmp-"
 
 _MODEL_PREFIX = "module."
 _STACKED_LAYERS = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<tail>[^0-9].*)$")
-# Upper bound on the bytes of model tensors requested from torch.distributed.checkpoint in one load call.
-_LOAD_BATCH_BYTES = 256 * 1024 * 1024
 
 
 class ConsolidationError(RuntimeError):
@@ -162,70 +178,28 @@ def _is_stacked(key: str) -> bool:
     return _STACKED_LAYERS.match(key[len(_MODEL_PREFIX) :]) is not None
 
 
-def _batches(keys: List[str], metadata: Metadata) -> Iterator[List[str]]:
-    batch: List[str] = []
-    batch_bytes = 0
-    for key in keys:
+def _natural(name: str) -> List[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+@dataclass(frozen=True)
+class _Output:
+    spec: TensorSpec
+    key: str
+    layer: Optional[int]
+
+
+def plan_outputs(metadata: Metadata) -> List["_Output"]:
+    """Every output tensor with its source: ``(spec, DCP key, layer or None)``, in natural name order."""
+    outputs = []
+    for key in model_tensor_keys(metadata):
         item = metadata.state_dict_metadata[key]
-        nbytes = item.size.numel() * torch.empty((), dtype=item.properties.dtype).element_size()
-        if batch and batch_bytes + nbytes > _LOAD_BATCH_BYTES:
-            yield batch
-            batch, batch_bytes = [], 0
-        batch.append(key)
-        batch_bytes += nbytes
-    if batch:
-        yield batch
-
-
-def _read_model_tensors(weights_dir: Path, metadata: Metadata, keys: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(dcp_key, global_tensor)`` for ``keys``, reading a bounded batch of tensors at a time."""
-    reader = FileSystemReader(str(weights_dir))
-    for batch in _batches(keys, metadata):
-        state = {}
-        for key in batch:
-            item = metadata.state_dict_metadata[key]
-            state[key] = torch.empty(item.size, dtype=item.properties.dtype)
-        try:
-            dcp_load(state, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
-            raise _read_error(weights_dir, metadata, reader, state, error) from error
-        yield from state.items()
-
-
-def _read_error(
-    weights_dir: Path,
-    metadata: Metadata,
-    reader: FileSystemReader,
-    state: Dict[str, torch.Tensor],
-    error: BaseException,
-) -> "ConsolidationError":
-    """Name the shard file(s) behind a failed batch read: re-read its tensors one at a time to find the culprit."""
-    for key, tensor in state.items():
-        try:
-            dcp_load({key: torch.empty_like(tensor)}, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException) as single:
-            error = single
-            state = {key: tensor}
-            break
-    files = sorted({info.relative_path for index, info in metadata.storage_data.items() if index.fqn in state})
-    return ConsolidationError(f"Cannot read shard file(s) {', '.join(files)} of {weights_dir}: {_root_cause(error)}")
-
-
-def _root_cause(error: BaseException) -> str:
-    """A one-line description of what failed inside a ``torch.distributed.checkpoint`` load."""
-    if isinstance(error, CheckpointException) and error.failures:
-        cause = next(iter(error.failures.values()))  # (exception, stack summary) per rank
-        if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
-            return f"{type(cause[0]).__name__}: {cause[0]}".rstrip(": ")
-    return f"{type(error).__name__}: {error}".rstrip(": ")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        dtype, size = item.properties.dtype, tuple(item.size)
+        if _is_stacked(key):
+            outputs += [_Output(TensorSpec(consolidated_key(key, i), dtype, size[1:]), key, i) for i in range(size[0])]
+        else:
+            outputs.append(_Output(TensorSpec(consolidated_key(key), dtype, size), key, None))
+    return sorted(outputs, key=lambda output: _natural(output.spec.name))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -255,68 +229,127 @@ def _publish(tmp_dir: Path, output_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def link_consolidated_output(source_output: Union[str, Path], checkpoint_dir: Union[str, Path]) -> Path:
+    """Give ``checkpoint_dir`` a ``consolidated/`` with the same files as ``source_output``, without recomputing.
+
+    For NeMo's ``-last`` copy of a checkpoint: the weights are the same, so are the outputs (``metadata.json``'s
+    ``source_checkpoint`` is relative, ``../weights``, and stays right). Files are hard-linked where the filesystem
+    allows and copied otherwise; the directory is published atomically.
+
+    Args:
+        source_output: an existing ``consolidated/`` directory.
+        checkpoint_dir: the checkpoint directory that receives ``consolidated/``.
+
+    Returns:
+        The new ``<checkpoint_dir>/consolidated``.
+
+    Raises:
+        OSError: if the files cannot be linked or copied (nothing is left behind).
+    """
+    source_output, checkpoint_dir = Path(source_output), Path(checkpoint_dir)
+    tmp_dir = _make_tmp_dir(checkpoint_dir)
+    try:
+        for source in sorted(source_output.iterdir()):
+            try:
+                os.link(source, tmp_dir / source.name)
+            except OSError:
+                shutil.copy2(source, tmp_dir / source.name)
+        _publish(tmp_dir, checkpoint_dir / CONSOLIDATED_DIRNAME)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return checkpoint_dir / CONSOLIDATED_DIRNAME
+
+
+def _root_cause(error: BaseException) -> str:
+    """A one-line description of what failed inside a ``torch.distributed.checkpoint`` read."""
+    if isinstance(error, CheckpointException) and error.failures:
+        cause = next(iter(error.failures.values()))  # (exception, stack summary) per rank
+        if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+            error = cause[0]
+    return f"{type(error).__name__}: {error}".rstrip(": ")
+
+
+def _producer(reader: DCPRegionReader, sources: Dict[str, _Output]):
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        source = sources[spec.name]
+        try:
+            return reader.read(source.key, source.layer)
+        except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+            files = ", ".join(reader.files_of(source.key))
+            raise ConsolidationError(
+                f"Cannot read shard file(s) {files} of {reader.path} (tensor {source.key}): {_root_cause(error)}"
+            ) from error
+
+    return produce
+
+
 def consolidate_checkpoint(
     checkpoint_dir: Union[str, Path],
     output_dir: Optional[Union[str, Path]] = None,
     global_step: Optional[int] = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> ConsolidationResult:
-    """Consolidate a finished NeMo 2 ``torch_dist`` checkpoint into ``consolidated/model.safetensors``.
+    """Consolidate a finished NeMo 2 ``torch_dist`` checkpoint into ``consolidated/`` safetensors.
 
-    Reads only files: no process group is needed or used (``torch.distributed.checkpoint.load`` with
-    ``no_dist=True``). Unpickles nothing but the DCP ``.metadata`` file, which ``torch.distributed.checkpoint``
-    itself must read; ``_extra_state`` payloads and ``common.pt`` are never loaded.
+    Reads only files: no process group is needed or used. Unpickles nothing but the DCP ``.metadata`` file, with an
+    allowlist of metadata types (:func:`nemo_patch.dcp_metadata.read_dcp_metadata`; megatron-core is not imported);
+    stored tensors are read with ``torch.load(weights_only=True)``; ``_extra_state`` payloads and ``common.pt`` are
+    never loaded.
 
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory.
         output_dir: where to publish; defaults to ``<ckpt>/consolidated``. Replaced atomically if it exists.
         global_step: recorded in ``metadata.json``; ``None`` if unknown.
+        max_shard_size: most tensor-data bytes per safetensors file (default 5 * 10**9, Hugging Face's "5GB"); a
+            single ``model.safetensors`` is written when everything fits, else shards plus an index.
 
     Returns:
         A :class:`ConsolidationResult`.
 
     Raises:
-        ConsolidationError: if the directory is not a ``torch_dist`` checkpoint, holds no model tensors, or a shard
-            cannot be read or the output cannot be written. Nothing is left under ``output_dir``'s name or in a
-            temporary directory on failure.
+        ConsolidationError: if the directory is not a ``torch_dist`` checkpoint, holds no model tensors, a shard file
+            cannot be read (the message names it) or the output cannot be written. Nothing is left under
+            ``output_dir``'s name or in a temporary directory on failure.
+        ValueError: if ``max_shard_size`` < 1.
     """
+    if max_shard_size < 1:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
     weights_dir = resolve_weights_dir(checkpoint_dir)
     ckpt_dir = weights_dir.parent if weights_dir.name == "weights" else weights_dir
     output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / CONSOLIDATED_DIRNAME
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
 
     try:
-        metadata = FileSystemReader(str(weights_dir)).read_metadata()
-    except Exception as error:  # torch raises several types for a missing or unreadable .metadata
+        metadata = read_dcp_metadata(weights_dir)
+    except Exception as error:  # OSError, pickle.UnpicklingError
         raise ConsolidationError(f"Cannot read the checkpoint metadata of {weights_dir}: {error}") from error
-    keys = model_tensor_keys(metadata)
-    if not keys:
+    outputs = plan_outputs(metadata)
+    if not outputs:
         raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
 
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = _make_tmp_dir(output_dir.parent)
     try:
-        tensors: Dict[str, torch.Tensor] = {}
-        for key, tensor in _read_model_tensors(weights_dir, metadata, keys):
-            if _is_stacked(key):
-                for layer in range(tensor.shape[0]):
-                    tensors[consolidated_key(key, layer)] = tensor[layer].clone()
-            else:
-                tensors[consolidated_key(key)] = tensor
-        total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        safetensors_path = tmp_dir / SAFETENSORS_FILENAME
-        save_file(tensors, str(safetensors_path), metadata={"format": "pt"})
-        tensor_count = len(tensors)
-        del tensors
-        files = {SAFETENSORS_FILENAME: _sha256(safetensors_path)}
+        reader = DCPRegionReader(weights_dir, metadata)
+        produce = _producer(reader, {output.spec.name: output for output in outputs})
+        shards = plan_shards([output.spec for output in outputs], max_shard_size)
+        names = [SINGLE_FILENAME] if len(shards) == 1 else [shard_filename(i, len(shards)) for i in range(len(shards))]
+        files = {}
+        for name, specs in zip(names, shards):
+            files[name] = write_safetensors(tmp_dir / name, specs, produce, metadata={"format": "pt"})
+        if len(shards) > 1:
+            files[INDEX_FILENAME] = write_index(tmp_dir / INDEX_FILENAME, zip(names, shards))
+        total_bytes = sum(output.spec.nbytes for output in outputs)
         manifest = {
             "format_version": FORMAT_VERSION,
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
-            "tensor_count": tensor_count,
+            "tensor_count": len(outputs),
             "total_bytes": total_bytes,
-            "files": {name: {"sha256": digest} for name, digest in files.items()},
+            "files": {name: {"sha256": digest} for name, digest in sorted(files.items())},
         }
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        for name in (SAFETENSORS_FILENAME, METADATA_FILENAME):
+        for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
             with open(tmp_dir / name, "rb") as handle:
                 os.fsync(handle.fileno())
         _publish(tmp_dir, output_dir)
@@ -326,5 +359,5 @@ def consolidate_checkpoint(
     except (Exception, CheckpointException) as error:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise ConsolidationError(f"Consolidating {ckpt_dir} failed: {type(error).__name__}: {error}") from error
-    logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, tensor_count, total_bytes)
-    return ConsolidationResult(output_dir, tensor_count, total_bytes, global_step, files)
+    logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
+    return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files)

@@ -19,7 +19,8 @@ from typing import Any, Dict, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from nemo_patch.checkpoint_io import MegatronCheckpointIO, find_base_checkpoint_io
+from nemo_patch.checkpoint_io import MegatronCheckpointIO
+from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
 
 __all__ = ["ConsolidationCallback"]
 
@@ -70,8 +71,21 @@ class ConsolidationCallback(Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Consolidate what is still due; in ``latest`` mode, consolidate the newest finished checkpoint once."""
         io = _consolidating_io(trainer)
-        if io is not None:
-            io.finish_fit()
+        if io is None:
+            return
+        # NeMo's AsyncFinalizerCallback finalizes pending async saves in its own on_train_end; do it here too (it is
+        # idempotent) so that the checkpoints saved last are finished whichever callback runs first.
+        finalize = getattr(trainer.strategy.checkpoint_io, "maybe_finalize_save_checkpoint", None)
+        if finalize is not None:
+            finalize(blocking=True)
+        io.finish_fit()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        """``fit`` is ending by an exception: in ``latest`` mode, still queue the newest finished checkpoint (the
+        strategy's teardown then waits for it, up to its timeout)."""
+        io = _consolidating_io(trainer)
+        if io is not None and io.consolidation_policy.consolidates_at_fit_end:
+            io.consolidate_newest()
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"finished_count": n, "global_step": s}`` for the checkpoint being saved, or ``{}``."""

@@ -28,11 +28,20 @@ Accepted frequencies:
   run (the count includes saves made before a resume).
 """
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-__all__ = ["ACCEPTED_FREQUENCIES", "ConsolidationPolicy", "parse_consolidation_frequency", "resolve_policy"]
+__all__ = [
+    "ACCEPTED_FREQUENCIES",
+    "ConsolidationPolicy",
+    "parse_consolidation_frequency",
+    "resolve_policy",
+    "validate_max_pending",
+    "validate_max_shard_size",
+    "validate_timeout",
+]
 
 #: Human-readable list of accepted ``ckpt_consolidation_frequency`` values, used in error messages.
 ACCEPTED_FREQUENCIES = '"each", "latest" or "every_n:<k>" with k an integer >= 1 (e.g. "every_n:5")'
@@ -141,3 +150,57 @@ def resolve_policy(save_consolidated: Optional[bool], frequency: Optional[str]) 
             "to turn consolidation off, or drop save_consolidated=False to consolidate at that frequency."
         )
     return policy
+
+
+def validate_timeout(value: object, name: str = "ckpt_consolidation_timeout") -> float:
+    """Check a timeout in seconds.
+
+    Args:
+        value: an ``int`` or ``float`` > 0 (finite). ``bool`` is rejected.
+        name: the argument name for the error message.
+
+    Returns:
+        ``value`` as a float.
+
+    Raises:
+        ValueError: for anything else; the message names the accepted form.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise ValueError(f"Invalid {name} {value!r}: expected a number of seconds > 0 (e.g. 1800).")
+
+
+def validate_max_shard_size(value: object, name: str = "ckpt_consolidation_max_shard_size") -> int:
+    """Check a shard size in bytes.
+
+    Args:
+        value: an ``int`` >= 1 (bytes of tensor data per safetensors file). ``bool`` is rejected.
+        name: the argument name for the error message.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: for anything else; the message names the accepted form.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"Invalid {name} {value!r}: expected an integer number of bytes >= 1 (e.g. 5_000_000_000).")
+
+
+def validate_max_pending(value: object, name: str = "ckpt_consolidation_max_pending") -> int:
+    """Check the bound of the consolidation queue.
+
+    Args:
+        value: an ``int`` >= 0: how many consolidation requests may wait behind the running one. ``bool`` is rejected.
+        name: the argument name for the error message.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: for anything else; the message names the accepted form.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"Invalid {name} {value!r}: expected an integer >= 0 (e.g. 2).")

@@ -16,7 +16,8 @@
 
 Counting rule: the cadence counts *finished checkpoints by global step*. NeMo's ``ModelCheckpoint`` with
 ``save_last=True`` writes a second, full ``<name>-last`` copy of a step it has just saved; that copy is the same
-global step and is not counted again, and it is not consolidated (the step's own checkpoint is). A ``-last``
+global step and is not counted again, and it is not consolidated again: once the step's own checkpoint is
+consolidated, the copy gets the same files (hard links where the filesystem allows). A ``-last``
 checkpoint of a step that has no other checkpoint (e.g. the final step when ``max_steps`` is not a multiple of the
 save interval) is a finished checkpoint like any other.
 
@@ -27,7 +28,7 @@ The count is part of the Lightning checkpoint (as callback state), so it survive
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from nemo_patch.consolidation_policy import ConsolidationPolicy
 
@@ -45,12 +46,14 @@ class CheckpointSave:
         global_step: the trainer's global step when it was saved.
         written: ``True`` once the checkpoint IO has finished writing it (immediately for a sync save, in the
             async request's finalize step for an async save).
+        queued: ``True`` once handed to the consolidation process queue.
         consolidated: ``True`` once ``consolidated/`` was published for it.
     """
 
     path: Path
     global_step: int
     written: bool = False
+    queued: bool = False
     consolidated: bool = False
 
     def mark_written(self) -> None:
@@ -87,30 +90,45 @@ class ConsolidationSchedule:
         self.pending.append(save)
         return save
 
-    def collect_finished(self, is_finished: Callable[[CheckpointSave], bool]) -> List[CheckpointSave]:
-        """Move finished saves out of :attr:`pending`, in save order, and return those due for consolidation.
+    def collect_finished(
+        self, is_gone: Callable[[CheckpointSave], bool]
+    ) -> Tuple[List[CheckpointSave], List[CheckpointSave]]:
+        """Move finished saves out of :attr:`pending`, in save order.
 
-        Saves finish in the order they were issued (sync saves at once, async ones in their queue's order), so
-        collection stops at the first unfinished save.
+        A save is finished once the checkpoint IO has written it (:attr:`CheckpointSave.written`: set when
+        ``save_checkpoint`` returns for a sync save, by the async request's finalize step, in the training thread,
+        for an async save). NeMo removes its ``<ckpt>-unfinished`` marker in that same sequence, before this is
+        called from a later hook. Saves finish in the order they were issued, so collection stops at the first
+        save not yet written.
 
         Args:
-            is_finished: tells whether a written save is finished (NeMo's unfinished marker gone, files present).
+            is_gone: tells whether a finished checkpoint has been removed, or is being removed, since (NeMo replaces
+                its previous ``-last`` copy, and top-k removal marks a checkpoint unfinished while deleting it). Such
+                a save still counts but is not consolidated.
 
         Returns:
-            The saves to consolidate now, oldest first.
+            ``(due, copies)``: the saves to consolidate now, and the finished saves of a step already counted (NeMo's
+            ``-last`` copies), oldest first.
         """
-        due = []
-        while self.pending and self.pending[0].written and is_finished(self.pending[0]):
+        due, copies = [], []
+        while self.pending and self.pending[0].written:
             save = self.pending.pop(0)
-            self.history.append(save)
+            gone = is_gone(save)
+            if not gone:
+                self.history.append(save)
             if save.global_step == self._last_finished_step:
-                continue  # the -last copy of a step already counted
+                if not gone:
+                    copies.append(save)  # the -last copy of a step already counted
+                continue
             self._last_finished_step = save.global_step
             self.finished_count += 1
+            if gone:
+                logger.debug("Checkpoint %s was removed after it finished; nothing to consolidate.", save.path)
+                continue
             self.newest_finished = save
             if self.policy.consolidates_during_training(self.finished_count):
                 due.append(save)
-        return due
+        return due, copies
 
     def drop_pending(self) -> List[CheckpointSave]:
         """Forget saves that never finished (called when ``fit`` ends); returns them."""

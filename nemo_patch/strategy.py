@@ -17,18 +17,45 @@
 import importlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
 from nemo.lightning.io import pl as nemo_io_pl
 from nemo.lightning.io.mixin import _io_transform_args
+from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 
-from nemo_patch.checkpoint_io import MegatronCheckpointIO, find_base_checkpoint_io, replace_base_checkpoint_io
-from nemo_patch.consolidation_callback import ConsolidationCallback
-from nemo_patch.consolidation_policy import ConsolidationPolicy, resolve_policy
+from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io, replace_base_checkpoint_io
+from nemo_patch.consolidate import DEFAULT_MAX_SHARD_SIZE
+from nemo_patch.consolidation_policy import (
+    ConsolidationPolicy,
+    resolve_policy,
+    validate_max_pending,
+    validate_max_shard_size,
+    validate_timeout,
+)
+from nemo_patch.consolidation_worker import DEFAULT_MAX_PENDING
 
-__all__ = ["MegatronStrategy"]
+__all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
+
+
+def _consolidating_io_class() -> type:
+    # Imported on use, not at the top: the overlay may define this module while nemo_patch.checkpoint_io is itself
+    # half-way through importing NeMo (NeMo's import is what triggers the overlay).
+    from nemo_patch.checkpoint_io import MegatronCheckpointIO
+
+    return MegatronCheckpointIO
+
+
+#: Default ``ckpt_consolidation_timeout``: how long the end of ``fit`` waits for consolidations, in seconds.
+DEFAULT_TIMEOUT = 1800.0
+_OWN_ARGS = (
+    "save_consolidated",
+    "ckpt_consolidation_frequency",
+    "ckpt_consolidation_timeout",
+    "ckpt_consolidation_max_shard_size",
+    "ckpt_consolidation_max_pending",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +83,26 @@ class MegatronStrategy(NeMoMegatronStrategy):
             during training; the newest finished checkpoint once when ``fit`` ends) or ``"every_n:<k>"`` (the k-th,
             2k-th, ... finished checkpoint of the run, counted across resumes; k an integer >= 1). Giving a
             frequency turns consolidation on.
+        ckpt_consolidation_timeout: how long, in seconds, the end of ``fit`` (normal or by an exception) waits for
+            running and queued consolidations before giving up on them (logged). Default 1800.
+        ckpt_consolidation_max_shard_size: most bytes of tensor data per output safetensors file (Hugging Face's
+            sharding; default 5 * 10**9).
+        ckpt_consolidation_max_pending: how many consolidation requests may wait behind the running one (default 2).
+            When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
+            consolidation never builds an unbounded backlog.
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
     Raises:
-        ValueError: for an invalid frequency, a ``save_consolidated`` that is not ``None``/``True``/``False``, or
-            ``save_consolidated=False`` together with a frequency. Raised before anything else is set up.
+        ValueError: for an invalid frequency, a ``save_consolidated`` that is not ``None``/``True``/``False``,
+            ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, or a
+            shard size that is not an integer >= 1, or a queue bound that is not an integer >= 0. Raised before
+            anything else is set up.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
-    ``<ckpt>-unfinished`` marker removed. Global rank 0 consolidates; other ranks do nothing. A failed consolidation
-    is logged and training continues. NeMo's ``-last`` copy of a step is counted with that step and not
-    consolidated separately.
+    ``<ckpt>-unfinished`` marker removed. Global rank 0 hands them to a separate consolidation process, one at a time
+    (:mod:`nemo_patch.consolidation_worker`); the training loop never waits for it, other ranks do nothing. A failed
+    consolidation is logged and training continues. NeMo's ``-last`` copy of a step is counted with that step and
+    gets the step's consolidated files (hard links), not a second consolidation.
     """
 
     def __init__(
@@ -73,9 +110,16 @@ class MegatronStrategy(NeMoMegatronStrategy):
         *args: Any,
         save_consolidated: Optional[bool] = None,
         ckpt_consolidation_frequency: Optional[str] = None,
+        ckpt_consolidation_timeout: float = DEFAULT_TIMEOUT,
+        ckpt_consolidation_max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        ckpt_consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         **kwargs: Any,
     ) -> None:
-        resolve_policy(save_consolidated, ckpt_consolidation_frequency)  # validate before NeMo sets anything up
+        # Validate before NeMo sets anything up.
+        resolve_policy(save_consolidated, ckpt_consolidation_frequency)
+        self.ckpt_consolidation_timeout = validate_timeout(ckpt_consolidation_timeout)
+        self.ckpt_consolidation_max_shard_size = validate_max_shard_size(ckpt_consolidation_max_shard_size)
+        self.ckpt_consolidation_max_pending = validate_max_pending(ckpt_consolidation_max_pending)
         self.save_consolidated = save_consolidated
         self.ckpt_consolidation_frequency = ckpt_consolidation_frequency
         super().__init__(*args, **kwargs)
@@ -91,8 +135,16 @@ class MegatronStrategy(NeMoMegatronStrategy):
         own = {
             "save_consolidated": self.save_consolidated,
             "ckpt_consolidation_frequency": self.ckpt_consolidation_frequency,
+            "ckpt_consolidation_timeout": self.ckpt_consolidation_timeout,
+            "ckpt_consolidation_max_shard_size": self.ckpt_consolidation_max_shard_size,
+            "ckpt_consolidation_max_pending": self.ckpt_consolidation_max_pending,
         }
-        return {name: value for name, value in own.items() if value is not None}
+        defaults = {
+            "ckpt_consolidation_timeout": DEFAULT_TIMEOUT,
+            "ckpt_consolidation_max_shard_size": DEFAULT_MAX_SHARD_SIZE,
+            "ckpt_consolidation_max_pending": DEFAULT_MAX_PENDING,
+        }
+        return {name: value for name, value in own.items() if value is not None and value != defaults.get(name)}
 
     def io_transform_args(self, init_fn: Callable, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Record the constructor arguments (NeMo's ``IOMixin`` hook) exactly as NeMo records them for its own
@@ -121,16 +173,22 @@ class MegatronStrategy(NeMoMegatronStrategy):
             return checkpoint_io
         policy = resolve_policy(self.save_consolidated, self.ckpt_consolidation_frequency)
         base = find_base_checkpoint_io(checkpoint_io)
-        if isinstance(base, MegatronCheckpointIO):
+        if isinstance(base, _consolidating_io_class()):
             base._set_policy(self.save_consolidated, self.ckpt_consolidation_frequency, policy)
+            base.consolidation_max_shard_size = self.ckpt_consolidation_max_shard_size
+            base.consolidation_max_pending = self.ckpt_consolidation_max_pending
             return checkpoint_io
         if policy is None:
             return checkpoint_io  # e.g. save_consolidated=False: NeMo's checkpoint IO as it is
         if type(base) is nemo_io_pl.MegatronCheckpointIO:
             return replace_base_checkpoint_io(
                 checkpoint_io,
-                lambda io: MegatronCheckpointIO.from_checkpoint_io(
-                    io, self.save_consolidated, self.ckpt_consolidation_frequency
+                lambda io: _consolidating_io_class().from_checkpoint_io(
+                    io,
+                    self.save_consolidated,
+                    self.ckpt_consolidation_frequency,
+                    max_shard_size=self.ckpt_consolidation_max_shard_size,
+                    max_pending=self.ckpt_consolidation_max_pending,
                 ),
             )
         logger.warning(
@@ -155,33 +213,62 @@ class MegatronStrategy(NeMoMegatronStrategy):
     def consolidation_policy(self) -> Optional[ConsolidationPolicy]:
         """The cadence in effect (``None`` when checkpoints are not consolidated)."""
         base = find_base_checkpoint_io(self.checkpoint_io)
-        return base.consolidation_policy if isinstance(base, MegatronCheckpointIO) else None
+        return base.consolidation_policy if isinstance(base, _consolidating_io_class()) else None
 
     def setup(self, trainer: pl.Trainer) -> None:
         """NeMo's set-up, then attach a :class:`ConsolidationCallback` when consolidation is on."""
         super().setup(trainer)
+        from nemo_patch.consolidation_callback import ConsolidationCallback
+
         if self.consolidation_policy is not None and not any(
             isinstance(callback, ConsolidationCallback) for callback in trainer.callbacks
         ):
             trainer.callbacks.append(ConsolidationCallback(trainer))
 
-    def consolidate_latest_checkpoint(self) -> Optional[Path]:
+    def consolidate_latest_checkpoint(self, wait: bool = True) -> Optional[Path]:
         """Consolidate the newest finished checkpoint of this run now and point ``LATEST`` at it.
 
-        What ``latest`` mode does when ``fit`` ends, on demand (any mode). Runs on global rank 0; returns ``None``
-        on other ranks.
+        What ``latest`` mode does when ``fit`` ends, on demand (any mode with consolidation on). The work runs in the
+        consolidation process like any other; on global rank 0 only.
+
+        Args:
+            wait: wait for it (up to ``ckpt_consolidation_timeout`` seconds) before returning.
 
         Returns:
-            The ``consolidated/`` directory, or ``None`` if nothing was consolidated (no finished checkpoint yet,
-            consolidation off, another rank, or a failure, which is logged).
+            The ``consolidated/`` directory once it exists, else ``None`` (nothing finished yet, consolidation off,
+            another rank, not waited for, timed out or failed; failures are logged).
         """
         base = find_base_checkpoint_io(self.checkpoint_io)
-        if not isinstance(base, MegatronCheckpointIO):
+        if not isinstance(base, _consolidating_io_class()) or not base.consolidate_newest():
             return None
-        return base.consolidate_newest()
+        if wait:
+            base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+        newest = base.consolidation.newest_finished
+        return newest.path / "consolidated" if newest.consolidated else None
+
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        """NeMo's checkpoint removal (top-k), deferred while that checkpoint is being consolidated and dropping a
+        queued consolidation of it, so a consolidation never reads a vanishing checkpoint."""
+        base = find_base_checkpoint_io(self.checkpoint_io)
+        if isinstance(base, _consolidating_io_class()) and self.is_global_zero:
+            base.remove_checkpoint_safely(
+                ckpt_to_dir(filepath), lambda: super(MegatronStrategy, self).remove_checkpoint(filepath)
+            )
+        else:
+            super().remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        """Wait (up to ``ckpt_consolidation_timeout`` seconds) for running and queued consolidations, then NeMo's
+        teardown. Runs when ``fit`` ends, normally or by an exception."""
+        try:
+            base = find_base_checkpoint_io(self._checkpoint_io) if self._checkpoint_io else None
+            if isinstance(base, _consolidating_io_class()):
+                base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+        finally:
+            super().teardown()
 
 
 # Importing this module means the overlay is wanted (NEMO_PATCH_DISABLE=1 still turns it off). When it is imported
 # before NeMo, NeMo's strategy module is first executed from inside the imports above, before this class exists; the
-# start-up hook then leaves the overlay to this line.
+# import hook then leaves the overlay to this line.
 importlib.import_module("nemo_patch.overlay").apply_overlay()

@@ -25,6 +25,7 @@ Example:
 """
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,12 +42,13 @@ def _size(num_bytes: int) -> str:
 def format_table(report: dict) -> str:
     """The demo's closing table: one row per checkpoint directory."""
     rows = [("checkpoint", "global step", "consolidated", "consolidated size")]
-    for entry in report["checkpoints"]:
+    natural = lambda entry: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", entry["name"])]  # noqa: E731
+    for entry in sorted(report["checkpoints"], key=natural):
         step = entry["global_step"]
         rows.append(
             (
                 entry["name"] + ("   <- LATEST" if entry["name"] == report["latest"] else ""),
-                "?" if step is None else str(step),
+                "-" if step is None else str(step),
                 "yes" if entry["consolidated"] else "no",
                 _size(entry["consolidated_bytes"]) if entry["consolidated"] else "-",
             )
@@ -70,6 +72,12 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="NeMoLogger log_dir (default: runs/demo)")
     parser.add_argument("--async-save", action="store_true", help="use NeMo's asynchronous checkpoint save")
+    parser.add_argument(
+        "--max-pending",
+        type=int,
+        default=None,
+        help="ckpt_consolidation_max_pending: consolidations that may wait behind the running one (default: 2)",
+    )
     args = parser.parse_args()
 
     from nemo_patch.consolidation_policy import parse_consolidation_frequency
@@ -83,7 +91,12 @@ def main() -> int:
             parser.error(f"{error} Or \"off\".")
     start = time.perf_counter()
     report = run_tiny_fit(
-        args.out, frequency=frequency, max_steps=args.max_steps, save_every=args.save_every, async_save=args.async_save
+        args.out,
+        frequency=frequency,
+        max_steps=args.max_steps,
+        save_every=args.save_every,
+        async_save=args.async_save,
+        max_pending=args.max_pending,
     )
     wall = time.perf_counter() - start
     print()
@@ -93,6 +106,13 @@ def main() -> int:
     )
     print(f"checkpoints in {args.out / 'tiny_gpt' / 'checkpoints'}:")
     print(format_table(report))
+    if any(entry["global_step"] is None for entry in report["checkpoints"]):
+        print("global step '-': saved before this run (resumed); the every_n count carried on from the checkpoint.")
+    if report["skipped"]:
+        print(
+            f"Skipped because the consolidation queue was full (checkpoints came faster than they could be "
+            f"consolidated; raise --max-pending to keep more waiting): {', '.join(report['skipped'])}"
+        )
     return 0
 
 

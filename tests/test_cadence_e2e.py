@@ -5,9 +5,13 @@ Checkpoint names carry NeMo's ``step``, the 0-based index of the last step (glob
 global step 4 is ``tiny_gpt--step=3-...``. ``save_last=True`` adds a ``-last`` copy of the newest step.
 
 NeMo ``-last`` copies: a ``-last`` copy of a step that has its own checkpoint is counted with that step and is not
-consolidated; a ``-last`` checkpoint of a step that has no other checkpoint (the final step when ``max_steps`` is not a
-multiple of the save interval) is a finished checkpoint like any other.
+consolidated again: it gets hard links to the step's consolidated files. A ``-last`` checkpoint of a step that has no
+other checkpoint (the final step when ``max_steps`` is not a multiple of the save interval) is a finished checkpoint
+like any other. Consolidation runs in a separate process; ``fit`` returns once it is done (the strategy's teardown
+waits for it).
 """
+
+import os
 
 import re
 
@@ -24,11 +28,19 @@ def _name(global_step, last=False):
     return CKPT.format(global_step - 1, float(2 * global_step)) + ("-last" if last else "")
 
 
+def _same_files(root, a, b):
+    """Whether two checkpoints' consolidated files are the same inodes (hard links), i.e. not recomputed."""
+    names = sorted(os.listdir(root / a / "consolidated"))
+    assert names == sorted(os.listdir(root / b / "consolidated"))
+    return all(os.path.samefile(root / a / "consolidated" / n, root / b / "consolidated" / n) for n in names)
+
+
 def test_each_consolidates_every_finished_checkpoint(each_run):
     assert [e["name"] for e in each_run["checkpoints"]] == [_name(2), _name(4), _name(6), _name(6, last=True)]
-    assert consolidated_names(each_run) == [_name(2), _name(4), _name(6)]
+    assert consolidated_names(each_run) == [_name(2), _name(4), _name(6), _name(6, last=True)]
+    assert _same_files(each_run["root"], _name(6), _name(6, last=True))  # the -last copy reuses step 6's output
     assert each_run["latest"] == _name(6)
-    assert each_run["finished_count"] == 3
+    assert each_run["finished_count"] == 3 and each_run["skipped"] == []
     assert [e["global_step"] for e in each_run["checkpoints"]] == [2, 4, 6, 6]
 
 
@@ -44,8 +56,9 @@ def test_every_n_2_consolidates_every_second_finished_checkpoint(tmp_path):
 def test_latest_with_async_save_consolidates_once_at_the_end_and_matches_the_trained_model(tmp_path):
     report = run_fit(tmp_path, frequency="latest", max_steps=6, save_every=2, async_save=True, probe_logits=True)
     assert [e["name"] for e in report["checkpoints"]] == [_name(2), _name(4), _name(6), _name(6, last=True)]
-    # Only the newest finished checkpoint; its -last copy (same step, same weights) is not consolidated again.
-    assert consolidated_names(report) == [_name(6)]
+    # Only the newest finished checkpoint; its -last copy (same step, same weights) reuses the output.
+    assert consolidated_names(report) == [_name(6), _name(6, last=True)]
+    assert _same_files(tmp_path / "tiny_gpt" / "checkpoints", _name(6), _name(6, last=True))
     assert report["latest"] == _name(6)
     assert report["strategy_class"] == "nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy"
     # A fresh TP=1 model loaded (strictly) from LATEST/consolidated gives the trained model's logits. Same fp32
@@ -93,3 +106,31 @@ def test_without_arguments_checkpoints_are_stock_nemos(tmp_path):
             for c in ckpts
         ]
         assert common[0] == common[1]
+
+
+def test_the_readme_demo_with_async_save(tmp_path):
+    """The README's main job, as a user runs it, with NeMo's async save (finalization deferred to later steps)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    demo = [sys.executable, str(REPO / "scripts" / "demo_consolidation_cadence.py"), "--out", str(tmp_path)]
+    proc = subprocess.run(
+        demo + ["--frequency", "every_n:2", "--max-steps", "10", "--save-every", "2", "--async-save"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    table = proc.stdout[proc.stdout.index("checkpoint  ") :].splitlines()
+    rows = {line.split()[0]: line.split() for line in table[2:] if line.strip()}
+    consolidated = sorted(name for name, row in rows.items() if "yes" in row)
+    assert consolidated == [_name(4), _name(8)]
+    assert "<-" in rows[_name(8)] and "never finished" not in proc.stderr
+    root = tmp_path / "tiny_gpt" / "checkpoints"
+    assert (
+        sorted(p.name for p in root.iterdir() if (p / "consolidated").is_dir() and not p.is_symlink()) == consolidated
+    )
+    assert os.readlink(root / "LATEST") == _name(8)

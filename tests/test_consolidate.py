@@ -99,7 +99,11 @@ def test_truncated_shard_fails_cleanly_and_leaves_nothing(checkpoint_copy):
     shard.write_bytes(shard.read_bytes()[:1000])
     with pytest.raises(ConsolidationError) as info:
         consolidate_checkpoint(checkpoint_copy)
-    assert f"Cannot read shard file(s) __0_0.distcp of {checkpoint_copy / 'weights'}: EOFError" in str(info.value)
+    message = str(info.value)
+    assert message.startswith(
+        f"Cannot read shard file(s) __0_0.distcp of {checkpoint_copy / 'weights'} (tensor module."
+    )
+    assert message.endswith("EOFError")
     assert not (checkpoint_copy / "consolidated").exists()
     assert _leftovers(checkpoint_copy) == []
 
@@ -135,3 +139,67 @@ def test_consolidated_key(key, layer, expected):
 def test_consolidated_key_refuses_to_split_a_non_stacked_key():
     with pytest.raises(ValueError):
         consolidated_key("module.decoder.final_layernorm.weight", 0)
+
+
+@pytest.mark.slow
+def test_sharded_output_matches_the_single_file(each_run, checkpoint_copy):
+    """With a small max_shard_size the output is split the way Hugging Face splits it, with the same tensors."""
+    single = each_run["root"] / "LATEST" / "consolidated"
+    result = consolidate_checkpoint(checkpoint_copy, global_step=6, max_shard_size=100_000)
+    out = result.output_dir
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(os.listdir(out)) == sorted(shards + ["metadata.json", "model.safetensors.index.json"])
+    with safe_open(str(single / "model.safetensors"), "pt") as handle:
+        expected = {name: handle.get_tensor(name) for name in handle.keys()}
+    seen = {}
+    for shard in shards:
+        with safe_open(str(out / shard), "pt") as handle:
+            data_bytes = sum(handle.get_tensor(n).numel() * handle.get_tensor(n).element_size() for n in handle.keys())
+            assert len(list(handle.keys())) == 1 or data_bytes <= 100_000  # one oversized tensor gets its own file
+            for name in handle.keys():
+                assert index["weight_map"][name] == shard
+                seen[name] = handle.get_tensor(name)
+    assert seen.keys() == expected.keys() and all(torch.equal(seen[n], expected[n]) for n in seen)
+    assert index["metadata"]["total_size"] == result.total_bytes
+    meta = json.loads((out / "metadata.json").read_text())
+    assert sorted(meta["files"]) == sorted(shards + ["model.safetensors.index.json"])
+    for name, entry in meta["files"].items():
+        assert entry["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_output_files_follow_the_umask(checkpoint_copy):
+    out = consolidate_checkpoint(checkpoint_copy).output_dir
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [out, *out.iterdir()]:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert path.stat().st_mode & 0o777 == expected, path
+
+
+@pytest.mark.slow
+def test_metadata_is_read_without_importing_megatron_and_foreign_globals_are_refused(each_run, tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    from nemo_patch.dcp_metadata import read_dcp_metadata
+
+    weights = each_run["root"] / "LATEST" / "weights"
+    code = (
+        "import sys; from nemo_patch.dcp_metadata import read_dcp_metadata; "
+        f"m = read_dcp_metadata({str(weights)!r}); "
+        "print(type(m).__name__, len(m.state_dict_metadata) > 0, "
+        "sorted({k.split('.')[0] for k in sys.modules} & {'megatron', 'lightning'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "MCoreMetadata True []", out.stderr[-2000:]
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(os.system))  # a pickle that would call a function
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load posix.system"):
+        read_dcp_metadata(tmp_path)
+    (tmp_path / ".metadata").write_bytes((weights / ".metadata").read_bytes()[:100])
+    with pytest.raises(pickle.UnpicklingError):
+        read_dcp_metadata(tmp_path)

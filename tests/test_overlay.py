@@ -3,6 +3,8 @@
 import json
 import textwrap
 
+import pytest
+
 from conftest import run_python
 
 NEMO_MODULE = "nemo.lightning.pytorch.strategies.megatron_strategy"
@@ -135,3 +137,22 @@ def test_older_nemo_is_refused_and_the_overlay_hook_never_breaks_nemo_import(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == NEMO_MODULE
     assert "nemo_patch overlay not applied: nemo_patch supports nemo_toolkit >= 2.5, < 3" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "first_import",
+    [
+        "import nemo_patch.checkpoint_io",
+        "from nemo_patch import MegatronStrategy",
+        "import nemo_patch.strategy",
+        "import nemo_patch.consolidation_callback",
+        "import nemo.lightning.io.pl",
+    ],
+)
+def test_overlay_applies_whatever_is_imported_first(first_import):
+    code = f"{first_import}\nimport nemo_patch, nemo.lightning as nl\n"
+    code += "print(nl.MegatronStrategy is nemo_patch.MegatronStrategy)"
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
+    assert "overlay not applied" not in proc.stderr

@@ -8,7 +8,7 @@ from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 import nemo_patch
 from nemo_patch import ACCEPTED_FREQUENCIES, ConsolidationPolicy, MegatronCheckpointIO, MegatronStrategy
-from nemo_patch.checkpoint_io import find_base_checkpoint_io
+from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
 
 
 @pytest.mark.parametrize(
@@ -105,3 +105,37 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         assert getattr(upgraded, name) == value, name
     assert upgraded.consolidation_policy == ConsolidationPolicy("each")
     assert nemo_patch.MegatronCheckpointIO is MegatronCheckpointIO
+
+
+@pytest.mark.parametrize(
+    "name, value, accepted",
+    [
+        ("ckpt_consolidation_timeout", 0, "a number of seconds > 0"),
+        ("ckpt_consolidation_timeout", -5, "a number of seconds > 0"),
+        ("ckpt_consolidation_timeout", float("inf"), "a number of seconds > 0"),
+        ("ckpt_consolidation_timeout", "10", "a number of seconds > 0"),
+        ("ckpt_consolidation_timeout", True, "a number of seconds > 0"),
+        ("ckpt_consolidation_max_shard_size", 0, "an integer number of bytes >= 1"),
+        ("ckpt_consolidation_max_shard_size", 1.5, "an integer number of bytes >= 1"),
+        ("ckpt_consolidation_max_shard_size", "5GB", "an integer number of bytes >= 1"),
+        ("ckpt_consolidation_max_pending", -1, "an integer >= 0"),
+        ("ckpt_consolidation_max_pending", 2.0, "an integer >= 0"),
+    ],
+)
+def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):
+    with pytest.raises(ValueError) as info:
+        MegatronStrategy(**{name: value})
+    assert f"Invalid {name} {value!r}: expected {accepted}" in str(info.value)
+
+
+def test_consolidation_settings_reach_the_io():
+    strategy = MegatronStrategy(
+        ckpt_consolidation_frequency="each",
+        ckpt_consolidation_timeout=12.5,
+        ckpt_consolidation_max_shard_size=1000,
+        ckpt_consolidation_max_pending=0,
+    )
+    base = find_base_checkpoint_io(strategy.checkpoint_io)
+    assert strategy.ckpt_consolidation_timeout == 12.5
+    assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
+    assert base.queue._max_pending == 0 and base.queue._max_shard_size == 1000

@@ -54,6 +54,9 @@ def run_tiny_fit(
     async_save: bool = False,
     stock: bool = False,
     probe_logits: bool = False,
+    max_pending: Optional[int] = None,
+    max_shard_size: Optional[int] = None,
+    timeout: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -67,6 +70,9 @@ def run_tiny_fit(
         stock: check that ``nl.MegatronStrategy`` is NeMo's own class (run with ``NEMO_PATCH_DISABLE=1``).
         probe_logits: after ``fit``, compare the trained model's logits with a fresh TP=1 model loaded from
             ``LATEST/consolidated`` through :func:`nemo_patch.load_consolidated_into`.
+        max_pending: ``ckpt_consolidation_max_pending`` (``None``: not passed).
+        max_shard_size: ``ckpt_consolidation_max_shard_size`` (``None``: not passed).
+        timeout: ``ckpt_consolidation_timeout`` (``None``: not passed).
 
     Returns:
         A JSON-able report: ``strategy_class``, ``checkpoints`` (see :func:`checkpoint_report`), ``latest``,
@@ -77,7 +83,7 @@ def run_tiny_fit(
     from nemo.collections import llm
 
     import nemo_patch
-    from nemo_patch.checkpoint_io import find_base_checkpoint_io
+    from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
     from nemo_patch.testing import tiny_gpt
     from nemo_patch.testing.cpu_harness import megatron_on_cpu
 
@@ -86,6 +92,9 @@ def run_tiny_fit(
         kwargs["ckpt_consolidation_frequency"] = frequency
     if save_consolidated is not None:
         kwargs["save_consolidated"] = save_consolidated
+    for name, value in (("max_pending", max_pending), ("max_shard_size", max_shard_size), ("timeout", timeout)):
+        if value is not None:
+            kwargs[f"ckpt_consolidation_{name}"] = value
     if stock and nemo_patch.overlay_applied():
         raise RuntimeError("--stock needs NEMO_PATCH_DISABLE=1, so that NeMo runs without the overlay")
     strategy = nl.MegatronStrategy(**kwargs)
@@ -107,6 +116,8 @@ def run_tiny_fit(
     latest = nemo_patch.read_latest_pointer(root)
     report["latest"] = latest.name if latest else None
     report["finished_count"] = schedule.finished_count if schedule else None
+    queue = getattr(base, "_queue", None)
+    report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
     report["global_step"] = trainer.global_step
     del torch
     return report
@@ -144,6 +155,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--stock", action="store_true")
     parser.add_argument("--probe-logits", action="store_true")
+    parser.add_argument("--max-pending", type=int, default=None)
+    parser.add_argument("--max-shard-size", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -156,6 +170,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         async_save=args.async_save,
         stock=args.stock,
         probe_logits=args.probe_logits,
+        max_pending=args.max_pending,
+        max_shard_size=args.max_shard_size,
+        timeout=args.timeout,
     )
     text = json.dumps(report, indent=2)
     if args.json:

@@ -1,0 +1,274 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Consolidation off the training path: one separate OS process at a time, fed by a small bounded queue.
+
+The training process (global rank 0 only) never consolidates itself. :class:`ConsolidationQueue` starts
+``python -m nemo_patch.consolidation_worker`` for one checkpoint at a time. That process imports torch, safetensors and
+this package's engine but not NeMo, reads only files, and uses no ``torch.distributed`` process group or collective
+(a consolidation calling a collective on the training communicator is a known way to hang a run). The training loop
+only ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a timeout.
+"""
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Deque, Dict, List, Optional
+
+from nemo_patch.consolidate import TMP_PREFIX
+from nemo_patch.consolidation_schedule import CheckpointSave
+
+__all__ = ["DEFAULT_MAX_PENDING", "ConsolidationQueue", "main"]
+
+logger = logging.getLogger(__name__)
+
+#: Requests that may wait behind the running one; beyond it the oldest waiting request is skipped.
+DEFAULT_MAX_PENDING = 2
+_POLL_SECONDS = 0.05
+_TERMINATE_GRACE_SECONDS = 5.0
+
+#: Called when a request ends: ``(save, error)`` with ``error`` ``None`` on success, else a one-line reason.
+DoneCallback = Callable[[CheckpointSave, Optional[str]], None]
+
+
+class _Running:
+    def __init__(self, save: CheckpointSave, process: subprocess.Popen, log_path: Path) -> None:
+        self.save = save
+        self.process = process
+        self.log_path = log_path
+        self.started = time.monotonic()
+
+
+class ConsolidationQueue:
+    """Runs consolidations in a child process, one at a time, first come first served.
+
+    Not thread-safe for :meth:`submit`/:meth:`poll` (the training loop calls them); :meth:`remove_checkpoint` may be
+    called from NeMo's async checkpoint-removal thread and takes a lock.
+
+    Args:
+        on_done: called in the training process, from :meth:`poll` or :meth:`wait`, when a request ends.
+        max_pending: requests that may wait behind the running one (>= 0). When a new request would exceed it, the
+            oldest waiting request is skipped and logged (the first time with a warning, then at debug level).
+        max_shard_size: forwarded to the engine (bytes per output file; ``None``: the engine's default).
+    """
+
+    def __init__(
+        self, on_done: DoneCallback, max_pending: int = DEFAULT_MAX_PENDING, max_shard_size: Optional[int] = None
+    ):
+        if max_pending < 0:
+            raise ValueError(f"max_pending must be >= 0, got {max_pending}")
+        self._on_done = on_done
+        self._max_pending = max_pending
+        self._max_shard_size = max_shard_size
+        self._pending: Deque[CheckpointSave] = deque()
+        self._running: Optional[_Running] = None
+        self._deferred_removals: List[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._warned_skip = False
+        #: Checkpoints whose request was skipped because the queue was full.
+        self.skipped: List[CheckpointSave] = []
+
+    @property
+    def busy(self) -> bool:
+        """Whether a consolidation is running or waiting."""
+        return self._running is not None or bool(self._pending)
+
+    def submit(self, save: CheckpointSave) -> None:
+        """Queue ``save`` for consolidation and start it if nothing is running."""
+        save.queued = True
+        with self._lock:
+            self._pending.append(save)
+            while len(self._pending) > self._max_pending + (0 if self._running else 1):
+                skipped = self._pending.popleft()
+                self.skipped.append(skipped)
+                log = logger.debug if self._warned_skip else logger.warning
+                log(
+                    "Consolidation queue full (1 running, %d waiting): skipping checkpoint %s (global step %d)%s",
+                    self._max_pending,
+                    skipped.path,
+                    skipped.global_step,
+                    "" if self._warned_skip else "; further skips are logged at debug level",
+                )
+                self._warned_skip = True
+        self.poll()
+
+    def poll(self) -> None:
+        """Reap a finished child and start the next request; returns at once."""
+        running = self._running
+        if running is not None and running.process.poll() is not None:
+            self._finish(running)
+        if self._running is None:
+            with self._lock:
+                save = self._pending.popleft() if self._pending else None
+            if save is not None:
+                self._start(save)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until all running and queued consolidations have ended, at most ``timeout`` seconds.
+
+        Returns:
+            ``True`` if everything ended; ``False`` if the timeout ran out, in which case the running child is
+            terminated (its temporary output removed) and waiting requests are dropped; both are logged.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            if not self.busy:
+                return True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_SECONDS)
+        with self._lock:
+            dropped = list(self._pending)
+            self._pending.clear()
+        running = self._running
+        logger.error(
+            "Checkpoint consolidation did not finish within %.1f s: stopping %s, dropping %d queued (%s)",
+            timeout,
+            running.save.path if running else "nothing",
+            len(dropped),
+            ", ".join(str(save.path) for save in dropped) or "none",
+        )
+        if running is not None:
+            self._terminate(running)
+        return False
+
+    def remove_checkpoint(self, checkpoint_dir: Path, remove: Callable[[], None]) -> bool:
+        """Remove a checkpoint without racing its consolidation (used for NeMo's top-k removal).
+
+        A waiting request for it is dropped and ``remove`` runs now; if it is being consolidated, ``remove`` runs as
+        soon as its child has ended (so the child never reads a vanishing checkpoint and never leaves a half-made
+        ``consolidated/`` behind).
+
+        Returns:
+            ``True`` if ``remove`` ran now, ``False`` if it was deferred.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        with self._lock:
+            self._pending = deque(save for save in self._pending if save.path != checkpoint_dir)
+            running = self._running
+            if running is not None and running.save.path == checkpoint_dir:
+                self._deferred_removals.append(remove)
+                return False
+        remove()
+        return True
+
+    def _start(self, save: CheckpointSave) -> None:
+        log_path = save.path / f"{TMP_PREFIX}log-{os.getpid()}.txt"
+        args = [sys.executable, "-m", "nemo_patch.consolidation_worker", str(save.path), "--global-step"]
+        args.append(str(save.global_step))
+        if self._max_shard_size is not None:
+            args += ["--max-shard-size", str(self._max_shard_size)]
+        env = dict(os.environ)
+        for name in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+            "LOCAL_WORLD_SIZE",
+        ):
+            env.pop(name, None)  # the child is not part of the training job's process group
+        try:
+            with open(log_path, "wb") as log_file:
+                process = subprocess.Popen(
+                    args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, close_fds=True
+                )
+        except OSError as error:
+            self._on_done(save, f"cannot start the consolidation process: {error}")
+            log_path.unlink(missing_ok=True)
+            return
+        self._running = _Running(save, process, log_path)
+        logger.info("Consolidating %s (global step %d) in process %d", save.path, save.global_step, process.pid)
+
+    def _finish(self, running: _Running) -> None:
+        self._running = None
+        code = running.process.returncode
+        error = None
+        if code != 0:
+            error = _last_line(running.log_path) or f"consolidation process exited with {_describe_exit(code)}"
+            _remove_tmp_dirs(running.save.path, running.process.pid)
+        running.log_path.unlink(missing_ok=True)
+        try:
+            self._on_done(running.save, error)
+        finally:
+            with self._lock:
+                removals, self._deferred_removals = self._deferred_removals, []
+            for remove in removals:
+                remove()
+
+    def _terminate(self, running: _Running) -> None:
+        running.process.terminate()
+        try:
+            running.process.wait(_TERMINATE_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            running.process.kill()
+            running.process.wait()
+        self._finish(running)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _last_line(log_path: Path) -> Optional[str]:
+    try:
+        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return None
+    return lines[-1] if lines else None
+
+
+def _remove_tmp_dirs(parent: Path, pid: int) -> None:
+    """Remove temporary output left by a child that died (their names carry the child's pid)."""
+    for path in parent.glob(f"{TMP_PREFIX}*{pid}-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Child-process entry point: consolidate one checkpoint; on failure print one line and exit 1."""
+    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 torch_dist checkpoint (nemo_patch worker).")
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--global-step", type=int, default=None)
+    parser.add_argument("--max-shard-size", type=int, default=None)
+    args = parser.parse_args(argv)
+    from nemo_patch.consolidate import ConsolidationError, consolidate_checkpoint
+
+    kwargs: Dict[str, int] = {}
+    if args.max_shard_size is not None:
+        kwargs["max_shard_size"] = args.max_shard_size
+    try:
+        consolidate_checkpoint(args.checkpoint, global_step=args.global_step, **kwargs)
+    except ConsolidationError as error:
+        print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

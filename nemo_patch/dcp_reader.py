@@ -1,0 +1,119 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Read regions of tensors from a ``torch.distributed.checkpoint`` (DCP) directory, one region at a time.
+
+``torch.distributed.checkpoint.load`` reads whole tensors into a state dict. Consolidating a large checkpoint needs
+less: one output tensor at a time, i.e. one layer of megatron-core's layer-stacked ``[L, ...]`` tensors. This module
+asks DCP's own planner helpers for exactly the chunk overlaps of a region (``create_read_items_for_chunk_list``) and
+lets ``FileSystemReader.read_data`` copy them into a destination tensor, so peak memory is one region plus the saved
+chunk being read (DCP loads a stored chunk whole, with ``torch.load(weights_only=True)``). No process group is used.
+"""
+
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+__all__ = ["DCPRegionReader"]
+
+
+class _RegionLoadPlanner(LoadPlanner):
+    """Loads one rectangular region of one tensor into a given destination tensor."""
+
+    def __init__(self, key: str, offsets: Sequence[int], destination: torch.Tensor) -> None:
+        self.key = key
+        self.offsets = torch.Size(offsets)
+        self.destination = destination
+        self.metadata: Optional[Metadata] = None
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Optional[Metadata] = None, is_coordinator: bool = False
+    ) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        item = self.metadata.state_dict_metadata[self.key]
+        region = ChunkStorageMetadata(offsets=self.offsets, sizes=self.destination.shape)
+        return LoadPlan(create_read_items_for_chunk_list(self.key, item, [region]))
+
+    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise RuntimeError(f"{read_item.dest_index.fqn} is stored as bytes, not as a tensor")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return narrow_tensor_by_index(self.destination, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # resolve_tensor returned a view of the destination: the data is already in place
+
+
+class DCPRegionReader:
+    """Reads tensors, or regions of them, from a DCP directory written by ``torch_dist`` distributed checkpointing.
+
+    Args:
+        path: the DCP directory (NeMo's ``<ckpt>/weights``).
+        metadata: its already-read ``.metadata`` (``FileSystemReader.read_metadata()``), to avoid unpickling it twice.
+    """
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        self.path = Path(path)
+        self.metadata = metadata
+        self._reader = FileSystemReader(str(path))
+        self._reader.set_up_storage_reader(metadata, is_coordinator=True)
+
+    def files_of(self, key: str) -> List[str]:
+        """Names of the shard files that hold chunks of ``key``."""
+        return sorted({info.relative_path for index, info in self.metadata.storage_data.items() if index.fqn == key})
+
+    def read(self, key: str, index: Optional[int] = None) -> torch.Tensor:
+        """Read tensor ``key`` (global shape and dtype from the metadata), or only ``key[index]``.
+
+        Args:
+            key: a tensor entry of the checkpoint.
+            index: an index along dimension 0 (e.g. a layer of a layer-stacked tensor), or ``None`` for all of it.
+
+        Returns:
+            A new CPU tensor of shape ``size[1:]`` (with ``index``) or ``size``, in the stored dtype.
+
+        Raises:
+            KeyError: if ``key`` is not a tensor entry.
+            Exception: whatever ``torch.distributed.checkpoint`` raises for an unreadable shard
+                (``CheckpointException`` derives from ``BaseException``).
+        """
+        item = self.metadata.state_dict_metadata[key]
+        if not isinstance(item, TensorStorageMetadata):
+            raise KeyError(f"{key} is not a tensor entry of {self.path}")
+        size = list(item.size)
+        if index is None:
+            destination = torch.empty(size, dtype=item.properties.dtype)
+            planner = _RegionLoadPlanner(key, [0] * len(size), destination)
+        else:
+            destination = torch.empty(size[1:], dtype=item.properties.dtype)
+            planner = _RegionLoadPlanner(key, [index] + [0] * (len(size) - 1), destination.unsqueeze(0))
+        planner.set_up_planner({}, self.metadata, True)
+        plan = self._reader.prepare_local_plan(planner.create_local_plan())
+        plan = planner.finish_plan(self._reader.prepare_global_plan([plan])[0])
+        self._reader.read_data(plan, planner).wait()
+        return destination

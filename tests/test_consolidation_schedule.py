@@ -1,0 +1,68 @@
+"""Which finished saves are due, in what order, and what happens to NeMo's -last copies and removed checkpoints."""
+
+from pathlib import Path
+
+from nemo_patch.consolidation_policy import parse_consolidation_frequency
+from nemo_patch.consolidation_schedule import ConsolidationSchedule
+
+
+def _schedule(frequency):
+    return ConsolidationSchedule(parse_consolidation_frequency(frequency))
+
+
+def _save(schedule, name, step, written=True):
+    save = schedule.register(Path("/ckpts") / name, step)
+    save.written = written
+    return save
+
+
+def test_each_with_last_copies():
+    schedule = _schedule("each")
+    _save(schedule, "s2", 2)
+    _save(schedule, "s2-last", 2)
+    _save(schedule, "s4", 4)
+    due, copies = schedule.collect_finished(lambda save: False)
+    assert [s.path.name for s in due] == ["s2", "s4"]
+    assert [s.path.name for s in copies] == ["s2-last"]
+    assert schedule.finished_count == 2 and schedule.newest_finished.path.name == "s4"
+
+
+def test_collection_stops_at_the_first_save_not_yet_written():
+    schedule = _schedule("each")
+    _save(schedule, "s2", 2)
+    _save(schedule, "s4", 4, written=False)
+    later = _save(schedule, "s6", 6)
+    assert [s.path.name for s in schedule.collect_finished(lambda save: False)[0]] == ["s2"]
+    schedule.pending[0].written = True
+    assert [s.path.name for s in schedule.collect_finished(lambda save: False)[0]] == ["s4", "s6"]
+    assert later.global_step == 6
+
+
+def test_a_checkpoint_removed_after_it_finished_counts_but_is_not_consolidated():
+    """NeMo deletes its previous -last copy (and top-k losers) after they finished, sometimes before we look."""
+    schedule = _schedule("every_n:2")
+    _save(schedule, "s2", 2)
+    _save(schedule, "s2-last", 2)
+    _save(schedule, "s4", 4)
+    _save(schedule, "s6", 6)
+    gone = {"s2-last", "s4"}
+    due, copies = schedule.collect_finished(lambda save: save.path.name in gone)
+    assert due == [] and copies == []  # s4 was the 2nd finished checkpoint, but it is gone
+    assert schedule.finished_count == 3 and schedule.newest_finished.path.name == "s6"
+    assert [s.path.name for s in schedule.history] == ["s2", "s6"]
+
+
+def test_count_survives_resume_through_state_dict():
+    first = _schedule("every_n:2")
+    for step in (2, 4, 6):
+        state = first.state_dict(step)  # Lightning dumps callback state before the save is issued
+        _save(first, f"s{step}", step)
+    _save(first, "s6-last", 6)
+    assert first.state_dict(6) == state == {"finished_count": 3, "global_step": 6}
+
+    resumed = _schedule("every_n:2")
+    resumed.load_state_dict(state)
+    _save(resumed, "s8", 8)
+    _save(resumed, "s10", 10)
+    due, _ = resumed.collect_finished(lambda save: False)
+    assert [s.path.name for s in due] == ["s8"] and resumed.finished_count == 5

@@ -1,0 +1,109 @@
+"""The consolidation process queue: one child at a time, bounded, waited for with a timeout, safe removal."""
+
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_patch.consolidation_schedule import CheckpointSave
+from nemo_patch.consolidation_worker import ConsolidationQueue
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def checkpoints(each_run, tmp_path):
+    """Three private copies of a finished checkpoint, without consolidated output."""
+    saves = []
+    for step in (2, 4, 6):
+        target = tmp_path / f"ckpt-{step}"
+        shutil.copytree(each_run["root"] / "LATEST", target, ignore=shutil.ignore_patterns("consolidated"))
+        saves.append(CheckpointSave(target, step, written=True))
+    return saves
+
+
+def test_runs_one_child_at_a_time_and_skips_the_oldest_waiting_request(checkpoints, caplog):
+    done = []
+    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)), max_pending=1)
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.consolidation_worker"):
+        for save in checkpoints:
+            queue.submit(save)
+    assert queue._running.save is checkpoints[0]  # started at once
+    assert [s.global_step for s in queue.skipped] == [4]  # 1 running + 1 waiting: step 4 was the oldest waiting
+    assert caplog.text.count("skipping checkpoint") == 1
+    assert queue.wait(timeout=120)
+    assert done == [(2, None), (6, None)]
+    assert (checkpoints[0].path / "consolidated" / "model.safetensors").is_file()
+    assert not (checkpoints[1].path / "consolidated").exists()
+    assert sorted(p.name for p in checkpoints[2].path.iterdir()) == ["consolidated", "context", "weights"]
+
+
+def test_the_child_does_not_import_nemo_and_uses_no_process_group(checkpoints, tmp_path):
+    """The worker entry point runs in a fresh interpreter; its module list must not contain NeMo or megatron."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import runpy, sys\n"
+        "sys.argv = ['worker', sys.argv[1]]\n"
+        "try:\n"
+        "    runpy.run_module('nemo_patch.consolidation_worker', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    import torch.distributed as dist\n"
+        "    loaded = {m.split('.')[0] for m in sys.modules} & {'nemo', 'megatron', 'lightning'}\n"
+        "    print(e.code, dist.is_initialized(), sorted(loaded))\n"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(probe), str(checkpoints[0].path)], capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "0 False []", out.stderr[-2000:]
+
+
+def test_timeout_stops_the_child_and_leaves_no_partial_output(checkpoints, caplog):
+    done = []
+    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)), max_pending=2)
+    for save in checkpoints:
+        queue.submit(save)
+    with caplog.at_level(logging.ERROR, logger="nemo_patch.consolidation_worker"):
+        assert not queue.wait(timeout=0.2)
+    assert "did not finish within 0.2 s" in caplog.text and "dropping 2 queued" in caplog.text
+    assert done and done[0][0] == 2 and "SIGTERM" in done[0][1]
+    for save in checkpoints:
+        leftovers = [p.name for p in save.path.iterdir() if p.name.startswith(".consolidated")]
+        assert leftovers == [] and not (save.path / "consolidated").exists()
+    assert not queue.busy
+
+
+def test_removal_of_the_checkpoint_being_consolidated_waits_for_the_child(checkpoints):
+    done = []
+    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)), max_pending=2)
+    queue.submit(checkpoints[0])
+    queue.submit(checkpoints[1])
+    removed = []
+
+    def remove(path):
+        return lambda: (shutil.rmtree(path), removed.append(path.name))
+
+    assert queue.remove_checkpoint(checkpoints[1].path, remove(checkpoints[1].path))  # queued: dropped, removed now
+    assert removed == ["ckpt-4"]
+    assert not queue.remove_checkpoint(checkpoints[0].path, remove(checkpoints[0].path))  # running: deferred
+    assert checkpoints[0].path.is_dir()
+    assert queue.wait(timeout=120)
+    assert removed == ["ckpt-4", "ckpt-2"] and not checkpoints[0].path.exists()
+    assert done == [(2, None)]
+
+
+def test_a_failing_child_reports_one_line(tmp_path):
+    bad = tmp_path / "not-a-checkpoint"
+    bad.mkdir()
+    done = []
+    queue = ConsolidationQueue(lambda save, error: done.append(error))
+    queue.submit(CheckpointSave(bad, 3, written=True))
+    started = time.monotonic()
+    assert queue.wait(timeout=120)
+    assert done[0].startswith("ConsolidationError: ") and "is not a NeMo 2 torch_dist checkpoint" in done[0]
+    assert time.monotonic() - started < 120
+    assert sorted(os.listdir(bad)) == []
+    assert Path(bad).is_dir()
