@@ -14,6 +14,7 @@
 
 """Lightning callback that drives checkpoint consolidation from the training loop's hooks."""
 
+import time
 from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
@@ -53,16 +54,20 @@ class ConsolidationCallback(Callback):
 
     def __init__(self, trainer: Optional["pl.Trainer"] = None) -> None:
         self._trainer = trainer
+        #: Seconds the training loop spent in this callback's per-step hooks (bookkeeping, starting processes).
+        self.blocked_seconds = 0.0
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Remember the trainer (for :meth:`state_dict`)."""
         self._trainer = trainer
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
-        """Consolidate saves that finished in this step and are due."""
+        """Hand saves that finished in this step and are due to the consolidation process; returns at once."""
+        start = time.perf_counter()
         io = _consolidating_io(trainer)
         if io is not None:
             io.consolidate_finished()
+        self.blocked_seconds += time.perf_counter() - start
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Consolidate saves made on validation end (``ModelCheckpoint`` with a monitored metric)."""

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from nemo_patch.consolidate import TMP_PREFIX
 from nemo_patch.consolidation_schedule import CheckpointSave
@@ -86,6 +86,10 @@ class ConsolidationQueue:
         self._warned_skip = False
         #: Checkpoints whose request was skipped because the queue was full.
         self.skipped: List[CheckpointSave] = []
+        #: ``(global step, wall seconds of the consolidation process, error or None)`` per ended request.
+        self.completed: List[Tuple[int, float, Optional[str]]] = []
+        #: Seconds spent inside :meth:`wait` (the end of ``fit`` waiting for consolidations).
+        self.waited_seconds = 0.0
 
     @property
     def busy(self) -> bool:
@@ -129,14 +133,18 @@ class ConsolidationQueue:
             ``True`` if everything ended; ``False`` if the timeout ran out, in which case the running child is
             terminated (its temporary output removed) and waiting requests are dropped; both are logged.
         """
-        deadline = time.monotonic() + timeout
-        while True:
-            self.poll()
-            if not self.busy:
-                return True
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(_POLL_SECONDS)
+        start = time.monotonic()
+        deadline = start + timeout
+        try:
+            while True:
+                self.poll()
+                if not self.busy:
+                    return True
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(_POLL_SECONDS)
+        finally:
+            self.waited_seconds += time.monotonic() - start
         with self._lock:
             dropped = list(self._pending)
             self._pending.clear()
@@ -209,6 +217,7 @@ class ConsolidationQueue:
             error = _last_line(running.log_path) or f"consolidation process exited with {_describe_exit(code)}"
             _remove_tmp_dirs(running.save.path, running.process.pid)
         running.log_path.unlink(missing_ok=True)
+        self.completed.append((running.save.global_step, time.monotonic() - running.started, error))
         try:
             self._on_done(running.save, error)
         finally:

@@ -10,6 +10,7 @@ Test/demo aid only.
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -104,7 +105,9 @@ def run_tiny_fit(
     resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
     report: Dict[str, Any] = {"strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}"}
     with megatron_on_cpu():
+        start = time.perf_counter()
         llm.train(model, tiny_gpt.TinyTokenDataModule(), trainer, log=log, resume=resume, tokenizer=None)
+        fit_seconds = time.perf_counter() - start
         root = out / "tiny_gpt" / "checkpoints"
         if probe_logits:
             report["max_abs_logit_diff"] = _probe_logits(model, root)
@@ -118,6 +121,14 @@ def run_tiny_fit(
     report["finished_count"] = schedule.finished_count if schedule else None
     queue = getattr(base, "_queue", None)
     report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
+    from nemo_patch.consolidation_callback import ConsolidationCallback
+
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, ConsolidationCallback)]
+    report["blocked_seconds"] = sum(cb.blocked_seconds for cb in callbacks)
+    report["consolidation_seconds"] = sum(seconds for _, seconds, _ in queue.completed) if queue else 0.0
+    report["consolidations"] = len(queue.completed) if queue else 0
+    report["end_wait_seconds"] = queue.waited_seconds if queue else 0.0
+    report["fit_seconds"] = fit_seconds
     report["global_step"] = trainer.global_step
     del torch
     return report
