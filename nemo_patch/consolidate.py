@@ -270,11 +270,19 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".rstrip(": ")
 
 
-def _producer(reader: DCPRegionReader, sources: Dict[str, _Output]):
+def _producer(reader: DCPRegionReader, sources: Dict[str, _Output], largest: int):
+    """Reads each output tensor into one of two reusable byte buffers (the writer keeps at most one tensor in flight
+    while the next is read), so memory is not re-allocated and re-faulted for every tensor."""
+    buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    turn = [0]
+
     def produce(spec: TensorSpec) -> torch.Tensor:
         source = sources[spec.name]
+        buffer = buffers[turn[0] % 2]
+        turn[0] += 1
+        out = buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
         try:
-            return reader.read(source.key, source.layer)
+            return reader.read(source.key, source.layer, out=out)
         except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
             files = ", ".join(reader.files_of(source.key))
             raise ConsolidationError(
@@ -331,7 +339,8 @@ def consolidate_checkpoint(
     tmp_dir = _make_tmp_dir(output_dir.parent)
     try:
         reader = DCPRegionReader(weights_dir, metadata)
-        produce = _producer(reader, {output.spec.name: output for output in outputs})
+        largest = max(output.spec.nbytes for output in outputs)
+        produce = _producer(reader, {output.spec.name: output for output in outputs}, largest)
         shards = plan_shards([output.spec for output in outputs], max_shard_size)
         names = [SINGLE_FILENAME] if len(shards) == 1 else [shard_filename(i, len(shards)) for i in range(len(shards))]
         files = {}

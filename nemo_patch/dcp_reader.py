@@ -87,12 +87,14 @@ class DCPRegionReader:
         """Names of the shard files that hold chunks of ``key``."""
         return sorted({info.relative_path for index, info in self.metadata.storage_data.items() if index.fqn == key})
 
-    def read(self, key: str, index: Optional[int] = None) -> torch.Tensor:
+    def read(self, key: str, index: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Read tensor ``key`` (global shape and dtype from the metadata), or only ``key[index]``.
 
         Args:
             key: a tensor entry of the checkpoint.
             index: an index along dimension 0 (e.g. a layer of a layer-stacked tensor), or ``None`` for all of it.
+            out: a contiguous tensor of the result's shape and dtype to read into (lets a caller reuse memory);
+                a new one is allocated when ``None``.
 
         Returns:
             A new CPU tensor of shape ``size[1:]`` (with ``index``) or ``size``, in the stored dtype.
@@ -106,11 +108,13 @@ class DCPRegionReader:
         if not isinstance(item, TensorStorageMetadata):
             raise KeyError(f"{key} is not a tensor entry of {self.path}")
         size = list(item.size)
+        shape = size if index is None else size[1:]
+        destination = torch.empty(shape, dtype=item.properties.dtype) if out is None else out
+        if tuple(destination.shape) != tuple(shape) or destination.dtype != item.properties.dtype:
+            raise ValueError(f"out is {destination.dtype} {tuple(destination.shape)}; {key} needs {shape}")
         if index is None:
-            destination = torch.empty(size, dtype=item.properties.dtype)
             planner = _RegionLoadPlanner(key, [0] * len(size), destination)
         else:
-            destination = torch.empty(size[1:], dtype=item.properties.dtype)
             planner = _RegionLoadPlanner(key, [index] + [0] * (len(size) - 1), destination.unsqueeze(0))
         planner.set_up_planner({}, self.metadata, True)
         plan = self._reader.prepare_local_plan(planner.create_local_plan())

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
@@ -152,20 +153,25 @@ def write_safetensors(
     """
     digest = hashlib.sha256()
     header = _header(specs, metadata)
-    with open(path, "wb") as handle:
+    with open(path, "wb") as handle, ThreadPoolExecutor(max_workers=2, thread_name_prefix="safetensors") as pool:
         for chunk in (struct.pack("<Q", len(header)), header):
             handle.write(chunk)
             digest.update(chunk)
+        # Two-stage pipeline: while one tensor's bytes are written and hashed (both release the GIL), the next one
+        # is produced. At most two tensors are alive at a time.
+        in_flight: List[Future] = []
         for spec in specs:
             tensor = produce(spec)
             if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
                 raise ValueError(f"{spec.name}: produced {tensor.dtype} {tuple(tensor.shape)}, expected {spec}")
             data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-            handle.write(data.data)
-            digest.update(data.data)
-            del tensor, data
+            for future in in_flight:
+                future.result()
+            in_flight = [pool.submit(handle.write, data.data), pool.submit(digest.update, data.data)]
+            del tensor, data  # the futures keep the buffer alive until written and hashed
+        for future in in_flight:
+            future.result()
         handle.flush()
-
         os.fsync(handle.fileno())
     return digest.hexdigest()
 
