@@ -35,7 +35,7 @@ def run_fit(out: Path, *, stock: bool = False, **options: Any) -> Dict[str, Any]
         flag = "--" + name.replace("_", "-")
         if value is True:
             args.append(flag)
-        elif value not in (None, False):
+        elif value is not None and value is not False:
             args += [flag, str(value)]
     env = {k: v for k, v in os.environ.items() if k != "NEMO_PATCH_DISABLE"}
     if stock:

@@ -12,7 +12,6 @@ waits for it).
 """
 
 import os
-
 import re
 
 import pytest

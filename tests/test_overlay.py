@@ -4,7 +4,6 @@ import json
 import textwrap
 
 import pytest
-
 from conftest import run_python
 
 NEMO_MODULE = "nemo.lightning.pytorch.strategies.megatron_strategy"

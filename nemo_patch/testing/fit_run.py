@@ -58,6 +58,13 @@ def run_tiny_fit(
     max_pending: Optional[int] = None,
     max_shard_size: Optional[int] = None,
     timeout: Optional[float] = None,
+    tp: int = 1,
+    pp: int = 1,
+    lr: float = 1e-3,
+    tie_embeddings: bool = True,
+    restore_from: Optional[Path] = None,
+    devices: Optional[int] = None,
+    weights_only: bool = False,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -74,6 +81,14 @@ def run_tiny_fit(
         max_pending: ``ckpt_consolidation_max_pending`` (``None``: not passed).
         max_shard_size: ``ckpt_consolidation_max_shard_size`` (``None``: not passed).
         timeout: ``ckpt_consolidation_timeout`` (``None``: not passed).
+        tp: tensor-parallel size; pp: pipeline-parallel size. ``tp * pp`` CPU processes (gloo) are launched by
+            Lightning, each running this same command.
+        lr: Adam learning rate; ``0`` keeps the weights as initialised or restored.
+        tie_embeddings: share the input embedding with the output layer.
+        restore_from: a checkpoint to load the model weights from (NeMo's ``RestoreConfig``, resharded to this run's
+            TP/PP layout; optimizer state is not loaded).
+        devices: CPU processes (default ``tp * pp``; more gives data parallelism).
+        weights_only: ``ModelCheckpoint(save_weights_only=True)``: checkpoints without optimizer state.
 
     Returns:
         A JSON-able report: ``strategy_class``, ``checkpoints`` (see :func:`checkpoint_report`), ``latest``,
@@ -98,15 +113,26 @@ def run_tiny_fit(
             kwargs[f"ckpt_consolidation_{name}"] = value
     if stock and nemo_patch.overlay_applied():
         raise RuntimeError("--stock needs NEMO_PATCH_DISABLE=1, so that NeMo runs without the overlay")
+    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if pp > 1:
+        kwargs["pipeline_dtype"] = torch.float32
     strategy = nl.MegatronStrategy(**kwargs)
-    trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps)
-    log = tiny_gpt.make_logger(out, save_every=save_every, filename=CHECKPOINT_FILENAME)
-    model = tiny_gpt.tiny_gpt_model()
-    resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
+    trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps, devices=devices or tp * pp)
+    log = tiny_gpt.make_logger(
+        out, save_every=save_every, filename=CHECKPOINT_FILENAME, save_weights_only=weights_only
+    )
+    config = tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings)
+    model = tiny_gpt.tiny_gpt_model(config, lr=lr)
+    if restore_from is not None:
+        restore = nl.RestoreConfig(path=str(restore_from), load_optim_state=False)
+        resume = nl.AutoResume(restore_config=restore)
+    else:
+        resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
     report: Dict[str, Any] = {"strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}"}
     with megatron_on_cpu():
         start = time.perf_counter()
-        llm.train(model, tiny_gpt.TinyTokenDataModule(), trainer, log=log, resume=resume, tokenizer=None)
+        data = tiny_gpt.TinyTokenDataModule(global_batch_size=2 * (devices or tp * pp) // (tp * pp))
+        llm.train(model, data, trainer, log=log, resume=resume, tokenizer=None)
         fit_seconds = time.perf_counter() - start
         root = out / "tiny_gpt" / "checkpoints"
         if probe_logits:
@@ -129,8 +155,8 @@ def run_tiny_fit(
     report["consolidations"] = len(queue.completed) if queue else 0
     report["end_wait_seconds"] = queue.waited_seconds if queue else 0.0
     report["fit_seconds"] = fit_seconds
+    report["global_rank_zero"] = trainer.is_global_zero
     report["global_step"] = trainer.global_step
-    del torch
     return report
 
 
@@ -169,6 +195,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-pending", type=int, default=None)
     parser.add_argument("--max-shard-size", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--untied-embeddings", action="store_true")
+    parser.add_argument("--restore-from", type=Path, default=None)
+    parser.add_argument("--devices", type=int, default=None)
+    parser.add_argument("--weights-only", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -184,7 +217,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_pending=args.max_pending,
         max_shard_size=args.max_shard_size,
         timeout=args.timeout,
+        tp=args.tp,
+        pp=args.pp,
+        lr=args.lr,
+        tie_embeddings=not args.untied_embeddings,
+        restore_from=args.restore_from,
+        devices=args.devices,
+        weights_only=args.weights_only,
     )
+    if not report.get("global_rank_zero", True):
+        return 0  # the other ranks of a multi-process run report nothing
     text = json.dumps(report, indent=2)
     if args.json:
         args.json.write_text(text)

@@ -74,7 +74,7 @@ def tiny_gpt_model(config: Optional[Any] = None, lr: float = 1e-3) -> Any:
             optimizer="adam",
             lr=lr,
             clip_grad=0.0,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=False,  # megatron-core's distributed optimizer needs CUDA tensors
             bf16=False,
             fp16=False,
             params_dtype=torch.float32,
@@ -151,13 +151,13 @@ def make_logger(log_dir: Path, save_every: int, name: str = "tiny_gpt", **checkp
     return nl.NeMoLogger(log_dir=str(log_dir), name=name, ckpt=checkpoint, use_datetime_version=False)
 
 
-def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[List[Any]] = None) -> Any:
-    """An ``nl.Trainer`` on the CPU: one device, fp32, no validation, no progress bar."""
+def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[List[Any]] = None, devices: int = 1) -> Any:
+    """An ``nl.Trainer`` on the CPU (``devices`` processes, gloo): fp32, no validation, no progress bar."""
     from nemo import lightning as nl
 
     return nl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         max_steps=max_steps,
         strategy=strategy,
         plugins=nl.MegatronMixedPrecision(precision="32"),

@@ -1,0 +1,67 @@
+"""Consolidation is layout-independent.
+
+Real multi-rank checkpoints (2 CPU processes, gloo) written by NeMo's checkpoint IO and megatron-core consolidate to
+exactly the tensors of the TP=1 checkpoint they were resharded from.
+
+How the checkpoints are made: a TP=1 run trains 2 steps with ``lr=0`` and saves (so its weights are the initial
+ones); the TP=2 and PP=2 runs restore those weights through NeMo's ``RestoreConfig`` (megatron-core reshards them),
+train 2 steps with ``lr=0`` and save a checkpoint of the same weights in their own layout. Equal tensors also mean a
+TP=1 model loaded from any of these outputs gives the same logits as from the TP=1 output, which the ``latest``
+end-to-end test checks against the trained model itself.
+"""
+
+import pytest
+import torch
+from conftest import run_fit
+from safetensors.torch import load_file
+
+from nemo_patch.dcp_metadata import read_dcp_metadata
+
+pytestmark = pytest.mark.slow
+
+QKV = "module.decoder.layers.self_attention.linear_qkv.weight"
+
+
+def _consolidated(report_dir):
+    root = report_dir / "tiny_gpt" / "checkpoints" / "LATEST"
+    return load_file(str(root / "consolidated" / "model.safetensors")), read_dcp_metadata(root / "weights")
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied-embeddings", "untied-embeddings"])
+def source(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp1")
+    tied = request.param
+    run_fit(out, frequency="each", max_steps=2, save_every=2, lr=0, untied_embeddings=not tied)
+    tensors, metadata = _consolidated(out)
+    assert ("output_layer.weight" in tensors) == (not tied)
+    assert any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)  # optimizer state present
+    assert not any(name.startswith("optimizer") or "_extra_state" in name for name in tensors)
+    return {"dir": out, "tied": tied, "tensors": tensors}
+
+
+def _assert_same(tensors, expected):
+    assert tensors.keys() == expected.keys()
+    for name, value in expected.items():
+        assert tensors[name].dtype == value.dtype and torch.equal(tensors[name], value), name
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["TP=2", "PP=2"])
+def test_multi_rank_checkpoint_consolidates_to_the_tp1_tensors(source, layout, tmp_path):
+    ckpt = source["dir"] / "tiny_gpt" / "checkpoints" / "LATEST"
+    options = dict(frequency="each", max_steps=2, save_every=2, lr=0, untied_embeddings=not source["tied"])
+    run_fit(tmp_path, restore_from=ckpt, **layout, **options)
+    tensors, metadata = _consolidated(tmp_path)
+    files = sorted(p.name for p in (tmp_path / "tiny_gpt" / "checkpoints" / "LATEST" / "weights").glob("*.distcp"))
+    assert files == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]  # two ranks wrote shards
+    if "tp" in layout:  # the QKV weight is stored in TP shards: 2 layers x 2 ranks
+        assert len(metadata.state_dict_metadata[QKV].chunks) == 4
+    _assert_same(tensors, source["tensors"])
+
+
+def test_checkpoint_without_optimizer_state(source, tmp_path):
+    ckpt = source["dir"] / "tiny_gpt" / "checkpoints" / "LATEST"
+    options = dict(frequency="each", max_steps=2, save_every=2, lr=0, untied_embeddings=not source["tied"])
+    run_fit(tmp_path, restore_from=ckpt, weights_only=True, **options)
+    tensors, metadata = _consolidated(tmp_path)
+    assert not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
+    _assert_same(tensors, source["tensors"])
