@@ -152,55 +152,42 @@ def resolve_policy(save_consolidated: Optional[bool], frequency: Optional[str]) 
     return policy
 
 
+def _invalid(name: str, value: object, accepted: str) -> ValueError:
+    return ValueError(f"Invalid {name} {value!r}: expected {accepted}.")
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def validate_timeout(value: object, name: str = "ckpt_consolidation_timeout") -> float:
-    """Check a timeout in seconds.
-
-    Args:
-        value: an ``int`` or ``float`` > 0 (finite). ``bool`` is rejected.
-        name: the argument name for the error message.
-
-    Returns:
-        ``value`` as a float.
+    """Return ``value`` (seconds, an ``int`` or ``float`` > 0 and finite; not ``bool``) as a float.
 
     Raises:
         ValueError: for anything else; the message names the accepted form.
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
         return float(value)
-    raise ValueError(f"Invalid {name} {value!r}: expected a number of seconds > 0 (e.g. 1800).")
+    raise _invalid(name, value, "a number of seconds > 0 (e.g. 1800)")
 
 
 def validate_max_shard_size(value: object, name: str = "ckpt_consolidation_max_shard_size") -> int:
-    """Check a shard size in bytes.
-
-    Args:
-        value: an ``int`` >= 1 (bytes of tensor data per safetensors file). ``bool`` is rejected.
-        name: the argument name for the error message.
-
-    Returns:
-        ``value``.
+    """Return ``value`` (bytes of tensor data per safetensors file, an ``int`` >= 1; not ``bool``).
 
     Raises:
         ValueError: for anything else; the message names the accepted form.
     """
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    if _is_int(value, 1):
         return value
-    raise ValueError(f"Invalid {name} {value!r}: expected an integer number of bytes >= 1 (e.g. 5_000_000_000).")
+    raise _invalid(name, value, "an integer number of bytes >= 1 (e.g. 5_000_000_000)")
 
 
 def validate_max_pending(value: object, name: str = "ckpt_consolidation_max_pending") -> int:
-    """Check the bound of the consolidation queue.
-
-    Args:
-        value: an ``int`` >= 0: how many consolidation requests may wait behind the running one. ``bool`` is rejected.
-        name: the argument name for the error message.
-
-    Returns:
-        ``value``.
+    """Return ``value`` (consolidation requests that may wait behind the running one, an ``int`` >= 0; not ``bool``).
 
     Raises:
         ValueError: for anything else; the message names the accepted form.
     """
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if _is_int(value, 0):
         return value
-    raise ValueError(f"Invalid {name} {value!r}: expected an integer >= 0 (e.g. 2).")
+    raise _invalid(name, value, "an integer >= 0 (e.g. 2)")

@@ -102,7 +102,9 @@ def main() -> int:
     print()
     print(
         f"ckpt_consolidation_frequency={args.frequency!r}: trained to global step {report['global_step']}, "
-        f"checkpoint every {args.save_every} steps, {'async' if args.async_save else 'sync'} save, {wall:.1f} s wall"
+        f"checkpoint every {args.save_every} steps, {'async' if args.async_save else 'sync'} save; "
+        f"fit {report['fit_seconds']:.1f} s, of which {report['end_wait_seconds']:.1f} s waiting for consolidation at "
+        f"the end ({wall:.1f} s with NeMo's set-up)"
     )
     print(f"checkpoints in {args.out / 'tiny_gpt' / 'checkpoints'}:")
     print(format_table(report))
