@@ -232,11 +232,18 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         if output is None or not output.is_dir():
             return
         for copy in self._copies.pop(global_step, []):
+            if self.is_checkpoint_gone(copy):
+                # NeMo replaced this -last copy by a newer one before the step's consolidation ended: nothing to do.
+                logger.debug("Checkpoint %s is gone; not reusing %s for it", copy.path, output)
+                continue
             try:
                 link_consolidated_output(output, copy.path)
                 copy.consolidated = True
             except OSError:
-                logger.exception("Could not reuse %s for the copy %s", output, copy.path)
+                if self.is_checkpoint_gone(copy):
+                    logger.debug("Checkpoint %s was removed while %s was linked into it", copy.path, output)
+                else:
+                    logger.exception("Could not reuse %s for the copy %s", output, copy.path)
 
     def _point_latest(self, checkpoint_dir: Path) -> None:
         try:

@@ -41,6 +41,8 @@ def test_each_consolidates_every_finished_checkpoint(each_run):
     assert each_run["latest"] == _name(6)
     assert each_run["finished_count"] == 3 and each_run["skipped"] == []
     assert [e["global_step"] for e in each_run["checkpoints"]] == [2, 4, 6, 6]
+    log = (each_run["root"].parents[1] / "fit.log").read_text()
+    assert "Traceback" not in log and "ERROR:nemo_patch" not in log  # e.g. no failed reuse for removed -last copies
 
 
 def test_every_n_2_consolidates_every_second_finished_checkpoint(tmp_path):
@@ -128,6 +130,7 @@ def test_the_readme_demo_with_async_save(tmp_path):
     consolidated = sorted(name for name, row in rows.items() if "yes" in row)
     assert consolidated == [_name(4), _name(8)]
     assert "<-" in rows[_name(8)] and "never finished" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "ERROR:nemo_patch" not in proc.stderr
     root = tmp_path / "tiny_gpt" / "checkpoints"
     assert (
         sorted(p.name for p in root.iterdir() if (p / "consolidated").is_dir() and not p.is_symlink()) == consolidated
