@@ -150,9 +150,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         """Record the constructor arguments (NeMo's ``IOMixin`` hook) exactly as NeMo records them for its own
         ``MegatronStrategy``, plus the consolidation arguments when they are given. With neither given, the
         checkpoint's ``context/io.json`` is the same as stock NeMo's."""
-        own = {
-            name: kwargs.pop(name) for name in ("save_consolidated", "ckpt_consolidation_frequency") if name in kwargs
-        }
+        own = {name: kwargs.pop(name) for name in _OWN_ARGS if name in kwargs}
         config = _io_transform_args(self, NeMoMegatronStrategy.__init__, *args, **kwargs)
         config.update({name: value for name, value in own.items() if value is not None})
         return config
