@@ -4,7 +4,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -101,9 +100,7 @@ def test_a_failing_child_reports_one_line(tmp_path):
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append(error))
     queue.submit(CheckpointSave(bad, 3, written=True))
-    started = time.monotonic()
     assert queue.wait(timeout=120)
     assert done[0].startswith("ConsolidationError: ") and "is not a NeMo 2 torch_dist checkpoint" in done[0]
-    assert time.monotonic() - started < 120
     assert sorted(os.listdir(bad)) == []
     assert Path(bad).is_dir()
