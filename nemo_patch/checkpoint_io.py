@@ -87,10 +87,6 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         self.save_consolidated = save_consolidated
         self.ckpt_consolidation_frequency = frequency
         self.consolidation: Optional[ConsolidationSchedule] = ConsolidationSchedule(policy) if policy else None
-        if not hasattr(self, "consolidation_max_shard_size"):
-            self.consolidation_max_shard_size = DEFAULT_MAX_SHARD_SIZE
-        if not hasattr(self, "consolidation_max_pending"):
-            self.consolidation_max_pending = DEFAULT_MAX_PENDING
         self._queue: Optional[ConsolidationQueue] = None
         self._outputs: Dict[int, Path] = {}
         self._copies: Dict[int, List[CheckpointSave]] = {}

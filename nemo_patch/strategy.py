@@ -132,18 +132,13 @@ class MegatronStrategy(NeMoMegatronStrategy):
             self._checkpoint_io = self._with_consolidation(self._checkpoint_io)
 
     def _own_io_args(self) -> Dict[str, Any]:
-        own = {
-            "save_consolidated": self.save_consolidated,
-            "ckpt_consolidation_frequency": self.ckpt_consolidation_frequency,
-            "ckpt_consolidation_timeout": self.ckpt_consolidation_timeout,
-            "ckpt_consolidation_max_shard_size": self.ckpt_consolidation_max_shard_size,
-            "ckpt_consolidation_max_pending": self.ckpt_consolidation_max_pending,
-        }
+        """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""
         defaults = {
             "ckpt_consolidation_timeout": DEFAULT_TIMEOUT,
             "ckpt_consolidation_max_shard_size": DEFAULT_MAX_SHARD_SIZE,
             "ckpt_consolidation_max_pending": DEFAULT_MAX_PENDING,
         }
+        own = {name: getattr(self, name) for name in _OWN_ARGS}
         return {name: value for name, value in own.items() if value is not None and value != defaults.get(name)}
 
     def io_transform_args(self, init_fn: Callable, *args: Any, **kwargs: Any) -> Dict[str, Any]:
