@@ -27,6 +27,7 @@ Set ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to turn the overlay off.
 import importlib
 import os
 import sys
+import threading
 import warnings
 
 __all__ = ["TARGET_MODULE", "install", "overlay_disabled"]
@@ -66,18 +67,26 @@ class _OverlayLoader:
 class _OverlayFinder:
     """Meta-path finder that wraps the loader of :data:`TARGET_MODULE` and of nothing else."""
 
+    _searching = threading.local()
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
+        # Re-entered while asking the other finders (another copy of this hook from a second install would ask us
+        # back): answer nothing then, so the search cannot recurse.
+        if fullname != TARGET_MODULE or getattr(_OverlayFinder._searching, "active", False):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _OverlayLoader(spec.loader)
-                return spec
-        return None
+        _OverlayFinder._searching.active = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and not isinstance(spec.loader, _OverlayLoader):
+                        spec.loader = _OverlayLoader(spec.loader)
+                    return spec
+            return None
+        finally:
+            _OverlayFinder._searching.active = False
 
 
 def install() -> None:

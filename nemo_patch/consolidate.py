@@ -45,15 +45,24 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from nemo_patch.atomic_output import TMP_PREFIX, make_tmp_dir, publish_dir, remove_stale_tmp_dirs
+from nemo_patch.checkpoint_layout import inspect_checkpoint
+from nemo_patch.consolidation_errors import (
+    CheckpointNotFoundError,
+    ConsolidationError,
+    CorruptShardError,
+    NotACheckpointError,
+    OutputExistsError,
+    UnfinishedCheckpointError,
+)
 from nemo_patch.dcp_metadata import read_dcp_metadata
 from nemo_patch.dcp_reader import DCPRegionReader
 from nemo_patch.safetensors_writer import (
@@ -69,15 +78,18 @@ from nemo_patch.safetensors_writer import (
 
 __all__ = [
     "CONSOLIDATED_DIRNAME",
+    "TMP_PREFIX",
+    "CheckpointNotFoundError",
     "FORMAT_VERSION",
     "ConsolidationError",
     "ConsolidationResult",
+    "NotACheckpointError",
+    "UnfinishedCheckpointError",
     "DEFAULT_MAX_SHARD_SIZE",
     "consolidate_checkpoint",
     "consolidated_key",
     "link_consolidated_output",
     "model_tensor_keys",
-    "resolve_weights_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,15 +102,9 @@ SAFETENSORS_FILENAME = SINGLE_FILENAME
 METADATA_FILENAME = "metadata.json"
 #: Version of the ``metadata.json`` layout written by this module.
 FORMAT_VERSION = 1
-#: Prefix of temporary output directories; they are never visible under the final name.
-TMP_PREFIX = ".consolidated.tmp-"
 
 _MODEL_PREFIX = "module."
 _STACKED_LAYERS = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<tail>[^0-9].*)$")
-
-
-class ConsolidationError(RuntimeError):
-    """A checkpoint could not be consolidated; the message names the checkpoint and the cause."""
 
 
 @dataclass(frozen=True)
@@ -118,28 +124,6 @@ class ConsolidationResult:
     total_bytes: int
     global_step: Optional[int]
     files: Dict[str, str] = field(default_factory=dict)
-
-
-def resolve_weights_dir(checkpoint_dir: Union[str, Path]) -> Path:
-    """Return the DCP directory of a NeMo 2 checkpoint.
-
-    Args:
-        checkpoint_dir: a checkpoint directory (holding ``weights/``) or its ``weights/`` directory itself.
-
-    Returns:
-        The directory that holds the DCP ``.metadata`` file.
-
-    Raises:
-        ConsolidationError: if neither ``checkpoint_dir/weights/.metadata`` nor ``checkpoint_dir/.metadata`` exists.
-    """
-    path = Path(checkpoint_dir)
-    for candidate in (path / "weights", path):
-        if (candidate / ".metadata").is_file():
-            return candidate
-    raise ConsolidationError(
-        f"{path} is not a NeMo 2 torch_dist checkpoint: expected a 'weights/.metadata' file "
-        "(torch.distributed.checkpoint metadata) in it or a '.metadata' file directly in it."
-    )
 
 
 def consolidated_key(checkpoint_key: str, layer: Optional[int] = None) -> str:
@@ -202,33 +186,6 @@ def plan_outputs(metadata: Metadata) -> List["_Output"]:
     return sorted(outputs, key=lambda output: _natural(output.spec.name))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _make_tmp_dir(parent: Path, kind: str = "") -> Path:
-    """Create a hidden, uniquely named directory in ``parent`` (permissions follow the umask)."""
-    path = parent / f"{TMP_PREFIX}{kind}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    return path
-
-
-def _publish(tmp_dir: Path, output_dir: Path) -> None:
-    """Rename ``tmp_dir`` to ``output_dir``; an existing ``output_dir`` is moved aside first, then removed."""
-    old = None
-    if output_dir.exists():
-        old = _make_tmp_dir(output_dir.parent, "old-")
-        os.replace(output_dir, old / output_dir.name)
-    os.replace(tmp_dir, output_dir)
-    _fsync_dir(output_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def link_consolidated_output(source_output: Union[str, Path], checkpoint_dir: Union[str, Path]) -> Path:
     """Give ``checkpoint_dir`` a ``consolidated/`` with the same files as ``source_output``, without recomputing.
 
@@ -247,14 +204,14 @@ def link_consolidated_output(source_output: Union[str, Path], checkpoint_dir: Un
         OSError: if the files cannot be linked or copied (nothing is left behind).
     """
     source_output, checkpoint_dir = Path(source_output), Path(checkpoint_dir)
-    tmp_dir = _make_tmp_dir(checkpoint_dir)
+    tmp_dir = make_tmp_dir(checkpoint_dir)
     try:
         for source in sorted(source_output.iterdir()):
             try:
                 os.link(source, tmp_dir / source.name)
             except OSError:
                 shutil.copy2(source, tmp_dir / source.name)
-        _publish(tmp_dir, checkpoint_dir / CONSOLIDATED_DIRNAME)
+        publish_dir(tmp_dir, checkpoint_dir / CONSOLIDATED_DIRNAME)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -270,10 +227,12 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".rstrip(": ")
 
 
-def _producer(reader: DCPRegionReader, sources: Dict[str, _Output], largest: int):
+def _producer(reader: DCPRegionReader, sources: Dict[str, _Output], metadata: Metadata, largest: int):
     """Reads each output tensor into one of two reusable byte buffers (the writer keeps at most one tensor in flight
-    while the next is read), so memory is not re-allocated and re-faulted for every tensor."""
+    while the next is read), so memory is not re-allocated and re-faulted for every tensor. A tensor cast to another
+    dtype is read into a third buffer in its stored dtype first."""
     buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    staging: List[torch.Tensor] = []
     turn = [0]
 
     def produce(spec: TensorSpec) -> torch.Tensor:
@@ -281,15 +240,46 @@ def _producer(reader: DCPRegionReader, sources: Dict[str, _Output], largest: int
         buffer = buffers[turn[0] % 2]
         turn[0] += 1
         out = buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
+        stored = stored_spec(metadata, source)
         try:
-            return reader.read(source.key, source.layer, out=out)
+            if stored.dtype == spec.dtype:
+                return reader.read(source.key, source.layer, out=out)
+            if not staging or staging[0].numel() < stored.nbytes:
+                staging[:] = [torch.empty(stored.nbytes, dtype=torch.uint8)]
+            raw = reader.read(
+                source.key, source.layer, out=staging[0][: stored.nbytes].view(stored.dtype).view(stored.shape)
+            )
+            return out.copy_(raw)
         except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
             files = ", ".join(reader.files_of(source.key))
-            raise ConsolidationError(
+            raise CorruptShardError(
                 f"Cannot read shard file(s) {files} of {reader.path} (tensor {source.key}): {_root_cause(error)}"
             ) from error
 
     return produce
+
+
+def stored_spec(metadata: Metadata, output: "_Output") -> TensorSpec:
+    """The spec of an output tensor as stored in the checkpoint (before any dtype cast)."""
+    item = metadata.state_dict_metadata[output.key]
+    size = tuple(item.size)
+    return TensorSpec(output.spec.name, item.properties.dtype, size if output.layer is None else size[1:])
+
+
+def _cast(outputs: List[_Output], dtype: Optional[torch.dtype]) -> List[_Output]:
+    """Outputs with floating-point tensors cast to ``dtype`` (integer and bool tensors keep theirs)."""
+    if dtype is None:
+        return outputs
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype (bf16, fp16, fp32), got {dtype}")
+    return [
+        _Output(TensorSpec(o.spec.name, dtype, o.spec.shape), o.key, o.layer) if o.spec.dtype.is_floating_point else o
+        for o in outputs
+    ]
+
+
+#: Called during a consolidation with ``(bytes done, bytes in all)`` of tensor data, after each tensor.
+ProgressCallback = Callable[[int, int], None]
 
 
 def consolidate_checkpoint(
@@ -297,50 +287,82 @@ def consolidate_checkpoint(
     output_dir: Optional[Union[str, Path]] = None,
     global_step: Optional[int] = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: Optional[torch.dtype] = None,
+    overwrite: bool = True,
+    verify: bool = False,
+    allow_unfinished: bool = False,
+    progress: Optional[ProgressCallback] = None,
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` checkpoint into ``consolidated/`` safetensors.
 
     Reads only files: no process group is needed or used. Unpickles nothing but the DCP ``.metadata`` file, with an
     allowlist of metadata types (:func:`nemo_patch.dcp_metadata.read_dcp_metadata`; megatron-core is not imported);
     stored tensors are read with ``torch.load(weights_only=True)``; ``_extra_state`` payloads and ``common.pt`` are
-    never loaded.
+    never loaded. Temporary output left in the checkpoint directory by a consolidation process that was killed is
+    removed first (:func:`nemo_patch.atomic_output.remove_stale_tmp_dirs`).
 
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory.
-        output_dir: where to publish; defaults to ``<ckpt>/consolidated``. Replaced atomically if it exists.
+        output_dir: where to publish; defaults to ``<ckpt>/consolidated``.
         global_step: recorded in ``metadata.json``; ``None`` if unknown.
         max_shard_size: most tensor-data bytes per safetensors file (default 5 * 10**9, Hugging Face's "5GB"); a
             single ``model.safetensors`` is written when everything fits, else shards plus an index.
+        dtype: cast floating-point tensors to this dtype (``None`` keeps the stored dtypes).
+        overwrite: replace an existing output atomically (the strategy's behaviour); if ``False`` an existing output
+            raises :class:`OutputExistsError` before any work.
+        verify: re-read the written files and compare every tensor with the checkpoint before publishing
+            (:func:`nemo_patch.consolidation_verify.verify_consolidated`).
+        allow_unfinished: consolidate even if NeMo's unfinished marker is present (the CLI's explicit override).
+        progress: called with ``(bytes done, bytes in all)`` after each tensor is read.
 
     Returns:
         A :class:`ConsolidationResult`.
 
     Raises:
-        ConsolidationError: if the directory is not a ``torch_dist`` checkpoint, holds no model tensors, a shard file
-            cannot be read (the message names it) or the output cannot be written. Nothing is left under
-            ``output_dir``'s name or in a temporary directory on failure.
-        ValueError: if ``max_shard_size`` < 1.
+        ConsolidationError: or one of its subclasses in :mod:`nemo_patch.consolidation_errors` naming the cause: not
+            a checkpoint, unfinished, unsupported format (``zarr``, ``fsdp_dtensor``), output exists, a shard file
+            that cannot be read (:class:`CorruptShardError`, naming the file), a verification mismatch, or an output
+            that cannot be written. Nothing is left under ``output_dir``'s name or in a temporary directory.
+        ValueError: if ``max_shard_size`` < 1 or ``dtype`` is not a floating-point dtype.
     """
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
-    weights_dir = resolve_weights_dir(checkpoint_dir)
-    ckpt_dir = weights_dir.parent if weights_dir.name == "weights" else weights_dir
+    location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
+    weights_dir, ckpt_dir = location.weights_dir, location.checkpoint_dir
     output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / CONSOLIDATED_DIRNAME
+    if output_dir.exists() and not overwrite:
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
 
     try:
         metadata = read_dcp_metadata(weights_dir)
-    except Exception as error:  # OSError, pickle.UnpicklingError
-        raise ConsolidationError(f"Cannot read the checkpoint metadata of {weights_dir}: {error}") from error
-    outputs = plan_outputs(metadata)
+    except Exception as error:  # OSError, pickle.UnpicklingError, EOFError
+        raise CorruptShardError(
+            f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: {error}"
+        ) from error
+    outputs = _cast(plan_outputs(metadata), dtype)
     if not outputs:
         raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = _make_tmp_dir(output_dir.parent)
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp_dirs(output_dir.parent)
+        tmp_dir = make_tmp_dir(output_dir.parent)
+    except OSError as error:
+        raise ConsolidationError(f"Cannot write the output of {ckpt_dir} in {output_dir.parent}: {error}") from error
     try:
         reader = DCPRegionReader(weights_dir, metadata)
         largest = max(output.spec.nbytes for output in outputs)
-        produce = _producer(reader, {output.spec.name: output for output in outputs}, largest)
+        total_bytes = sum(output.spec.nbytes for output in outputs)
+        read = _producer(reader, {output.spec.name: output for output in outputs}, metadata, largest)
+        done = [0]
+
+        def produce(spec: TensorSpec) -> torch.Tensor:
+            tensor = read(spec)
+            done[0] += spec.nbytes
+            if progress is not None:
+                progress(done[0], total_bytes)
+            return tensor
+
         shards = plan_shards([output.spec for output in outputs], max_shard_size)
         names = [SINGLE_FILENAME] if len(shards) == 1 else [shard_filename(i, len(shards)) for i in range(len(shards))]
         files = {}
@@ -348,23 +370,30 @@ def consolidate_checkpoint(
             files[name] = write_safetensors(tmp_dir / name, specs, produce, metadata={"format": "pt"})
         if len(shards) > 1:
             files[INDEX_FILENAME] = write_index(tmp_dir / INDEX_FILENAME, zip(names, shards))
-        total_bytes = sum(output.spec.nbytes for output in outputs)
         manifest = {
             "format_version": FORMAT_VERSION,
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
             "tensor_count": len(outputs),
             "total_bytes": total_bytes,
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "files": {name: {"sha256": digest} for name, digest in sorted(files.items())},
         }
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
             with open(tmp_dir / name, "rb") as handle:
                 os.fsync(handle.fileno())
-        _publish(tmp_dir, output_dir)
+        if verify:
+            from nemo_patch.consolidation_verify import verify_consolidated
+
+            verify_consolidated(weights_dir, tmp_dir, metadata=metadata)
+        publish_dir(tmp_dir, output_dir, overwrite=overwrite)
     except ConsolidationError:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+    except FileExistsError as error:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
     except (Exception, CheckpointException) as error:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise ConsolidationError(f"Consolidating {ckpt_dir} failed: {type(error).__name__}: {error}") from error

@@ -34,7 +34,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
-from nemo_patch.consolidate import TMP_PREFIX
+from nemo_patch.atomic_output import tmp_dirs_of, tmp_name
 from nemo_patch.consolidation_schedule import CheckpointSave
 
 __all__ = ["DEFAULT_MAX_PENDING", "ConsolidationQueue", "main"]
@@ -181,7 +181,7 @@ class ConsolidationQueue:
         return True
 
     def _start(self, save: CheckpointSave) -> None:
-        log_path = save.path / f"{TMP_PREFIX}log-{os.getpid()}.txt"
+        log_path = save.path / tmp_name("log-")
         args = [sys.executable, "-m", "nemo_patch.consolidation_worker", str(save.path), "--global-step"]
         args.append(str(save.global_step))
         if self._max_shard_size is not None:
@@ -255,7 +255,7 @@ def _last_line(log_path: Path) -> Optional[str]:
 
 def _remove_tmp_dirs(parent: Path, pid: int) -> None:
     """Remove temporary output left by a child that died (their names carry the child's pid)."""
-    for path in parent.glob(f"{TMP_PREFIX}*{pid}-*"):
+    for path in tmp_dirs_of(parent, pid):
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -12,10 +12,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nemo_patch.consolidate import (
     TMP_PREFIX,
+    CheckpointNotFoundError,
     ConsolidationError,
+    NotACheckpointError,
+    UnfinishedCheckpointError,
     consolidate_checkpoint,
     consolidated_key,
-    resolve_weights_dir,
 )
 
 
@@ -66,6 +68,7 @@ def test_metadata_json_describes_the_output(each_run):
         "source_checkpoint": "../weights",
         "tensor_count": len(tensors),
         "total_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "dtype": None,
         "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest()}},
     }
     assert (out / meta["source_checkpoint"] / ".metadata").is_file()
@@ -109,13 +112,13 @@ def test_truncated_shard_fails_cleanly_and_leaves_nothing(checkpoint_copy):
 
 
 def test_not_a_checkpoint_is_rejected_with_what_is_expected(tmp_path):
-    (tmp_path / "weights").mkdir()
-    with pytest.raises(
-        ConsolidationError, match=r"is not a NeMo 2 torch_dist checkpoint: expected a 'weights/\.metadata'"
-    ):
+    with pytest.raises(NotACheckpointError, match=r"is not a NeMo 2 checkpoint: expected a 'weights/' directory"):
         consolidate_checkpoint(tmp_path)
-    with pytest.raises(ConsolidationError):
-        resolve_weights_dir(tmp_path / "missing")
+    (tmp_path / "weights").mkdir()  # a save that never wrote DCP's .metadata
+    with pytest.raises(UnfinishedCheckpointError, match=r"unfinished checkpoint \(no '\.metadata'\)"):
+        consolidate_checkpoint(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        consolidate_checkpoint(tmp_path / "missing")
     assert sorted(os.listdir(tmp_path)) == ["weights"]
 
 

@@ -101,6 +101,6 @@ def test_a_failing_child_reports_one_line(tmp_path):
     queue = ConsolidationQueue(lambda save, error: done.append(error))
     queue.submit(CheckpointSave(bad, 3, written=True))
     assert queue.wait(timeout=120)
-    assert done[0].startswith("ConsolidationError: ") and "is not a NeMo 2 torch_dist checkpoint" in done[0]
+    assert done[0].startswith("ConsolidationError: ") and "is not a NeMo 2 checkpoint" in done[0]
     assert sorted(os.listdir(bad)) == []
     assert Path(bad).is_dir()

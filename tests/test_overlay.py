@@ -4,7 +4,7 @@ import json
 import textwrap
 
 import pytest
-from conftest import run_python
+from conftest import REPO, run_python
 
 NEMO_MODULE = "nemo.lightning.pytorch.strategies.megatron_strategy"
 
@@ -155,3 +155,17 @@ def test_overlay_applies_whatever_is_imported_first(first_import):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "True"
     assert "overlay not applied" not in proc.stderr
+
+
+def test_two_copies_of_the_hook_do_not_recurse(tmp_path):
+    """A second install (say, a stale copy in another site directory) registers a finder of another class; each asks
+    the other for NeMo's module. The search must end, and the overlay still applies."""
+    copy = tmp_path / "other_autoload.py"
+    copy.write_text((REPO / "nemo_patch" / "_autoload.py").read_text())
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import other_autoload; "
+        "sys.meta_path.insert(0, other_autoload._OverlayFinder()); "
+        "import nemo.lightning as nl, nemo_patch, json; "
+        "print(json.dumps({'applied': nl.MegatronStrategy is nemo_patch.MegatronStrategy}))"
+    )
+    assert _json_result(run_python(code)) == {"applied": True}

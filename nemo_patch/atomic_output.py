@@ -1,0 +1,149 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Publish a consolidation's output all at once, and clean up what a killed one left behind.
+
+Output is written into a hidden temporary directory next to its final place, ``<parent>/.consolidated.tmp-<pid>-<id>@
+<host>``, and renamed to its final name when complete (``os.replace`` of a directory is atomic on POSIX filesystems),
+so a reader sees either no output directory or a complete one. A process killed half-way (SIGKILL, node failure)
+leaves its temporary directory; :func:`remove_stale_tmp_dirs` removes those whose process is gone, which the strategy
+does when a fit starts and the CLI does before it consolidates a checkpoint.
+"""
+
+import logging
+import os
+import re
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import List, Optional
+
+__all__ = ["TMP_PREFIX", "fsync_dir", "make_tmp_dir", "publish_dir", "remove_stale_tmp_dirs", "tmp_dirs_of"]
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of temporary output directories; they are never visible under the final name.
+TMP_PREFIX = ".consolidated.tmp-"
+_TMP_NAME = re.compile(r"^\.consolidated\.tmp-(?:[a-z]+-)?(?P<pid>\d+)-[0-9a-f]+(?:@(?P<host>.*))?$")
+
+
+def _host() -> str:
+    return socket.gethostname() or "localhost"
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename inside it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(kind: str = "") -> str:
+    """A unique temporary name, ``.consolidated.tmp-<kind><pid>-<id>@<host>``, naming this process and host."""
+    return f"{TMP_PREFIX}{kind}{os.getpid()}-{uuid.uuid4().hex[:12]}@{_host()}"
+
+
+def make_tmp_dir(parent: Path, kind: str = "") -> Path:
+    """Create a hidden, uniquely named directory in ``parent`` (permissions follow the umask).
+
+    Raises:
+        OSError: if ``parent`` cannot be written.
+    """
+    path = Path(parent) / tmp_name(kind)
+    path.mkdir()
+    return path
+
+
+def publish_dir(tmp_dir: Path, output_dir: Path, overwrite: bool = True) -> None:
+    """Rename ``tmp_dir`` to ``output_dir``.
+
+    Args:
+        tmp_dir: the complete output, in the same directory as ``output_dir``.
+        output_dir: the final name. An existing one is moved aside first, then removed, so there is no moment where
+            neither the old nor the new output is complete under that name.
+        overwrite: if ``False``, an existing ``output_dir`` raises :class:`FileExistsError` instead.
+
+    Raises:
+        FileExistsError: ``output_dir`` exists and ``overwrite`` is ``False``.
+        OSError: if the rename fails.
+    """
+    old = None
+    if output_dir.exists():
+        if not overwrite:
+            raise FileExistsError(f"{output_dir} exists")
+        old = make_tmp_dir(output_dir.parent, "old-")
+        os.replace(output_dir, old / output_dir.name)
+    os.replace(tmp_dir, output_dir)
+    fsync_dir(output_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def tmp_dirs_of(parent: Path, pid: int) -> List[Path]:
+    """The temporary entries in ``parent`` made by process ``pid`` of this host."""
+    found = []
+    for path in Path(parent).glob(f"{TMP_PREFIX}*"):
+        match = _TMP_NAME.match(path.name)
+        if match and int(match.group("pid")) == pid and match.group("host") in (None, _host()):
+            found.append(path)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[Path]:
+    """Remove temporary output in ``parent`` left by processes of this host that no longer run.
+
+    Entries made on another host are left alone (their process cannot be checked from here); entries of ``keep_pid``
+    and of live processes are kept.
+
+    Args:
+        parent: a checkpoint directory (the parent of ``consolidated/``).
+        keep_pid: a process whose entries are never removed (default: this one).
+
+    Returns:
+        The removed paths.
+    """
+    keep_pid = os.getpid() if keep_pid is None else keep_pid
+    removed = []
+    try:
+        entries = list(Path(parent).glob(f"{TMP_PREFIX}*"))
+    except OSError:
+        return removed
+    for path in entries:
+        match = _TMP_NAME.match(path.name)
+        if match is None or match.group("host") not in (None, _host()):
+            continue
+        pid = int(match.group("pid"))
+        if pid == keep_pid or _alive(pid):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        if not path.exists():
+            removed.append(path)
+            logger.info("Removed %s, left by consolidation process %d that no longer runs", path, pid)
+    return removed

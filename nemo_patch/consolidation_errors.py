@@ -1,0 +1,86 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The errors a consolidation can raise, one class per cause, each with the process exit code the CLI uses.
+
+Every class derives from :class:`ConsolidationError`, so a caller that does not care about the cause catches that one.
+Exit code 2 is left to ``argparse`` (bad command line) and 1 to causes without a class of their own.
+"""
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "ConsolidationError",
+    "CorruptShardError",
+    "ExportError",
+    "NotACheckpointError",
+    "OutputExistsError",
+    "UnfinishedCheckpointError",
+    "UnsupportedFormatError",
+    "VerificationError",
+]
+
+
+class ConsolidationError(RuntimeError):
+    """A checkpoint could not be consolidated; the message names the checkpoint and the cause."""
+
+    #: Exit code of ``nemo-consolidate`` for this cause.
+    exit_code = 1
+
+
+class CheckpointNotFoundError(ConsolidationError):
+    """The given path does not exist."""
+
+    exit_code = 3
+
+
+class NotACheckpointError(ConsolidationError):
+    """The path exists but holds no NeMo 2 distributed checkpoint."""
+
+    exit_code = 4
+
+
+class UnfinishedCheckpointError(ConsolidationError):
+    """NeMo's ``<ckpt>-unfinished`` marker is present (or DCP's ``.metadata`` is missing): the save never finished."""
+
+    exit_code = 5
+
+
+class UnsupportedFormatError(ConsolidationError):
+    """A NeMo checkpoint in a format other than ``torch_dist`` (``zarr``, ``fsdp_dtensor``); the message names it."""
+
+    exit_code = 6
+
+
+class OutputExistsError(ConsolidationError):
+    """The output directory exists and overwriting was not asked for."""
+
+    exit_code = 7
+
+
+class CorruptShardError(ConsolidationError):
+    """A shard file (or the ``.metadata`` file) is truncated or corrupt; the message names the file."""
+
+    exit_code = 8
+
+
+class VerificationError(ConsolidationError):
+    """A consolidated tensor differs from its source; the message names the tensor and the output file."""
+
+    exit_code = 9
+
+
+class ExportError(ConsolidationError):
+    """A Hugging Face export is not possible, e.g. NeMo has no exporter for the checkpoint's model class."""
+
+    exit_code = 10

@@ -1,0 +1,113 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Check a consolidated output tensor by tensor against the distributed checkpoint it was made from."""
+
+import json
+from pathlib import Path
+from typing import Dict, Optional, Union
+
+import torch
+from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from nemo_patch.consolidation_errors import ConsolidationError, CorruptShardError, VerificationError
+from nemo_patch.dcp_metadata import read_dcp_metadata
+from nemo_patch.dcp_reader import DCPRegionReader
+from nemo_patch.safetensors_writer import INDEX_FILENAME, SINGLE_FILENAME
+
+__all__ = ["verify_consolidated"]
+
+
+def _weight_map(output_dir: Path) -> Dict[str, str]:
+    index = output_dir / INDEX_FILENAME
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    with safe_open(str(output_dir / SINGLE_FILENAME), framework="pt") as handle:
+        return {name: SINGLE_FILENAME for name in handle.keys()}
+
+
+def _same(expected: torch.Tensor, actual: torch.Tensor) -> bool:
+    """Bitwise equality (so NaNs compare equal to themselves and -0.0 differs from 0.0)."""
+    if expected.dtype != actual.dtype or expected.shape != actual.shape:
+        return False
+    return torch.equal(expected.contiguous().view(torch.uint8), actual.contiguous().view(torch.uint8))
+
+
+def verify_consolidated(
+    weights_dir: Union[str, Path], output_dir: Union[str, Path], metadata: Optional[Metadata] = None
+) -> int:
+    """Re-read every tensor of a consolidated output and compare it bitwise with its source in the checkpoint.
+
+    Floating-point sources are cast to the output's dtype first (for outputs written with a ``dtype`` cast); the
+    cast is the same ``Tensor.to`` the consolidation used, so the comparison is exact. Reads one tensor at a time.
+
+    Args:
+        weights_dir: the checkpoint's DCP directory (``<ckpt>/weights``).
+        output_dir: a consolidated output (``model.safetensors`` or shards plus ``model.safetensors.index.json``).
+        metadata: the already-read DCP metadata of ``weights_dir``, if the caller has it.
+
+    Returns:
+        The number of tensors compared.
+
+    Raises:
+        CorruptShardError: a shard file of the checkpoint cannot be read (the message names it).
+        VerificationError: a tensor differs, is missing from the output or from the checkpoint, or an output file
+            cannot be read; the message names the tensor and the output file.
+    """
+    from nemo_patch.consolidate import plan_outputs  # here: consolidate imports this module lazily too
+
+    weights_dir, output_dir = Path(weights_dir), Path(output_dir)
+    metadata = read_dcp_metadata(weights_dir) if metadata is None else metadata
+    sources = {output.spec.name: output for output in plan_outputs(metadata)}
+    try:
+        weight_map = _weight_map(output_dir)
+    except Exception as error:  # OSError, ValueError, safetensors' SafetensorError
+        raise VerificationError(f"Cannot read the consolidated output in {output_dir}: {error}") from error
+    missing = sorted(set(sources) - set(weight_map))
+    extra = sorted(set(weight_map) - set(sources))
+    if missing or extra:
+        raise VerificationError(
+            f"{output_dir} does not hold the checkpoint's tensors: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    reader = DCPRegionReader(weights_dir, metadata)
+    by_file: Dict[str, list] = {}
+    for name, filename in weight_map.items():
+        by_file.setdefault(filename, []).append(name)
+    for filename, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(output_dir / filename), framework="pt") as handle:
+                for name in names:
+                    actual = handle.get_tensor(name)
+                    source = sources[name]
+                    try:
+                        expected = reader.read(source.key, source.layer)
+                    except (Exception, CheckpointException) as error:
+                        raise CorruptShardError(
+                            f"Cannot read shard file(s) {', '.join(reader.files_of(source.key))} of {weights_dir} "
+                            f"(tensor {source.key}): {error}"
+                        ) from error
+                    if expected.dtype != actual.dtype and expected.is_floating_point():
+                        expected = expected.to(actual.dtype)
+                    if not _same(expected, actual):
+                        raise VerificationError(
+                            f"Tensor {name} in {output_dir / filename} differs from {source.key}"
+                            f"{'' if source.layer is None else f'[{source.layer}]'} of {weights_dir}"
+                        )
+        except ConsolidationError:
+            raise
+        except Exception as error:
+            raise VerificationError(f"Cannot read {output_dir / filename}: {type(error).__name__}: {error}") from error
+    return len(weight_map)
