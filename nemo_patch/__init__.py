@@ -21,7 +21,8 @@ does the same for every interpreter, without importing NeMo at start-up (see :mo
 
 The NeMo-dependent names (:class:`MegatronStrategy`, :class:`MegatronCheckpointIO`, :class:`ConsolidationCallback`,
 :func:`apply_overlay`, :func:`overlay_applied`) are imported on first use, so that the consolidation engine
-(:func:`consolidate_checkpoint`) can run in a process that never imports NeMo.
+(:func:`consolidate_checkpoint`) can run in a process that never imports NeMo; so are the torch-dependent ones, so
+that ``import nemo_patch`` itself imports neither.
 """
 
 import importlib
@@ -33,7 +34,8 @@ from nemo_patch._nemo_version import check_nemo_version
 
 __nemo_version__ = check_nemo_version()
 
-from nemo_patch.consolidate import ConsolidationError, ConsolidationResult, consolidate_checkpoint  # noqa: E402
+from nemo_patch.checkpoint_layout import locate_checkpoint  # noqa: E402
+from nemo_patch.consolidation_errors import ConsolidationError  # noqa: E402
 from nemo_patch.consolidation_policy import (  # noqa: E402
     ACCEPTED_FREQUENCIES,
     ConsolidationPolicy,
@@ -41,11 +43,15 @@ from nemo_patch.consolidation_policy import (  # noqa: E402
     resolve_policy,
 )
 from nemo_patch.latest_pointer import read_latest_pointer  # noqa: E402
-from nemo_patch.load_consolidated import load_consolidated_into, load_consolidated_state_dict  # noqa: E402
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "ConsolidationResult": "nemo_patch.consolidate",
+    "consolidate_checkpoint": "nemo_patch.consolidate",
+    "verify_consolidated": "nemo_patch.consolidation_verify",
+    "load_consolidated_into": "nemo_patch.load_consolidated",
+    "load_consolidated_state_dict": "nemo_patch.load_consolidated",
     "MegatronStrategy": "nemo_patch.strategy",
     "MegatronCheckpointIO": "nemo_patch.checkpoint_io",
     "ConsolidationCallback": "nemo_patch.consolidation_callback",
@@ -65,10 +71,12 @@ __all__ = [
     "consolidate_checkpoint",
     "load_consolidated_into",
     "load_consolidated_state_dict",
+    "locate_checkpoint",
     "overlay_applied",
     "parse_consolidation_frequency",
     "read_latest_pointer",
     "resolve_policy",
+    "verify_consolidated",
 ]
 
 

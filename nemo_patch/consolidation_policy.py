@@ -34,11 +34,13 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 __all__ = [
+    "ACCEPTED_FORMATS",
     "ACCEPTED_FREQUENCIES",
     "ConsolidationPolicy",
     "parse_consolidation_frequency",
     "resolve_policy",
     "validate_max_pending",
+    "validate_format",
     "validate_max_shard_size",
     "validate_timeout",
 ]
@@ -171,15 +173,47 @@ def validate_timeout(value: object, name: str = "ckpt_consolidation_timeout") ->
     raise _invalid(name, value, "a number of seconds > 0 (e.g. 1800)")
 
 
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
 def validate_max_shard_size(value: object, name: str = "ckpt_consolidation_max_shard_size") -> int:
-    """Return ``value`` (bytes of tensor data per safetensors file, an ``int`` >= 1; not ``bool``).
+    """Return ``value`` as bytes of tensor data per safetensors file (>= 1).
+
+    Args:
+        value: an ``int`` (not ``bool``), or a string as ``transformers``' ``save_pretrained(max_shard_size=...)``
+            takes it: a number with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000) or
+            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``.
+        name: the argument's name, for the message.
 
     Raises:
-        ValueError: for anything else; the message names the accepted form.
+        ValueError: for anything else; the message names the accepted forms.
     """
     if _is_int(value, 1):
         return value
-    raise _invalid(name, value, "an integer number of bytes >= 1 (e.g. 5_000_000_000)")
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value.strip())
+        if match:
+            size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+            if size >= 1:
+                return size
+    raise _invalid(name, value, 'an integer number of bytes >= 1 or a size such as "5GB" or "500MiB"')
+
+
+#: Output formats of a consolidation: ``ckpt_consolidation_format`` and the CLI's ``--format``.
+ACCEPTED_FORMATS = ("safetensors", "hf")
+
+
+def validate_format(value: object, name: str = "ckpt_consolidation_format") -> str:
+    """Return ``value`` if it is ``"safetensors"`` (this package's layout) or ``"hf"`` (a Hugging Face directory).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if isinstance(value, str) and value in ACCEPTED_FORMATS:
+        return value
+    raise _invalid(name, value, '"safetensors" or "hf"')
 
 
 def validate_max_pending(value: object, name: str = "ckpt_consolidation_max_pending") -> int:

@@ -86,7 +86,8 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_timeout: how long, in seconds, the end of ``fit`` (normal or by an exception) waits for
             running and queued consolidations before giving up on them (logged). Default 1800.
         ckpt_consolidation_max_shard_size: most bytes of tensor data per output safetensors file (Hugging Face's
-            sharding; default 5 * 10**9).
+            sharding; default 5 * 10**9): an int, or a size string as ``save_pretrained`` takes it (``"5GB"``,
+            ``"500MiB"``).
         ckpt_consolidation_max_pending: how many consolidation requests may wait behind the running one (default 2).
             When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
             consolidation never builds an unbounded backlog.
@@ -94,9 +95,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
 
     Raises:
         ValueError: for an invalid frequency, a ``save_consolidated`` that is not ``None``/``True``/``False``,
-            ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, or a
-            shard size that is not an integer >= 1, or a queue bound that is not an integer >= 0. Raised before
-            anything else is set up.
+            ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
+            shard size that is not an integer >= 1 or a size string, or a queue bound that is not an integer >= 0.
+            Raised before anything else is set up.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
     ``<ckpt>-unfinished`` marker removed. Global rank 0 hands them to a separate consolidation process, one at a time
@@ -111,7 +112,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         save_consolidated: Optional[bool] = None,
         ckpt_consolidation_frequency: Optional[str] = None,
         ckpt_consolidation_timeout: float = DEFAULT_TIMEOUT,
-        ckpt_consolidation_max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        ckpt_consolidation_max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
         ckpt_consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         **kwargs: Any,
     ) -> None:

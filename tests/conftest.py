@@ -9,6 +9,7 @@ callback group) from leaking between runs.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,11 @@ def each_run(tmp_path_factory) -> Dict[str, Any]:
     report = run_fit(out, frequency="each", max_steps=6, save_every=2, max_pending=8)
     report["root"] = out / "tiny_gpt" / "checkpoints"
     return report
+
+
+@pytest.fixture()
+def checkpoint_copy(each_run, tmp_path) -> Path:
+    """A private copy of a finished checkpoint of ``each_run`` (global step 6) without its consolidated output."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(each_run["root"] / "LATEST", copy, ignore=shutil.ignore_patterns("consolidated"))
+    return copy

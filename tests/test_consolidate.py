@@ -3,7 +3,6 @@
 import hashlib
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -72,15 +71,6 @@ def test_metadata_json_describes_the_output(each_run):
         "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest()}},
     }
     assert (out / meta["source_checkpoint"] / ".metadata").is_file()
-
-
-@pytest.fixture()
-def checkpoint_copy(each_run, tmp_path):
-    """A private copy of a finished checkpoint without its consolidated output."""
-    source = each_run["root"] / "LATEST"
-    copy = tmp_path / "ckpt"
-    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("consolidated"))
-    return copy
 
 
 def _leftovers(directory):

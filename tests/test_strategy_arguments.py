@@ -117,7 +117,9 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_timeout", True, "a number of seconds > 0"),
         ("ckpt_consolidation_max_shard_size", 0, "an integer number of bytes >= 1"),
         ("ckpt_consolidation_max_shard_size", 1.5, "an integer number of bytes >= 1"),
-        ("ckpt_consolidation_max_shard_size", "5GB", "an integer number of bytes >= 1"),
+        ("ckpt_consolidation_max_shard_size", "5XB", 'an integer number of bytes >= 1 or a size such as "5GB"'),
+        ("ckpt_consolidation_max_shard_size", "0GB", 'an integer number of bytes >= 1 or a size such as "5GB"'),
+        ("ckpt_consolidation_max_shard_size", "-1", 'an integer number of bytes >= 1 or a size such as "5GB"'),
         ("ckpt_consolidation_max_pending", -1, "an integer >= 0"),
         ("ckpt_consolidation_max_pending", 2.0, "an integer >= 0"),
     ],
@@ -126,6 +128,13 @@ def test_bad_consolidation_settings_raise_at_construction(name, value, accepted)
     with pytest.raises(ValueError) as info:
         MegatronStrategy(**{name: value})
     assert f"Invalid {name} {value!r}: expected {accepted}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value, size", [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("2.5 kb", 2500), ("123", 123), (7, 7)]
+)
+def test_shard_sizes_take_hugging_face_style_strings(value, size):
+    assert MegatronStrategy(ckpt_consolidation_max_shard_size=value).ckpt_consolidation_max_shard_size == size
 
 
 def test_consolidation_settings_reach_the_io():

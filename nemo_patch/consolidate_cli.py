@@ -1,0 +1,186 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""``nemo-consolidate``: consolidate one NeMo 2 distributed checkpoint offline, on CPU, without writing code.
+
+Usage (also ``python -m nemo_patch``)::
+
+    nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
+                     [--max-shard-size 5GB] [--verify] [--force] [--allow-unfinished] [--quiet]
+
+``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
+else the newest finished checkpoint; see :func:`nemo_patch.checkpoint_layout.locate_checkpoint`). Checkpoints
+written by stock NeMo 2.x, without this package, work the same.
+
+Output goes to ``<ckpt>/consolidated`` (``--format safetensors``) or ``<ckpt>/hf`` (``--format hf``, a directory
+``transformers.AutoModelForCausalLM.from_pretrained`` loads), unless ``--out`` says otherwise. It is published
+atomically: on any failure nothing is left under the output name or in a temporary directory.
+
+Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr:
+see :mod:`nemo_patch.consolidation_errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
+6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
+exporter, 1 anything else).
+"""
+
+import argparse
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, List, Optional
+
+from nemo_patch.consolidation_errors import ConsolidationError
+from nemo_patch.consolidation_policy import ACCEPTED_FORMATS, validate_max_shard_size
+
+__all__ = ["DTYPES", "main"]
+
+#: ``--dtype`` values and the ``torch`` dtype each names.
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+PROG = "nemo-consolidate"
+
+
+def _dtype(value: str) -> str:
+    value = _DTYPE_ALIASES.get(value.lower(), value.lower())
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid dtype {value!r}: expected one of {', '.join(DTYPES)}")
+    return value
+
+
+def _size(value: str) -> int:
+    try:
+        return validate_max_shard_size(value, "--max-shard-size")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``nemo-consolidate``."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Consolidate a NeMo 2 torch_dist distributed checkpoint into unsharded safetensors "
+        "(or a Hugging Face model directory).",
+        epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
+        "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, 1 other.",
+    )
+    parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, or a checkpoint root")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: <ckpt>/consolidated, "
+                        "or <ckpt>/hf for --format hf)")  # fmt: skip
+    parser.add_argument("--format", choices=ACCEPTED_FORMATS, default="safetensors", help="output format")
+    parser.add_argument("--dtype", type=_dtype, default=None, help="cast floating-point tensors: bf16, fp16 or fp32")
+    parser.add_argument("--max-shard-size", type=_size, default=None, help='bytes per file, e.g. 5GB (default)')
+    parser.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
+                        "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+    parser.add_argument("--allow-unfinished", action="store_true",
+                        help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
+    return parser
+
+
+def _progress_bar(enabled: bool) -> "tuple[Callable[[int, int], None], Callable[[], None]]":
+    """A bytes progress bar (done / total, rate) on a terminal; no-ops otherwise."""
+    if not enabled:
+        return (lambda done, total: None), (lambda: None)
+    from tqdm import tqdm
+
+    bar: List[tqdm] = []
+
+    def update(done: int, total: int) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating"))
+        bar[0].update(done - bar[0].n)
+
+    return update, (lambda: bar[0].close() if bar else None)
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1000
+    return f"{size:.1f} GB"
+
+
+def _verify_existing(location, output_dir: Path, quiet: bool, started: float) -> int:
+    """``--verify`` on an output that exists: compare it with the checkpoint, write nothing."""
+    from nemo_patch.consolidation_verify import verify_consolidated
+
+    count = verify_consolidated(location.weights_dir, output_dir)
+    if not quiet:
+        print(f"Verified {output_dir} against {location.checkpoint_dir}: {count} tensors match "
+              f"({time.perf_counter() - started:.1f} s)")  # fmt: skip
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; returns the exit code (see the module docstring)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
+    warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    import torch
+    from nemo_patch.checkpoint_layout import locate_checkpoint
+
+    update, close = _progress_bar(sys.stderr.isatty() and not args.quiet)
+    started = time.perf_counter()
+    try:
+        location = locate_checkpoint(args.path, allow_unfinished=args.allow_unfinished)
+        if not location.finished:
+            print(f"{PROG}: warning: {location.checkpoint_dir} is unfinished; consolidating it anyway "
+                  "(--allow-unfinished): the output may be incomplete or wrong", file=sys.stderr)  # fmt: skip
+        options = dict(
+            dtype=None if args.dtype is None else getattr(torch, DTYPES[args.dtype]),
+            overwrite=args.force,
+            verify=args.verify,
+            allow_unfinished=args.allow_unfinished,
+            progress=update,
+        )
+        if args.max_shard_size is not None:
+            options["max_shard_size"] = args.max_shard_size
+        default_out = location.checkpoint_dir / ("hf" if args.format == "hf" else "consolidated")
+        if args.verify and not args.force and args.format == "safetensors" and (args.out or default_out).is_dir():
+            return _verify_existing(location, args.out or default_out, args.quiet, started)
+        if args.format == "hf":
+            from nemo_patch.hf_export import export_hf_checkpoint
+
+            result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
+        else:
+            from nemo_patch.consolidate import consolidate_checkpoint
+
+            result = consolidate_checkpoint(location.checkpoint_dir, args.out, **options)
+    except ConsolidationError as error:
+        close()
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        close()
+        print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    close()
+    seconds = time.perf_counter() - started
+    if not args.quiet:
+        rate = result.total_bytes / seconds if seconds > 0 else 0.0
+        print(
+            f"Consolidated {location.checkpoint_dir} -> {result.output_dir}: {result.tensor_count} tensors, "
+            f"{_human(result.total_bytes)} in {seconds:.1f} s ({_human(rate)}/s)"
+            f"{', verified' if args.verify else ''}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

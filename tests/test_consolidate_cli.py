@@ -1,0 +1,204 @@
+"""``nemo-consolidate``: inputs, options, and one exit code per failure, with nothing partial left behind."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_fit
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from nemo_patch.atomic_output import TMP_PREFIX
+from nemo_patch.consolidate_cli import main
+from nemo_patch.latest_pointer import update_latest_pointer
+
+
+def _leftovers(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(TMP_PREFIX))
+
+
+def _cli(capsys, *argv):
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _run_root(checkpoint_copy, tmp_path, names):
+    """A checkpoint root holding copies of one checkpoint under NeMo-style names."""
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    for name in names:
+        shutil.copytree(checkpoint_copy, root / name)
+    return root
+
+
+def test_checkpoint_dir_and_weights_dir_give_the_same_files(checkpoint_copy, tmp_path, capsys):
+    code, out, err = _cli(capsys, checkpoint_copy, "--verify")
+    assert code == 0, err
+    assert out.startswith(f"Consolidated {checkpoint_copy} -> {checkpoint_copy / 'consolidated'}: 28 tensors")
+    assert out.strip().endswith(", verified") and err == ""  # one summary line; no progress bar off a terminal
+    code, _, err = _cli(capsys, checkpoint_copy / "weights", "--out", tmp_path / "again")
+    assert code == 0, err
+    first = json.loads((checkpoint_copy / "consolidated" / "metadata.json").read_text())["files"]
+    second = json.loads((tmp_path / "again" / "metadata.json").read_text())["files"]
+    assert first == second
+
+
+def test_a_root_takes_latest_else_the_newest_finished_checkpoint(checkpoint_copy, tmp_path, capsys):
+    names = ["m--step=1-consumed_samples=4.0", "m--step=3-consumed_samples=8.0", "m--step=5-consumed_samples=12.0"]
+    root = _run_root(checkpoint_copy, tmp_path, names)
+    (root / f"{names[2]}-unfinished").touch()  # NeMo's marker: the newest save never finished
+    code, out, err = _cli(capsys, root)
+    assert code == 0, err
+    assert f"-> {root / names[1] / 'consolidated'}" in out
+    update_latest_pointer(root / names[0])
+    code, out, err = _cli(capsys, root.parent)  # the run directory holding checkpoints/
+    assert code == 0, err
+    assert f"-> {root / names[0] / 'consolidated'}" in out
+    assert not (root / names[2] / "consolidated").exists()
+
+
+def test_dtype_cast_and_sharding(checkpoint_copy, tmp_path, capsys):
+    code, _, err = _cli(
+        capsys, checkpoint_copy, "--dtype", "bf16", "--max-shard-size", "100KB", "--out", tmp_path / "o"
+    )
+    assert code == 0, err
+    index = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2  # 153 KB of bf16 weights in files of at most 100 KB
+    assert json.loads((tmp_path / "o" / "metadata.json").read_text())["dtype"] == "bfloat16"
+    code, _, err = _cli(capsys, checkpoint_copy, "--out", tmp_path / "fp32")
+    reference = load_file(tmp_path / "fp32" / "model.safetensors")
+    for filename in set(index["weight_map"].values()):
+        with safe_open(str(tmp_path / "o" / filename), "pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, reference[name].to(torch.bfloat16))
+
+
+def test_stale_temporary_output_of_a_killed_process_is_removed(checkpoint_copy, capsys):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = checkpoint_copy / f"{TMP_PREFIX}{int(dead.stdout)}-0123456789ab@{os.uname().nodename}"
+    (stale / "x").mkdir(parents=True)
+    code, _, err = _cli(capsys, checkpoint_copy)
+    assert code == 0, err
+    assert not stale.exists() and _leftovers(checkpoint_copy) == []
+
+
+# --- one exit code and a one-line reason per failure; nothing partial left -----------------------------------
+
+
+def _assert_failed(capsys, argv, code, reason, checkpoint=None):
+    got, out, err = _cli(capsys, *argv)
+    assert got == code, err
+    assert out == "" and len(err.strip().splitlines()) == 1 and reason in err, err
+    assert err.startswith("nemo-consolidate: error: ")
+    if checkpoint is not None:
+        assert _leftovers(checkpoint) == []
+
+
+def test_missing_path_exits_3(tmp_path, capsys):
+    _assert_failed(capsys, [tmp_path / "nope"], 3, "does not exist")
+
+
+def test_not_a_checkpoint_exits_4(tmp_path, capsys):
+    (tmp_path / "some-dir").mkdir()
+    _assert_failed(capsys, [tmp_path], 4, "is neither a NeMo 2 checkpoint nor a checkpoint root")
+    (tmp_path / "file").write_text("x")
+    _assert_failed(capsys, [tmp_path / "file"], 4, "is not a NeMo 2 checkpoint: it is a file")
+
+
+def test_unfinished_checkpoint_exits_5_unless_explicitly_allowed(checkpoint_copy, capsys):
+    marker = checkpoint_copy.parent / f"{checkpoint_copy.name}-unfinished"
+    marker.touch()
+    _assert_failed(capsys, [checkpoint_copy], 5, "unfinished checkpoint (NeMo's unfinished marker is present)")
+    assert not (checkpoint_copy / "consolidated").exists()
+    code, _, err = _cli(capsys, checkpoint_copy, "--allow-unfinished")
+    assert code == 0 and "warning:" in err and "--allow-unfinished" in err
+    marker.unlink()
+    (checkpoint_copy / "weights" / ".metadata").unlink()  # DCP writes it last: the save never got there
+    _assert_failed(capsys, [checkpoint_copy, "--force"], 5, "(no '.metadata')")
+
+
+def test_unsupported_formats_exit_6_and_say_which(checkpoint_copy, tmp_path, capsys):
+    zarr = tmp_path / "zarr-ckpt"
+    (zarr / "weights").mkdir(parents=True)
+    (zarr / "weights" / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    _assert_failed(capsys, [zarr], 6, "is a 'zarr' checkpoint; only 'torch_dist'")
+    fsdp = tmp_path / "fsdp-ckpt"  # NeMo's fsdp_dtensor layout: DCP files directly in the checkpoint directory
+    shutil.copytree(checkpoint_copy / "weights", fsdp)
+    shutil.copytree(checkpoint_copy / "context", fsdp / "context")
+    _assert_failed(capsys, [fsdp], 6, "is an 'fsdp_dtensor' checkpoint")
+
+
+def test_existing_output_exits_7_without_force(checkpoint_copy, capsys):
+    assert _cli(capsys, checkpoint_copy)[0] == 0
+    before = (checkpoint_copy / "consolidated" / "metadata.json").stat().st_ino
+    _assert_failed(capsys, [checkpoint_copy], 7, "consolidated exists (overwrite it with --force)", checkpoint_copy)
+    assert (checkpoint_copy / "consolidated" / "metadata.json").stat().st_ino == before
+    assert _cli(capsys, checkpoint_copy, "--force")[0] == 0
+    assert (checkpoint_copy / "consolidated" / "metadata.json").stat().st_ino != before
+
+
+def test_truncated_shard_and_metadata_exit_8_naming_the_file(checkpoint_copy, capsys):
+    shard = checkpoint_copy / "weights" / "__0_0.distcp"
+    with open(shard, "r+b") as handle:
+        handle.truncate(shard.stat().st_size // 2)
+    _assert_failed(capsys, [checkpoint_copy], 8, "Cannot read shard file(s) __0_0.distcp of", checkpoint_copy)
+    assert not (checkpoint_copy / "consolidated").exists()
+    (checkpoint_copy / "weights" / ".metadata").write_bytes(b"\x80\x04garbage")
+    _assert_failed(capsys, [checkpoint_copy], 8, "Cannot read the checkpoint metadata file", checkpoint_copy)
+
+
+def test_verify_catches_a_corrupted_output_tensor_exit_9(checkpoint_copy, capsys):
+    assert _cli(capsys, checkpoint_copy)[0] == 0
+    code, out, _ = _cli(capsys, checkpoint_copy, "--verify")  # an existing output: checked, not rewritten
+    assert code == 0 and out.startswith("Verified ") and "28 tensors match" in out
+    output = checkpoint_copy / "consolidated" / "model.safetensors"
+    data = bytearray(output.read_bytes())
+    data[-3] ^= 0xFF  # flip bits in the last tensor's data; the header still parses
+    output.write_bytes(bytes(data))
+    _assert_failed(capsys, [checkpoint_copy, "--verify"], 9, f"in {output} differs from module.")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--format", "onnx"], "argument --format: invalid choice: 'onnx' (choose from 'safetensors', 'hf')"),
+        (["--dtype", "int8"], "argument --dtype: invalid dtype 'int8': expected one of bf16, fp16, fp32"),
+        (["--max-shard-size", "lots"], 'Invalid --max-shard-size \'lots\': expected an integer number of bytes'),
+        (["--frequency", "each"], "unrecognized arguments: --frequency each"),
+    ],
+)
+def test_bad_arguments_exit_2_with_usage(checkpoint_copy, capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main([str(checkpoint_copy), *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("usage: nemo-consolidate ") and message in err
+
+
+def test_console_script_and_module_entry_points(checkpoint_copy, tmp_path):
+    """The installed ``nemo-consolidate`` script and ``python -m nemo_patch`` are the same command."""
+    script = shutil.which("nemo-consolidate", path=os.path.dirname(sys.executable))
+    assert script is not None, "the console script is not installed next to this interpreter"
+    proc = subprocess.run([script, str(checkpoint_copy), "--out", str(tmp_path / "a")], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "nemo_patch", str(tmp_path / "missing")], capture_output=True,
+                          text=True, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 3 and proc.stderr.strip().splitlines() == [
+        f"nemo-consolidate: error: {tmp_path / 'missing'} does not exist"
+    ]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_by_stock_nemo_consolidates(tmp_path, capsys):
+    """No overlay in the training run (``NEMO_PATCH_DISABLE=1``), so nothing of ours is in the checkpoint."""
+    run_fit(tmp_path, stock=True, max_steps=2, save_every=2)
+    root = tmp_path / "tiny_gpt" / "checkpoints"
+    assert not any(p.name == "consolidated" for p in root.rglob("*"))
+    code, out, err = _cli(capsys, root, "--verify")
+    assert code == 0, err
+    assert "28 tensors" in out and out.strip().endswith("verified")
