@@ -24,10 +24,13 @@ from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
-from nemo_patch.consolidate import CONSOLIDATED_DIRNAME, DEFAULT_MAX_SHARD_SIZE, link_consolidated_output
+from nemo_patch.consolidate import DEFAULT_MAX_SHARD_SIZE, link_consolidated_output
 from nemo_patch.consolidation_policy import (
+    DEFAULT_FORMAT,
     ConsolidationPolicy,
+    output_dirname,
     resolve_policy,
+    validate_format,
     validate_max_pending,
     validate_max_shard_size,
 )
@@ -58,6 +61,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         ckpt_consolidation_frequency: ``None`` (default), ``"each"``, ``"latest"`` or ``"every_n:<k>"``.
         consolidation_max_shard_size: most bytes of tensor data per output safetensors file (default 5 * 10**9).
         consolidation_max_pending: consolidation requests that may wait behind the running one (default 2).
+        consolidation_format: ``"safetensors"`` (default, ``<ckpt>/consolidated``) or ``"hf"`` (``<ckpt>/hf``).
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
@@ -71,6 +75,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         ckpt_consolidation_frequency: Optional[str] = None,
         consolidation_max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
         consolidation_max_pending: int = DEFAULT_MAX_PENDING,
+        consolidation_format: str = DEFAULT_FORMAT,
         **kwargs: Any,
     ) -> None:
         policy = resolve_policy(save_consolidated, ckpt_consolidation_frequency)
@@ -78,6 +83,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             consolidation_max_shard_size, "consolidation_max_shard_size"
         )
         self.consolidation_max_pending = validate_max_pending(consolidation_max_pending, "consolidation_max_pending")
+        self.consolidation_format = validate_format(consolidation_format, "consolidation_format")
         super().__init__(*args, **kwargs)
         self._set_policy(save_consolidated, ckpt_consolidation_frequency, policy)
 
@@ -99,6 +105,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         ckpt_consolidation_frequency: Optional[str] = None,
         max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
         max_pending: int = DEFAULT_MAX_PENDING,
+        output_format: str = DEFAULT_FORMAT,
     ) -> "MegatronCheckpointIO":
         """Make a consolidating IO with the same settings as NeMo's ``checkpoint_io`` (which is left untouched).
 
@@ -110,6 +117,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         upgraded.__dict__.update(vars(checkpoint_io))
         upgraded.consolidation_max_shard_size = max_shard_size
         upgraded.consolidation_max_pending = max_pending
+        upgraded.consolidation_format = validate_format(output_format, "consolidation_format")
         upgraded._set_policy(save_consolidated, ckpt_consolidation_frequency, policy)
         return upgraded
 
@@ -149,6 +157,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                 self._on_consolidated,
                 max_pending=self.consolidation_max_pending,
                 max_shard_size=self.consolidation_max_shard_size,
+                output_format=self.consolidation_format,
             )
         return self._queue
 
@@ -220,7 +229,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             return
         save.consolidated = True
         self._point_latest(save.path)
-        self._outputs[save.global_step] = save.path / CONSOLIDATED_DIRNAME
+        self._outputs[save.global_step] = save.path / output_dirname(self.consolidation_format)
         self._link_copies(save.global_step)
 
     def _link_copies(self, global_step: int) -> None:
@@ -233,7 +242,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                 logger.debug("Checkpoint %s is gone; not reusing %s for it", copy.path, output)
                 continue
             try:
-                link_consolidated_output(output, copy.path)
+                link_consolidated_output(output, copy.path, output.name)
                 copy.consolidated = True
             except OSError:
                 if self.is_checkpoint_gone(copy):

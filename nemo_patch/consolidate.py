@@ -186,7 +186,9 @@ def plan_outputs(metadata: Metadata) -> List["_Output"]:
     return sorted(outputs, key=lambda output: _natural(output.spec.name))
 
 
-def link_consolidated_output(source_output: Union[str, Path], checkpoint_dir: Union[str, Path]) -> Path:
+def link_consolidated_output(
+    source_output: Union[str, Path], checkpoint_dir: Union[str, Path], output_name: str = CONSOLIDATED_DIRNAME
+) -> Path:
     """Give ``checkpoint_dir`` a ``consolidated/`` with the same files as ``source_output``, without recomputing.
 
     For NeMo's ``-last`` copy of a checkpoint: the weights are the same, so are the outputs (``metadata.json``'s
@@ -196,6 +198,7 @@ def link_consolidated_output(source_output: Union[str, Path], checkpoint_dir: Un
     Args:
         source_output: an existing ``consolidated/`` directory.
         checkpoint_dir: the checkpoint directory that receives ``consolidated/``.
+        output_name: the name of the new directory (``hf`` for a Hugging Face export).
 
     Returns:
         The new ``<checkpoint_dir>/consolidated``.
@@ -211,11 +214,11 @@ def link_consolidated_output(source_output: Union[str, Path], checkpoint_dir: Un
                 os.link(source, tmp_dir / source.name)
             except OSError:
                 shutil.copy2(source, tmp_dir / source.name)
-        publish_dir(tmp_dir, checkpoint_dir / CONSOLIDATED_DIRNAME)
+        publish_dir(tmp_dir, checkpoint_dir / output_name)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    return checkpoint_dir / CONSOLIDATED_DIRNAME
+    return checkpoint_dir / output_name
 
 
 def _root_cause(error: BaseException) -> str:
@@ -227,11 +230,13 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".rstrip(": ")
 
 
-def _producer(reader: DCPRegionReader, sources: Dict[str, _Output], metadata: Metadata, largest: int):
+def _producer(
+    reader: DCPRegionReader, sources: Dict[str, _Output], metadata: Metadata, largest: int, reuse: bool = True
+):
     """Reads each output tensor into one of two reusable byte buffers (the writer keeps at most one tensor in flight
     while the next is read), so memory is not re-allocated and re-faulted for every tensor. A tensor cast to another
-    dtype is read into a third buffer in its stored dtype first."""
-    buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    dtype is read into a third buffer in its stored dtype first. With ``reuse=False`` every tensor is new memory."""
+    buffers = [torch.empty(largest if reuse else 0, dtype=torch.uint8) for _ in range(2)]
     staging: List[torch.Tensor] = []
     turn = [0]
 
@@ -239,7 +244,11 @@ def _producer(reader: DCPRegionReader, sources: Dict[str, _Output], metadata: Me
         source = sources[spec.name]
         buffer = buffers[turn[0] % 2]
         turn[0] += 1
-        out = buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
+        out = (
+            buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
+            if reuse
+            else torch.empty(spec.shape, dtype=spec.dtype)
+        )
         stored = stored_spec(metadata, source)
         try:
             if stored.dtype == spec.dtype:

@@ -133,6 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     import torch
+
     from nemo_patch.checkpoint_layout import locate_checkpoint
 
     update, close = _progress_bar(sys.stderr.isatty() and not args.quiet)

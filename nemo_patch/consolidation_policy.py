@@ -36,8 +36,10 @@ from typing import Literal, Optional
 __all__ = [
     "ACCEPTED_FORMATS",
     "ACCEPTED_FREQUENCIES",
+    "DEFAULT_FORMAT",
     "ConsolidationPolicy",
     "parse_consolidation_frequency",
+    "output_dirname",
     "resolve_policy",
     "validate_max_pending",
     "validate_format",
@@ -203,6 +205,14 @@ def validate_max_shard_size(value: object, name: str = "ckpt_consolidation_max_s
 
 #: Output formats of a consolidation: ``ckpt_consolidation_format`` and the CLI's ``--format``.
 ACCEPTED_FORMATS = ("safetensors", "hf")
+#: The default output format.
+DEFAULT_FORMAT = "safetensors"
+_OUTPUT_DIRNAMES = {"safetensors": "consolidated", "hf": "hf"}
+
+
+def output_dirname(output_format: str) -> str:
+    """The output directory's name inside a checkpoint directory: ``consolidated`` or ``hf``."""
+    return _OUTPUT_DIRNAMES[validate_format(output_format)]
 
 
 def validate_format(value: object, name: str = "ckpt_consolidation_format") -> str:

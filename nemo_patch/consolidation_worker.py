@@ -69,16 +69,23 @@ class ConsolidationQueue:
         max_pending: requests that may wait behind the running one (>= 0). When a new request would exceed it, the
             oldest waiting request is skipped and logged (the first time with a warning, then at debug level).
         max_shard_size: forwarded to the engine (bytes per output file; ``None``: the engine's default).
+        output_format: ``"safetensors"`` (:func:`nemo_patch.consolidate.consolidate_checkpoint`) or ``"hf"``
+            (:func:`nemo_patch.hf_export.export_hf_checkpoint`, which imports NeMo in the child process).
     """
 
     def __init__(
-        self, on_done: DoneCallback, max_pending: int = DEFAULT_MAX_PENDING, max_shard_size: Optional[int] = None
+        self,
+        on_done: DoneCallback,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_shard_size: Optional[int] = None,
+        output_format: str = "safetensors",
     ):
         if max_pending < 0:
             raise ValueError(f"max_pending must be >= 0, got {max_pending}")
         self._on_done = on_done
         self._max_pending = max_pending
         self._max_shard_size = max_shard_size
+        self._format = output_format
         self._pending: Deque[CheckpointSave] = deque()
         self._running: Optional[_Running] = None
         self._deferred_removals: List[Callable[[], None]] = []
@@ -186,6 +193,8 @@ class ConsolidationQueue:
         args.append(str(save.global_step))
         if self._max_shard_size is not None:
             args += ["--max-shard-size", str(self._max_shard_size)]
+        if self._format != "safetensors":
+            args += ["--format", self._format]
         env = dict(os.environ)
         for name in (
             "RANK",
@@ -265,8 +274,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--global-step", type=int, default=None)
     parser.add_argument("--max-shard-size", type=int, default=None)
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
     args = parser.parse_args(argv)
     from nemo_patch.consolidate import ConsolidationError, consolidate_checkpoint
+
+    if args.format == "hf":
+        from nemo_patch.hf_export import export_hf_checkpoint as consolidate_checkpoint  # noqa: F811
 
     kwargs: Dict[str, int] = {}
     if args.max_shard_size is not None:

@@ -28,8 +28,11 @@ from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io, replace_base_checkpoint_io
 from nemo_patch.consolidate import DEFAULT_MAX_SHARD_SIZE
 from nemo_patch.consolidation_policy import (
+    DEFAULT_FORMAT,
     ConsolidationPolicy,
+    output_dirname,
     resolve_policy,
+    validate_format,
     validate_max_pending,
     validate_max_shard_size,
     validate_timeout,
@@ -55,6 +58,7 @@ _OWN_ARGS = (
     "ckpt_consolidation_timeout",
     "ckpt_consolidation_max_shard_size",
     "ckpt_consolidation_max_pending",
+    "ckpt_consolidation_format",
 )
 
 logger = logging.getLogger(__name__)
@@ -89,6 +93,10 @@ class MegatronStrategy(NeMoMegatronStrategy):
             sharding; default 5 * 10**9): an int, or a size string as ``save_pretrained`` takes it (``"5GB"``,
             ``"500MiB"``).
         ckpt_consolidation_max_pending: how many consolidation requests may wait behind the running one (default 2).
+        ckpt_consolidation_format: ``"safetensors"`` (default): ``<ckpt>/consolidated/`` with this package's layout
+            (megatron-core names, any model); ``"hf"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory
+            written through NeMo's registered exporter for the model class (e.g. Llama); see
+            :mod:`nemo_patch.hf_export`. Either runs in the consolidation process, off the training path.
             When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
             consolidation never builds an unbounded backlog.
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
@@ -96,7 +104,8 @@ class MegatronStrategy(NeMoMegatronStrategy):
     Raises:
         ValueError: for an invalid frequency, a ``save_consolidated`` that is not ``None``/``True``/``False``,
             ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
-            shard size that is not an integer >= 1 or a size string, or a queue bound that is not an integer >= 0.
+            shard size that is not an integer >= 1 or a size string, a queue bound that is not an integer >= 0, or a
+            format other than ``"safetensors"``/``"hf"``.
             Raised before anything else is set up.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
@@ -114,6 +123,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_timeout: float = DEFAULT_TIMEOUT,
         ckpt_consolidation_max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
         ckpt_consolidation_max_pending: int = DEFAULT_MAX_PENDING,
+        ckpt_consolidation_format: str = DEFAULT_FORMAT,
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
@@ -121,6 +131,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         self.ckpt_consolidation_timeout = validate_timeout(ckpt_consolidation_timeout)
         self.ckpt_consolidation_max_shard_size = validate_max_shard_size(ckpt_consolidation_max_shard_size)
         self.ckpt_consolidation_max_pending = validate_max_pending(ckpt_consolidation_max_pending)
+        self.ckpt_consolidation_format = validate_format(ckpt_consolidation_format)
         self.save_consolidated = save_consolidated
         self.ckpt_consolidation_frequency = ckpt_consolidation_frequency
         super().__init__(*args, **kwargs)
@@ -138,6 +149,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             "ckpt_consolidation_timeout": DEFAULT_TIMEOUT,
             "ckpt_consolidation_max_shard_size": DEFAULT_MAX_SHARD_SIZE,
             "ckpt_consolidation_max_pending": DEFAULT_MAX_PENDING,
+            "ckpt_consolidation_format": DEFAULT_FORMAT,
         }
         own = {name: getattr(self, name) for name in _OWN_ARGS}
         return {name: value for name, value in own.items() if value is not None and value != defaults.get(name)}
@@ -171,6 +183,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             base._set_policy(self.save_consolidated, self.ckpt_consolidation_frequency, policy)
             base.consolidation_max_shard_size = self.ckpt_consolidation_max_shard_size
             base.consolidation_max_pending = self.ckpt_consolidation_max_pending
+            base.consolidation_format = self.ckpt_consolidation_format
             return checkpoint_io
         if policy is None:
             return checkpoint_io  # e.g. save_consolidated=False: NeMo's checkpoint IO as it is
@@ -183,6 +196,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
                     self.ckpt_consolidation_frequency,
                     max_shard_size=self.ckpt_consolidation_max_shard_size,
                     max_pending=self.ckpt_consolidation_max_pending,
+                    output_format=self.ckpt_consolidation_format,
                 ),
             )
         logger.warning(
@@ -238,7 +252,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if wait:
             base.wait_for_consolidation(self.ckpt_consolidation_timeout)
         newest = base.consolidation.newest_finished
-        return newest.path / "consolidated" if newest.consolidated else None
+        return newest.path / output_dirname(base.consolidation_format) if newest.consolidated else None
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         """NeMo's checkpoint removal (top-k), deferred while that checkpoint is being consolidated and dropping a

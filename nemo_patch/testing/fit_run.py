@@ -34,7 +34,7 @@ def checkpoint_report(checkpoint_root: Path, steps: Optional[Dict[str, int]] = N
     for path in sorted(
         p for p in checkpoint_root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")
     ):
-        out = path / "consolidated"
+        out = path / "consolidated" if (path / "consolidated").is_dir() else path / "hf"
         entries.append(
             {
                 "name": path.name,
@@ -65,6 +65,9 @@ def run_tiny_fit(
     restore_from: Optional[Path] = None,
     devices: Optional[int] = None,
     weights_only: bool = False,
+    model_from: Optional[Path] = None,
+    output_format: Optional[str] = None,
+    probe_hf: bool = False,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -89,6 +92,11 @@ def run_tiny_fit(
             TP/PP layout; optimizer state is not loaded).
         devices: CPU processes (default ``tp * pp``; more gives data parallelism).
         weights_only: ``ModelCheckpoint(save_weights_only=True)``: checkpoints without optimizer state.
+        model_from: fine-tune the model of this NeMo checkpoint instead of the tiny GPT: its class, config and
+            tokenizer from ``context/``, its weights through ``RestoreConfig`` (e.g. an imported Hugging Face Llama).
+        output_format: ``ckpt_consolidation_format`` (``None``: not passed).
+        probe_hf: after ``fit``, compare the trained model's logits with ``transformers``'
+            ``AutoModelForCausalLM`` loaded from ``LATEST/hf`` (``max_abs_hf_logit_diff`` in the report).
 
     Returns:
         A JSON-able report: ``strategy_class``, ``checkpoints`` (see :func:`checkpoint_report`), ``latest``,
@@ -108,7 +116,8 @@ def run_tiny_fit(
         kwargs["ckpt_consolidation_frequency"] = frequency
     if save_consolidated is not None:
         kwargs["save_consolidated"] = save_consolidated
-    for name, value in (("max_pending", max_pending), ("max_shard_size", max_shard_size), ("timeout", timeout)):
+    options = (("max_pending", max_pending), ("max_shard_size", max_shard_size), ("timeout", timeout))
+    for name, value in options + (("format", output_format),):
         if value is not None:
             kwargs[f"ckpt_consolidation_{name}"] = value
     if stock and nemo_patch.overlay_applied():
@@ -121,8 +130,14 @@ def run_tiny_fit(
     log = tiny_gpt.make_logger(
         out, save_every=save_every, filename=CHECKPOINT_FILENAME, save_weights_only=weights_only
     )
-    config = tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings)
-    model = tiny_gpt.tiny_gpt_model(config, lr=lr)
+    if model_from is not None:
+        from nemo.lightning import io
+
+        context = io.load_context(str(Path(model_from) / "context"), subpath="model")
+        model = type(context)(context.config, optim=tiny_gpt.cpu_adam(lr), tokenizer=context.tokenizer)
+        restore_from = model_from
+    else:
+        model = tiny_gpt.tiny_gpt_model(tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings), lr=lr)
     if restore_from is not None:
         restore = nl.RestoreConfig(path=str(restore_from), load_optim_state=False)
         resume = nl.AutoResume(restore_config=restore)
@@ -137,6 +152,8 @@ def run_tiny_fit(
         root = out / "tiny_gpt" / "checkpoints"
         if probe_logits:
             report["max_abs_logit_diff"] = _probe_logits(model, root)
+        if probe_hf:
+            report["max_abs_hf_logit_diff"] = _probe_hf_logits(model, root / "LATEST" / "hf")
 
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     schedule = getattr(base, "consolidation", None)
@@ -181,6 +198,26 @@ def _probe_logits(model: Any, root: Path) -> float:
     return float((expected - actual).abs().max())
 
 
+def _probe_hf_logits(model: Any, hf_dir: Path) -> float:
+    """Max |logit difference| between the trained NeMo model and ``AutoModelForCausalLM`` loaded from ``hf_dir``."""
+    import torch
+    from megatron.core.models.gpt import GPTModel as MCoreGPTModel
+    from transformers import AutoModelForCausalLM
+
+    from nemo_patch.testing import tiny_gpt
+
+    trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    batch = tiny_gpt.causal_batch(
+        torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
+    )
+    with torch.no_grad():
+        expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        actual = hf_model(input_ids=batch["tokens"]).logits
+    return float((expected - actual).abs().max())
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Command-line entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -202,6 +239,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--restore-from", type=Path, default=None)
     parser.add_argument("--devices", type=int, default=None)
     parser.add_argument("--weights-only", action="store_true")
+    parser.add_argument("--model-from", type=Path, default=None)
+    parser.add_argument("--format", default=None)
+    parser.add_argument("--probe-hf", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -224,6 +264,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         restore_from=args.restore_from,
         devices=args.devices,
         weights_only=args.weights_only,
+        model_from=args.model_from,
+        output_format=args.format,
+        probe_hf=args.probe_hf,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["TinyTokenDataModule", "tiny_gpt_config", "tiny_gpt_model", "make_trainer", "make_logger"]
+__all__ = ["TinyTokenDataModule", "cpu_adam", "tiny_gpt_config", "tiny_gpt_model", "make_trainer", "make_logger"]
 
 SEQ_LENGTH = 16
 VOCAB_SIZE = 128
@@ -63,13 +63,12 @@ def tiny_gpt_config(num_layers: int = 2, tie_embeddings: bool = True, layer_spec
     )
 
 
-def tiny_gpt_model(config: Optional[Any] = None, lr: float = 1e-3) -> Any:
-    """An ``llm.GPTModel`` of :func:`tiny_gpt_config` with a Megatron Adam optimizer (``clip_grad=0``)."""
+def cpu_adam(lr: float = 1e-3) -> Any:
+    """NeMo's ``MegatronOptimizerModule`` with megatron-core Adam set up to run on the CPU (``clip_grad=0``, fp32)."""
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
-    from nemo.collections import llm
 
-    optim = nl.MegatronOptimizerModule(
+    return nl.MegatronOptimizerModule(
         config=OptimizerConfig(
             optimizer="adam",
             lr=lr,
@@ -80,7 +79,13 @@ def tiny_gpt_model(config: Optional[Any] = None, lr: float = 1e-3) -> Any:
             params_dtype=torch.float32,
         )
     )
-    return llm.GPTModel(config or tiny_gpt_config(), optim=optim)
+
+
+def tiny_gpt_model(config: Optional[Any] = None, lr: float = 1e-3) -> Any:
+    """An ``llm.GPTModel`` of :func:`tiny_gpt_config` with a Megatron Adam optimizer (:func:`cpu_adam`)."""
+    from nemo.collections import llm
+
+    return llm.GPTModel(config or tiny_gpt_config(), optim=cpu_adam(lr))
 
 
 def causal_batch(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,248 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Export a NeMo 2 ``torch_dist`` checkpoint as a Hugging Face model directory, with NeMo's own registered exporter.
+
+The model class is read from the checkpoint's ``context/`` (NeMo's ``io.load_context``); its exporter is the one NeMo
+registered for ``"hf"`` (``io.model_exporter(<class>, "hf")``, e.g. ``HFLlamaExporter`` for ``LlamaModel``). NeMo's
+exporters normally load the checkpoint into a model on a GPU (``nemo_load``); here the weights come from this
+package's consolidation engine instead (files only, CPU, no process group), and the exporter's own ``convert_state``
+and ``init`` do the name and layout mapping, so the output is exactly what NeMo's exporter would write:
+``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards plus ``model.safetensors.index.json``),
+the tokenizer files when the context has a Hugging Face tokenizer, and this package's ``metadata.json``.
+
+Layer-norm names (the one place both namings are handled): NeMo's Llama exporter maps the Transformer Engine
+spec's fused names ``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight`` and
+``decoder.layers.<i>.mlp.linear_fc1.layer_norm_weight``. A model built with megatron-core's local (non-TE) spec, as on
+CPU, holds ``input_layernorm.weight`` and ``pre_mlp_layernorm.weight`` in its ``state_dict`` -- which is why NeMo's
+stock ``export_ckpt`` fails on it -- but saves them in the distributed checkpoint under the TE names (its
+``sharded_state_dict_keys_map``), so consolidated names are the TE names for both specs. :func:`te_layer_norm_names`
+also renames local names that reach it (from a layer without that keys map), so both namings export correctly.
+
+Memory: unlike the ``safetensors`` format, the exporter converts a whole model at once, so peak memory is about twice
+the model's weights.
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from nemo_patch.atomic_output import make_tmp_dir, publish_dir, remove_stale_tmp_dirs
+from nemo_patch.checkpoint_layout import inspect_checkpoint
+from nemo_patch.consolidate import (
+    FORMAT_VERSION,
+    METADATA_FILENAME,
+    ConsolidationResult,
+    ProgressCallback,
+    _producer,
+    plan_outputs,
+)
+from nemo_patch.consolidation_errors import (
+    ConsolidationError,
+    CorruptShardError,
+    ExportError,
+    OutputExistsError,
+    VerificationError,
+)
+from nemo_patch.dcp_metadata import read_dcp_metadata
+from nemo_patch.dcp_reader import DCPRegionReader
+from nemo_patch.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
+
+__all__ = ["HF_DIRNAME", "export_hf_checkpoint", "te_layer_norm_names"]
+
+logger = logging.getLogger(__name__)
+
+#: Name of the Hugging Face output directory inside a checkpoint directory.
+HF_DIRNAME = "hf"
+
+_LOCAL_NORM = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+\.)(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<p>\w+)$")
+_FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
+
+
+def te_layer_norm_names(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Rename local-spec layer norms to the Transformer Engine spec's fused names NeMo's exporters expect.
+
+    ``decoder.layers.<i>.input_layernorm.<p>`` becomes ``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_<p>``
+    and ``decoder.layers.<i>.pre_mlp_layernorm.<p>`` becomes ``decoder.layers.<i>.mlp.linear_fc1.layer_norm_<p>``
+    (``<p>`` is ``weight`` or ``bias``), but only where the layer has that fused linear layer (a dense MLP; an MoE
+    layer keeps its ``pre_mlp_layernorm``, as the TE spec does). Names already in TE form are unchanged.
+
+    Args:
+        state_dict: consolidated name -> tensor.
+
+    Returns:
+        A new dict with the same tensors.
+    """
+    renamed = {}
+    for name, tensor in state_dict.items():
+        match = _LOCAL_NORM.match(name)
+        if match:
+            fused = f"{match.group('layer')}{_FUSED_INTO[match.group('norm')]}"
+            if f"{fused}.weight" in state_dict:
+                name = f"{fused}.layer_norm_{match.group('p')}"
+        renamed[name] = tensor
+    return renamed
+
+
+def _exporter_for(checkpoint_dir: Path) -> Any:
+    """NeMo's registered ``"hf"`` exporter for the model class in ``<checkpoint_dir>/context``."""
+    try:
+        from nemo.lightning import io
+    except ImportError as error:
+        raise ExportError(f"--format hf needs NeMo (nemo_toolkit[lightning]) importable: {error}") from error
+    try:
+        model = io.load_context(str(checkpoint_dir / "context"), subpath="model")
+    except Exception as error:
+        raise ExportError(f"Cannot read the model class from {checkpoint_dir / 'context'}: {error}") from error
+    model_class = type(model)
+    try:
+        exporter = model_class.exporter("hf", str(checkpoint_dir))
+    except (ValueError, AttributeError) as error:
+        raise ExportError(
+            f"NeMo has no Hugging Face exporter for {model_class.__module__}.{model_class.__qualname__} (the model "
+            f"class of {checkpoint_dir}); use --format safetensors"
+        ) from error
+    return model, exporter
+
+
+def _read_state_dict(weights_dir: Path, progress: Optional[ProgressCallback]) -> Dict[str, torch.Tensor]:
+    metadata = read_dcp_metadata(weights_dir)
+    outputs = plan_outputs(metadata)
+    reader = DCPRegionReader(weights_dir, metadata)
+    total = sum(output.spec.nbytes for output in outputs)
+    produce = _producer(reader, {output.spec.name: output for output in outputs}, metadata, 0, reuse=False)
+    state, done = {}, 0
+    for output in outputs:
+        state[output.spec.name] = produce(output.spec)
+        done += output.spec.nbytes
+        if progress is not None:
+            progress(done, total)
+    return state
+
+
+def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
+    """Every tensor in the written safetensors files equals the exporter's converted tensor (bitwise)."""
+    from safetensors import safe_open
+
+    seen = set()
+    for path in sorted(output_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                seen.add(name)
+                actual, want = handle.get_tensor(name), expected.get(name)
+                if want is None or not torch.equal(actual.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                    raise VerificationError(f"Tensor {name} in {path} differs from the exported model's")
+    written = {expected[name].data_ptr() for name in seen if name in expected}
+    missing = sorted(name for name in set(expected) - seen if expected[name].data_ptr() not in written)  # tied
+    if missing:
+        raise VerificationError(f"{output_dir} lacks tensors of the exported model: {missing[:5]}")
+
+
+def export_hf_checkpoint(
+    checkpoint_dir: Union[str, Path],
+    output_dir: Optional[Union[str, Path]] = None,
+    global_step: Optional[int] = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: Optional[torch.dtype] = None,
+    overwrite: bool = True,
+    verify: bool = False,
+    allow_unfinished: bool = False,
+    progress: Optional[ProgressCallback] = None,
+) -> ConsolidationResult:
+    """Write a ``transformers``-loadable directory for a finished NeMo 2 ``torch_dist`` checkpoint.
+
+    Args:
+        checkpoint_dir: the checkpoint directory (with ``context/`` and ``weights/``) or its ``weights/``.
+        output_dir: where to publish; defaults to ``<ckpt>/hf``. Published atomically.
+        global_step: recorded in ``metadata.json``.
+        max_shard_size: bytes per safetensors file, passed to ``save_pretrained``.
+        dtype: dtype of the exported weights; default: the model config's training dtype (as NeMo's exporter).
+        overwrite: replace an existing output; if ``False`` it raises :class:`OutputExistsError` before any work.
+        verify: re-read the written files and compare every tensor with the exporter's converted model.
+        allow_unfinished: export even if NeMo's unfinished marker is present.
+        progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
+
+    Returns:
+        A :class:`nemo_patch.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the exported
+        model's ``state_dict``).
+
+    Raises:
+        ExportError: NeMo is not importable, the context cannot be read, or the model class has no ``"hf"``
+            exporter (the message names the class).
+        ConsolidationError: or another subclass from :mod:`nemo_patch.consolidation_errors`, as for
+            :func:`nemo_patch.consolidate.consolidate_checkpoint`. Nothing partial is left on failure.
+    """
+    location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
+    ckpt_dir, weights_dir = location.checkpoint_dir, location.weights_dir
+    output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / HF_DIRNAME
+    if output_dir.exists() and not overwrite:
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
+    model, exporter = _exporter_for(ckpt_dir)
+    try:
+        state = te_layer_norm_names(_read_state_dict(weights_dir, progress))
+    except ConsolidationError:
+        raise
+    except (Exception, CheckpointException) as error:
+        raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
+
+    from nemo.lightning.io.state import _ModelState
+    from nemo.collections.llm.gpt.model.base import torch_dtype_from_mcore_config
+
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp_dirs(output_dir.parent)
+        tmp_dir = make_tmp_dir(output_dir.parent, "hf-")
+    except OSError as error:
+        raise ConsolidationError(f"Cannot write the output of {ckpt_dir} in {output_dir.parent}: {error}") from error
+    try:
+        target = exporter.init(dtype or torch_dtype_from_mcore_config(model.config))
+        target = exporter.convert_state(_ModelState(state, model.config), target).cpu()
+        del state
+        target.save_pretrained(tmp_dir, max_shard_size=max_shard_size, safe_serialization=True)
+        try:
+            exporter.tokenizer.tokenizer.save_pretrained(tmp_dir)
+        except Exception as error:  # as NeMo's own exporter: a model without a Hugging Face tokenizer still exports
+            logger.warning("No Hugging Face tokenizer saved with %s: %s", output_dir, error)
+        saved = target.state_dict()
+        if verify:
+            _verify_hf(tmp_dir, saved)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "format": "hf",
+            "global_step": global_step,
+            "source_checkpoint": os.path.relpath(weights_dir, output_dir),
+            "exporter": f"{type(exporter).__module__}.{type(exporter).__qualname__}",
+            "tensor_count": len(saved),
+            "total_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
+        }
+        (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        publish_dir(tmp_dir, output_dir, overwrite=overwrite)
+    except ConsolidationError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    except FileExistsError as error:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
+    except Exception as error:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ConsolidationError(f"Exporting {ckpt_dir} to Hugging Face failed: {type(error).__name__}: {error}")
+    logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
+    return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {})

@@ -1,0 +1,145 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""A tiny random Llama made locally with ``transformers`` and imported into NeMo on the CPU. Not product code.
+
+Used by the Hugging Face round-trip test: :func:`make_tiny_hf_llama` writes a ``LlamaForCausalLM`` directory (random
+weights, a word-level tokenizer built with the ``tokenizers`` library; no hub access), and :func:`import_into_nemo`
+runs NeMo's own ``HFLlamaImporter`` on it. The importer's config is NeMo's ``LlamaConfig`` with only what a CPU without
+Transformer Engine needs changed (:func:`cpu_llama_config_class`: local layer spec, CPU initialisation, no fusions).
+"""
+
+from pathlib import Path
+import sys
+from typing import Any, List, Optional
+
+import torch
+
+from nemo_patch.testing.tiny_gpt import SEQ_LENGTH, VOCAB_SIZE
+
+__all__ = ["cpu_llama_config_class", "import_into_nemo", "make_tiny_hf_llama"]
+
+
+def cpu_llama_config_class() -> type:
+    """NeMo's ``LlamaConfig`` with CPU defaults: local layer spec, CPU initialisation, no fused kernels, no dropout.
+
+    megatron-core validates fusion flags when a config is constructed, so the defaults must change, not the fields
+    afterwards. Defined on first use (NeMo is imported then) and cached as this module's ``CpuLlamaConfig``, the
+    name NeMo's serialized context refers to.
+    """
+    global CpuLlamaConfig
+    if "CpuLlamaConfig" in globals():
+        return CpuLlamaConfig
+    from dataclasses import dataclass, field
+
+    from nemo.collections.llm import LlamaConfig
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    @dataclass
+    class CpuLlamaConfig(LlamaConfig):  # noqa: F811
+        transformer_layer_spec: Any = field(default=local_layer_spec)
+        use_cpu_initialization: bool = True
+        bias_activation_fusion: bool = False
+        bias_dropout_fusion: bool = False
+        masked_softmax_fusion: bool = False
+        persist_layer_norm: bool = False
+        apply_rope_fusion: bool = False
+        gradient_accumulation_fusion: bool = False
+        cross_entropy_loss_fusion: bool = False
+        attention_dropout: float = 0.0
+        hidden_dropout: float = 0.0
+
+    CpuLlamaConfig.__module__ = "nemo_patch.testing.tiny_llama"  # also when this file runs as __main__
+    CpuLlamaConfig.__qualname__ = "CpuLlamaConfig"
+    globals()["CpuLlamaConfig"] = CpuLlamaConfig
+    return CpuLlamaConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CpuLlamaConfig":  # NeMo's context loader resolves the class by this name
+        return cpu_llama_config_class()
+    raise AttributeError(name)
+
+
+def make_tiny_hf_llama(out_dir: Path, tie_embeddings: bool = False, seed: int = 0) -> Path:
+    """Write a random 2-layer, hidden-64 ``LlamaForCausalLM`` (GQA: 4 heads, 2 KV heads) and its tokenizer, fp32.
+
+    The vocabulary has :data:`nemo_patch.testing.tiny_gpt.VOCAB_SIZE` (128) entries, ``<unk>``, ``<s>``, ``</s>``
+    then ``t0`` ... ``t124``, so the tiny GPT's random token data module serves it.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i + 3 for i in range(VOCAB_SIZE - 3)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4 * SEQ_LENGTH,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def import_into_nemo(hf_dir: Path, output_path: Path) -> Path:
+    """Import ``hf_dir`` into a NeMo 2 checkpoint at ``output_path`` with NeMo's ``HFLlamaImporter`` (on the CPU).
+
+    Must run inside :func:`nemo_patch.testing.cpu_harness.megatron_on_cpu`.
+    """
+    from unittest import mock
+
+    from nemo.collections.llm.gpt.model import llama
+
+    # NeMo's importer builds `LlamaConfig(...)` from the HF config; build the CPU variant instead.
+    with mock.patch.object(llama, "LlamaConfig", cpu_llama_config_class()):
+        importer = llama.HFLlamaImporter(str(hf_dir))
+        return Path(importer(overwrite=True, output_path=Path(output_path)))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m nemo_patch.testing.tiny_llama --out DIR``: write ``DIR/hf`` and its NeMo import ``DIR/nemo``."""
+    import argparse
+
+    from nemo_patch.testing.cpu_harness import megatron_on_cpu
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tie-embeddings", action="store_true")
+    args = parser.parse_args(argv)
+    # Through the package module, not __main__: NeMo's context must name the config class by its importable path.
+    from nemo_patch.testing import tiny_llama
+
+    tiny_llama.make_tiny_hf_llama(args.out / "hf", tie_embeddings=args.tie_embeddings)
+    with megatron_on_cpu():
+        tiny_llama.import_into_nemo(args.out / "hf", args.out / "nemo")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

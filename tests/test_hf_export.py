@@ -1,0 +1,107 @@
+"""Hugging Face export: a tiny random Llama made with ``transformers``, imported into NeMo with NeMo's own importer,
+fine-tuned on CPU with ``ckpt_consolidation_frequency="latest"`` and ``ckpt_consolidation_format="hf"``, loaded back
+with ``AutoModelForCausalLM``."""
+
+import filecmp
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_fit
+
+from nemo_patch.consolidate_cli import main
+from nemo_patch.hf_export import te_layer_norm_names
+
+
+@pytest.fixture(scope="module")
+def imported_llama(tmp_path_factory):
+    """``hf/``: a random LlamaForCausalLM (2 layers, GQA) with a word-level tokenizer; ``nemo/``: its NeMo import."""
+    out = tmp_path_factory.mktemp("llama")
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_patch.testing.tiny_llama", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_fine_tuned_llama_round_trips_through_transformers(imported_llama, tmp_path, capsys):
+    report = run_fit(
+        tmp_path / "ft",
+        model_from=imported_llama / "nemo",
+        frequency="latest",
+        format="hf",
+        max_steps=4,
+        save_every=2,
+        probe_hf=True,
+    )
+    # fp32 on both sides; the kernels differ (megatron-core's local attention, RoPE and RMSNorm vs transformers'), so
+    # logits agree to float32 rounding (~1e-7 observed on logits of magnitude ~1), not bit for bit.
+    assert report["max_abs_hf_logit_diff"] < 1e-5
+    assert report["consolidations"] == 1  # latest: nothing during training, one at the end
+    root = tmp_path / "ft" / "tiny_gpt" / "checkpoints"
+    newest = root / report["latest"]
+    hf_dir = newest / "hf"
+    names = {p.name for p in hf_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "metadata.json"} <= names
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    meta = json.loads((hf_dir / "metadata.json").read_text())
+    assert meta["format"] == "hf" and meta["global_step"] == 4
+    assert meta["exporter"] == "nemo.collections.llm.gpt.model.llama.HFLlamaExporter"
+    assert not any((p / "consolidated").exists() for p in root.iterdir())
+
+    # The same checkpoint consolidated offline by the CLI gives identical files.
+    code = main([str(newest), "--format", "hf", "--out", str(tmp_path / "offline"), "--verify"])
+    assert code == 0, capsys.readouterr().err
+    offline = tmp_path / "offline"
+    assert sorted(p.name for p in offline.iterdir()) == sorted(names)
+    same, different, errors = filecmp.cmpfiles(hf_dir, offline, sorted(names - {"metadata.json"}), shallow=False)
+    assert different == [] and errors == []
+    offline_meta = json.loads((offline / "metadata.json").read_text())
+    assert {**offline_meta, "global_step": 4, "source_checkpoint": meta["source_checkpoint"]} == meta
+
+
+def test_import_then_export_gives_back_the_original_weights(imported_llama, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    assert main([str(imported_llama / "nemo"), "--format", "hf", "--out", str(tmp_path / "hf"), "--quiet"]) == 0
+    original = load_file(imported_llama / "hf" / "model.safetensors")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[name], exported[name]) for name in original)
+
+
+def test_a_model_class_without_exporter_exits_10_naming_it(checkpoint_copy, capsys):
+    code = main([str(checkpoint_copy), "--format", "hf"])
+    err = capsys.readouterr().err
+    assert code == 10
+    assert "NeMo has no Hugging Face exporter for nemo.collections.llm.gpt.model.base.GPTModel" in err
+    assert not (checkpoint_copy / "hf").exists()
+
+
+def test_local_and_te_layer_norm_names_map_to_the_same_export_names():
+    te = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(1),
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": torch.ones(1),
+        "decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(1),
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": torch.full((1,), 2.0),
+        "decoder.final_layernorm.weight": torch.full((1,), 3.0),
+    }
+    local = dict(te)
+    local["decoder.layers.0.input_layernorm.weight"] = local.pop(
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    )
+    local["decoder.layers.0.pre_mlp_layernorm.weight"] = local.pop("decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
+    assert te_layer_norm_names(local) == te and te_layer_norm_names(te) == te
+    # An MoE layer (no fused linear_fc1) keeps its pre-MLP norm, as the TE spec does.
+    moe = {
+        "decoder.layers.1.pre_mlp_layernorm.weight": torch.ones(1),
+        "decoder.layers.1.mlp.router.weight": torch.ones(1),
+    }
+    assert te_layer_norm_names(moe) == moe
