@@ -21,8 +21,10 @@ lets ``FileSystemReader.read_data`` copy them into a destination tensor, so peak
 chunk being read (DCP loads a stored chunk whole, with ``torch.load(weights_only=True)``). No process group is used.
 """
 
+import io
+import zipfile
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import IO, Any, List, Optional, Sequence
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -31,7 +33,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-__all__ = ["DCPRegionReader"]
+__all__ = ["ChecksummedFileSystemReader", "DCPRegionReader"]
 
 
 class _RegionLoadPlanner(LoadPlanner):
@@ -69,18 +71,48 @@ class _RegionLoadPlanner(LoadPlanner):
         pass  # resolve_tensor returned a view of the destination: the data is already in place
 
 
+class ChecksummedFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` that checks each stored record's CRC-32 before ``torch.load`` sees it.
+
+    Every tensor chunk in a ``.distcp`` file is a ``torch.save`` zip archive, whose records carry the CRC-32 of their
+    data (written by ``torch.save`` unless ``torch.serialization.config.save.compute_crc32`` was turned off; a record
+    with a stored CRC of 0 is not checked). ``torch.load`` does not check it, so a flipped bit in tensor data would be
+    read silently; this reader raises instead.
+
+    Raises (from ``read_data``):
+        zipfile.BadZipFile: a record's data does not match its CRC-32, or the archive structure is damaged.
+    """
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        where = f"{sinfo.relative_path}, record at byte {sinfo.offset}"
+        if len(data) != sinfo.length:
+            raise EOFError(f"{where}: the file ends {sinfo.length - len(data)} bytes early (truncated)")
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                for info in archive.infolist():
+                    if info.CRC != 0:
+                        archive.read(info)  # raises BadZipFile("Bad CRC-32 for file ...") on a mismatch
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
+            raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
+        return io.BytesIO(data)
+
+
 class DCPRegionReader:
     """Reads tensors, or regions of them, from a DCP directory written by ``torch_dist`` distributed checkpointing.
 
     Args:
         path: the DCP directory (NeMo's ``<ckpt>/weights``).
         metadata: its already-read ``.metadata`` (``FileSystemReader.read_metadata()``), to avoid unpickling it twice.
+        verify_checksums: check the CRC-32 of every stored record read (:class:`ChecksummedFileSystemReader`), so
+            a corrupted shard file fails instead of yielding wrong tensors. Costs one extra pass over the bytes read.
     """
 
-    def __init__(self, path: Path, metadata: Metadata) -> None:
+    def __init__(self, path: Path, metadata: Metadata, verify_checksums: bool = True) -> None:
         self.path = Path(path)
         self.metadata = metadata
-        self._reader = FileSystemReader(str(path))
+        self._reader = ChecksummedFileSystemReader(str(path)) if verify_checksums else FileSystemReader(str(path))
         self._reader.set_up_storage_reader(metadata, is_coordinator=True)
 
     def files_of(self, key: str) -> List[str]:

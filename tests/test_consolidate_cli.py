@@ -153,6 +153,23 @@ def test_truncated_shard_and_metadata_exit_8_naming_the_file(checkpoint_copy, ca
     _assert_failed(capsys, [checkpoint_copy], 8, "Cannot read the checkpoint metadata file", checkpoint_copy)
 
 
+def test_a_flipped_bit_in_tensor_data_exits_8_naming_the_file(checkpoint_copy, capsys):
+    """``torch.load`` does not check the CRC-32 of the records it reads; the consolidation does."""
+    from nemo_patch.dcp_metadata import read_dcp_metadata
+
+    metadata = read_dcp_metadata(checkpoint_copy / "weights")
+    index, info = next(
+        (index, info) for index, info in metadata.storage_data.items() if index.fqn.endswith("linear_fc1.weight")
+    )
+    shard = checkpoint_copy / "weights" / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01  # inside the tensor's stored bytes
+    shard.write_bytes(bytes(data))
+    reason = f"{info.relative_path}, record at byte {info.offset}: corrupt data (Bad CRC-32"
+    _assert_failed(capsys, [checkpoint_copy], 8, reason, checkpoint_copy)
+    assert not (checkpoint_copy / "consolidated").exists()
+
+
 def test_verify_catches_a_corrupted_output_tensor_exit_9(checkpoint_copy, capsys):
     assert _cli(capsys, checkpoint_copy)[0] == 0
     code, out, _ = _cli(capsys, checkpoint_copy, "--verify")  # an existing output: checked, not rewritten
