@@ -14,16 +14,32 @@
 
 """Lightning callback that drives checkpoint consolidation from the training loop's hooks."""
 
+import contextlib
+import logging
 import time
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from nemo_patch.atomic_output import remove_stale_tmp_dirs
 from nemo_patch.checkpoint_io import MegatronCheckpointIO
 from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
 
 __all__ = ["ConsolidationCallback"]
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _never_fails_training(what: str) -> Iterator[None]:
+    """A consolidation problem is logged, never raised into the training loop (failures of the consolidation itself
+    are already reported by the queue; this catches anything unexpected around it, e.g. an unwritable directory)."""
+    try:
+        yield
+    except Exception:
+        logger.exception("Checkpoint consolidation: %s failed; training continues", what)
 
 
 def _consolidating_io(trainer: Optional["pl.Trainer"]) -> Optional[MegatronCheckpointIO]:
@@ -42,6 +58,7 @@ class ConsolidationCallback(Callback):
     with its ``AsyncFinalizerCallback``), so it runs after NeMo's ``ModelCheckpoint`` and ``AsyncFinalizerCallback``
     in every hook: a save made or finalized in a hook is seen in the same hook.
 
+    * ``on_train_start``: remove temporary output left by consolidation processes that were killed.
     * ``on_train_batch_end`` / ``on_validation_end``: consolidate the saves that finished and are due.
     * ``on_train_end``: the same, then, in ``latest`` mode, consolidate the newest finished checkpoint.
     * ``state_dict`` / ``load_state_dict``: the count of finished checkpoints, stored in each checkpoint by Lightning
@@ -61,12 +78,25 @@ class ConsolidationCallback(Callback):
         """Remember the trainer (for :meth:`state_dict`)."""
         self._trainer = trainer
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """On global rank 0, remove temporary output that a killed consolidation process left in the run's
+        checkpoint directories (:func:`nemo_patch.atomic_output.remove_stale_tmp_dirs`)."""
+        io = _consolidating_io(trainer)
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if io is None or not trainer.is_global_zero or not dirpath or not Path(dirpath).is_dir():
+            return
+        with _never_fails_training("removing stale temporary output"):
+            for checkpoint_dir in Path(dirpath).iterdir():
+                if checkpoint_dir.is_dir() and not checkpoint_dir.is_symlink():
+                    remove_stale_tmp_dirs(checkpoint_dir)
+
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
         """Hand saves that finished in this step and are due to the consolidation process; returns at once."""
         start = time.perf_counter()
         io = _consolidating_io(trainer)
         if io is not None:
-            io.consolidate_finished()
+            with _never_fails_training("handing finished checkpoints to the consolidation process"):
+                io.consolidate_finished()
         self.blocked_seconds += time.perf_counter() - start
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -83,14 +113,16 @@ class ConsolidationCallback(Callback):
         finalize = getattr(trainer.strategy.checkpoint_io, "maybe_finalize_save_checkpoint", None)
         if finalize is not None:
             finalize(blocking=True)
-        io.finish_fit()
+        with _never_fails_training("queueing the end-of-fit consolidation"):
+            io.finish_fit()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """``fit`` is ending by an exception: in ``latest`` mode, still queue the newest finished checkpoint (the
         strategy's teardown then waits for it, up to its timeout)."""
         io = _consolidating_io(trainer)
         if io is not None and io.consolidation_policy.consolidates_at_fit_end:
-            io.consolidate_newest()
+            with _never_fails_training("queueing the end-of-fit consolidation"):
+                io.consolidate_newest()
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"finished_count": n, "global_step": s}`` for the checkpoint being saved, or ``{}``."""

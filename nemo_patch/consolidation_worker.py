@@ -28,13 +28,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from collections import deque
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import IO, Callable, Deque, Dict, List, Optional, Tuple
 
-from nemo_patch.atomic_output import tmp_dirs_of, tmp_name
+from nemo_patch.atomic_output import tmp_dirs_of
 from nemo_patch.consolidation_schedule import CheckpointSave
 
 __all__ = ["DEFAULT_MAX_PENDING", "ConsolidationQueue", "main"]
@@ -51,10 +53,10 @@ DoneCallback = Callable[[CheckpointSave, Optional[str]], None]
 
 
 class _Running:
-    def __init__(self, save: CheckpointSave, process: subprocess.Popen, log_path: Path) -> None:
+    def __init__(self, save: CheckpointSave, process: subprocess.Popen, log_file: IO[bytes]) -> None:
         self.save = save
         self.process = process
-        self.log_path = log_path
+        self.log_file = log_file
         self.started = time.monotonic()
 
 
@@ -188,7 +190,6 @@ class ConsolidationQueue:
         return True
 
     def _start(self, save: CheckpointSave) -> None:
-        log_path = save.path / tmp_name("log-")
         args = [sys.executable, "-m", "nemo_patch.consolidation_worker", str(save.path), "--global-step"]
         args.append(str(save.global_step))
         if self._max_shard_size is not None:
@@ -206,26 +207,33 @@ class ConsolidationQueue:
             "LOCAL_WORLD_SIZE",
         ):
             env.pop(name, None)  # the child is not part of the training job's process group
+        log_file = None
         try:
-            with open(log_path, "wb") as log_file:
-                process = subprocess.Popen(
-                    args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, close_fds=True
-                )
+            # The child's output goes to an anonymous temporary file (not into the checkpoint directory, which may be
+            # read-only); its last line is the reason of a failure.
+            log_file = tempfile.TemporaryFile()
+            process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, close_fds=True
+            )
         except OSError as error:
+            if log_file is not None:
+                log_file.close()
             self._on_done(save, f"cannot start the consolidation process: {error}")
-            log_path.unlink(missing_ok=True)
             return
-        self._running = _Running(save, process, log_path)
+        self._running = _Running(save, process, log_file)
         logger.info("Consolidating %s (global step %d) in process %d", save.path, save.global_step, process.pid)
 
     def _finish(self, running: _Running) -> None:
         self._running = None
         code = running.process.returncode
         error = None
+        if code < 0:  # killed by a signal: whatever it printed last is not the reason
+            error = f"consolidation process was killed by {_describe_exit(code)}"
+        elif code != 0:
+            error = _last_line(running.log_file) or f"consolidation process exited with {_describe_exit(code)}"
         if code != 0:
-            error = _last_line(running.log_path) or f"consolidation process exited with {_describe_exit(code)}"
             _remove_tmp_dirs(running.save.path, running.process.pid)
-        running.log_path.unlink(missing_ok=True)
+        running.log_file.close()
         self.completed.append((running.save.global_step, time.monotonic() - running.started, error))
         try:
             self._on_done(running.save, error)
@@ -254,9 +262,11 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _last_line(log_path: Path) -> Optional[str]:
+def _last_line(log_file: IO[bytes]) -> Optional[str]:
     try:
-        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        log_file.seek(0)
+        text = log_file.read().decode(errors="replace")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
     except OSError:
         return None
     return lines[-1] if lines else None
@@ -276,6 +286,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-shard-size", type=int, default=None)
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
     args = parser.parse_args(argv)
+    # torch's own import warns about an old NVML binding on some machines; keep the child's output to its reason.
+    warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     from nemo_patch.consolidate import ConsolidationError, consolidate_checkpoint
 
     if args.format == "hf":

@@ -22,6 +22,7 @@ chunk being read (DCP loads a stored chunk whole, with ``torch.load(weights_only
 """
 
 import io
+import os
 import zipfile
 from pathlib import Path
 from typing import IO, Any, List, Optional, Sequence
@@ -71,32 +72,68 @@ class _RegionLoadPlanner(LoadPlanner):
         pass  # resolve_tensor returned a view of the destination: the data is already in place
 
 
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of an open file from ``offset`` (what ``zipfile`` needs)."""
+
+    def __init__(self, file: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        size = min(len(buffer), self._length - self._pos)
+        if size <= 0:
+            return 0
+        self._file.seek(self._offset + self._pos)
+        got = self._file.readinto(memoryview(buffer)[:size])
+        self._pos += got
+        return got
+
+
 class ChecksummedFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` that checks each stored record's CRC-32 before ``torch.load`` sees it.
+    """DCP's ``FileSystemReader`` that checks each stored record's CRC-32 before ``torch.load`` reads it.
 
     Every tensor chunk in a ``.distcp`` file is a ``torch.save`` zip archive, whose records carry the CRC-32 of their
     data (written by ``torch.save`` unless ``torch.serialization.config.save.compute_crc32`` was turned off; a record
     with a stored CRC of 0 is not checked). ``torch.load`` does not check it, so a flipped bit in tensor data would be
-    read silently; this reader raises instead.
+    read silently; this reader streams each record once through ``zipfile`` (1 MiB at a time, so memory does not
+    grow) and raises instead.
 
     Raises (from ``read_data``):
-        zipfile.BadZipFile: a record's data does not match its CRC-32, or the archive structure is damaged.
+        EOFError: the shard file is shorter than the record (truncated); the message names the file.
+        zipfile.BadZipFile: a record's data does not match its CRC-32, or the archive structure is damaged; the
+            message names the file and the record's byte offset.
     """
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
         where = f"{sinfo.relative_path}, record at byte {sinfo.offset}"
-        if len(data) != sinfo.length:
-            raise EOFError(f"{where}: the file ends {sinfo.length - len(data)} bytes early (truncated)")
+        size = os.fstat(file.fileno()).st_size
+        if size < sinfo.offset + sinfo.length:
+            raise EOFError(f"{where}: the file ends {sinfo.offset + sinfo.length - size} bytes early (truncated)")
         try:
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            with zipfile.ZipFile(_Window(file, sinfo.offset, sinfo.length)) as archive:
                 for info in archive.infolist():
-                    if info.CRC != 0:
-                        archive.read(info)  # raises BadZipFile("Bad CRC-32 for file ...") on a mismatch
+                    if info.CRC == 0:
+                        continue
+                    with archive.open(info) as member:  # checks the CRC-32 when the member is read to its end
+                        while member.read(1 << 20):
+                            pass
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
             raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
-        return io.BytesIO(data)
+        return super()._slice_file(file, sinfo)
 
 
 class DCPRegionReader:

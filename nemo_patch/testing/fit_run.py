@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["CHECKPOINT_FILENAME", "checkpoint_report", "run_tiny_fit"]
 
@@ -68,6 +68,7 @@ def run_tiny_fit(
     model_from: Optional[Path] = None,
     output_format: Optional[str] = None,
     probe_hf: bool = False,
+    faults: Sequence[str] = (),
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -97,6 +98,8 @@ def run_tiny_fit(
         output_format: ``ckpt_consolidation_format`` (``None``: not passed).
         probe_hf: after ``fit``, compare the trained model's logits with ``transformers``'
             ``AutoModelForCausalLM`` loaded from ``LATEST/hf`` (``max_abs_hf_logit_diff`` in the report).
+        faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
+            ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
     Returns:
         A JSON-able report: ``strategy_class``, ``checkpoints`` (see :func:`checkpoint_report`), ``latest``,
@@ -126,7 +129,15 @@ def run_tiny_fit(
     if pp > 1:
         kwargs["pipeline_dtype"] = torch.float32
     strategy = nl.MegatronStrategy(**kwargs)
-    trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps, devices=devices or tp * pp)
+    from nemo_patch.testing.faults import FaultInjector
+
+    injectors = [FaultInjector(spec) for spec in faults]
+    callbacks: List[Any] = list(injectors)
+    if any(injector.kind == "sigterm" for injector in injectors):
+        from nemo.lightning.pytorch.callbacks import PreemptionCallback
+
+        callbacks.append(PreemptionCallback())
+    trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps, callbacks=callbacks, devices=devices or tp * pp)
     log = tiny_gpt.make_logger(
         out, save_every=save_every, filename=CHECKPOINT_FILENAME, save_weights_only=weights_only
     )
@@ -147,7 +158,13 @@ def run_tiny_fit(
     with megatron_on_cpu():
         start = time.perf_counter()
         data = tiny_gpt.TinyTokenDataModule(global_batch_size=2 * (devices or tp * pp) // (tp * pp))
-        llm.train(model, data, trainer, log=log, resume=resume, tokenizer=None)
+        try:
+            llm.train(model, data, trainer, log=log, resume=resume, tokenizer=None)
+        except SystemExit as stop:  # NeMo's PreemptionCallback ends fit with sys.exit(0) after its final save
+            report["system_exit"] = stop.code
+        finally:
+            for injector in injectors:
+                injector.cleanup()
         fit_seconds = time.perf_counter() - start
         root = out / "tiny_gpt" / "checkpoints"
         if probe_logits:
@@ -170,6 +187,7 @@ def run_tiny_fit(
     report["blocked_seconds"] = sum(cb.blocked_seconds for cb in callbacks)
     report["consolidation_seconds"] = sum(seconds for _, seconds, _ in queue.completed) if queue else 0.0
     report["consolidations"] = len(queue.completed) if queue else 0
+    report["consolidation_errors"] = [error for _, _, error in queue.completed if error] if queue else []
     report["end_wait_seconds"] = queue.waited_seconds if queue else 0.0
     report["fit_seconds"] = fit_seconds
     report["global_rank_zero"] = trainer.is_global_zero
@@ -242,6 +260,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model-from", type=Path, default=None)
     parser.add_argument("--format", default=None)
     parser.add_argument("--probe-hf", action="store_true")
+    parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -267,6 +286,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         model_from=args.model_from,
         output_format=args.format,
         probe_hf=args.probe_hf,
+        faults=args.fault,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing
