@@ -6,6 +6,7 @@ be left behind. The faults themselves come from ``nemo_patch.testing.faults``; s
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -230,3 +231,52 @@ def test_latest_is_replaced_atomically_under_a_concurrent_reader(tmp_path):
     thread.join()
     assert problems == [] and reads[0] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST_NAME, "ckpt-0", "ckpt-1"]  # no temp links left
+
+
+# --- 6. NeMo's top-k removal while consolidations are queued or running ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_top_k_removal_during_consolidation_leaves_no_half_made_output(tmp_path):
+    """``save_top_k=1``: NeMo removes every older checkpoint as soon as a newer one lands, while each consolidation
+    (a fresh process, ~2 s) is still running or waiting; removals of those are deferred or the request dropped."""
+    report = run_fit(tmp_path, frequency="each", max_steps=6, save_every=1, max_pending=8, save_top_k=1)
+    root = _root(tmp_path)
+    assert report["global_step"] == 6 and report["consolidation_errors"] == []
+    log = (tmp_path / "fit.log").read_text()
+    assert "Traceback" not in log and not re.search(r"^ERROR|\[NeMo E", log, re.MULTILINE)
+    assert _leftovers(root) == []
+    remaining = _checkpoints(root)
+    assert len(remaining) <= 2  # the newest step and its -last copy; the rest were removed by NeMo
+    for checkpoint in remaining:
+        output = checkpoint / "consolidated"
+        assert (output / "metadata.json").is_file() and (output / "model.safetensors").is_file()
+    assert (root / LATEST_NAME).resolve() in remaining
+
+
+# --- 9. nothing but the DCP metadata is unpickled --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_consolidation_unpickles_nothing_but_the_checkpoint_metadata(checkpoint_copy):
+    """Python's audit hook reports every global that a standard pickle stream asks for. During a consolidation there
+    is none: the DCP ``.metadata`` goes through this package's allowlisting unpickler (its own ``find_class``), stored
+    tensors through ``torch.load(weights_only=True)`` (torch's restricted unpickler), and ``_extra_state`` payloads
+    and ``common.pt`` are never read. The control at the end shows the hook does see an ordinary unpickling."""
+    code = (
+        "import json, sys, torch\n"
+        "seen = []\n"
+        "sys.addaudithook(lambda event, args: seen.append(f'{args[0]}.{args[1]}') if event == 'pickle.find_class'"
+        " else None)\n"
+        "from nemo_patch.consolidate import consolidate_checkpoint\n"
+        "consolidate_checkpoint(sys.argv[1])\n"
+        "during = sorted(set(seen))\n"
+        "torch.load(sys.argv[1] + '/weights/common.pt', weights_only=False)  # control: what it would take\n"
+        "print(json.dumps([during, sorted(set(seen))]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(checkpoint_copy)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    during, control = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert during == []
+    assert control, "the audit hook saw nothing even for torch.load(weights_only=False)"
+    assert (checkpoint_copy / "consolidated" / "model.safetensors").is_file()

@@ -122,6 +122,12 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_max_shard_size", "-1", 'an integer number of bytes >= 1 or a size such as "5GB"'),
         ("ckpt_consolidation_max_pending", -1, "an integer >= 0"),
         ("ckpt_consolidation_max_pending", 2.0, "an integer >= 0"),
+        ("ckpt_consolidation_max_pending", None, "an integer >= 0"),
+        ("ckpt_consolidation_timeout", None, "a number of seconds > 0"),
+        ("ckpt_consolidation_max_shard_size", None, "an integer number of bytes >= 1"),
+        ("ckpt_consolidation_format", "onnx", '"safetensors" or "hf"'),
+        ("ckpt_consolidation_format", "HF", '"safetensors" or "hf"'),
+        ("ckpt_consolidation_format", None, '"safetensors" or "hf"'),
     ],
 )
 def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):

@@ -69,6 +69,7 @@ def run_tiny_fit(
     output_format: Optional[str] = None,
     probe_hf: bool = False,
     faults: Sequence[str] = (),
+    save_top_k: int = -1,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -98,6 +99,7 @@ def run_tiny_fit(
         output_format: ``ckpt_consolidation_format`` (``None``: not passed).
         probe_hf: after ``fit``, compare the trained model's logits with ``transformers``'
             ``AutoModelForCausalLM`` loaded from ``LATEST/hf`` (``max_abs_hf_logit_diff`` in the report).
+        save_top_k: ``ModelCheckpoint(save_top_k=...)`` (``1``: NeMo removes each older checkpoint as a new one lands).
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -139,7 +141,7 @@ def run_tiny_fit(
         callbacks.append(PreemptionCallback())
     trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps, callbacks=callbacks, devices=devices or tp * pp)
     log = tiny_gpt.make_logger(
-        out, save_every=save_every, filename=CHECKPOINT_FILENAME, save_weights_only=weights_only
+        out, save_every=save_every, filename=CHECKPOINT_FILENAME, save_weights_only=weights_only, save_top_k=save_top_k
     )
     if model_from is not None:
         from nemo.lightning import io
@@ -261,6 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--format", default=None)
     parser.add_argument("--probe-hf", action="store_true")
     parser.add_argument("--fault", action="append", default=[])
+    parser.add_argument("--save-top-k", type=int, default=-1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -287,6 +290,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         output_format=args.format,
         probe_hf=args.probe_hf,
         faults=args.fault,
+        save_top_k=args.save_top_k,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing
