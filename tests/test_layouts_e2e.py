@@ -65,3 +65,40 @@ def test_checkpoint_without_optimizer_state(source, tmp_path):
     tensors, metadata = _consolidated(tmp_path)
     assert not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
     _assert_same(tensors, source["tensors"])
+
+
+def test_distributed_optimizer_layout_is_skipped_and_weights_are_exact(tmp_path):
+    """Fully-sharded (distributed-optimizer) optimizer state present: flattened per-DP-rank ranges of every
+    parameter's Adam moments, saved by megatron-core in a 2-process group (see ``distributed_optimizer_checkpoint``).
+    """
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from nemo_patch.consolidate import consolidate_checkpoint
+
+    weights = tmp_path / "ckpt" / "weights"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "distributed_optimizer_checkpoint.py"), str(weights), "29533"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metadata = read_dcp_metadata(weights)
+    moments = [key for key in metadata.state_dict_metadata if key.startswith("optimizer.state.exp_avg")]
+    assert len(moments) == 8  # 4 parameters x (exp_avg, exp_avg_sq), each stored as 2 flat DP-rank ranges
+    result = consolidate_checkpoint(tmp_path / "ckpt", global_step=1)
+    tensors = load_file(str(result.output_dir / "model.safetensors"))
+    reference = torch.load(tmp_path / "ckpt" / "reference.pt")
+    expected = {}
+    for name, full in reference.items():
+        if name.startswith("decoder.layers."):
+            for layer in range(full.shape[0]):
+                expected[name.replace("layers.", f"layers.{layer}.", 1)] = full[layer]
+        else:
+            expected[name] = full
+    assert sorted(tensors) == sorted(expected)
+    assert all(torch.equal(tensors[name], expected[name]) for name in expected)
