@@ -29,6 +29,9 @@ import os
 import sys
 import threading
 import warnings
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any, Optional, Sequence
 
 __all__ = ["TARGET_MODULE", "install", "overlay_disabled"]
 
@@ -44,13 +47,13 @@ def overlay_disabled() -> bool:
 class _OverlayLoader:
     """Runs NeMo's loader, then applies the overlay to the freshly executed module."""
 
-    def __init__(self, loader):
+    def __init__(self, loader: Any) -> None:
         self._loader = loader
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module):
+    def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         strategy = sys.modules.get("nemo_patch.strategy")
         if strategy is not None and "MegatronStrategy" not in vars(strategy):
@@ -60,7 +63,7 @@ class _OverlayLoader:
         except Exception as error:  # never break `import nemo` because of the overlay
             warnings.warn(f"nemo_patch overlay not applied: {error}", RuntimeWarning, stacklevel=2)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 
 
@@ -69,7 +72,9 @@ class _OverlayFinder:
 
     _searching = threading.local()
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+    ) -> Optional[ModuleSpec]:
         # Re-entered while asking the other finders (another copy of this hook from a second install would ask us
         # back): answer nothing then, so the search cannot recurse.
         if fullname != TARGET_MODULE or getattr(_OverlayFinder._searching, "active", False):
@@ -82,7 +87,7 @@ class _OverlayFinder:
                 spec = finder.find_spec(fullname, path, target)
                 if spec is not None:
                     if spec.loader is not None and not isinstance(spec.loader, _OverlayLoader):
-                        spec.loader = _OverlayLoader(spec.loader)
+                        spec.loader = _OverlayLoader(spec.loader)  # type: ignore[assignment]  # duck-typed loader
                     return spec
             return None
         finally:

@@ -127,7 +127,7 @@ def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[
         The removed paths.
     """
     keep_pid = os.getpid() if keep_pid is None else keep_pid
-    removed = []
+    removed: List[Path] = []
     try:
         entries = list(Path(parent).glob(f"{TMP_PREFIX}*"))
     except OSError:

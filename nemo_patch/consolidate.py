@@ -47,7 +47,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -177,7 +177,7 @@ def plan_outputs(metadata: Metadata) -> List["_Output"]:
     """Every output tensor with its source: ``(spec, DCP key, layer or None)``, in natural name order."""
     outputs = []
     for key in model_tensor_keys(metadata):
-        item = metadata.state_dict_metadata[key]
+        item = cast(TensorStorageMetadata, metadata.state_dict_metadata[key])
         dtype, size = item.properties.dtype, tuple(item.size)
         if _is_stacked(key):
             outputs += [_Output(TensorSpec(consolidated_key(key, i), dtype, size[1:]), key, i) for i in range(size[0])]
@@ -232,7 +232,7 @@ def _root_cause(error: BaseException) -> str:
 
 def _producer(
     reader: DCPRegionReader, sources: Dict[str, _Output], metadata: Metadata, largest: int, reuse: bool = True
-):
+) -> Callable[[TensorSpec], torch.Tensor]:
     """Reads each output tensor into one of two reusable byte buffers (the writer keeps at most one tensor in flight
     while the next is read), so memory is not re-allocated and re-faulted for every tensor. A tensor cast to another
     dtype is read into a third buffer in its stored dtype first. With ``reuse=False`` every tensor is new memory."""
@@ -270,7 +270,7 @@ def _producer(
 
 def stored_spec(metadata: Metadata, output: "_Output") -> TensorSpec:
     """The spec of an output tensor as stored in the checkpoint (before any dtype cast)."""
-    item = metadata.state_dict_metadata[output.key]
+    item = cast(TensorStorageMetadata, metadata.state_dict_metadata[output.key])
     size = tuple(item.size)
     return TensorSpec(output.spec.name, item.properties.dtype, size if output.layer is None else size[1:])
 

@@ -41,6 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from nemo_patch.checkpoint_layout import CheckpointLocation
 from nemo_patch.consolidation_errors import ConsolidationError
 from nemo_patch.consolidation_policy import ACCEPTED_FORMATS, validate_max_shard_size
 
@@ -115,7 +116,7 @@ def _human(size: float) -> str:
     return f"{size:.1f} GB"
 
 
-def _verify_existing(location, output_dir: Path, quiet: bool, started: float) -> int:
+def _verify_existing(location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float) -> int:
     """``--verify`` on an output that exists: compare it with the checkpoint, write nothing."""
     from nemo_patch.consolidation_verify import verify_consolidated
 

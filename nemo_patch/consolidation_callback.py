@@ -120,19 +120,20 @@ class ConsolidationCallback(Callback):
         """``fit`` is ending by an exception: in ``latest`` mode, still queue the newest finished checkpoint (the
         strategy's teardown then waits for it, up to its timeout)."""
         io = _consolidating_io(trainer)
-        if io is not None and io.consolidation_policy.consolidates_at_fit_end:
+        policy = io.consolidation_policy if io is not None else None
+        if io is not None and policy is not None and policy.consolidates_at_fit_end:
             with _never_fails_training("queueing the end-of-fit consolidation"):
                 io.consolidate_newest()
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"finished_count": n, "global_step": s}`` for the checkpoint being saved, or ``{}``."""
         io = _consolidating_io(self._trainer)
-        if io is None:
+        if io is None or io.consolidation is None or self._trainer is None:
             return {}
         return io.consolidation.state_dict(self._trainer.global_step)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore the count of finished checkpoints from the checkpoint the run resumes from."""
         io = _consolidating_io(self._trainer)
-        if io is not None and state_dict:
+        if io is not None and io.consolidation is not None and state_dict:
             io.consolidation.load_state_dict(state_dict)

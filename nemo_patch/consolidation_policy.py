@@ -112,8 +112,10 @@ def parse_consolidation_frequency(value: object) -> ConsolidationPolicy:
         ValueError: if ``value`` is not one of the accepted forms; the message lists them.
     """
     if isinstance(value, str):
-        if value in ("each", "latest"):
-            return ConsolidationPolicy(mode=value)
+        if value == "each":
+            return ConsolidationPolicy(mode="each")
+        if value == "latest":
+            return ConsolidationPolicy(mode="latest")
         match = _EVERY_N.fullmatch(value)
         if match and int(match.group(1)) >= 1:
             return ConsolidationPolicy(mode="every_n", every_n=int(match.group(1)))
@@ -192,7 +194,7 @@ def validate_max_shard_size(value: object, name: str = "ckpt_consolidation_max_s
     Raises:
         ValueError: for anything else; the message names the accepted forms.
     """
-    if _is_int(value, 1):
+    if isinstance(value, int) and _is_int(value, 1):
         return value
     if isinstance(value, str):
         match = _SIZE.fullmatch(value.strip())
@@ -232,6 +234,6 @@ def validate_max_pending(value: object, name: str = "ckpt_consolidation_max_pend
     Raises:
         ValueError: for anything else; the message names the accepted form.
     """
-    if _is_int(value, 0):
+    if isinstance(value, int) and _is_int(value, 0):
         return value
     raise _invalid(name, value, "an integer >= 0 (e.g. 2)")

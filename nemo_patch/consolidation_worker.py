@@ -34,7 +34,7 @@ import time
 import warnings
 from collections import deque
 from pathlib import Path
-from typing import IO, Callable, Deque, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from nemo_patch.atomic_output import tmp_dirs_of
 from nemo_patch.consolidation_schedule import CheckpointSave
@@ -289,15 +289,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     # torch's own import warns about an old NVML binding on some machines; keep the child's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     from nemo_patch.consolidate import ConsolidationError, consolidate_checkpoint
+    from nemo_patch.hf_export import export_hf_checkpoint
 
-    if args.format == "hf":
-        from nemo_patch.hf_export import export_hf_checkpoint as consolidate_checkpoint  # noqa: F811
-
-    kwargs: Dict[str, int] = {}
+    consolidate = export_hf_checkpoint if args.format == "hf" else consolidate_checkpoint
+    kwargs: Dict[str, Any] = {}
     if args.max_shard_size is not None:
         kwargs["max_shard_size"] = args.max_shard_size
     try:
-        consolidate_checkpoint(args.checkpoint, global_step=args.global_step, **kwargs)
+        consolidate(args.checkpoint, global_step=args.global_step, **kwargs)
     except ConsolidationError as error:
         print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
         return 1

@@ -52,7 +52,9 @@ class _RegionLoadPlanner(LoadPlanner):
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None, "set_up_planner() first"
         item = self.metadata.state_dict_metadata[self.key]
+        assert isinstance(item, TensorStorageMetadata), f"{self.key} is not a tensor entry"
         region = ChunkStorageMetadata(offsets=self.offsets, sizes=self.destination.shape)
         return LoadPlan(create_read_items_for_chunk_list(self.key, item, [region]))
 

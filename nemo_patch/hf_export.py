@@ -203,8 +203,8 @@ def export_hf_checkpoint(
     except (Exception, CheckpointException) as error:
         raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
 
-    from nemo.lightning.io.state import _ModelState
     from nemo.collections.llm.gpt.model.base import torch_dtype_from_mcore_config
+    from nemo.lightning.io.state import _ModelState
 
     try:
         output_dir.parent.mkdir(parents=True, exist_ok=True)

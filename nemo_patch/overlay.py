@@ -55,5 +55,5 @@ def apply_overlay() -> bool:
     for name, module in list(sys.modules.items()):
         if (name == "nemo" or name.startswith("nemo.")) and module is not None:
             if module.__dict__.get("MegatronStrategy") is NeMoMegatronStrategy:
-                module.MegatronStrategy = MegatronStrategy
+                setattr(module, "MegatronStrategy", MegatronStrategy)
     return True

@@ -17,7 +17,7 @@
 import importlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Type, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
@@ -42,7 +42,7 @@ from nemo_patch.consolidation_worker import DEFAULT_MAX_PENDING
 __all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
 
 
-def _consolidating_io_class() -> type:
+def _consolidating_io_class() -> Type["MegatronCheckpointIO"]:
     # Imported on use, not at the top: the overlay may define this module while nemo_patch.checkpoint_io is itself
     # half-way through importing NeMo (NeMo's import is what triggers the overlay).
     from nemo_patch.checkpoint_io import MegatronCheckpointIO
@@ -66,10 +66,15 @@ logger = logging.getLogger(__name__)
 # Looked up in sys.modules: the overlay hook imports this module while NeMo's strategies package is initialising.
 _nemo_megatron_strategy = importlib.import_module("nemo.lightning.pytorch.strategies.megatron_strategy")
 #: NeMo's own class (captured before the overlay replaces the public name; a reload finds the original again).
-NeMoMegatronStrategy = getattr(
-    _nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", _nemo_megatron_strategy.MegatronStrategy
-)
-_nemo_megatron_strategy._NEMO_MEGATRON_STRATEGY = NeMoMegatronStrategy
+if TYPE_CHECKING:
+    from nemo.lightning.pytorch.strategies.megatron_strategy import MegatronStrategy as NeMoMegatronStrategy
+
+    from nemo_patch.checkpoint_io import MegatronCheckpointIO
+else:
+    NeMoMegatronStrategy = getattr(
+        _nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", _nemo_megatron_strategy.MegatronStrategy
+    )
+setattr(_nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", NeMoMegatronStrategy)
 
 
 class MegatronStrategy(NeMoMegatronStrategy):
@@ -140,8 +145,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if io_config is not None:
             for name, value in self._own_io_args().items():
                 setattr(io_config, name, value)
-        if self._checkpoint_io is not None:
-            self._checkpoint_io = self._with_consolidation(self._checkpoint_io)
+        checkpoint_io: Optional[CheckpointIO] = getattr(self, "_checkpoint_io", None)
+        if checkpoint_io is not None:
+            self._checkpoint_io = self._with_consolidation(checkpoint_io)
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""
@@ -229,9 +235,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
         from nemo_patch.consolidation_callback import ConsolidationCallback
 
         if self.consolidation_policy is not None and not any(
-            isinstance(callback, ConsolidationCallback) for callback in trainer.callbacks
+            isinstance(callback, ConsolidationCallback) for callback in trainer.callbacks  # type: ignore[attr-defined]
         ):
-            trainer.callbacks.append(ConsolidationCallback(trainer))
+            trainer.callbacks.append(ConsolidationCallback(trainer))  # type: ignore[attr-defined]
 
     def consolidate_latest_checkpoint(self, wait: bool = True) -> Optional[Path]:
         """Consolidate the newest finished checkpoint of this run now and point ``LATEST`` at it.
@@ -251,7 +257,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
             return None
         if wait:
             base.wait_for_consolidation(self.ckpt_consolidation_timeout)
-        newest = base.consolidation.newest_finished
+        newest = base.consolidation.newest_finished if base.consolidation is not None else None
+        if newest is None:
+            return None
         return newest.path / output_dirname(base.consolidation_format) if newest.consolidated else None
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:

@@ -1,3 +1,17 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
 """Run a real NeMo ``MegatronStrategy`` fit on a CPU-only machine: a test and demo aid, never product code.
 
 NeMo 2.x and megatron-core assume CUDA in a handful of places even when the model, the optimizer and the
@@ -47,7 +61,7 @@ def _is_cuda_device(device: Any) -> bool:
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch function and tensor method call."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
@@ -113,6 +127,6 @@ def megatron_on_cpu() -> Iterator[None]:
     ]
     with contextlib.ExitStack() as stack:
         for patch in patches:
-            stack.enter_context(patch)
+            stack.enter_context(patch)  # type: ignore[arg-type]
         stack.enter_context(_CudaToCpuMode())
         yield

@@ -20,8 +20,8 @@ runs NeMo's own ``HFLlamaImporter`` on it. The importer's config is NeMo's ``Lla
 Transformer Engine needs changed (:func:`cpu_llama_config_class`: local layer spec, CPU initialisation, no fusions).
 """
 
-from pathlib import Path
 import sys
+from pathlib import Path
 from typing import Any, List, Optional
 
 import torch
@@ -38,16 +38,15 @@ def cpu_llama_config_class() -> type:
     afterwards. Defined on first use (NeMo is imported then) and cached as this module's ``CpuLlamaConfig``, the
     name NeMo's serialized context refers to.
     """
-    global CpuLlamaConfig
     if "CpuLlamaConfig" in globals():
-        return CpuLlamaConfig
+        return globals()["CpuLlamaConfig"]
     from dataclasses import dataclass, field
 
     from nemo.collections.llm import LlamaConfig
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
     @dataclass
-    class CpuLlamaConfig(LlamaConfig):  # noqa: F811
+    class CpuLlamaConfig(LlamaConfig):
         transformer_layer_spec: Any = field(default=local_layer_spec)
         use_cpu_initialization: bool = True
         bias_activation_fusion: bool = False
@@ -100,7 +99,7 @@ def make_tiny_hf_llama(out_dir: Path, tie_embeddings: bool = False, seed: int = 
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     fast.save_pretrained(out_dir)
