@@ -208,7 +208,8 @@ def export_hf_checkpoint(
 
     try:
         output_dir.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_tmp_dirs(output_dir.parent)
+        for parent in {output_dir.parent, ckpt_dir}:
+            remove_stale_tmp_dirs(parent)
         tmp_dir = make_tmp_dir(output_dir.parent, "hf-")
     except OSError as error:
         raise ConsolidationError(f"Cannot write the output of {ckpt_dir} in {output_dir.parent}: {error}") from error

@@ -68,6 +68,7 @@ def test_every_n_2_consolidates_every_second_finished_checkpoint(tmp_path):
     assert report["finished_count"] == 4
 
 
+@pytest.mark.matrix
 def test_latest_with_async_save_consolidates_once_at_the_end_and_matches_the_trained_model(tmp_path):
     report = run_fit(tmp_path, frequency="latest", max_steps=6, save_every=2, async_save=True, probe_logits=True)
     assert [e["name"] for e in report["checkpoints"]] == [_name(2), _name(4), _name(6), _name(6, last=True)]

@@ -45,6 +45,7 @@ def imported_llama(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_fine_tuned_llama_round_trips_through_transformers(imported_llama, tmp_path, capsys):
     report = run_fit(
         tmp_path / "ft",

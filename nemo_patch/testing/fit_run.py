@@ -241,7 +241,7 @@ def _probe_hf_logits(model: Any, hf_dir: Path) -> float:
     from nemo_patch.testing import tiny_gpt
 
     trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
-    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     batch = tiny_gpt.causal_batch(
         torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
