@@ -16,6 +16,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -233,3 +234,47 @@ def test_a_checkpoint_written_by_stock_nemo_consolidates(tmp_path, capsys):
     code, out, err = _cli(capsys, root, "--verify")
     assert code == 0, err
     assert "28 tensors" in out and out.strip().endswith("verified")
+
+
+def test_progress_bar_on_a_terminal(checkpoint_copy):
+    """On a terminal (a pseudo-terminal here, 120 columns) stderr shows a bytes progress bar with a rate."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nemo_patch", str(checkpoint_copy)], stdin=slave, stdout=slave, stderr=slave, cwd=REPO
+    )
+    os.close(slave)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(master)
+    assert proc.wait(timeout=300) == 0
+    text = output.decode(errors="replace")
+    assert "consolidating: 100%" in text and "B/s" in text, text[-2000:]
+    assert re.search(r"\b(\d+k)/\1 \[", text), text[-2000:]  # bytes done / total (KiB), then time and rate
+    assert "Consolidated " in text
+
+
+def test_full_disk_fails_cleanly(checkpoint_copy, tmp_path, capsys):
+    """A 64 KiB tmpfs as the output's file system: the write fails with ENOSPC; nothing is left on it."""
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)]).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here (CI runs as root and may)")
+    try:
+        code, out, err = _cli(capsys, checkpoint_copy, "--out", mount_point / "consolidated")
+        assert code == 1 and "No space left on device" in err and len(err.strip().splitlines()) == 1
+        assert os.listdir(mount_point) == []
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
