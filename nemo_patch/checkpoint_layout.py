@@ -30,6 +30,7 @@ Other layouts NeMo can write are recognised and refused by name: ``zarr`` (``met
 """
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from nemo_patch.consolidation_errors import (
     UnfinishedCheckpointError,
     UnsupportedFormatError,
 )
-from nemo_patch.latest_pointer import read_latest_pointer
+from nemo_patch.latest_pointer import LATEST_NAME
 
 __all__ = ["CheckpointLocation", "inspect_checkpoint", "is_marked_unfinished", "locate_checkpoint"]
 
@@ -164,7 +165,8 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
     root = path
     if not _newest_first(root) and (root / "checkpoints").is_dir():
         root = root / "checkpoints"
-    latest = read_latest_pointer(root)
+    link = root / LATEST_NAME
+    latest = link.parent / os.readlink(link) if link.is_symlink() else None  # as given: relative stays relative
     if latest is not None and latest.is_dir():
         return inspect_checkpoint(latest, allow_unfinished)
     candidates = _newest_first(root)

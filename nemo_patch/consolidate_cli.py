@@ -34,12 +34,15 @@ exporter, 1 anything else).
 """
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional, TextIO
 
 from nemo_patch.checkpoint_layout import CheckpointLocation
 from nemo_patch.consolidation_errors import ConsolidationError
@@ -92,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _progress_bar(enabled: bool) -> "tuple[Callable[[int, int], None], Callable[[], None]]":
-    """A bytes progress bar (done / total, rate) on a terminal; no-ops otherwise."""
+def _progress_bar(enabled: bool, stream: TextIO) -> "tuple[Callable[[int, int], None], Callable[[], None]]":
+    """A bytes progress bar (done / total, rate) on ``stream`` when it is a terminal; no-ops otherwise."""
     if not enabled:
         return (lambda done, total: None), (lambda: None)
     from tqdm import tqdm
@@ -102,10 +105,37 @@ def _progress_bar(enabled: bool) -> "tuple[Callable[[int, int], None], Callable[
 
     def update(done: int, total: int) -> None:
         if not bar:
-            bar.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating"))
+            bar.append(
+                tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", file=stream)
+            )
         bar[0].update(done - bar[0].n)
 
     return update, (lambda: bar[0].close() if bar else None)
+
+
+@contextlib.contextmanager
+def _nemo_output_held_back() -> Iterator[None]:
+    """Hold back what importing NeMo prints on stderr (its start-up warnings say nothing about this command), so a
+    failure is reported in one line. Shown after all if something unexpected goes wrong."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held, open(held.fileno(), "w", closefd=False) as held_text:
+        os.dup2(held.fileno(), 2)  # what C code and child processes write
+        try:
+            with contextlib.redirect_stderr(held_text):  # what Python code writes
+                yield
+        except ConsolidationError:
+            raise
+        except BaseException:
+            held_text.flush()
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace")[-20000:])
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _human(size: float) -> str:
@@ -137,7 +167,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from nemo_patch.checkpoint_layout import locate_checkpoint
 
-    update, close = _progress_bar(sys.stderr.isatty() and not args.quiet)
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar's, still the terminal under the hold-back
+    update, close_bar = _progress_bar(terminal.isatty() and not args.quiet, terminal)
+
+    def close() -> None:
+        close_bar()
+        terminal.close()
+
     started = time.perf_counter()
     try:
         location = locate_checkpoint(args.path, allow_unfinished=args.allow_unfinished)
@@ -155,11 +191,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             options["max_shard_size"] = args.max_shard_size
         default_out = location.checkpoint_dir / ("hf" if args.format == "hf" else "consolidated")
         if args.verify and not args.force and args.format == "safetensors" and (args.out or default_out).is_dir():
-            return _verify_existing(location, args.out or default_out, args.quiet, started)
+            code = _verify_existing(location, args.out or default_out, args.quiet, started)
+            close()
+            return code
         if args.format == "hf":
             from nemo_patch.hf_export import export_hf_checkpoint
 
-            result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
+            with _nemo_output_held_back():
+                result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
         else:
             from nemo_patch.consolidate import consolidate_checkpoint
 

@@ -95,7 +95,7 @@ def test_import_then_export_gives_back_the_original_weights(imported_llama, tmp_
 def test_a_model_class_without_exporter_exits_10_naming_it(checkpoint_copy, capsys):
     code = main([str(checkpoint_copy), "--format", "hf"])
     err = capsys.readouterr().err
-    assert code == 10
+    assert code == 10 and len(err.strip().splitlines()) == 1, err  # NeMo's import-time chatter held back
     assert "NeMo has no Hugging Face exporter for nemo.collections.llm.gpt.model.base.GPTModel" in err
     assert not (checkpoint_copy / "hf").exists()
 
