@@ -40,6 +40,7 @@ Memory: tensors are read one output tensor at a time (one layer of a stacked ten
 plus the largest stored chunk, not the model size.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union, cast
+from typing import Callable, Dict, Iterator, List, Optional, Union, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -90,6 +91,7 @@ __all__ = [
     "consolidated_key",
     "link_consolidated_output",
     "model_tensor_keys",
+    "staged_output",
 ]
 
 logger = logging.getLogger(__name__)
@@ -291,6 +293,53 @@ def _cast(outputs: List[_Output], dtype: Optional[torch.dtype]) -> List[_Output]
 ProgressCallback = Callable[[int, int], None]
 
 
+@contextlib.contextmanager
+def staged_output(
+    checkpoint_dir: Path, output_dir: Path, overwrite: bool, failure: str, kind: str = ""
+) -> Iterator[Path]:
+    """A hidden temporary directory next to ``output_dir``, published as ``output_dir`` when the block ends normally
+    and removed when it does not (whatever the exception, Ctrl-C included). Temporary output that killed processes
+    left in ``output_dir``'s parent or in ``checkpoint_dir`` is removed first.
+
+    Args:
+        checkpoint_dir: the checkpoint being consolidated.
+        output_dir: the final output directory.
+        overwrite: replace an existing ``output_dir`` (atomically) instead of raising :class:`OutputExistsError`.
+        failure: how a failure message starts, e.g. ``"Consolidating <ckpt>"``.
+        kind: a tag in the temporary name (``"hf-"``).
+
+    Raises:
+        ConsolidationError: the output cannot be written (``OSError`` naming the directory), or any other error of the
+            block, wrapped as ``"<failure> failed: <type>: <message>"``; a :class:`ConsolidationError` of the block
+            passes unchanged.
+        OutputExistsError: ``output_dir`` appeared meanwhile and ``overwrite`` is ``False``.
+    """
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        for parent in {output_dir.parent, checkpoint_dir}:
+            remove_stale_tmp_dirs(parent)
+        tmp_dir = make_tmp_dir(output_dir.parent, kind)
+    except OSError as error:
+        raise ConsolidationError(
+            f"Cannot write the output of {checkpoint_dir} in {output_dir.parent}: {error}"
+        ) from error
+    try:
+        yield tmp_dir
+        publish_dir(tmp_dir, output_dir, overwrite=overwrite)
+    except ConsolidationError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    except FileExistsError as error:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
+    except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ConsolidationError(f"{failure} failed: {type(error).__name__}: {error}") from error
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
 def consolidate_checkpoint(
     checkpoint_dir: Union[str, Path],
     output_dir: Optional[Union[str, Path]] = None,
@@ -352,14 +401,7 @@ def consolidate_checkpoint(
     if not outputs:
         raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
 
-    try:
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-        for parent in {output_dir.parent, ckpt_dir}:
-            remove_stale_tmp_dirs(parent)
-        tmp_dir = make_tmp_dir(output_dir.parent)
-    except OSError as error:
-        raise ConsolidationError(f"Cannot write the output of {ckpt_dir} in {output_dir.parent}: {error}") from error
-    try:
+    with staged_output(ckpt_dir, output_dir, overwrite, f"Consolidating {ckpt_dir}") as tmp_dir:
         reader = DCPRegionReader(weights_dir, metadata)
         largest = max(output.spec.nbytes for output in outputs)
         total_bytes = sum(output.spec.nbytes for output in outputs)
@@ -397,15 +439,5 @@ def consolidate_checkpoint(
             from nemo_patch.consolidation_verify import verify_consolidated
 
             verify_consolidated(weights_dir, tmp_dir, metadata=metadata)
-        publish_dir(tmp_dir, output_dir, overwrite=overwrite)
-    except ConsolidationError:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    except FileExistsError as error:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
-    except (Exception, CheckpointException) as error:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise ConsolidationError(f"Consolidating {ckpt_dir} failed: {type(error).__name__}: {error}") from error
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
     return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files)

@@ -38,14 +38,12 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from nemo_patch.atomic_output import make_tmp_dir, publish_dir, remove_stale_tmp_dirs
 from nemo_patch.checkpoint_layout import inspect_checkpoint
 from nemo_patch.consolidate import (
     FORMAT_VERSION,
@@ -54,6 +52,7 @@ from nemo_patch.consolidate import (
     ProgressCallback,
     _producer,
     plan_outputs,
+    staged_output,
 )
 from nemo_patch.consolidation_errors import (
     ConsolidationError,
@@ -206,14 +205,7 @@ def export_hf_checkpoint(
     from nemo.collections.llm.gpt.model.base import torch_dtype_from_mcore_config
     from nemo.lightning.io.state import _ModelState
 
-    try:
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-        for parent in {output_dir.parent, ckpt_dir}:
-            remove_stale_tmp_dirs(parent)
-        tmp_dir = make_tmp_dir(output_dir.parent, "hf-")
-    except OSError as error:
-        raise ConsolidationError(f"Cannot write the output of {ckpt_dir} in {output_dir.parent}: {error}") from error
-    try:
+    with staged_output(ckpt_dir, output_dir, overwrite, f"Exporting {ckpt_dir} to Hugging Face", "hf-") as tmp_dir:
         target = exporter.init(dtype or torch_dtype_from_mcore_config(model.config))
         target = exporter.convert_state(_ModelState(state, model.config), target).cpu()
         del state
@@ -235,15 +227,5 @@ def export_hf_checkpoint(
             "total_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
         }
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        publish_dir(tmp_dir, output_dir, overwrite=overwrite)
-    except ConsolidationError:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    except FileExistsError as error:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
-    except Exception as error:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise ConsolidationError(f"Exporting {ckpt_dir} to Hugging Face failed: {type(error).__name__}: {error}")
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
     return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {})

@@ -213,3 +213,17 @@ def test_metadata_is_read_without_importing_megatron_and_foreign_globals_are_ref
     (tmp_path / ".metadata").write_bytes((weights / ".metadata").read_bytes()[:100])
     with pytest.raises(pickle.UnpicklingError):
         read_dcp_metadata(tmp_path)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("disk on fire")])
+def test_staged_output_leaves_nothing_whatever_interrupts_it(tmp_path, error):
+    from nemo_patch.consolidate import staged_output
+
+    output = tmp_path / "consolidated"
+    with pytest.raises((KeyboardInterrupt, ConsolidationError)) as info:
+        with staged_output(tmp_path, output, overwrite=False, failure=f"Consolidating {tmp_path}") as staging:
+            (staging / "model.safetensors").write_bytes(b"half")
+            raise error
+    assert os.listdir(tmp_path) == []
+    if isinstance(error, RuntimeError):
+        assert str(info.value) == f"Consolidating {tmp_path} failed: RuntimeError: disk on fire"

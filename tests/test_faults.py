@@ -70,6 +70,21 @@ def _mount_permitted() -> bool:
 # --- 1. the consolidation process is killed with SIGKILL half-way ---------------------------------------------------
 
 
+def _hold_with_a_fifo(checkpoint: Path, spare: Path):
+    """Put a FIFO in place of a shard file: a consolidation blocks on it half-way (its temporary output exists) for
+    sure. Returns the function that puts the real shard file back."""
+    shard = checkpoint / "weights" / "__0_1.distcp"
+    saved = spare / shard.name
+    shutil.move(shard, saved)
+    os.mkfifo(shard)
+
+    def restore() -> None:
+        shard.unlink()
+        shutil.move(saved, shard)
+
+    return restore
+
+
 @pytest.mark.slow
 def test_killed_consolidation_leaves_nothing_and_training_carries_on(tmp_path, capsys):
     report = run_fit(tmp_path, frequency="each", max_steps=6, save_every=2, max_pending=8, fault="kill:1")
@@ -87,10 +102,7 @@ def test_killed_consolidation_leaves_nothing_and_training_carries_on(tmp_path, c
 @pytest.mark.slow
 def test_half_written_output_of_a_killed_process_is_removed_by_the_next_cli_run(checkpoint_copy, tmp_path):
     """A FIFO in place of a shard file holds the process half-way (its temporary output exists) for sure."""
-    shard = checkpoint_copy / "weights" / "__0_1.distcp"
-    saved = tmp_path / "__0_1.distcp"
-    shutil.move(shard, saved)
-    os.mkfifo(shard)
+    restore = _hold_with_a_fifo(checkpoint_copy, tmp_path)
     cli = subprocess.Popen([sys.executable, "-m", "nemo_patch", str(checkpoint_copy)], cwd=REPO)
     deadline = time.monotonic() + 120
     while not list(checkpoint_copy.glob(f"{TMP_PREFIX}{cli.pid}-*")) and time.monotonic() < deadline:
@@ -100,18 +112,14 @@ def test_half_written_output_of_a_killed_process_is_removed_by_the_next_cli_run(
     cli.wait()
     assert not (checkpoint_copy / "consolidated").exists()
     assert len(list(checkpoint_copy.glob(f"{TMP_PREFIX}*"))) == 1  # what a dead node leaves behind
-    shard.unlink()
-    shutil.move(saved, shard)
+    restore()
     assert main([str(checkpoint_copy), "--quiet"]) == 0
     assert sorted(p.name for p in checkpoint_copy.iterdir()) == ["consolidated", "context", "weights"]
 
 
 @pytest.mark.slow
 def test_queue_reports_a_killed_child_and_consolidates_the_same_checkpoint_later(checkpoint_copy, tmp_path):
-    shard = checkpoint_copy / "weights" / "__0_1.distcp"
-    saved = tmp_path / "__0_1.distcp"
-    shutil.move(shard, saved)
-    os.mkfifo(shard)
+    restore = _hold_with_a_fifo(checkpoint_copy, tmp_path)
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append(error))
     save = CheckpointSave(checkpoint_copy, 6, written=True)
@@ -124,8 +132,7 @@ def test_queue_reports_a_killed_child_and_consolidates_the_same_checkpoint_later
     assert queue.wait(timeout=60)
     assert len(done) == 1 and "signal SIGKILL" in done[0]
     assert sorted(p.name for p in checkpoint_copy.iterdir()) == ["context", "weights"]  # temp output removed
-    shard.unlink()
-    shutil.move(saved, shard)
+    restore()
     queue.submit(save)
     assert queue.wait(timeout=120) and done[1] is None
 
