@@ -27,7 +27,6 @@ Set ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to turn the overlay off.
 import importlib
 import os
 import sys
-import threading
 import warnings
 from importlib.machinery import ModuleSpec
 from types import ModuleType
@@ -70,16 +69,18 @@ class _OverlayLoader:
 class _OverlayFinder:
     """Meta-path finder that wraps the loader of :data:`TARGET_MODULE` and of nothing else."""
 
-    _searching = threading.local()
+    # Set while this finder asks the others. Imports of one module are serialised by its import lock, and this
+    # finder answers for one module only, so a plain flag suffices (importing threading would cost start-up time).
+    _searching = False
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
     ) -> Optional[ModuleSpec]:
         # Re-entered while asking the other finders (another copy of this hook from a second install would ask us
         # back): answer nothing then, so the search cannot recurse.
-        if fullname != TARGET_MODULE or getattr(_OverlayFinder._searching, "active", False):
+        if fullname != TARGET_MODULE or _OverlayFinder._searching:
             return None
-        _OverlayFinder._searching.active = True
+        _OverlayFinder._searching = True
         try:
             for finder in sys.meta_path:
                 if finder is self or not hasattr(finder, "find_spec"):
@@ -91,7 +92,7 @@ class _OverlayFinder:
                     return spec
             return None
         finally:
-            _OverlayFinder._searching.active = False
+            _OverlayFinder._searching = False
 
 
 def install() -> None:
