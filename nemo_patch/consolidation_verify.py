@@ -28,7 +28,7 @@ from nemo_patch.dcp_metadata import read_dcp_metadata
 from nemo_patch.dcp_reader import DCPRegionReader
 from nemo_patch.safetensors_writer import INDEX_FILENAME, SINGLE_FILENAME
 
-__all__ = ["verify_consolidated"]
+__all__ = ["tensors_bitwise_equal", "verify_consolidated"]
 
 
 def _weight_map(output_dir: Path) -> Dict[str, str]:
@@ -39,7 +39,7 @@ def _weight_map(output_dir: Path) -> Dict[str, str]:
         return {name: SINGLE_FILENAME for name in handle.keys()}
 
 
-def _same(expected: torch.Tensor, actual: torch.Tensor) -> bool:
+def tensors_bitwise_equal(expected: torch.Tensor, actual: torch.Tensor) -> bool:
     """Bitwise equality (so NaNs compare equal to themselves and -0.0 differs from 0.0)."""
     if expected.dtype != actual.dtype or expected.shape != actual.shape:
         return False
@@ -101,7 +101,7 @@ def verify_consolidated(
                         ) from error
                     if expected.dtype != actual.dtype and expected.is_floating_point():
                         expected = expected.to(actual.dtype)
-                    if not _same(expected, actual):
+                    if not tensors_bitwise_equal(expected, actual):
                         raise VerificationError(
                             f"Tensor {name} in {output_dir / filename} differs from {source.key}"
                             f"{'' if source.layer is None else f'[{source.layer}]'} of {weights_dir}"

@@ -61,6 +61,7 @@ from nemo_patch.consolidation_errors import (
     OutputExistsError,
     VerificationError,
 )
+from nemo_patch.consolidation_verify import tensors_bitwise_equal
 from nemo_patch.dcp_metadata import read_dcp_metadata
 from nemo_patch.dcp_reader import DCPRegionReader
 from nemo_patch.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
@@ -147,7 +148,7 @@ def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
             for name in handle.keys():
                 seen.add(name)
                 actual, want = handle.get_tensor(name), expected.get(name)
-                if want is None or not torch.equal(actual.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                if want is None or not tensors_bitwise_equal(want, actual):
                     raise VerificationError(f"Tensor {name} in {path} differs from the exported model's")
     written = {expected[name].data_ptr() for name in seen if name in expected}
     missing = sorted(name for name in set(expected) - seen if expected[name].data_ptr() not in written)  # tied
