@@ -132,9 +132,11 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
 
 
 def _newest_first(root: Path) -> List[Path]:
-    def order(path: Path) -> Tuple[int, float]:
+    def order(path: Path) -> Tuple[int, bool, float]:
+        # NeMo's ``-last`` copy of a step holds the same weights as the step's own checkpoint; prefer the latter
+        # (the one ``LATEST`` names) whatever the two modification times say.
         match = _STEP.search(path.name)
-        return (int(match.group(1)) if match else -1, path.stat().st_mtime)
+        return (int(match.group(1)) if match else -1, not path.name.endswith("-last"), path.stat().st_mtime)
 
     candidates = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "weights").is_dir()]
     return sorted(candidates, key=order, reverse=True)
@@ -147,7 +149,7 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
         path: a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (the directory that
             holds the checkpoints, or the run directory holding ``checkpoints/``). For a root, ``LATEST`` is taken
             when it points at a checkpoint, else the newest finished checkpoint by the global step in its name
-            (``step=<N>``), then by modification time.
+            (``step=<N>``), a step's own checkpoint before its ``-last`` copy, then by modification time.
         allow_unfinished: accept an unfinished checkpoint (given directly, or the newest one of a root).
 
     Returns:

@@ -77,6 +77,18 @@ def test_a_root_takes_latest_else_the_newest_finished_checkpoint(checkpoint_copy
     assert not (root / names[2] / "consolidated").exists()
 
 
+def test_a_root_takes_a_steps_own_checkpoint_before_its_last_copy(checkpoint_copy, tmp_path, capsys):
+    names = ["m--step=1-consumed_samples=4.0", "m--step=1-consumed_samples=4.0-last"]
+    root = _run_root(checkpoint_copy, tmp_path, names)
+    for older, newer in (names, reversed(names)):  # whichever of the two is newer on disk
+        os.utime(root / older, (1_000_000_000, 1_000_000_000))
+        os.utime(root / newer, (2_000_000_000, 2_000_000_000))
+        code, out, err = _cli(capsys, root, "--force")
+        assert code == 0, err
+        assert f"-> {root / names[0] / 'consolidated'}" in out
+    assert not (root / names[1] / "consolidated").exists()
+
+
 def test_dtype_cast_and_sharding(checkpoint_copy, tmp_path, capsys):
     code, _, err = _cli(
         capsys, checkpoint_copy, "--dtype", "bf16", "--max-shard-size", "100KB", "--out", tmp_path / "o"
