@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, 1 other.",
     )
-    parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, or a checkpoint root")
+    parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
+                        "(LATEST, else the newest finished checkpoint), or the run directory holding "
+                        "checkpoints/")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: <ckpt>/consolidated, "
                         "or <ckpt>/hf for --format hf)")  # fmt: skip
     parser.add_argument("--format", choices=ACCEPTED_FORMATS, default="safetensors", help="output format")

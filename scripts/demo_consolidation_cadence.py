@@ -31,17 +31,18 @@ import time
 from pathlib import Path
 
 
-def _size(num_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
+def _size(num_bytes: float) -> str:
+    """Decimal units, as ``nemo-consolidate`` prints them."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000 or unit == "GB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
+        num_bytes /= 1000
     return ""
 
 
 def format_table(report: dict) -> str:
     """The demo's closing table: one row per checkpoint directory."""
-    rows = [("checkpoint", "global step", "consolidated", "consolidated size")]
+    rows = [("checkpoint", "global step", "consolidated", "consolidated/ on disk")]
     natural = lambda entry: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", entry["name"])]  # noqa: E731
     for entry in sorted(report["checkpoints"], key=natural):
         step = entry["global_step"]
