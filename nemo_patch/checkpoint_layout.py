@@ -34,7 +34,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple, Union
+from typing import Dict, List, Tuple, Union
 
 from nemo_patch.consolidation_errors import (
     CheckpointNotFoundError,
@@ -132,14 +132,20 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
 
 
 def _newest_first(root: Path) -> List[Path]:
-    def order(path: Path) -> Tuple[int, bool, float]:
+    """The checkpoints of ``root``, newest first; one that NeMo's top-k removal deletes meanwhile is left out."""
+    keys: Dict[Path, Tuple[int, bool, float]] = {}
+    for path in root.iterdir():
+        if path.name.startswith(".") or not (path / "weights").is_dir():
+            continue
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
         # NeMo's ``-last`` copy of a step holds the same weights as the step's own checkpoint; prefer the latter
         # (the one ``LATEST`` names) whatever the two modification times say.
         match = _STEP.search(path.name)
-        return (int(match.group(1)) if match else -1, not path.name.endswith("-last"), path.stat().st_mtime)
-
-    candidates = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "weights").is_dir()]
-    return sorted(candidates, key=order, reverse=True)
+        keys[path] = (int(match.group(1)) if match else -1, not path.name.endswith("-last"), mtime)
+    return sorted(keys, key=keys.__getitem__, reverse=True)
 
 
 def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -> CheckpointLocation:
@@ -173,7 +179,10 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
         return inspect_checkpoint(latest, allow_unfinished)
     candidates = _newest_first(root)
     for candidate in candidates:
-        location = inspect_checkpoint(candidate, allow_unfinished=True)
+        try:
+            location = inspect_checkpoint(candidate, allow_unfinished=True)
+        except CheckpointNotFoundError:  # removed by NeMo's top-k removal since it was listed
+            continue
         if location.finished or allow_unfinished:
             return location
     if candidates:

@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ from conftest import REPO, run_fit
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from nemo_patch import checkpoint_layout
 from nemo_patch.atomic_output import TMP_PREFIX
+from nemo_patch.checkpoint_layout import locate_checkpoint
 from nemo_patch.consolidate_cli import main
 from nemo_patch.latest_pointer import update_latest_pointer
 
@@ -87,6 +90,20 @@ def test_a_root_takes_a_steps_own_checkpoint_before_its_last_copy(checkpoint_cop
         assert code == 0, err
         assert f"-> {root / names[0] / 'consolidated'}" in out
     assert not (root / names[1] / "consolidated").exists()
+
+
+def test_a_root_skips_a_checkpoint_that_top_k_removal_deletes_meanwhile(checkpoint_copy, tmp_path, monkeypatch):
+    names = ["m--step=1-consumed_samples=4.0", "m--step=3-consumed_samples=8.0"]
+    root = _run_root(checkpoint_copy, tmp_path, names)
+    inspect = checkpoint_layout.inspect_checkpoint
+
+    def removed_once_listed(path, allow_unfinished=False):
+        if Path(path).name == names[1]:
+            shutil.rmtree(path)  # what NeMo's top-k removal does in a live run, between listing and inspecting
+        return inspect(path, allow_unfinished)
+
+    monkeypatch.setattr(checkpoint_layout, "inspect_checkpoint", removed_once_listed)
+    assert locate_checkpoint(root).checkpoint_dir == root / names[0]
 
 
 def test_dtype_cast_and_sharding(checkpoint_copy, tmp_path, capsys):
