@@ -18,7 +18,8 @@ The training process (global rank 0 only) never consolidates itself. :class:`Con
 ``python -m nemo_patch.consolidation_worker`` for one checkpoint at a time. That process imports torch, safetensors and
 this package's engine but not NeMo, reads only files, and uses no ``torch.distributed`` process group or collective
 (a consolidation calling a collective on the training communicator is a known way to hang a run). The training loop
-only ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a timeout.
+only ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a timeout. The child runs at a
+lower CPU priority than training (:data:`WORKER_NICENESS`).
 """
 
 import argparse
@@ -39,12 +40,15 @@ from typing import IO, Any, Callable, Deque, Dict, List, Optional, Tuple
 from nemo_patch.atomic_output import tmp_dirs_of
 from nemo_patch.consolidation_schedule import CheckpointSave
 
-__all__ = ["DEFAULT_MAX_PENDING", "ConsolidationQueue", "main"]
+__all__ = ["DEFAULT_MAX_PENDING", "WORKER_NICENESS", "ConsolidationQueue", "main"]
 
 logger = logging.getLogger(__name__)
 
 #: Requests that may wait behind the running one; beyond it the oldest waiting request is skipped.
 DEFAULT_MAX_PENDING = 2
+#: How much lower the child's CPU priority is than the training process's (``os.nice`` increment): on a busy node the
+#: training job's threads come first, and a consolidation uses the CPU time they leave.
+WORKER_NICENESS = 10
 _POLL_SECONDS = 0.05
 _TERMINATE_GRACE_SECONDS = 5.0
 
@@ -286,6 +290,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-shard-size", type=int, default=None)
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
     args = parser.parse_args(argv)
+    try:
+        os.nice(WORKER_NICENESS)  # before torch is imported: the import is CPU time too
+    except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
+        pass
     # torch's own import warns about an old NVML binding on some machines; keep the child's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     from nemo_patch.consolidate import ConsolidationError, consolidate_checkpoint

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from nemo_patch.consolidation_schedule import CheckpointSave
-from nemo_patch.consolidation_worker import ConsolidationQueue
+from nemo_patch.consolidation_worker import WORKER_NICENESS, ConsolidationQueue
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,8 @@ def test_runs_one_child_at_a_time_and_skips_the_oldest_waiting_request(checkpoin
 
 
 def test_the_child_does_not_import_nemo_and_uses_no_process_group(checkpoints, tmp_path):
-    """The worker entry point runs in a fresh interpreter; its module list must not contain NeMo or megatron."""
+    """The worker entry point runs in a fresh interpreter; its module list must not contain NeMo or megatron, and it
+    runs at a lower CPU priority than the process that started it."""
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import runpy, sys\n"
@@ -66,12 +67,14 @@ def test_the_child_does_not_import_nemo_and_uses_no_process_group(checkpoints, t
         "except SystemExit as e:\n"
         "    import torch.distributed as dist\n"
         "    loaded = {m.split('.')[0] for m in sys.modules} & {'nemo', 'megatron', 'lightning'}\n"
-        "    print(e.code, dist.is_initialized(), sorted(loaded))\n"
+        "    import os\n"
+        "    print(e.code, dist.is_initialized(), sorted(loaded), os.nice(0))\n"
     )
     import subprocess
 
     out = subprocess.run([sys.executable, str(probe), str(checkpoints[0].path)], capture_output=True, text=True)
-    assert out.stdout.strip().splitlines()[-1] == "0 False []", out.stderr[-2000:]
+    niceness = min(os.nice(0) + WORKER_NICENESS, 19)
+    assert out.stdout.strip().splitlines()[-1] == f"0 False [] {niceness}", out.stderr[-2000:]
 
 
 def test_timeout_stops_the_child_and_leaves_no_partial_output(checkpoints, caplog):
