@@ -130,8 +130,8 @@ def _header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:
     return encoded + b" " * (-len(encoded) % 8)
 
 
-#: Bytes per ``write`` call. One call per tensor (tens to hundreds of MB) measured about 20% slower for a whole
-#: consolidation than cache-sized pieces (``scripts/bench_consolidation.py``, 2.55 GB, 2 cores).
+#: Bytes per ``write`` call. One call per tensor (tens to hundreds of MB) made a whole consolidation about 20% slower
+#: than cache-sized pieces (in-process A/B on ``scripts/bench_consolidation.py``'s 2.55 GB checkpoint, 2 cores).
 _WRITE_BLOCK = 1 << 18
 
 
