@@ -106,7 +106,7 @@ DCP = (
     "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
     "dcp_to_torch_save(sys.argv[1], sys.argv[2] + '/full.pt')"
 )
-STARTUP = "import sys; import nemo_patch.consolidate"
+STARTUP = "import nemo_patch.consolidate"
 COPY = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2] + '/weights')"
 COPY_FSYNC = (
     "import os, shutil, sys; dst = sys.argv[2] + '/weights'; shutil.copytree(sys.argv[1], dst)\n"
@@ -138,6 +138,8 @@ def main() -> int:
         "--workdir", type=Path, default=None, help="where to put the ~GB of files (default: a tempdir)"
     )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be a whole number >= 1, got {args.repeat}")
     workdir = Path(tempfile.mkdtemp(prefix="bench-consolidation-", dir=args.workdir))
     try:
         ckpt = workdir / "ckpt"
