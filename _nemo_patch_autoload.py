@@ -14,28 +14,38 @@
 
 """Start-up entry of the nemo_patch overlay, run by the one line of ``nemo_patch.pth``.
 
-Loads ``nemo_patch/_autoload.py`` (standard library only) *without* importing the ``nemo_patch`` package, which would
-import torch, and calls its ``install()``. Kept as a separate top-level file because ``.pth`` files can only import
-top-level modules; the logic itself lives in the package, so an editable install always runs the current code.
+Loads ``nemo_patch/overlay/hook.py`` (standard library only) *without* importing the ``nemo_patch`` package (which
+would cost start-up time in every interpreter), and calls its ``install()`` with :func:`_apply_overlay`. Kept as a
+separate top-level file because ``.pth`` files can only import top-level modules; the logic itself lives in the
+package, so an editable install always runs the current code.
 """
 
 import importlib.util
 import os
 import sys
 
+HOOK_MODULE = "nemo_patch.overlay.hook"
+
+
+def _apply_overlay() -> bool:
+    """Called by the hook once NeMo's strategy module has been executed: NeMo is being imported, so is the package."""
+    from nemo_patch.overlay.apply import apply_overlay
+
+    return apply_overlay()
+
 
 def install() -> None:
-    """Register the overlay's import hook (see :mod:`nemo_patch._autoload`); does nothing if nemo_patch is absent."""
-    module = sys.modules.get("nemo_patch._autoload")
+    """Register the overlay's import hook (:mod:`nemo_patch.overlay.hook`); does nothing if nemo_patch is absent."""
+    module = sys.modules.get(HOOK_MODULE)
     if module is None:
         spec = importlib.util.find_spec("nemo_patch")
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
-        paths = [os.path.join(location, "_autoload.py") for location in locations]
+        paths = [os.path.join(location, "overlay", "hook.py") for location in locations]
         paths = [path for path in paths if os.path.isfile(path)]
         if not paths:
             return
-        module_spec = importlib.util.spec_from_file_location("nemo_patch._autoload", paths[0])
+        module_spec = importlib.util.spec_from_file_location(HOOK_MODULE, paths[0])
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules["nemo_patch._autoload"] = module
+        sys.modules[HOOK_MODULE] = module
         module_spec.loader.exec_module(module)
-    module.install()
+    module.install(_apply_overlay)

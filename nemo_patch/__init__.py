@@ -17,7 +17,15 @@
 Importing this package enables the overlay (unless ``NEMO_PATCH_DISABLE=1``): ``nemo.lightning.MegatronStrategy``
 becomes :class:`nemo_patch.MegatronStrategy`, which accepts ``save_consolidated`` and
 ``ckpt_consolidation_frequency`` -- at once if NeMo is already imported, else as soon as it is. Installing the package
-does the same for every interpreter, without importing NeMo at start-up (see :mod:`nemo_patch._autoload`).
+does the same for every interpreter, without importing NeMo at start-up (see :mod:`nemo_patch.overlay.hook`).
+
+The package is three layers, one subpackage each, plus the export and the CLI (see the README's "Architecture"):
+
+* :mod:`nemo_patch.engine`: a distributed checkpoint in, safetensors out (torch and safetensors only);
+* :mod:`nemo_patch.training`: settings, cadence, NeMo's strategy and checkpoint IO extended, the consolidation
+  process and its queue, ``LATEST`` (NeMo and Lightning live here);
+* :mod:`nemo_patch.overlay`: the import hook and the version gate (standard library until NeMo is imported);
+* :mod:`nemo_patch.export` (Hugging Face) and :mod:`nemo_patch.cli` (``nemo-consolidate``).
 
 The NeMo-dependent names (:class:`MegatronStrategy`, :class:`MegatronCheckpointIO`, :class:`ConsolidationCallback`,
 :func:`apply_overlay`, :func:`overlay_applied`) are imported on first use, so that the consolidation engine
@@ -29,34 +37,34 @@ import importlib
 import sys
 from typing import Any
 
-from nemo_patch import _autoload
-from nemo_patch._nemo_version import check_nemo_version
+from nemo_patch.overlay import hook
+from nemo_patch.overlay.version import check_nemo_version
 
 __nemo_version__ = check_nemo_version()
 
-from nemo_patch.checkpoint_layout import locate_checkpoint  # noqa: E402
-from nemo_patch.consolidation_errors import ConsolidationError  # noqa: E402
-from nemo_patch.consolidation_policy import (  # noqa: E402
+from nemo_patch.engine.errors import ConsolidationError  # noqa: E402
+from nemo_patch.overlay.apply import apply_overlay, overlay_applied  # noqa: E402
+from nemo_patch.training.latest import locate_checkpoint, read_latest_pointer  # noqa: E402
+from nemo_patch.training.policy import (  # noqa: E402
     ACCEPTED_FREQUENCIES,
     ConsolidationPolicy,
     parse_consolidation_frequency,
     resolve_policy,
 )
-from nemo_patch.latest_pointer import read_latest_pointer  # noqa: E402
+from nemo_patch.training.settings import ConsolidationSettings  # noqa: E402
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ConsolidationResult": "nemo_patch.consolidate",
-    "consolidate_checkpoint": "nemo_patch.consolidate",
-    "verify_consolidated": "nemo_patch.consolidation_verify",
-    "load_consolidated_into": "nemo_patch.load_consolidated",
-    "load_consolidated_state_dict": "nemo_patch.load_consolidated",
-    "MegatronStrategy": "nemo_patch.strategy",
-    "MegatronCheckpointIO": "nemo_patch.checkpoint_io",
-    "ConsolidationCallback": "nemo_patch.consolidation_callback",
-    "apply_overlay": "nemo_patch.overlay",
-    "overlay_applied": "nemo_patch.overlay",
+    "ConsolidationResult": "nemo_patch.engine.consolidate",
+    "consolidate_checkpoint": "nemo_patch.engine.consolidate",
+    "verify_consolidated": "nemo_patch.engine.verify",
+    "load_consolidated_into": "nemo_patch.engine.load",
+    "load_consolidated_state_dict": "nemo_patch.engine.load",
+    "export_hf_checkpoint": "nemo_patch.export.hf",
+    "MegatronStrategy": "nemo_patch.training.strategy",
+    "MegatronCheckpointIO": "nemo_patch.training.checkpoint_io",
+    "ConsolidationCallback": "nemo_patch.training.callback",
 }
 
 __all__ = [
@@ -65,10 +73,12 @@ __all__ = [
     "ConsolidationError",
     "ConsolidationPolicy",
     "ConsolidationResult",
+    "ConsolidationSettings",
     "MegatronCheckpointIO",
     "MegatronStrategy",
     "apply_overlay",
     "consolidate_checkpoint",
+    "export_hf_checkpoint",
     "load_consolidated_into",
     "load_consolidated_state_dict",
     "locate_checkpoint",
@@ -88,8 +98,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'nemo_patch' has no attribute {name!r}")
 
 
-if not _autoload.overlay_disabled():
-    if _autoload.TARGET_MODULE in sys.modules:
-        importlib.import_module("nemo_patch.overlay").apply_overlay()
+if not hook.overlay_disabled():
+    if hook.TARGET_MODULE in sys.modules:
+        apply_overlay()
     else:
-        _autoload.install()
+        hook.install(apply_overlay)

@@ -12,11 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""``python -m nemo_patch``: the ``nemo-consolidate`` command (:mod:`nemo_patch.consolidate_cli`)."""
+"""``python -m nemo_patch``: the ``nemo-consolidate`` command (:mod:`nemo_patch.cli.nemo_consolidate`)."""
 
 import sys
 
-from nemo_patch.consolidate_cli import main
+from nemo_patch.cli.nemo_consolidate import main
 
 if __name__ == "__main__":
     sys.exit(main())

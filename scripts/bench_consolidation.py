@@ -99,14 +99,14 @@ dist.destroy_process_group()
 """
 
 NEMO_PATCH = (
-    "import sys; from nemo_patch.consolidate import consolidate_checkpoint; "
+    "import sys; from nemo_patch.engine.consolidate import consolidate_checkpoint; "
     "consolidate_checkpoint(sys.argv[1], sys.argv[2])"
 )
 DCP = (
     "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
     "dcp_to_torch_save(sys.argv[1], sys.argv[2] + '/full.pt')"
 )
-STARTUP = "import nemo_patch.consolidate"
+STARTUP = "import nemo_patch.engine.consolidate"
 COPY = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2] + '/weights')"
 COPY_FSYNC = (
     "import os, shutil, sys; dst = sys.argv[2] + '/weights'; shutil.copytree(sys.argv[1], dst)\n"
@@ -166,8 +166,8 @@ def main() -> int:
         # Median wall time of the runs; the largest peak RSS of any run.
         results = {name: (statistics.median(w for w, _ in r), max(m for _, m in r)) for name, r in runs.items()}
         # Imported only now: a child forked from a parent that holds torch reports the parent's RSS as its own peak.
-        from nemo_patch.consolidate import plan_outputs
-        from nemo_patch.dcp_metadata import read_dcp_metadata
+        from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+        from nemo_patch.engine.plan import plan_outputs
 
         outputs = plan_outputs(read_dcp_metadata(ckpt / "weights"))
         model_bytes = sum(o.spec.nbytes for o in outputs)

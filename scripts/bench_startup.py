@@ -59,7 +59,7 @@ def main() -> int:
     hook_us = sum(
         int(line.split("|")[0].split(":")[1])
         for line in importtime.splitlines()
-        if line.rstrip().endswith(("_nemo_patch_autoload", "nemo_patch._autoload"))
+        if line.rstrip().endswith(("_nemo_patch_autoload", "nemo_patch.overlay.hook"))
     )
     loaded = subprocess.run(
         [

@@ -81,8 +81,8 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    from nemo_patch.consolidation_policy import parse_consolidation_frequency
     from nemo_patch.testing.fit_run import run_tiny_fit
+    from nemo_patch.training.policy import parse_consolidation_frequency
 
     frequency = None if args.frequency == "off" else args.frequency
     if frequency is not None:

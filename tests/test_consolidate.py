@@ -24,15 +24,15 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from nemo_patch.consolidate import (
-    TMP_PREFIX,
+from nemo_patch.engine.consolidate import consolidate_checkpoint
+from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
     ConsolidationError,
     NotACheckpointError,
     UnfinishedCheckpointError,
-    consolidate_checkpoint,
-    consolidated_key,
 )
+from nemo_patch.engine.plan import consolidated_key
+from nemo_patch.engine.publish import TMP_PREFIX
 
 
 def _reference_tensors(weights_dir, tmp_path):
@@ -195,11 +195,11 @@ def test_metadata_is_read_without_importing_megatron_and_foreign_globals_are_ref
     import subprocess
     import sys
 
-    from nemo_patch.dcp_metadata import read_dcp_metadata
+    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 
     weights = each_run["root"] / "LATEST" / "weights"
     code = (
-        "import sys; from nemo_patch.dcp_metadata import read_dcp_metadata; "
+        "import sys; from nemo_patch.engine.dcp_metadata import read_dcp_metadata; "
         f"m = read_dcp_metadata({str(weights)!r}); "
         "print(type(m).__name__, len(m.state_dict_metadata) > 0, "
         "sorted({k.split('.')[0] for k in sys.modules} & {'megatron', 'lightning'}))"
@@ -217,7 +217,7 @@ def test_metadata_is_read_without_importing_megatron_and_foreign_globals_are_ref
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("disk on fire")])
 def test_staged_output_leaves_nothing_whatever_interrupts_it(tmp_path, error):
-    from nemo_patch.consolidate import staged_output
+    from nemo_patch.engine.publish import staged_output
 
     output = tmp_path / "consolidated"
     with pytest.raises((KeyboardInterrupt, ConsolidationError)) as info:

@@ -28,11 +28,10 @@ from conftest import REPO, run_fit
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from nemo_patch import checkpoint_layout
-from nemo_patch.atomic_output import TMP_PREFIX
-from nemo_patch.checkpoint_layout import locate_checkpoint
-from nemo_patch.consolidate_cli import main
-from nemo_patch.latest_pointer import update_latest_pointer
+from nemo_patch.cli.nemo_consolidate import main
+from nemo_patch.engine.publish import TMP_PREFIX
+from nemo_patch.training import latest
+from nemo_patch.training.latest import locate_checkpoint, update_latest_pointer
 
 
 def _leftovers(directory):
@@ -95,14 +94,14 @@ def test_a_root_takes_a_steps_own_checkpoint_before_its_last_copy(checkpoint_cop
 def test_a_root_skips_a_checkpoint_that_top_k_removal_deletes_meanwhile(checkpoint_copy, tmp_path, monkeypatch):
     names = ["m--step=1-consumed_samples=4.0", "m--step=3-consumed_samples=8.0"]
     root = _run_root(checkpoint_copy, tmp_path, names)
-    inspect = checkpoint_layout.inspect_checkpoint
+    inspect = latest.inspect_checkpoint
 
     def removed_once_listed(path, allow_unfinished=False):
         if Path(path).name == names[1]:
             shutil.rmtree(path)  # what NeMo's top-k removal does in a live run, between listing and inspecting
         return inspect(path, allow_unfinished)
 
-    monkeypatch.setattr(checkpoint_layout, "inspect_checkpoint", removed_once_listed)
+    monkeypatch.setattr(latest, "inspect_checkpoint", removed_once_listed)
     assert locate_checkpoint(root).checkpoint_dir == root / names[0]
 
 
@@ -199,7 +198,7 @@ def test_truncated_shard_and_metadata_exit_8_naming_the_file(checkpoint_copy, ca
 
 def test_a_flipped_bit_in_tensor_data_exits_8_naming_the_file(checkpoint_copy, capsys):
     """``torch.load`` does not check the CRC-32 of the records it reads; the consolidation does."""
-    from nemo_patch.dcp_metadata import read_dcp_metadata
+    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 
     metadata = read_dcp_metadata(checkpoint_copy / "weights")
     index, info = next(

@@ -16,7 +16,7 @@
 
 import pytest
 
-from nemo_patch.consolidation_policy import (
+from nemo_patch.training.policy import (
     ACCEPTED_FREQUENCIES,
     ConsolidationPolicy,
     parse_consolidation_frequency,

@@ -16,8 +16,8 @@
 
 from pathlib import Path
 
-from nemo_patch.consolidation_policy import parse_consolidation_frequency
-from nemo_patch.consolidation_schedule import ConsolidationSchedule
+from nemo_patch.training.policy import parse_consolidation_frequency
+from nemo_patch.training.schedule import ConsolidationSchedule
 
 
 def _schedule(frequency):

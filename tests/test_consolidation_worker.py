@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_patch.consolidation_schedule import CheckpointSave
-from nemo_patch.consolidation_worker import WORKER_NICENESS, ConsolidationQueue
+from nemo_patch.training.queue import ConsolidationQueue
+from nemo_patch.training.schedule import CheckpointSave
+from nemo_patch.training.settings import ConsolidationSettings
+from nemo_patch.training.worker import WORKER_NICENESS
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +43,10 @@ def checkpoints(each_run, tmp_path):
 
 def test_runs_one_child_at_a_time_and_skips_the_oldest_waiting_request(checkpoints, caplog):
     done = []
-    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)), max_pending=1)
-    with caplog.at_level(logging.WARNING, logger="nemo_patch.consolidation_worker"):
+    queue = ConsolidationQueue(
+        lambda save, error: done.append((save.global_step, error)), ConsolidationSettings(max_pending=1)
+    )
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.queue"):
         for save in checkpoints:
             queue.submit(save)
     assert queue._running.save is checkpoints[0]  # started at once
@@ -63,7 +67,7 @@ def test_the_child_does_not_import_nemo_and_uses_no_process_group(checkpoints, t
         "import runpy, sys\n"
         "sys.argv = ['worker', sys.argv[1]]\n"
         "try:\n"
-        "    runpy.run_module('nemo_patch.consolidation_worker', run_name='__main__')\n"
+        "    runpy.run_module('nemo_patch.training.worker', run_name='__main__')\n"
         "except SystemExit as e:\n"
         "    import torch.distributed as dist\n"
         "    loaded = {m.split('.')[0] for m in sys.modules} & {'nemo', 'megatron', 'lightning'}\n"
@@ -79,10 +83,12 @@ def test_the_child_does_not_import_nemo_and_uses_no_process_group(checkpoints, t
 
 def test_timeout_stops_the_child_and_leaves_no_partial_output(checkpoints, caplog):
     done = []
-    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)), max_pending=2)
+    queue = ConsolidationQueue(
+        lambda save, error: done.append((save.global_step, error)), ConsolidationSettings(max_pending=2)
+    )
     for save in checkpoints:
         queue.submit(save)
-    with caplog.at_level(logging.ERROR, logger="nemo_patch.consolidation_worker"):
+    with caplog.at_level(logging.ERROR, logger="nemo_patch.training.queue"):
         assert not queue.wait(timeout=0.2)
     assert "did not finish within 0.2 s" in caplog.text and "dropping 2 queued" in caplog.text
     assert done and done[0][0] == 2 and "SIGTERM" in done[0][1]
@@ -94,7 +100,9 @@ def test_timeout_stops_the_child_and_leaves_no_partial_output(checkpoints, caplo
 
 def test_removal_of_the_checkpoint_being_consolidated_waits_for_the_child(checkpoints):
     done = []
-    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)), max_pending=2)
+    queue = ConsolidationQueue(
+        lambda save, error: done.append((save.global_step, error)), ConsolidationSettings(max_pending=2)
+    )
     queue.submit(checkpoints[0])
     queue.submit(checkpoints[1])
     removed = []

@@ -31,11 +31,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_fit
 
-from nemo_patch.atomic_output import TMP_PREFIX
-from nemo_patch.consolidate_cli import main
-from nemo_patch.consolidation_schedule import CheckpointSave
-from nemo_patch.consolidation_worker import ConsolidationQueue
-from nemo_patch.latest_pointer import LATEST_NAME, update_latest_pointer
+from nemo_patch.cli.nemo_consolidate import main
+from nemo_patch.engine.publish import TMP_PREFIX
+from nemo_patch.training.latest import LATEST_NAME, update_latest_pointer
+from nemo_patch.training.queue import ConsolidationQueue
+from nemo_patch.training.schedule import CheckpointSave
 
 
 def _root(out: Path) -> Path:
@@ -289,7 +289,7 @@ def test_consolidation_unpickles_nothing_but_the_checkpoint_metadata(checkpoint_
         "seen = []\n"
         "sys.addaudithook(lambda event, args: seen.append(f'{args[0]}.{args[1]}') if event == 'pickle.find_class'"
         " else None)\n"
-        "from nemo_patch.consolidate import consolidate_checkpoint\n"
+        "from nemo_patch.engine.consolidate import consolidate_checkpoint\n"
         "consolidate_checkpoint(sys.argv[1])\n"
         "during = sorted(set(seen))\n"
         "torch.load(sys.argv[1] + '/weights/common.pt', weights_only=False)  # control: what it would take\n"

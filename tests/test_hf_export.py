@@ -25,8 +25,8 @@ import pytest
 import torch
 from conftest import REPO, run_fit
 
-from nemo_patch.consolidate_cli import main
-from nemo_patch.hf_export import te_layer_norm_names
+from nemo_patch.cli.nemo_consolidate import main
+from nemo_patch.export.hf import te_layer_norm_names
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import torch
 from conftest import run_fit
 from safetensors.torch import load_file
 
-from nemo_patch.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_distributed_optimizer_layout_is_skipped_and_weights_are_exact(tmp_path)
 
     from conftest import REPO
 
-    from nemo_patch.consolidate import consolidate_checkpoint
+    from nemo_patch.engine.consolidate import consolidate_checkpoint
 
     weights = tmp_path / "ckpt" / "weights"
     proc = subprocess.run(

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from nemo_patch.load_consolidated import canonical_key_map, load_consolidated_into
+from nemo_patch.engine.load import canonical_key_map, load_consolidated_into
 
 
 class _LayerSpec:

@@ -34,7 +34,7 @@ def test_startup_imports_no_nemo_and_no_torch():
         "if m.split('.')[0] in ('nemo', 'torch', 'lightning', 'megatron', 'nemo_patch', '_nemo_patch_autoload'))))"
     )
     # Only the start-up stub and the stdlib-only hook module; not the nemo_patch package (which imports torch).
-    assert _json_result(proc) == ["_nemo_patch_autoload", "nemo_patch._autoload"]
+    assert _json_result(proc) == ["_nemo_patch_autoload", "nemo_patch.overlay.hook"]
 
 
 def test_nl_megatron_strategy_takes_the_new_arguments_without_importing_nemo_patch():
@@ -67,7 +67,7 @@ def test_nl_megatron_strategy_takes_the_new_arguments_without_importing_nemo_pat
         "is_nemo_patch_class": True,
         "original_is_nemos": True,
         "isinstance_original": True,
-        "io_chain": ["AsyncFinalizableCheckpointIO", "nemo_patch.checkpoint_io"],
+        "io_chain": ["AsyncFinalizableCheckpointIO", "nemo_patch.training.checkpoint_io"],
         "default_policy": "None",
     }
 
@@ -101,7 +101,7 @@ def test_disable_env_turns_the_overlay_off():
         "still_stock_after_import": True,
         "applied": False,
         "explicit_class_works": "every_n:2",
-        "explicit_class_module": "nemo_patch.strategy",
+        "explicit_class_module": "nemo_patch.training.strategy",
     }
 
 
@@ -113,7 +113,7 @@ def test_explicit_import_applies_and_applying_twice_is_harmless():
         import nemo.lightning as nl
         first = nl.MegatronStrategy
         assert nemo_patch.apply_overlay() and nemo_patch.apply_overlay()
-        importlib.reload(sys.modules["nemo_patch.overlay"]).apply_overlay()
+        importlib.reload(sys.modules["nemo_patch.overlay.apply"]).apply_overlay()
         print(json.dumps({
             "stable": nl.MegatronStrategy is first is nemo_patch.MegatronStrategy,
             "depth": [c.__module__ for c in nl.MegatronStrategy.__mro__[:3]],
@@ -155,10 +155,10 @@ def test_older_nemo_is_refused_and_the_overlay_hook_never_breaks_nemo_import(tmp
 @pytest.mark.parametrize(
     "first_import",
     [
-        "import nemo_patch.checkpoint_io",
+        "import nemo_patch.training.checkpoint_io",
         "from nemo_patch import MegatronStrategy",
-        "import nemo_patch.strategy",
-        "import nemo_patch.consolidation_callback",
+        "import nemo_patch.training.strategy",
+        "import nemo_patch.training.callback",
         "import nemo.lightning.io.pl",
     ],
 )
@@ -175,10 +175,10 @@ def test_two_copies_of_the_hook_do_not_recurse(tmp_path):
     """A second install (say, a stale copy in another site directory) registers a finder of another class; each asks
     the other for NeMo's module. The search must end, and the overlay still applies."""
     copy = tmp_path / "other_autoload.py"
-    copy.write_text((REPO / "nemo_patch" / "_autoload.py").read_text())
+    copy.write_text((REPO / "nemo_patch" / "overlay" / "hook.py").read_text())
     code = (
         f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import other_autoload; "
-        "sys.meta_path.insert(0, other_autoload._OverlayFinder()); "
+        "sys.meta_path.insert(0, other_autoload._OverlayFinder(lambda: False)); "
         "import nemo.lightning as nl, nemo_patch, json; "
         "print(json.dumps({'applied': nl.MegatronStrategy is nemo_patch.MegatronStrategy}))"
     )

@@ -21,8 +21,14 @@ from nemo.lightning.io.pl import MegatronCheckpointIO as NeMoMegatronCheckpointI
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 import nemo_patch
-from nemo_patch import ACCEPTED_FREQUENCIES, ConsolidationPolicy, MegatronCheckpointIO, MegatronStrategy
-from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
+from nemo_patch import (
+    ACCEPTED_FREQUENCIES,
+    ConsolidationPolicy,
+    ConsolidationSettings,
+    MegatronCheckpointIO,
+    MegatronStrategy,
+)
+from nemo_patch.training.io_chain import find_base_checkpoint_io
 
 
 @pytest.mark.parametrize(
@@ -95,7 +101,7 @@ def test_other_checkpoint_io_keeps_working_without_consolidation(caplog):
         pass
 
     custom = CustomIO()
-    with caplog.at_level(logging.WARNING, logger="nemo_patch.strategy"):
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.strategy"):
         strategy = MegatronStrategy(checkpoint_io=custom, ckpt_consolidation_frequency="each")
     assert strategy.checkpoint_io is custom
     assert strategy.consolidation_policy is None
@@ -114,7 +120,7 @@ def test_strategy_records_its_arguments_for_nemo_context():
 
 def test_upgrade_from_stock_io_keeps_every_setting():
     stock = NeMoMegatronCheckpointIO(async_save=True, torch_dist_multiproc=2, parallel_load=True)
-    upgraded = MegatronCheckpointIO.from_checkpoint_io(stock, save_consolidated=True)
+    upgraded = MegatronCheckpointIO.from_checkpoint_io(stock, ConsolidationSettings.from_arguments(True))
     for name, value in vars(stock).items():
         assert getattr(upgraded, name) == value, name
     assert upgraded.consolidation_policy == ConsolidationPolicy("each")
@@ -167,4 +173,4 @@ def test_consolidation_settings_reach_the_io():
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     assert strategy.ckpt_consolidation_timeout == 12.5
     assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
-    assert base.queue._max_pending == 0 and base.queue._max_shard_size == 1000
+    assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on

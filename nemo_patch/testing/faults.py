@@ -39,8 +39,8 @@ from typing import Any, List, Tuple
 
 from lightning.pytorch.callbacks import Callback
 
-from nemo_patch.atomic_output import TMP_PREFIX
-from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
+from nemo_patch.engine.publish import TMP_PREFIX
+from nemo_patch.training.io_chain import find_base_checkpoint_io
 
 __all__ = ["FaultInjector", "parse_fault"]
 

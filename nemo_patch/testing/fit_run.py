@@ -126,9 +126,9 @@ def run_tiny_fit(
     from nemo.collections import llm
 
     import nemo_patch
-    from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
     from nemo_patch.testing import tiny_gpt
     from nemo_patch.testing.cpu_harness import megatron_on_cpu
+    from nemo_patch.training.io_chain import find_base_checkpoint_io
 
     kwargs: Dict[str, Any] = {"ckpt_async_save": async_save}
     if frequency is not None:
@@ -197,7 +197,7 @@ def run_tiny_fit(
     report["finished_count"] = schedule.finished_count if schedule else None
     queue = getattr(base, "_queue", None)
     report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
-    from nemo_patch.consolidation_callback import ConsolidationCallback
+    from nemo_patch.training.callback import ConsolidationCallback
 
     callbacks = [cb for cb in trainer.callbacks if isinstance(cb, ConsolidationCallback)]
     report["blocked_seconds"] = sum(cb.blocked_seconds for cb in callbacks)

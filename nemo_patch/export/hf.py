@@ -44,34 +44,25 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from nemo_patch.checkpoint_layout import inspect_checkpoint
-from nemo_patch.consolidate import (
-    FORMAT_VERSION,
-    METADATA_FILENAME,
-    ConsolidationResult,
-    ProgressCallback,
-    _producer,
-    plan_outputs,
-    staged_output,
-)
-from nemo_patch.consolidation_errors import (
+from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, tensor_producer
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.dcp_reader import DCPRegionReader
+from nemo_patch.engine.errors import (
     ConsolidationError,
     CorruptShardError,
     ExportError,
     OutputExistsError,
     VerificationError,
 )
-from nemo_patch.consolidation_verify import tensors_bitwise_equal
-from nemo_patch.dcp_metadata import read_dcp_metadata
-from nemo_patch.dcp_reader import DCPRegionReader
-from nemo_patch.safetensors_writer import DEFAULT_MAX_SHARD_SIZE
+from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
+from nemo_patch.engine.plan import plan_outputs
+from nemo_patch.engine.publish import staged_output
+from nemo_patch.engine.verify import tensors_bitwise_equal
 
 __all__ = ["HF_DIRNAME", "export_hf_checkpoint", "te_layer_norm_names"]
 
 logger = logging.getLogger(__name__)
-
-#: Name of the Hugging Face output directory inside a checkpoint directory.
-HF_DIRNAME = "hf"
 
 _LOCAL_NORM = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+\.)(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<p>\w+)$")
 _FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
@@ -128,7 +119,7 @@ def _read_state_dict(weights_dir: Path, progress: Optional[ProgressCallback]) ->
     outputs = plan_outputs(metadata)
     reader = DCPRegionReader(weights_dir, metadata)
     total = sum(output.spec.nbytes for output in outputs)
-    produce = _producer(reader, {output.spec.name: output for output in outputs}, metadata, 0, reuse=False)
+    produce = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, 0, reuse=False)
     state, done = {}, 0
     for output in outputs:
         state[output.spec.name] = produce(output.spec)
@@ -181,14 +172,14 @@ def export_hf_checkpoint(
         progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
 
     Returns:
-        A :class:`nemo_patch.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the exported
-        model's ``state_dict``).
+        A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
+        exported model's ``state_dict``).
 
     Raises:
         ExportError: NeMo is not importable, the context cannot be read, or the model class has no ``"hf"``
             exporter (the message names the class).
-        ConsolidationError: or another subclass from :mod:`nemo_patch.consolidation_errors`, as for
-            :func:`nemo_patch.consolidate.consolidate_checkpoint`. Nothing partial is left on failure.
+        ConsolidationError: or another subclass from :mod:`nemo_patch.engine.errors`, as for
+            :func:`nemo_patch.engine.consolidate.consolidate_checkpoint`. Nothing partial is left on failure.
     """
     location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
     ckpt_dir, weights_dir = location.checkpoint_dir, location.weights_dir

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from nemo_patch.consolidation_policy import ConsolidationPolicy
+from nemo_patch.training.policy import ConsolidationPolicy
 
 __all__ = ["CheckpointSave", "ConsolidationSchedule"]
 

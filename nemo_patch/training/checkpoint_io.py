@@ -16,7 +16,7 @@
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from lightning.fabric.utilities.types import _PATH
 from nemo.lightning.io import pl as nemo_io_pl
@@ -24,19 +24,18 @@ from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
-from nemo_patch.consolidate import DEFAULT_MAX_SHARD_SIZE, link_consolidated_output
-from nemo_patch.consolidation_policy import (
+from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
+from nemo_patch.engine.publish import link_consolidated_output
+from nemo_patch.training.latest import update_latest_pointer
+from nemo_patch.training.policy import ConsolidationPolicy
+from nemo_patch.training.queue import ConsolidationQueue
+from nemo_patch.training.schedule import CheckpointSave, ConsolidationSchedule
+from nemo_patch.training.settings import (
+    CHECKPOINT_IO_ARGUMENTS,
     DEFAULT_FORMAT,
-    ConsolidationPolicy,
-    output_dirname,
-    resolve_policy,
-    validate_format,
-    validate_max_pending,
-    validate_max_shard_size,
+    DEFAULT_MAX_PENDING,
+    ConsolidationSettings,
 )
-from nemo_patch.consolidation_schedule import CheckpointSave, ConsolidationSchedule
-from nemo_patch.consolidation_worker import DEFAULT_MAX_PENDING, ConsolidationQueue
-from nemo_patch.latest_pointer import update_latest_pointer
 
 __all__ = ["MegatronCheckpointIO"]
 
@@ -49,23 +48,26 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     Saving and loading are NeMo's, unchanged. With consolidation on, global rank 0 records every save it issues;
     once a save is *finished* (written, async finalization done, and NeMo's ``<ckpt>-unfinished`` marker removed),
     :meth:`consolidate_finished` hands the saves due under the cadence to a separate consolidation process
-    (:class:`nemo_patch.consolidation_worker.ConsolidationQueue`), which writes ``<ckpt>/consolidated/`` (see
-    :func:`nemo_patch.consolidate.consolidate_checkpoint`); ``<root>/LATEST`` then points at the newest one.
+    (:class:`nemo_patch.training.queue.ConsolidationQueue`), which writes ``<ckpt>/consolidated/`` (see
+    :func:`nemo_patch.engine.consolidate.consolidate_checkpoint`); ``<root>/LATEST`` then points at the newest one.
     :class:`nemo_patch.MegatronStrategy` drives it from Lightning's hooks. A consolidation failure is logged and
     never raised into the training loop.
 
     Args:
         *args: forwarded to NeMo's ``MegatronCheckpointIO``.
         save_consolidated: ``None`` (default), ``True`` or ``False``; see
-            :func:`nemo_patch.consolidation_policy.resolve_policy`.
+            :func:`nemo_patch.training.policy.resolve_policy`.
         ckpt_consolidation_frequency: ``None`` (default), ``"each"``, ``"latest"`` or ``"every_n:<k>"``.
         consolidation_max_shard_size: most bytes of tensor data per output safetensors file (default 5 * 10**9).
         consolidation_max_pending: consolidation requests that may wait behind the running one (default 2).
         consolidation_format: ``"safetensors"`` (default, ``<ckpt>/consolidated``) or ``"hf"`` (``<ckpt>/hf``).
+        consolidation_settings: all of the above as one already validated value (what
+            :class:`nemo_patch.MegatronStrategy` passes); when given, the five arguments above must not be.
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
-        ValueError: for an invalid or contradictory consolidation setting (the message lists the accepted forms).
+        ValueError: for an invalid or contradictory consolidation setting (the message lists the accepted forms), or
+            ``consolidation_settings`` together with any of the individual settings.
     """
 
     def __init__(
@@ -73,58 +75,79 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         *args: Any,
         save_consolidated: Optional[bool] = None,
         ckpt_consolidation_frequency: Optional[str] = None,
-        consolidation_max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        consolidation_max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
         consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         consolidation_format: str = DEFAULT_FORMAT,
+        consolidation_settings: Optional[ConsolidationSettings] = None,
         **kwargs: Any,
     ) -> None:
-        policy = resolve_policy(save_consolidated, ckpt_consolidation_frequency)
-        self.consolidation_max_shard_size = validate_max_shard_size(
-            consolidation_max_shard_size, "consolidation_max_shard_size"
+        given = ConsolidationSettings.from_arguments(
+            save_consolidated,
+            ckpt_consolidation_frequency,
+            max_shard_size=consolidation_max_shard_size,
+            max_pending=consolidation_max_pending,
+            output_format=consolidation_format,
+            names=CHECKPOINT_IO_ARGUMENTS,
         )
-        self.consolidation_max_pending = validate_max_pending(consolidation_max_pending, "consolidation_max_pending")
-        self.consolidation_format = validate_format(consolidation_format, "consolidation_format")
+        if consolidation_settings is not None and given != ConsolidationSettings():
+            raise ValueError(
+                "Pass either consolidation_settings or the individual consolidation arguments "
+                "(save_consolidated, ckpt_consolidation_frequency, consolidation_max_shard_size, "
+                "consolidation_max_pending, consolidation_format), not both."
+            )
         super().__init__(*args, **kwargs)
-        self._set_policy(save_consolidated, ckpt_consolidation_frequency, policy)
+        self.set_consolidation_settings(consolidation_settings or given)
 
-    def _set_policy(
-        self, save_consolidated: Optional[bool], frequency: Optional[str], policy: Optional[ConsolidationPolicy]
-    ) -> None:
-        self.save_consolidated = save_consolidated
-        self.ckpt_consolidation_frequency = frequency
-        self.consolidation: Optional[ConsolidationSchedule] = ConsolidationSchedule(policy) if policy else None
+    def set_consolidation_settings(self, settings: ConsolidationSettings) -> None:
+        """Take ``settings`` (already validated) and start a new run's bookkeeping with them."""
+        self.consolidation_settings = settings
+        self.consolidation: Optional[ConsolidationSchedule] = (
+            ConsolidationSchedule(settings.policy) if settings.policy else None
+        )
         self._queue: Optional[ConsolidationQueue] = None
         self._outputs: Dict[int, Path] = {}
         self._copies: Dict[int, List[CheckpointSave]] = {}
 
     @classmethod
     def from_checkpoint_io(
-        cls,
-        checkpoint_io: nemo_io_pl.MegatronCheckpointIO,
-        save_consolidated: Optional[bool] = None,
-        ckpt_consolidation_frequency: Optional[str] = None,
-        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-        max_pending: int = DEFAULT_MAX_PENDING,
-        output_format: str = DEFAULT_FORMAT,
+        cls, checkpoint_io: nemo_io_pl.MegatronCheckpointIO, settings: ConsolidationSettings
     ) -> "MegatronCheckpointIO":
-        """Make a consolidating IO with the same settings as NeMo's ``checkpoint_io`` (which is left untouched).
-
-        Raises:
-            ValueError: for an invalid or contradictory consolidation setting.
-        """
-        policy = resolve_policy(save_consolidated, ckpt_consolidation_frequency)
+        """Make a consolidating IO with the same settings as NeMo's ``checkpoint_io`` (which is left untouched),
+        consolidating as ``settings`` say."""
         upgraded = cls.__new__(cls)
         upgraded.__dict__.update(vars(checkpoint_io))
-        upgraded.consolidation_max_shard_size = max_shard_size
-        upgraded.consolidation_max_pending = max_pending
-        upgraded.consolidation_format = validate_format(output_format, "consolidation_format")
-        upgraded._set_policy(save_consolidated, ckpt_consolidation_frequency, policy)
+        upgraded.set_consolidation_settings(settings)
         return upgraded
 
     @property
     def consolidation_policy(self) -> Optional[ConsolidationPolicy]:
         """The cadence, or ``None`` when consolidation is off."""
         return self.consolidation.policy if self.consolidation else None
+
+    @property
+    def save_consolidated(self) -> Optional[bool]:
+        """The ``save_consolidated`` value given (``None``, ``True`` or ``False``)."""
+        return self.consolidation_settings.save_consolidated
+
+    @property
+    def ckpt_consolidation_frequency(self) -> Optional[str]:
+        """The ``ckpt_consolidation_frequency`` value given (``None`` if none)."""
+        return self.consolidation_settings.frequency
+
+    @property
+    def consolidation_max_shard_size(self) -> int:
+        """Most bytes of tensor data per output safetensors file."""
+        return self.consolidation_settings.max_shard_size
+
+    @property
+    def consolidation_max_pending(self) -> int:
+        """Consolidation requests that may wait behind the running one."""
+        return self.consolidation_settings.max_pending
+
+    @property
+    def consolidation_format(self) -> str:
+        """``"safetensors"`` or ``"hf"``."""
+        return self.consolidation_settings.output_format
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> Any:
         """Save as NeMo does; with consolidation on, global rank 0 also records the save for consolidation.
@@ -153,12 +176,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     def queue(self) -> ConsolidationQueue:
         """The consolidation process queue of this run (created on first use, on global rank 0)."""
         if self._queue is None:
-            self._queue = ConsolidationQueue(
-                self._on_consolidated,
-                max_pending=self.consolidation_max_pending,
-                max_shard_size=self.consolidation_max_shard_size,
-                output_format=self.consolidation_format,
-            )
+            self._queue = ConsolidationQueue(self._on_consolidated, self.consolidation_settings)
         return self._queue
 
     def consolidate_finished(self) -> None:
@@ -229,7 +247,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             return
         save.consolidated = True
         self._point_latest(save.path)
-        self._outputs[save.global_step] = save.path / output_dirname(self.consolidation_format)
+        self._outputs[save.global_step] = save.path / self.consolidation_settings.output_dirname
         self._link_copies(save.global_step)
 
     def _link_copies(self, global_step: int) -> None:

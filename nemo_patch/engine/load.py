@@ -27,7 +27,7 @@ from typing import Dict, Union
 import torch
 from safetensors.torch import load_file
 
-from nemo_patch.consolidate import SAFETENSORS_FILENAME
+from nemo_patch.engine.output_layout import SINGLE_FILENAME as SAFETENSORS_FILENAME
 
 __all__ = ["canonical_key_map", "load_consolidated_into", "load_consolidated_state_dict"]
 

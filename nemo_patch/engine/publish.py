@@ -16,11 +16,13 @@
 
 Output is written into a hidden temporary directory next to its final place, ``<parent>/.consolidated.tmp-<pid>-<id>@
 <host>``, and renamed to its final name when complete (``os.replace`` of a directory is atomic on POSIX filesystems),
-so a reader sees either no output directory or a complete one. A process killed half-way (SIGKILL, node failure)
+so a reader sees either no output directory or a complete one (:func:`staged_output` wraps a whole consolidation in
+that). A process killed half-way (SIGKILL, node failure)
 leaves its temporary directory; :func:`remove_stale_tmp_dirs` removes those whose process is gone, which the strategy
 does when a fit starts and the CLI does before it consolidates a checkpoint.
 """
 
+import contextlib
 import logging
 import os
 import re
@@ -28,9 +30,23 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional, Union
 
-__all__ = ["TMP_PREFIX", "fsync_dir", "make_tmp_dir", "publish_dir", "remove_stale_tmp_dirs", "tmp_dirs_of"]
+from torch.distributed.checkpoint.api import CheckpointException
+
+from nemo_patch.engine.errors import ConsolidationError, OutputExistsError
+from nemo_patch.engine.output_layout import CONSOLIDATED_DIRNAME
+
+__all__ = [
+    "TMP_PREFIX",
+    "fsync_dir",
+    "link_consolidated_output",
+    "make_tmp_dir",
+    "publish_dir",
+    "remove_stale_tmp_dirs",
+    "staged_output",
+    "tmp_dirs_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +163,85 @@ def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[
             removed.append(path)
             logger.info("Removed %s, left by consolidation process %d that no longer runs", path, pid)
     return removed
+
+
+@contextlib.contextmanager
+def staged_output(
+    checkpoint_dir: Path, output_dir: Path, overwrite: bool, failure: str, kind: str = ""
+) -> Iterator[Path]:
+    """A hidden temporary directory next to ``output_dir``, published as ``output_dir`` when the block ends normally
+    and removed when it does not (whatever the exception, Ctrl-C included). Temporary output that killed processes
+    left in ``output_dir``'s parent or in ``checkpoint_dir`` is removed first.
+
+    Args:
+        checkpoint_dir: the checkpoint being consolidated.
+        output_dir: the final output directory.
+        overwrite: replace an existing ``output_dir`` (atomically) instead of raising :class:`OutputExistsError`.
+        failure: how a failure message starts, e.g. ``"Consolidating <ckpt>"``.
+        kind: a tag in the temporary name (``"hf-"``).
+
+    Raises:
+        ConsolidationError: the output cannot be written (``OSError`` naming the directory), or any other error of the
+            block, wrapped as ``"<failure> failed: <type>: <message>"``; a :class:`ConsolidationError` of the block
+            passes unchanged.
+        OutputExistsError: ``output_dir`` appeared meanwhile and ``overwrite`` is ``False``.
+    """
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        for parent in {output_dir.parent, checkpoint_dir}:
+            remove_stale_tmp_dirs(parent)
+        tmp_dir = make_tmp_dir(output_dir.parent, kind)
+    except OSError as error:
+        raise ConsolidationError(
+            f"Cannot write the output of {checkpoint_dir} in {output_dir.parent}: {error}"
+        ) from error
+    try:
+        yield tmp_dir
+        publish_dir(tmp_dir, output_dir, overwrite=overwrite)
+    except ConsolidationError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    except FileExistsError as error:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
+    except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ConsolidationError(f"{failure} failed: {type(error).__name__}: {error}") from error
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+def link_consolidated_output(
+    source_output: Union[str, Path], checkpoint_dir: Union[str, Path], output_name: str = CONSOLIDATED_DIRNAME
+) -> Path:
+    """Give ``checkpoint_dir`` a ``consolidated/`` with the same files as ``source_output``, without recomputing.
+
+    For NeMo's ``-last`` copy of a checkpoint: the weights are the same, so are the outputs (``metadata.json``'s
+    ``source_checkpoint`` is relative, ``../weights``, and stays right). Files are hard-linked where the filesystem
+    allows and copied otherwise; the directory is published atomically.
+
+    Args:
+        source_output: an existing ``consolidated/`` directory.
+        checkpoint_dir: the checkpoint directory that receives ``consolidated/``.
+        output_name: the name of the new directory (``hf`` for a Hugging Face export).
+
+    Returns:
+        The new ``<checkpoint_dir>/consolidated``.
+
+    Raises:
+        OSError: if the files cannot be linked or copied (nothing is left behind).
+    """
+    source_output, checkpoint_dir = Path(source_output), Path(checkpoint_dir)
+    tmp_dir = make_tmp_dir(checkpoint_dir)
+    try:
+        for source in sorted(source_output.iterdir()):
+            try:
+                os.link(source, tmp_dir / source.name)
+            except OSError:
+                shutil.copy2(source, tmp_dir / source.name)
+        publish_dir(tmp_dir, checkpoint_dir / output_name)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return checkpoint_dir / output_name

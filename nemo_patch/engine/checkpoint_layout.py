@@ -23,28 +23,33 @@ A NeMo 2 checkpoint written by ``MegatronCheckpointIO`` with the ``torch_dist`` 
             __<rank>_<i>.distcp                       shard files
             common.pt, metadata.json                  megatron-core: {"sharded_backend": "torch_dist", ...}
     <root>/<name>--step=<N>-...-unfinished            NeMo's marker while the save is not finished
-    <root>/LATEST                                     this package's pointer to the newest consolidated checkpoint
+    <root>/LATEST                                     the training side's pointer to the newest consolidated one
 
 Other layouts NeMo can write are recognised and refused by name: ``zarr`` (``metadata.json`` says so) and
 ``fsdp_dtensor`` (Megatron FSDP; the DCP files lie directly in the checkpoint directory, keyed ``model.*``).
 """
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple, Union
 
-from nemo_patch.consolidation_errors import (
+from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
     UnfinishedCheckpointError,
     UnsupportedFormatError,
 )
-from nemo_patch.latest_pointer import LATEST_NAME
 
-__all__ = ["CheckpointLocation", "inspect_checkpoint", "is_marked_unfinished", "locate_checkpoint"]
+__all__ = [
+    "UNFINISHED_SUFFIX",
+    "CheckpointLocation",
+    "checkpoints_newest_first",
+    "inspect_checkpoint",
+    "is_marked_unfinished",
+    "looks_like_checkpoint",
+]
 
 #: NeMo's ``ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX``.
 UNFINISHED_SUFFIX = "-unfinished"
@@ -79,7 +84,8 @@ def _backend(weights_dir: Path) -> str:
     return str(config.get("sharded_backend", "torch_dist")) if isinstance(config, dict) else "torch_dist"
 
 
-def _looks_like_checkpoint(path: Path) -> bool:
+def looks_like_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a checkpoint's ``weights/`` or DCP/megatron-core metadata (i.e. is not a root)."""
     return any((path / name).exists() for name in ("weights", ".metadata", "metadata.json"))
 
 
@@ -111,7 +117,7 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
             f"{path} is an 'fsdp_dtensor' checkpoint (Megatron FSDP); only 'torch_dist' checkpoints can be "
             "consolidated"
         )
-    elif _looks_like_checkpoint(path):
+    elif looks_like_checkpoint(path):
         checkpoint_dir, weights_dir = (path.parent if path.name == "weights" else path), path
     else:
         raise NotACheckpointError(
@@ -131,8 +137,14 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
     return CheckpointLocation(checkpoint_dir, weights_dir, finished)
 
 
-def _newest_first(root: Path) -> List[Path]:
-    """The checkpoints of ``root``, newest first; one that NeMo's top-k removal deletes meanwhile is left out."""
+def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:
+    """The checkpoint directories (``<name>/weights/``) in a run's checkpoint root, newest first.
+
+    Newest is by the global step in the name (``step=<N>``), a step's own checkpoint before NeMo's ``-last`` copy of
+    it, then by modification time. Hidden entries are skipped; a checkpoint that NeMo's top-k removal deletes while
+    the root is listed is left out.
+    """
+    root = Path(root)
     keys: Dict[Path, Tuple[int, bool, float]] = {}
     for path in root.iterdir():
         if path.name.startswith(".") or not (path / "weights").is_dir():
@@ -146,47 +158,3 @@ def _newest_first(root: Path) -> List[Path]:
         match = _STEP.search(path.name)
         keys[path] = (int(match.group(1)) if match else -1, not path.name.endswith("-last"), mtime)
     return sorted(keys, key=keys.__getitem__, reverse=True)
-
-
-def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -> CheckpointLocation:
-    """Resolve a user-given path to one checkpoint.
-
-    Args:
-        path: a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (the directory that
-            holds the checkpoints, or the run directory holding ``checkpoints/``). For a root, ``LATEST`` is taken
-            when it points at a checkpoint, else the newest finished checkpoint by the global step in its name
-            (``step=<N>``), a step's own checkpoint before its ``-last`` copy, then by modification time.
-        allow_unfinished: accept an unfinished checkpoint (given directly, or the newest one of a root).
-
-    Returns:
-        The checkpoint's :class:`CheckpointLocation`.
-
-    Raises:
-        The errors of :func:`inspect_checkpoint`; :class:`NotACheckpointError` for a root with no checkpoint and
-        :class:`UnfinishedCheckpointError` for a root whose checkpoints are all unfinished.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path} does not exist")
-    if not path.is_dir() or _looks_like_checkpoint(path):
-        return inspect_checkpoint(path, allow_unfinished)
-    root = path
-    if not _newest_first(root) and (root / "checkpoints").is_dir():
-        root = root / "checkpoints"
-    link = root / LATEST_NAME
-    latest = link.parent / os.readlink(link) if link.is_symlink() else None  # as given: relative stays relative
-    if latest is not None and latest.is_dir():
-        return inspect_checkpoint(latest, allow_unfinished)
-    candidates = _newest_first(root)
-    for candidate in candidates:
-        try:
-            location = inspect_checkpoint(candidate, allow_unfinished=True)
-        except CheckpointNotFoundError:  # removed by NeMo's top-k removal since it was listed
-            continue
-        if location.finished or allow_unfinished:
-            return location
-    if candidates:
-        raise UnfinishedCheckpointError(f"every checkpoint under {root} is unfinished; newest: {candidates[0].name}")
-    raise NotACheckpointError(
-        f"{path} is neither a NeMo 2 checkpoint nor a checkpoint root: no '<name>/weights/' directory in it"
-    )

@@ -12,11 +12,15 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Make NeMo's public ``MegatronStrategy`` name refer to :class:`nemo_patch.MegatronStrategy`."""
+"""Make NeMo's public ``MegatronStrategy`` name refer to :class:`nemo_patch.MegatronStrategy`.
+
+Imports the standard library and :mod:`nemo_patch.overlay.hook` at module level; the training side's strategy (and
+with it NeMo) only inside :func:`apply_overlay`, which runs once NeMo's strategy module has been executed.
+"""
 
 import sys
 
-from nemo_patch._autoload import TARGET_MODULE, overlay_disabled
+from nemo_patch.overlay.hook import STRATEGY_MODULE, TARGET_MODULE, overlay_disabled, strategy_module_importing
 
 __all__ = ["apply_overlay", "overlay_applied"]
 
@@ -24,7 +28,7 @@ __all__ = ["apply_overlay", "overlay_applied"]
 def overlay_applied() -> bool:
     """Whether NeMo's ``megatron_strategy.MegatronStrategy`` currently is :class:`nemo_patch.MegatronStrategy`."""
     module = sys.modules.get(TARGET_MODULE)
-    strategy = sys.modules.get("nemo_patch.strategy")
+    strategy = sys.modules.get(STRATEGY_MODULE)
     return (
         module is not None
         and strategy is not None
@@ -42,12 +46,14 @@ def apply_overlay() -> bool:
     public name, resolve to this class wherever the overlay is installed and to NeMo's own class elsewhere.
 
     Returns:
-        ``True`` if the overlay is in effect, ``False`` if ``NEMO_PATCH_DISABLE`` turned it off.
+        ``True`` if the overlay is in effect; ``False`` if ``NEMO_PATCH_DISABLE`` turned it off, or if
+        :mod:`nemo_patch.training.strategy` is being imported right now (the import hook applies it once that module
+        has been executed).
     """
-    if overlay_disabled():
+    if overlay_disabled() or strategy_module_importing():
         return False
-    # Imported here, not at the top: nemo_patch.strategy imports NeMo, whose import may be what called us.
-    from nemo_patch.strategy import MegatronStrategy, NeMoMegatronStrategy
+    # Imported here, not at the top: the strategy module imports NeMo, whose import may be what called us.
+    from nemo_patch.training.strategy import MegatronStrategy, NeMoMegatronStrategy
 
     # Under the overlay this class *is* NeMo's public MegatronStrategy: NeMo's IOMixin records it in a checkpoint's
     # context/io.json by that importable name (as stock NeMo does), not by nemo_patch's.

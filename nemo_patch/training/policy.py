@@ -12,12 +12,12 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""When a training run consolidates its distributed checkpoints.
+"""When a training run consolidates its distributed checkpoints: the cadence.
 
-This module is the single place where the user-facing ``save_consolidated`` and
-``ckpt_consolidation_frequency`` arguments are parsed and validated. Both
-:class:`nemo_patch.MegatronStrategy` and :class:`nemo_patch.MegatronCheckpointIO` use it, so they accept
-and reject exactly the same values.
+This module is the single place where the user-facing ``save_consolidated`` and ``ckpt_consolidation_frequency``
+arguments are parsed and validated, once, when :class:`nemo_patch.training.settings.ConsolidationSettings` is made
+from the user's values; every other part of the package gets the parsed :class:`ConsolidationPolicy`. Standard library
+only.
 
 Accepted frequencies:
 
@@ -28,24 +28,11 @@ Accepted frequencies:
   run (the count includes saves made before a resume).
 """
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-__all__ = [
-    "ACCEPTED_FORMATS",
-    "ACCEPTED_FREQUENCIES",
-    "DEFAULT_FORMAT",
-    "ConsolidationPolicy",
-    "parse_consolidation_frequency",
-    "output_dirname",
-    "resolve_policy",
-    "validate_max_pending",
-    "validate_format",
-    "validate_max_shard_size",
-    "validate_timeout",
-]
+__all__ = ["ACCEPTED_FREQUENCIES", "ConsolidationPolicy", "parse_consolidation_frequency", "resolve_policy"]
 
 #: Human-readable list of accepted ``ckpt_consolidation_frequency`` values, used in error messages.
 ACCEPTED_FREQUENCIES = '"each", "latest" or "every_n:<k>" with k an integer >= 1 (e.g. "every_n:5")'
@@ -156,84 +143,3 @@ def resolve_policy(save_consolidated: Optional[bool], frequency: Optional[str]) 
             "to turn consolidation off, or drop save_consolidated=False to consolidate at that frequency."
         )
     return policy
-
-
-def _invalid(name: str, value: object, accepted: str) -> ValueError:
-    return ValueError(f"Invalid {name} {value!r}: expected {accepted}.")
-
-
-def _is_int(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def validate_timeout(value: object, name: str = "ckpt_consolidation_timeout") -> float:
-    """Return ``value`` (seconds, an ``int`` or ``float`` > 0 and finite; not ``bool``) as a float.
-
-    Raises:
-        ValueError: for anything else; the message names the accepted form.
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-        return float(value)
-    raise _invalid(name, value, "a number of seconds > 0 (e.g. 1800)")
-
-
-_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def validate_max_shard_size(value: object, name: str = "ckpt_consolidation_max_shard_size") -> int:
-    """Return ``value`` as bytes of tensor data per safetensors file (>= 1).
-
-    Args:
-        value: an ``int`` (not ``bool``), or a string as ``transformers``' ``save_pretrained(max_shard_size=...)``
-            takes it: a number with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000) or
-            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``.
-        name: the argument's name, for the message.
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms.
-    """
-    if isinstance(value, int) and _is_int(value, 1):
-        return value
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value.strip())
-        if match:
-            size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
-            if size >= 1:
-                return size
-    raise _invalid(name, value, 'an integer number of bytes >= 1 or a size such as "5GB" or "500MiB"')
-
-
-#: Output formats of a consolidation: ``ckpt_consolidation_format`` and the CLI's ``--format``.
-ACCEPTED_FORMATS = ("safetensors", "hf")
-#: The default output format.
-DEFAULT_FORMAT = "safetensors"
-_OUTPUT_DIRNAMES = {"safetensors": "consolidated", "hf": "hf"}
-
-
-def output_dirname(output_format: str) -> str:
-    """The output directory's name inside a checkpoint directory: ``consolidated`` or ``hf``."""
-    return _OUTPUT_DIRNAMES[validate_format(output_format)]
-
-
-def validate_format(value: object, name: str = "ckpt_consolidation_format") -> str:
-    """Return ``value`` if it is ``"safetensors"`` (this package's layout) or ``"hf"`` (a Hugging Face directory).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms.
-    """
-    if isinstance(value, str) and value in ACCEPTED_FORMATS:
-        return value
-    raise _invalid(name, value, '"safetensors" or "hf"')
-
-
-def validate_max_pending(value: object, name: str = "ckpt_consolidation_max_pending") -> int:
-    """Return ``value`` (consolidation requests that may wait behind the running one, an ``int`` >= 0; not ``bool``).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted form.
-    """
-    if isinstance(value, int) and _is_int(value, 0):
-        return value
-    raise _invalid(name, value, "an integer >= 0 (e.g. 2)")

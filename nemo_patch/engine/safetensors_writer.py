@@ -25,7 +25,8 @@ bytes in header order. Files are read back and checked with the ``safetensors`` 
 Sharding follows ``transformers``' ``save_pretrained``: files ``model-00001-of-0000N.safetensors`` of at most
 ``max_shard_size`` bytes of tensor data each (a tensor larger than that gets a file of its own), plus
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``); a single
-``model.safetensors`` and no index when everything fits in one shard.
+``model.safetensors`` and no index when everything fits in one shard (the names are in
+:mod:`nemo_patch.engine.output_layout`).
 """
 
 import hashlib
@@ -39,23 +40,7 @@ from typing import BinaryIO, Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-__all__ = [
-    "DEFAULT_MAX_SHARD_SIZE",
-    "INDEX_FILENAME",
-    "SINGLE_FILENAME",
-    "TensorSpec",
-    "plan_shards",
-    "shard_filename",
-    "write_safetensors",
-    "write_index",
-]
-
-#: Hugging Face's default ``max_shard_size`` ("5GB", decimal): 5 * 10**9 bytes of tensor data per file.
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
-#: File name when everything fits in one shard.
-SINGLE_FILENAME = "model.safetensors"
-#: Index file name when there are several shards.
-INDEX_FILENAME = "model.safetensors.index.json"
+__all__ = ["TensorSpec", "plan_shards", "write_safetensors", "write_index"]
 
 _DTYPES = {
     torch.float64: "F64",
@@ -88,11 +73,6 @@ class TensorSpec:
         for dim in self.shape:
             numel *= dim
         return numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-def shard_filename(index: int, count: int) -> str:
-    """``model-00001-of-00003.safetensors`` for ``index=0, count=3`` (Hugging Face's naming)."""
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int) -> List[List[TensorSpec]]:

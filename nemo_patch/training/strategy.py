@@ -12,7 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""NeMo's ``MegatronStrategy`` with control over when checkpoints are consolidated."""
+"""NeMo's ``MegatronStrategy`` with control over when checkpoints are consolidated.
+
+Imports NeMo and Lightning. Does not apply the overlay itself: :mod:`nemo_patch.overlay` installs this class under
+NeMo's public name once this module has been executed.
+"""
 
 import importlib
 import logging
@@ -25,41 +29,34 @@ from nemo.lightning.io import pl as nemo_io_pl
 from nemo.lightning.io.mixin import _io_transform_args
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 
-from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io, replace_base_checkpoint_io
-from nemo_patch.consolidate import DEFAULT_MAX_SHARD_SIZE
-from nemo_patch.consolidation_policy import (
+from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
+from nemo_patch.training.io_chain import find_base_checkpoint_io, replace_base_checkpoint_io
+from nemo_patch.training.policy import ConsolidationPolicy
+from nemo_patch.training.settings import (
     DEFAULT_FORMAT,
-    ConsolidationPolicy,
-    output_dirname,
-    resolve_policy,
-    validate_format,
-    validate_max_pending,
-    validate_max_shard_size,
-    validate_timeout,
+    DEFAULT_MAX_PENDING,
+    DEFAULT_TIMEOUT,
+    STRATEGY_ARGUMENTS,
+    ConsolidationSettings,
 )
-from nemo_patch.consolidation_worker import DEFAULT_MAX_PENDING
 
 __all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
 
 
 def _consolidating_io_class() -> Type["MegatronCheckpointIO"]:
-    # Imported on use, not at the top: the overlay may define this module while nemo_patch.checkpoint_io is itself
-    # half-way through importing NeMo (NeMo's import is what triggers the overlay).
-    from nemo_patch.checkpoint_io import MegatronCheckpointIO
+    # Imported on use, not at the top: the overlay may define this module while nemo_patch.training.checkpoint_io is
+    # itself half-way through importing NeMo (NeMo's import is what triggers the overlay).
+    from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
 
     return MegatronCheckpointIO
 
 
-#: Default ``ckpt_consolidation_timeout``: how long the end of ``fit`` waits for consolidations, in seconds.
-DEFAULT_TIMEOUT = 1800.0
-_OWN_ARGS = (
-    "save_consolidated",
-    "ckpt_consolidation_frequency",
-    "ckpt_consolidation_timeout",
-    "ckpt_consolidation_max_shard_size",
-    "ckpt_consolidation_max_pending",
-    "ckpt_consolidation_format",
-)
+#: The strategy's own arguments: setting name -> argument name (``save_consolidated`` and the frequency included).
+_OWN_ARGS = {
+    "save_consolidated": "save_consolidated",
+    "frequency": "ckpt_consolidation_frequency",
+    **STRATEGY_ARGUMENTS,
+}
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ _nemo_megatron_strategy = importlib.import_module("nemo.lightning.pytorch.strate
 if TYPE_CHECKING:
     from nemo.lightning.pytorch.strategies.megatron_strategy import MegatronStrategy as NeMoMegatronStrategy
 
-    from nemo_patch.checkpoint_io import MegatronCheckpointIO
+    from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
 else:
     NeMoMegatronStrategy = getattr(
         _nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", _nemo_megatron_strategy.MegatronStrategy
@@ -82,7 +79,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
 
     A consolidated checkpoint is ``<ckpt>/consolidated/model.safetensors`` (the full, unsharded model weights) plus
     ``metadata.json``, next to the distributed checkpoint; ``<checkpoint root>/LATEST`` names the newest one. See
-    :mod:`nemo_patch.consolidate`.
+    :mod:`nemo_patch.engine.consolidate`. All consolidation settings are validated here, once, into
+    :attr:`consolidation_settings` (a frozen :class:`~nemo_patch.training.settings.ConsolidationSettings`), which the
+    checkpoint IO, the queue and the consolidation process receive as one value.
 
     Args:
         *args: NeMo's ``MegatronStrategy`` arguments, unchanged.
@@ -101,7 +100,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_format: ``"safetensors"`` (default): ``<ckpt>/consolidated/`` with this package's layout
             (megatron-core names, any model); ``"hf"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory
             written through NeMo's registered exporter for the model class (e.g. Llama); see
-            :mod:`nemo_patch.hf_export`. Either runs in the consolidation process, off the training path.
+            :mod:`nemo_patch.export.hf`. Either runs in the consolidation process, off the training path.
             When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
             consolidation never builds an unbounded backlog.
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
@@ -115,7 +114,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
     ``<ckpt>-unfinished`` marker removed. Global rank 0 hands them to a separate consolidation process, one at a time
-    (:mod:`nemo_patch.consolidation_worker`); the training loop never waits for it, other ranks do nothing. A failed
+    (:mod:`nemo_patch.training.worker`); the training loop never waits for it, other ranks do nothing. A failed
     consolidation is logged and training continues. NeMo's ``-last`` copy of a step is counted with that step and
     gets the step's consolidated files (hard links), not a second consolidation.
     """
@@ -132,13 +131,14 @@ class MegatronStrategy(NeMoMegatronStrategy):
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
-        resolve_policy(save_consolidated, ckpt_consolidation_frequency)
-        self.ckpt_consolidation_timeout = validate_timeout(ckpt_consolidation_timeout)
-        self.ckpt_consolidation_max_shard_size = validate_max_shard_size(ckpt_consolidation_max_shard_size)
-        self.ckpt_consolidation_max_pending = validate_max_pending(ckpt_consolidation_max_pending)
-        self.ckpt_consolidation_format = validate_format(ckpt_consolidation_format)
-        self.save_consolidated = save_consolidated
-        self.ckpt_consolidation_frequency = ckpt_consolidation_frequency
+        self.consolidation_settings = ConsolidationSettings.from_arguments(
+            save_consolidated,
+            ckpt_consolidation_frequency,
+            timeout=ckpt_consolidation_timeout,
+            max_shard_size=ckpt_consolidation_max_shard_size,
+            max_pending=ckpt_consolidation_max_pending,
+            output_format=ckpt_consolidation_format,
+        )
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
         io_config = getattr(self, "__io__", None)
@@ -149,29 +149,54 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if checkpoint_io is not None:
             self._checkpoint_io = self._with_consolidation(checkpoint_io)
 
+    @property
+    def save_consolidated(self) -> Optional[bool]:
+        """The ``save_consolidated`` argument as given."""
+        return self.consolidation_settings.save_consolidated
+
+    @property
+    def ckpt_consolidation_frequency(self) -> Optional[str]:
+        """The ``ckpt_consolidation_frequency`` argument as given."""
+        return self.consolidation_settings.frequency
+
+    @property
+    def ckpt_consolidation_timeout(self) -> float:
+        """Seconds the end of ``fit`` waits for consolidations."""
+        return self.consolidation_settings.timeout
+
+    @property
+    def ckpt_consolidation_max_shard_size(self) -> int:
+        """Most bytes of tensor data per output safetensors file."""
+        return self.consolidation_settings.max_shard_size
+
+    @property
+    def ckpt_consolidation_max_pending(self) -> int:
+        """Consolidation requests that may wait behind the running one."""
+        return self.consolidation_settings.max_pending
+
+    @property
+    def ckpt_consolidation_format(self) -> str:
+        """``"safetensors"`` or ``"hf"``."""
+        return self.consolidation_settings.output_format
+
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""
-        defaults = {
-            "ckpt_consolidation_timeout": DEFAULT_TIMEOUT,
-            "ckpt_consolidation_max_shard_size": DEFAULT_MAX_SHARD_SIZE,
-            "ckpt_consolidation_max_pending": DEFAULT_MAX_PENDING,
-            "ckpt_consolidation_format": DEFAULT_FORMAT,
+        defaults = ConsolidationSettings()
+        own = {
+            argument: getattr(self.consolidation_settings, setting)
+            for setting, argument in _OWN_ARGS.items()
+            if getattr(self.consolidation_settings, setting) != getattr(defaults, setting)
         }
-        own = {name: getattr(self, name) for name in _OWN_ARGS}
-        return {name: value for name, value in own.items() if value is not None and value != defaults.get(name)}
+        return {argument: value for argument, value in own.items() if value is not None}
 
     def io_transform_args(self, init_fn: Callable, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Record the constructor arguments (NeMo's ``IOMixin`` hook) exactly as NeMo records them for its own
         ``MegatronStrategy``, plus the consolidation arguments when they are given. With neither given, the
         checkpoint's ``context/io.json`` is the same as stock NeMo's."""
-        own = {name: kwargs.pop(name) for name in _OWN_ARGS if name in kwargs}
+        own = {name: kwargs.pop(name) for name in _OWN_ARGS.values() if name in kwargs}
         config = _io_transform_args(self, NeMoMegatronStrategy.__init__, *args, **kwargs)
         config.update({name: value for name, value in own.items() if value is not None})
         return config
-
-    @property
-    def _consolidation_requested(self) -> bool:
-        return self.save_consolidated is not None or self.ckpt_consolidation_frequency is not None
 
     def _with_consolidation(self, checkpoint_io: CheckpointIO) -> CheckpointIO:
         """Give ``checkpoint_io`` this strategy's consolidation settings.
@@ -181,29 +206,18 @@ class MegatronStrategy(NeMoMegatronStrategy):
         takes the strategy's settings when the strategy has any and keeps its own otherwise; any other checkpoint IO is
         kept as it is, without consolidation (a warning says so if consolidation was asked for).
         """
-        if not self._consolidation_requested:
+        settings = self.consolidation_settings
+        if not settings.requested:
             return checkpoint_io
-        policy = resolve_policy(self.save_consolidated, self.ckpt_consolidation_frequency)
         base = find_base_checkpoint_io(checkpoint_io)
         if isinstance(base, _consolidating_io_class()):
-            base._set_policy(self.save_consolidated, self.ckpt_consolidation_frequency, policy)
-            base.consolidation_max_shard_size = self.ckpt_consolidation_max_shard_size
-            base.consolidation_max_pending = self.ckpt_consolidation_max_pending
-            base.consolidation_format = self.ckpt_consolidation_format
+            base.set_consolidation_settings(settings)
             return checkpoint_io
-        if policy is None:
+        if not settings.enabled:
             return checkpoint_io  # e.g. save_consolidated=False: NeMo's checkpoint IO as it is
         if type(base) is nemo_io_pl.MegatronCheckpointIO:
             return replace_base_checkpoint_io(
-                checkpoint_io,
-                lambda io: _consolidating_io_class().from_checkpoint_io(
-                    io,
-                    self.save_consolidated,
-                    self.ckpt_consolidation_frequency,
-                    max_shard_size=self.ckpt_consolidation_max_shard_size,
-                    max_pending=self.ckpt_consolidation_max_pending,
-                    output_format=self.ckpt_consolidation_format,
-                ),
+                checkpoint_io, lambda io: _consolidating_io_class().from_checkpoint_io(io, settings)
             )
         logger.warning(
             "Checkpoint consolidation needs nemo_patch.MegatronCheckpointIO (or NeMo's MegatronCheckpointIO, which is "
@@ -232,7 +246,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """NeMo's set-up, then attach a :class:`ConsolidationCallback` when consolidation is on."""
         super().setup(trainer)
-        from nemo_patch.consolidation_callback import ConsolidationCallback
+        from nemo_patch.training.callback import ConsolidationCallback
 
         if self.consolidation_policy is not None and not any(
             isinstance(callback, ConsolidationCallback) for callback in trainer.callbacks  # type: ignore[attr-defined]
@@ -260,7 +274,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         newest = base.consolidation.newest_finished if base.consolidation is not None else None
         if newest is None:
             return None
-        return newest.path / output_dirname(base.consolidation_format) if newest.consolidated else None
+        return newest.path / base.consolidation_settings.output_dirname if newest.consolidated else None
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         """NeMo's checkpoint removal (top-k), deferred while that checkpoint is being consolidated and dropping a
@@ -284,9 +298,3 @@ class MegatronStrategy(NeMoMegatronStrategy):
             logger.exception("Waiting for checkpoint consolidation failed; continuing teardown")
         finally:
             super().teardown()
-
-
-# Importing this module means the overlay is wanted (NEMO_PATCH_DISABLE=1 still turns it off). When it is imported
-# before NeMo, NeMo's strategy module is first executed from inside the imports above, before this class exists; the
-# import hook then leaves the overlay to this line.
-importlib.import_module("nemo_patch.overlay").apply_overlay()

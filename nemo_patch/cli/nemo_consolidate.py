@@ -20,7 +20,7 @@ Usage (also ``python -m nemo_patch``)::
                      [--max-shard-size 5GB] [--verify] [--force] [--allow-unfinished] [--quiet]
 
 ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
-else the newest finished checkpoint; see :func:`nemo_patch.checkpoint_layout.locate_checkpoint`). Checkpoints
+else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). Checkpoints
 written by stock NeMo 2.x, without this package, work the same.
 
 Output goes to ``<ckpt>/consolidated`` (``--format safetensors``) or ``<ckpt>/hf`` (``--format hf``, a directory
@@ -28,7 +28,7 @@ Output goes to ``<ckpt>/consolidated`` (``--format safetensors``) or ``<ckpt>/hf
 atomically: on any failure nothing is left under the output name or in a temporary directory.
 
 Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr:
-see :mod:`nemo_patch.consolidation_errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
+see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
 exporter, 1 anything else).
 """
@@ -44,9 +44,11 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, TextIO
 
-from nemo_patch.checkpoint_layout import CheckpointLocation
-from nemo_patch.consolidation_errors import ConsolidationError
-from nemo_patch.consolidation_policy import ACCEPTED_FORMATS, validate_max_shard_size
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation
+from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES
+from nemo_patch.training.latest import locate_checkpoint
+from nemo_patch.training.settings import ACCEPTED_FORMATS, validate_max_shard_size
 
 __all__ = ["DTYPES", "main"]
 
@@ -150,7 +152,7 @@ def _human(size: float) -> str:
 
 def _verify_existing(location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float) -> int:
     """``--verify`` on an output that exists: compare it with the checkpoint, write nothing."""
-    from nemo_patch.consolidation_verify import verify_consolidated
+    from nemo_patch.engine.verify import verify_consolidated
 
     count = verify_consolidated(location.weights_dir, output_dir)
     if not quiet:
@@ -166,8 +168,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     import torch
-
-    from nemo_patch.checkpoint_layout import locate_checkpoint
 
     terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar's, still the terminal under the hold-back
     update, close_bar = _progress_bar(terminal.isatty() and not args.quiet, terminal)
@@ -191,18 +191,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         if args.max_shard_size is not None:
             options["max_shard_size"] = args.max_shard_size
-        default_out = location.checkpoint_dir / ("hf" if args.format == "hf" else "consolidated")
+        default_out = location.checkpoint_dir / OUTPUT_DIRNAMES[args.format]
         if args.verify and not args.force and args.format == "safetensors" and (args.out or default_out).is_dir():
             code = _verify_existing(location, args.out or default_out, args.quiet, started)
             close()
             return code
         if args.format == "hf":
-            from nemo_patch.hf_export import export_hf_checkpoint
+            from nemo_patch.export.hf import export_hf_checkpoint
 
             with _nemo_output_held_back():
                 result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
         else:
-            from nemo_patch.consolidate import consolidate_checkpoint
+            from nemo_patch.engine.consolidate import consolidate_checkpoint
 
             result = consolidate_checkpoint(location.checkpoint_dir, args.out, **options)
     except ConsolidationError as error:

@@ -23,10 +23,11 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from nemo_patch.consolidation_errors import ConsolidationError, CorruptShardError, VerificationError
-from nemo_patch.dcp_metadata import read_dcp_metadata
-from nemo_patch.dcp_reader import DCPRegionReader
-from nemo_patch.safetensors_writer import INDEX_FILENAME, SINGLE_FILENAME
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.dcp_reader import DCPRegionReader
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
+from nemo_patch.engine.output_layout import INDEX_FILENAME, SINGLE_FILENAME
+from nemo_patch.engine.plan import plan_outputs
 
 __all__ = ["tensors_bitwise_equal", "verify_consolidated"]
 
@@ -67,8 +68,6 @@ def verify_consolidated(
         VerificationError: a tensor differs, is missing from the output or from the checkpoint, or an output file
             cannot be read; the message names the tensor and the output file.
     """
-    from nemo_patch.consolidate import plan_outputs  # here: consolidate imports this module lazily too
-
     weights_dir, output_dir = Path(weights_dir), Path(output_dir)
     metadata = read_dcp_metadata(weights_dir) if metadata is None else metadata
     sources = {output.spec.name: output for output in plan_outputs(metadata)}

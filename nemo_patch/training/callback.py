@@ -23,9 +23,9 @@ from typing import Any, Dict, Iterator, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from nemo_patch.atomic_output import remove_stale_tmp_dirs
-from nemo_patch.checkpoint_io import MegatronCheckpointIO
-from nemo_patch.checkpoint_io_chain import find_base_checkpoint_io
+from nemo_patch.engine.publish import remove_stale_tmp_dirs
+from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
+from nemo_patch.training.io_chain import find_base_checkpoint_io
 
 __all__ = ["ConsolidationCallback"]
 
@@ -80,7 +80,7 @@ class ConsolidationCallback(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """On global rank 0, remove temporary output that a killed consolidation process left in the run's
-        checkpoint directories (:func:`nemo_patch.atomic_output.remove_stale_tmp_dirs`)."""
+        checkpoint directories (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`)."""
         io = _consolidating_io(trainer)
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         if io is None or not trainer.is_global_zero or not dirpath or not Path(dirpath).is_dir():

@@ -15,14 +15,11 @@
 """Consolidation off the training path: one separate OS process at a time, fed by a small bounded queue.
 
 The training process (global rank 0 only) never consolidates itself. :class:`ConsolidationQueue` starts
-``python -m nemo_patch.consolidation_worker`` for one checkpoint at a time. That process imports torch, safetensors and
-this package's engine but not NeMo, reads only files, and uses no ``torch.distributed`` process group or collective
-(a consolidation calling a collective on the training communicator is a known way to hang a run). The training loop
-only ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a timeout. The child runs at a
-lower CPU priority than training (:data:`WORKER_NICENESS`).
+``python -m nemo_patch.training.worker`` (:mod:`nemo_patch.training.worker`) for one checkpoint at a time, handing it
+the run's :class:`~nemo_patch.training.settings.ConsolidationSettings` as one JSON argument. The training loop only
+ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a timeout.
 """
 
-import argparse
 import logging
 import os
 import shutil
@@ -32,23 +29,20 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections import deque
 from pathlib import Path
-from typing import IO, Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import IO, Callable, Deque, List, Optional, Tuple
 
-from nemo_patch.atomic_output import tmp_dirs_of
-from nemo_patch.consolidation_schedule import CheckpointSave
+from nemo_patch.engine.publish import tmp_dirs_of
+from nemo_patch.training.schedule import CheckpointSave
+from nemo_patch.training.settings import ConsolidationSettings
 
-__all__ = ["DEFAULT_MAX_PENDING", "WORKER_NICENESS", "ConsolidationQueue", "main"]
+__all__ = ["ConsolidationQueue"]
 
 logger = logging.getLogger(__name__)
 
-#: Requests that may wait behind the running one; beyond it the oldest waiting request is skipped.
-DEFAULT_MAX_PENDING = 2
-#: How much lower the child's CPU priority is than the training process's (``os.nice`` increment): on a busy node the
-#: training job's threads come first, and a consolidation uses the CPU time they leave.
-WORKER_NICENESS = 10
+#: The module the consolidation process runs (``python -m``).
+WORKER_MODULE = "nemo_patch.training.worker"
 _POLL_SECONDS = 0.05
 _TERMINATE_GRACE_SECONDS = 5.0
 
@@ -72,26 +66,21 @@ class ConsolidationQueue:
 
     Args:
         on_done: called in the training process, from :meth:`poll` or :meth:`wait`, when a request ends.
-        max_pending: requests that may wait behind the running one (>= 0). When a new request would exceed it, the
-            oldest waiting request is skipped and logged (the first time with a warning, then at debug level).
-        max_shard_size: forwarded to the engine (bytes per output file; ``None``: the engine's default).
-        output_format: ``"safetensors"`` (:func:`nemo_patch.consolidate.consolidate_checkpoint`) or ``"hf"``
-            (:func:`nemo_patch.hf_export.export_hf_checkpoint`, which imports NeMo in the child process).
+        settings: the run's settings. ``max_pending`` requests may wait behind the running one; when a new request
+            would exceed it, the oldest waiting request is skipped and logged (the first time with a warning, then at
+            debug level). The whole value is handed to each consolidation process (its format and shard size).
+
+    Raises:
+        ValueError: ``settings.max_pending`` < 0.
     """
 
-    def __init__(
-        self,
-        on_done: DoneCallback,
-        max_pending: int = DEFAULT_MAX_PENDING,
-        max_shard_size: Optional[int] = None,
-        output_format: str = "safetensors",
-    ):
-        if max_pending < 0:
-            raise ValueError(f"max_pending must be >= 0, got {max_pending}")
+    def __init__(self, on_done: DoneCallback, settings: ConsolidationSettings = ConsolidationSettings()) -> None:
+        if settings.max_pending < 0:
+            raise ValueError(f"max_pending must be >= 0, got {settings.max_pending}")
         self._on_done = on_done
-        self._max_pending = max_pending
-        self._max_shard_size = max_shard_size
-        self._format = output_format
+        self.settings = settings
+        self._max_pending = settings.max_pending
+        self._settings_json = settings.to_json()  # serialised once, for every process this queue starts
         self._pending: Deque[CheckpointSave] = deque()
         self._running: Optional[_Running] = None
         self._deferred_removals: List[Callable[[], None]] = []
@@ -194,12 +183,8 @@ class ConsolidationQueue:
         return True
 
     def _start(self, save: CheckpointSave) -> None:
-        args = [sys.executable, "-m", "nemo_patch.consolidation_worker", str(save.path), "--global-step"]
-        args.append(str(save.global_step))
-        if self._max_shard_size is not None:
-            args += ["--max-shard-size", str(self._max_shard_size)]
-        if self._format != "safetensors":
-            args += ["--format", self._format]
+        args = [sys.executable, "-m", WORKER_MODULE, str(save.path), "--global-step", str(save.global_step)]
+        args += ["--settings", self._settings_json]
         env = dict(os.environ)
         for name in (
             "RANK",
@@ -280,36 +265,3 @@ def _remove_tmp_dirs(parent: Path, pid: int) -> None:
     """Remove temporary output left by a child that died (their names carry the child's pid)."""
     for path in tmp_dirs_of(parent, pid):
         shutil.rmtree(path, ignore_errors=True)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Child-process entry point: consolidate one checkpoint; on failure print one line and exit 1."""
-    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 torch_dist checkpoint (nemo_patch worker).")
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--global-step", type=int, default=None)
-    parser.add_argument("--max-shard-size", type=int, default=None)
-    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
-    args = parser.parse_args(argv)
-    try:
-        os.nice(WORKER_NICENESS)  # before torch is imported: the import is CPU time too
-    except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
-        pass
-    # torch's own import warns about an old NVML binding on some machines; keep the child's output to its reason.
-    warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
-    from nemo_patch.consolidate import ConsolidationError, consolidate_checkpoint
-    from nemo_patch.hf_export import export_hf_checkpoint
-
-    consolidate = export_hf_checkpoint if args.format == "hf" else consolidate_checkpoint
-    kwargs: Dict[str, Any] = {}
-    if args.max_shard_size is not None:
-        kwargs["max_shard_size"] = args.max_shard_size
-    try:
-        consolidate(args.checkpoint, global_step=args.global_step, **kwargs)
-    except ConsolidationError as error:
-        print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

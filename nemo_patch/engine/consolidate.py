@@ -1,0 +1,252 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Turn a NeMo 2 ``torch_dist`` distributed checkpoint into one unsharded safetensors file.
+
+Input: a finished checkpoint directory ``<ckpt>/`` whose ``weights/`` subdirectory was written by megatron-core's
+``dist_checkpointing.save`` with the ``torch_dist`` backend, i.e. a ``torch.distributed.checkpoint`` (DCP) directory:
+``.metadata`` plus ``__<rank>_<i>.distcp`` shard files. Each tensor is described in the DCP metadata by its global
+shape and dtype and stored as one or more chunks (TP/PP shards); ``torch.distributed.checkpoint.load`` reassembles
+them, so any TP/PP layout reads back to the same global tensors.
+
+Output: ``<ckpt>/consolidated/``
+
+* ``model.safetensors`` (or ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json`` when
+  the weights exceed ``max_shard_size``, as Hugging Face splits them; names in
+  :mod:`nemo_patch.engine.output_layout`): the model weights only, named as :mod:`nemo_patch.engine.plan` says.
+* ``metadata.json``: see :class:`ConsolidationResult` (layout version ``FORMAT_VERSION``).
+
+The output is published atomically: everything is written to a hidden temporary directory next to the final one and
+renamed into place (:func:`nemo_patch.engine.publish.staged_output`), so a reader sees either no ``consolidated/`` or
+a complete one.
+
+Memory: tensors are read one output tensor at a time (one layer of a stacked tensor; see
+:class:`nemo_patch.engine.dcp_reader.DCPRegionReader`) and streamed into the file
+(:func:`nemo_patch.engine.safetensors_writer.write_safetensors`), so peak memory is about the largest single output
+tensor plus the largest stored chunk, not the model size.
+"""
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Union
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.dcp_reader import DCPRegionReader
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
+from nemo_patch.engine.output_layout import (
+    CONSOLIDATED_DIRNAME,
+    DEFAULT_MAX_SHARD_SIZE,
+    FORMAT_VERSION,
+    INDEX_FILENAME,
+    METADATA_FILENAME,
+    SINGLE_FILENAME,
+    shard_filename,
+)
+from nemo_patch.engine.plan import OutputTensor, cast_outputs, plan_outputs, stored_spec
+from nemo_patch.engine.publish import staged_output
+from nemo_patch.engine.safetensors_writer import TensorSpec, plan_shards, write_index, write_safetensors
+from nemo_patch.engine.verify import verify_consolidated
+
+__all__ = ["ConsolidationResult", "ProgressCallback", "consolidate_checkpoint", "tensor_producer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConsolidationResult:
+    """What :func:`consolidate_checkpoint` wrote.
+
+    Attributes:
+        output_dir: the published ``<ckpt>/consolidated`` directory.
+        tensor_count: number of tensors in ``model.safetensors`` (after splitting stacked layers).
+        total_bytes: sum of the tensors' data sizes in bytes (``numel * element_size``), excluding headers.
+        global_step: the global step recorded in ``metadata.json`` (``None`` if unknown).
+        files: output file name -> sha256 hex digest.
+    """
+
+    output_dir: Path
+    tensor_count: int
+    total_bytes: int
+    global_step: Optional[int]
+    files: Dict[str, str] = field(default_factory=dict)
+
+
+def _root_cause(error: BaseException) -> str:
+    """A one-line description of what failed inside a ``torch.distributed.checkpoint`` read."""
+    if isinstance(error, CheckpointException) and error.failures:
+        cause = next(iter(error.failures.values()))  # (exception, stack summary) per rank
+        if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+            error = cause[0]
+    return f"{type(error).__name__}: {error}".rstrip(": ")
+
+
+def tensor_producer(
+    reader: DCPRegionReader,
+    sources: Dict[str, OutputTensor],
+    metadata: Metadata,
+    largest: int,
+    reuse: bool = True,
+) -> Callable[[TensorSpec], torch.Tensor]:
+    """A function that reads one output tensor (by its spec's name in ``sources``) from the checkpoint.
+
+    Each tensor is read into one of two reusable byte buffers of ``largest`` bytes (the writer keeps at most one
+    tensor in flight while the next is read), so memory is not re-allocated and re-faulted for every tensor. A tensor
+    cast to another dtype is read into a third buffer in its stored dtype first. With ``reuse=False`` every tensor is
+    new memory (for callers that keep the tensors).
+
+    The function raises :class:`CorruptShardError` naming the shard file(s) when a tensor cannot be read.
+    """
+    buffers = [torch.empty(largest if reuse else 0, dtype=torch.uint8) for _ in range(2)]
+    staging: List[torch.Tensor] = []
+    turn = [0]
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        source = sources[spec.name]
+        buffer = buffers[turn[0] % 2]
+        turn[0] += 1
+        out = (
+            buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
+            if reuse
+            else torch.empty(spec.shape, dtype=spec.dtype)
+        )
+        stored = stored_spec(metadata, source)
+        try:
+            if stored.dtype == spec.dtype:
+                return reader.read(source.key, source.layer, out=out)
+            if not staging or staging[0].numel() < stored.nbytes:
+                staging[:] = [torch.empty(stored.nbytes, dtype=torch.uint8)]
+            raw = reader.read(
+                source.key, source.layer, out=staging[0][: stored.nbytes].view(stored.dtype).view(stored.shape)
+            )
+            return out.copy_(raw)
+        except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+            files = ", ".join(reader.files_of(source.key))
+            raise CorruptShardError(
+                f"Cannot read shard file(s) {files} of {reader.path} (tensor {source.key}): {_root_cause(error)}"
+            ) from error
+
+    return produce
+
+
+#: Called during a consolidation with ``(bytes done, bytes in all)`` of tensor data, after each tensor.
+ProgressCallback = Callable[[int, int], None]
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: Union[str, Path],
+    output_dir: Optional[Union[str, Path]] = None,
+    global_step: Optional[int] = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: Optional[torch.dtype] = None,
+    overwrite: bool = True,
+    verify: bool = False,
+    allow_unfinished: bool = False,
+    progress: Optional[ProgressCallback] = None,
+) -> ConsolidationResult:
+    """Consolidate a finished NeMo 2 ``torch_dist`` checkpoint into ``consolidated/`` safetensors.
+
+    Reads only files: no process group is needed or used. Unpickles nothing but the DCP ``.metadata`` file, with an
+    allowlist of metadata types (:func:`nemo_patch.engine.dcp_metadata.read_dcp_metadata`; megatron-core is not
+    imported); stored tensors are read with ``torch.load(weights_only=True)``; ``_extra_state`` payloads and
+    ``common.pt`` are never loaded. Temporary output left in the checkpoint directory by a consolidation process that
+    was killed is removed first (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`).
+
+    Args:
+        checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory.
+        output_dir: where to publish; defaults to ``<ckpt>/consolidated``.
+        global_step: recorded in ``metadata.json``; ``None`` if unknown.
+        max_shard_size: most tensor-data bytes per safetensors file (default 5 * 10**9, Hugging Face's "5GB"); a
+            single ``model.safetensors`` is written when everything fits, else shards plus an index.
+        dtype: cast floating-point tensors to this dtype (``None`` keeps the stored dtypes).
+        overwrite: replace an existing output atomically (the strategy's behaviour); if ``False`` an existing output
+            raises :class:`OutputExistsError` before any work.
+        verify: re-read the written files and compare every tensor with the checkpoint before publishing
+            (:func:`nemo_patch.engine.verify.verify_consolidated`).
+        allow_unfinished: consolidate even if NeMo's unfinished marker is present (the CLI's explicit override).
+        progress: called with ``(bytes done, bytes in all)`` after each tensor is read.
+
+    Returns:
+        A :class:`ConsolidationResult`.
+
+    Raises:
+        ConsolidationError: or one of its subclasses in :mod:`nemo_patch.engine.errors` naming the cause: not
+            a checkpoint, unfinished, unsupported format (``zarr``, ``fsdp_dtensor``), output exists, a shard file
+            that cannot be read (:class:`CorruptShardError`, naming the file), a verification mismatch, or an output
+            that cannot be written. Nothing is left under ``output_dir``'s name or in a temporary directory.
+        ValueError: if ``max_shard_size`` < 1 or ``dtype`` is not a floating-point dtype.
+    """
+    if max_shard_size < 1:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
+    location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
+    weights_dir, ckpt_dir = location.weights_dir, location.checkpoint_dir
+    output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / CONSOLIDATED_DIRNAME
+    if output_dir.exists() and not overwrite:
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
+
+    try:
+        metadata = read_dcp_metadata(weights_dir)
+    except Exception as error:  # OSError, pickle.UnpicklingError, EOFError
+        raise CorruptShardError(
+            f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: {error}"
+        ) from error
+    outputs = cast_outputs(plan_outputs(metadata), dtype)
+    if not outputs:
+        raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
+
+    with staged_output(ckpt_dir, output_dir, overwrite, f"Consolidating {ckpt_dir}") as tmp_dir:
+        reader = DCPRegionReader(weights_dir, metadata)
+        largest = max(output.spec.nbytes for output in outputs)
+        total_bytes = sum(output.spec.nbytes for output in outputs)
+        read = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, largest)
+        done = [0]
+
+        def produce(spec: TensorSpec) -> torch.Tensor:
+            tensor = read(spec)
+            done[0] += spec.nbytes
+            if progress is not None:
+                progress(done[0], total_bytes)
+            return tensor
+
+        shards = plan_shards([output.spec for output in outputs], max_shard_size)
+        names = [SINGLE_FILENAME] if len(shards) == 1 else [shard_filename(i, len(shards)) for i in range(len(shards))]
+        files = {}
+        for name, specs in zip(names, shards):
+            files[name] = write_safetensors(tmp_dir / name, specs, produce, metadata={"format": "pt"})
+        if len(shards) > 1:
+            files[INDEX_FILENAME] = write_index(tmp_dir / INDEX_FILENAME, zip(names, shards))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "global_step": global_step,
+            "source_checkpoint": os.path.relpath(weights_dir, output_dir),
+            "tensor_count": len(outputs),
+            "total_bytes": total_bytes,
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "files": {name: {"sha256": digest} for name, digest in sorted(files.items())},
+        }
+        (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
+            with open(tmp_dir / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        if verify:
+            verify_consolidated(weights_dir, tmp_dir, metadata=metadata)
+    logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
+    return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files)

@@ -1,0 +1,59 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The names of everything a consolidation writes, and the default shard size (standard library only).
+
+Inside a checkpoint directory ``<ckpt>/``, the output directory is ``consolidated/`` for this package's
+``safetensors`` format and ``hf/`` for a Hugging Face directory (:data:`OUTPUT_DIRNAMES`). In it, the weights are
+``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json`` when they
+exceed the shard size (``transformers``' ``save_pretrained`` naming), and this package's ``metadata.json``
+(version :data:`FORMAT_VERSION`). Kept free of torch so that settings and the CLI can name outputs without importing
+it.
+"""
+
+from typing import Dict
+
+__all__ = [
+    "CONSOLIDATED_DIRNAME",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "FORMAT_VERSION",
+    "HF_DIRNAME",
+    "INDEX_FILENAME",
+    "METADATA_FILENAME",
+    "OUTPUT_DIRNAMES",
+    "SINGLE_FILENAME",
+    "shard_filename",
+]
+
+#: Name of the ``safetensors``-format output directory inside a checkpoint directory.
+CONSOLIDATED_DIRNAME = "consolidated"
+#: Name of the Hugging Face output directory inside a checkpoint directory.
+HF_DIRNAME = "hf"
+#: Output format (``ckpt_consolidation_format``, the CLI's ``--format``) -> output directory name.
+OUTPUT_DIRNAMES: Dict[str, str] = {"safetensors": CONSOLIDATED_DIRNAME, "hf": HF_DIRNAME}
+#: Hugging Face's default ``max_shard_size`` ("5GB", decimal): 5 * 10**9 bytes of tensor data per file.
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+#: Weights file name when everything fits in one shard.
+SINGLE_FILENAME = "model.safetensors"
+#: Index file name when there are several shards.
+INDEX_FILENAME = "model.safetensors.index.json"
+#: This package's description of an output (global step, source, tensor count, bytes, per-file digests).
+METADATA_FILENAME = "metadata.json"
+#: Version of the ``metadata.json`` layout.
+FORMAT_VERSION = 1
+
+
+def shard_filename(index: int, count: int) -> str:
+    """``model-00001-of-00003.safetensors`` for ``index=0, count=3`` (Hugging Face's naming)."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"

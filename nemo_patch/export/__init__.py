@@ -1,0 +1,20 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Exports of a distributed checkpoint to other formats than this package's own: Hugging Face (:mod:`.hf`).
+
+Exports run NeMo's registered exporters (NeMo is imported inside their functions, never at module import) on top of
+the engine. May import the engine; never the training side, the overlay, the CLI or ``nemo_patch.testing``. This
+``__init__`` imports nothing.
+"""

@@ -1,0 +1,120 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""A run's ``LATEST`` pointer, and which checkpoint a run's checkpoint root designates.
+
+``<root>/LATEST`` is a relative symlink in the checkpoint root naming the newest consolidated checkpoint of the run;
+the training side replaces it atomically after each consolidation is published. :func:`locate_checkpoint` resolves a
+path a user gives (a checkpoint, or a run's root) to one checkpoint, following ``LATEST`` first. Standard library and
+the engine's torch-free checkpoint layout only.
+"""
+
+import os
+import uuid
+from pathlib import Path
+from typing import Optional, Union
+
+from nemo_patch.engine.checkpoint_layout import (
+    CheckpointLocation,
+    checkpoints_newest_first,
+    inspect_checkpoint,
+    looks_like_checkpoint,
+)
+from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
+
+__all__ = ["LATEST_NAME", "locate_checkpoint", "read_latest_pointer", "update_latest_pointer"]
+
+#: File name of the pointer in the checkpoint root.
+LATEST_NAME = "LATEST"
+
+
+def update_latest_pointer(checkpoint_dir: Union[str, Path]) -> Path:
+    """Point ``<root>/LATEST`` at ``checkpoint_dir`` (whose parent is ``<root>``).
+
+    The symlink is relative (``LATEST -> <checkpoint name>``) so the run directory can be moved. It is replaced
+    atomically: a new link is created under a temporary name and renamed over the old one, so a reader never finds
+    ``LATEST`` missing or half-written.
+
+    Args:
+        checkpoint_dir: the checkpoint directory to point at.
+
+    Returns:
+        The path of the ``LATEST`` link.
+
+    Raises:
+        OSError: if the link cannot be created (e.g. a read-only directory).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    link = checkpoint_dir.parent / LATEST_NAME
+    tmp = checkpoint_dir.parent / f".{LATEST_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    os.symlink(checkpoint_dir.name, tmp)
+    try:
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    return link
+
+
+def read_latest_pointer(checkpoint_root: Union[str, Path]) -> Optional[Path]:
+    """The checkpoint directory ``<checkpoint_root>/LATEST`` points at, or ``None`` if there is no pointer."""
+    link = Path(checkpoint_root) / LATEST_NAME
+    if not link.is_symlink():
+        return None
+    return (link.parent / os.readlink(link)).resolve()
+
+
+def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -> CheckpointLocation:
+    """Resolve a user-given path to one checkpoint.
+
+    Args:
+        path: a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (the directory that
+            holds the checkpoints, or the run directory holding ``checkpoints/``). For a root, ``LATEST`` is taken
+            when it points at a checkpoint, else the newest finished checkpoint by the global step in its name
+            (``step=<N>``), a step's own checkpoint before its ``-last`` copy, then by modification time.
+        allow_unfinished: accept an unfinished checkpoint (given directly, or the newest one of a root).
+
+    Returns:
+        The checkpoint's :class:`nemo_patch.engine.checkpoint_layout.CheckpointLocation`.
+
+    Raises:
+        The errors of :func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`; :class:`NotACheckpointError` for
+        a root with no checkpoint and :class:`UnfinishedCheckpointError` for a root whose checkpoints are all
+        unfinished.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path} does not exist")
+    if not path.is_dir() or looks_like_checkpoint(path):
+        return inspect_checkpoint(path, allow_unfinished)
+    root = path
+    if not checkpoints_newest_first(root) and (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    link = root / LATEST_NAME
+    latest = link.parent / os.readlink(link) if link.is_symlink() else None  # as given: relative stays relative
+    if latest is not None and latest.is_dir():
+        return inspect_checkpoint(latest, allow_unfinished)
+    candidates = checkpoints_newest_first(root)
+    for candidate in candidates:
+        try:
+            location = inspect_checkpoint(candidate, allow_unfinished=True)
+        except CheckpointNotFoundError:  # removed by NeMo's top-k removal since it was listed
+            continue
+        if location.finished or allow_unfinished:
+            return location
+    if candidates:
+        raise UnfinishedCheckpointError(f"every checkpoint under {root} is unfinished; newest: {candidates[0].name}")
+    raise NotACheckpointError(
+        f"{path} is neither a NeMo 2 checkpoint nor a checkpoint root: no '<name>/weights/' directory in it"
+    )

@@ -1,0 +1,81 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The consolidation process: ``python -m nemo_patch.training.worker <ckpt> --global-step N --settings JSON``.
+
+Started by :class:`nemo_patch.training.queue.ConsolidationQueue` for one checkpoint. It lowers its own CPU priority
+(:data:`WORKER_NICENESS`) before importing torch, then runs the engine
+(:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`) or, for ``output_format="hf"``, the Hugging Face export
+(:func:`nemo_patch.export.hf.export_hf_checkpoint`, which imports NeMo in this process to find the model's exporter).
+It reads only files and uses no ``torch.distributed`` process group or collective (a consolidation calling a
+collective on the training communicator is a known way to hang a run).
+
+Must not import NeMo, Lightning or megatron-core itself (``.importlinter``; the ``hf`` export is the one, explicit,
+exception), so that the default ``safetensors`` consolidation starts in about the time of ``import torch``.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+from nemo_patch.training.settings import ConsolidationSettings
+
+__all__ = ["WORKER_NICENESS", "main"]
+
+#: How much lower the process's CPU priority is than the training process's (``os.nice`` increment): on a busy node
+#: the training job's threads come first, and a consolidation uses the CPU time they leave.
+WORKER_NICENESS = 10
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Consolidate one checkpoint; on failure print one line (the reason) and return 1.
+
+    Args:
+        argv: ``<checkpoint dir> [--global-step N] [--settings JSON]`` (``JSON`` from
+            :meth:`ConsolidationSettings.to_json`; default settings when absent).
+
+    Returns:
+        The process exit code: 0 on success, 1 on a :class:`nemo_patch.engine.errors.ConsolidationError`.
+    """
+    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 torch_dist checkpoint (nemo_patch worker).")
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--global-step", type=int, default=None)
+    parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
+    args = parser.parse_args(argv)
+    settings: ConsolidationSettings = args.settings
+    try:
+        os.nice(WORKER_NICENESS)  # before torch is imported: the import is CPU time too
+    except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
+        pass
+    # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
+    warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    from nemo_patch.engine.errors import ConsolidationError
+
+    if settings.output_format == "hf":
+        from nemo_patch.export.hf import export_hf_checkpoint as consolidate
+    else:
+        from nemo_patch.engine.consolidate import consolidate_checkpoint as consolidate
+    try:
+        consolidate(args.checkpoint, global_step=args.global_step, max_shard_size=settings.max_shard_size)
+    except ConsolidationError as error:
+        print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
