@@ -21,8 +21,10 @@ the installed package of this interpreter (which ``pip`` unpacked from the pinne
 the wheel's ``RECORD`` hashes). The diff, with ``a/`` and ``b/`` prefixes relative to that directory (NeMo's repository
 root), applies with ``git apply`` and:
 
-* adds ``nemo/lightning/io/consolidation/``: this package's engine, policy, schedule, queue, callback, CLI and
-  consolidating checkpoint IO, imports renamed;
+* adds ``nemo/lightning/io/consolidation/``: this package's layers as subpackages of it, imports renamed:
+  ``engine/`` (the consolidation engine), ``training/`` (settings, cadence, schedule, queue, worker, callback,
+  ``LATEST`` and the consolidating checkpoint IO; not the strategy subclass, which becomes edits of NeMo's strategy),
+  ``export/`` (Hugging Face) and ``cli/`` (``nemo-consolidate``); the overlay does not move;
 * edits ``nemo/lightning/pytorch/strategies/megatron_strategy.py``: the consolidation arguments on
   ``MegatronStrategy.__init__`` (documented and validated first), the IO built with them, the callback added in
   ``setup``, the wait in ``teardown``, the safe ``remove_checkpoint`` and ``consolidate_latest_checkpoint``;
@@ -53,37 +55,22 @@ STRATEGY_UTILS = "nemo/lightning/pytorch/strategies/utils.py"
 IO_PL = "nemo/lightning/io/pl.py"
 TESTS_DIR = "tests/lightning/consolidation"
 
-#: nemo-patch modules that move into NeMo unchanged but for their imports (the overlay machinery does not move).
-ENGINE_MODULES = [
-    "atomic_output",
-    "checkpoint_io",
-    "checkpoint_io_chain",
-    "checkpoint_layout",
-    "consolidate",
-    "consolidate_cli",
-    "consolidation_callback",
-    "consolidation_errors",
-    "consolidation_policy",
-    "consolidation_schedule",
-    "consolidation_verify",
-    "consolidation_worker",
-    "dcp_metadata",
-    "dcp_reader",
-    "hf_export",
-    "latest_pointer",
-    "load_consolidated",
-    "safetensors_writer",
-]
+#: nemo-patch subpackages that move into NeMo unchanged but for their imports (the overlay and the test helpers do
+#: not move).
+MOVED_PACKAGES = ["engine", "training", "export", "cli"]
+#: Modules of those that do not move: the strategy subclass becomes edits of NeMo's own strategy.
+NOT_MOVED = {"training/strategy.py"}
 #: nemo-patch unit tests ported into NeMo's test layout.
-PORTED_TESTS = ["test_consolidation_policy.py", "test_consolidation_schedule.py"]
+PORTED_TESTS = ["test_consolidation_policy.py", "test_consolidation_schedule.py", "test_consolidation_settings.py"]
 
-HEADER = (REPO / "nemo_patch" / "consolidate.py").read_text().split('"""', 1)[0]
+HEADER = (REPO / "nemo_patch" / "engine" / "consolidate.py").read_text().split('"""', 1)[0]
 
 PACKAGE_INIT = (
     HEADER
     + '''"""Checkpoint consolidation: finished distributed checkpoints to unsharded safetensors (or a Hugging Face
-directory), at the cadence ``MegatronStrategy(ckpt_consolidation_frequency=...)`` asks for. See ``consolidate`` for the
-format and ``consolidation_policy`` for the cadence."""
+directory), at the cadence ``MegatronStrategy(ckpt_consolidation_frequency=...)`` asks for. ``engine`` holds the
+consolidation itself (see ``engine.consolidate`` for the format), ``training`` the settings, cadence and the
+consolidating checkpoint IO, ``export`` the Hugging Face export and ``cli`` the ``nemo-consolidate`` command."""
 '''
 )
 
@@ -109,24 +96,24 @@ STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
         ckpt_consolidation_format: str = "safetensors",
 """
 
-STRATEGY_VALIDATION = """        # Checkpoint consolidation settings: validated before anything is set up.
-        from nemo.lightning.io.consolidation import consolidation_policy as _consolidation
+STRATEGY_VALIDATION = """        # Checkpoint consolidation settings: validated once, before anything is set up, into one frozen value.
+        from nemo.lightning.io.consolidation.training.settings import ConsolidationSettings
 
-        self.consolidation_policy = _consolidation.resolve_policy(save_consolidated, ckpt_consolidation_frequency)
-        self.save_consolidated = save_consolidated
-        self.ckpt_consolidation_frequency = ckpt_consolidation_frequency
-        self.ckpt_consolidation_timeout = _consolidation.validate_timeout(ckpt_consolidation_timeout)
-        self.ckpt_consolidation_max_shard_size = _consolidation.validate_max_shard_size(
-            ckpt_consolidation_max_shard_size
+        self.consolidation_settings = ConsolidationSettings.from_arguments(
+            save_consolidated,
+            ckpt_consolidation_frequency,
+            timeout=ckpt_consolidation_timeout,
+            max_shard_size=ckpt_consolidation_max_shard_size,
+            max_pending=ckpt_consolidation_max_pending,
+            output_format=ckpt_consolidation_format,
         )
-        self.ckpt_consolidation_max_pending = _consolidation.validate_max_pending(ckpt_consolidation_max_pending)
-        self.ckpt_consolidation_format = _consolidation.validate_format(ckpt_consolidation_format)
+        self.consolidation_policy = self.consolidation_settings.policy
 """
 
 STRATEGY_CALLBACK = """
         # add the checkpoint consolidation callback if consolidation is on
         if self.consolidation_policy is not None:
-            from nemo.lightning.io.consolidation.consolidation_callback import ConsolidationCallback
+            from nemo.lightning.io.consolidation.training.callback import ConsolidationCallback
 
             if not any(isinstance(callback, ConsolidationCallback) for callback in self.trainer.callbacks):
                 self.trainer.callbacks.append(ConsolidationCallback(self.trainer))
@@ -136,7 +123,7 @@ STRATEGY_TEARDOWN = '''        """Tearsdown the strategy"""
         consolidating_io = self._consolidating_io()
         if consolidating_io is not None:  # running and queued consolidations, up to the timeout
             try:
-                consolidating_io.wait_for_consolidation(self.ckpt_consolidation_timeout)
+                consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
             except Exception as error:  # a consolidation problem never fails the run
                 logging.error(f"Waiting for checkpoint consolidation failed: {error}")
 '''
@@ -162,20 +149,14 @@ STRATEGY_METHODS = '''
         """The checkpoint IO arguments that turn consolidation on (none when it is off)."""
         if self.consolidation_policy is None:
             return {}
-        return dict(
-            save_consolidated=self.save_consolidated,
-            ckpt_consolidation_frequency=self.ckpt_consolidation_frequency,
-            consolidation_max_shard_size=self.ckpt_consolidation_max_shard_size,
-            consolidation_max_pending=self.ckpt_consolidation_max_pending,
-            consolidation_format=self.ckpt_consolidation_format,
-        )
+        return dict(consolidation_settings=self.consolidation_settings)
 
     def _consolidating_io(self) -> Optional[Any]:
         """The consolidating checkpoint IO inside any wrappers, or None."""
         if self.consolidation_policy is None or not self._checkpoint_io:
             return None
-        from nemo.lightning.io.consolidation.checkpoint_io import MegatronCheckpointIO as ConsolidatingIO
-        from nemo.lightning.io.consolidation.checkpoint_io_chain import find_base_checkpoint_io
+        from nemo.lightning.io.consolidation.training.checkpoint_io import MegatronCheckpointIO as ConsolidatingIO
+        from nemo.lightning.io.consolidation.training.io_chain import find_base_checkpoint_io
 
         base = find_base_checkpoint_io(self._checkpoint_io)
         return base if isinstance(base, ConsolidatingIO) else None
@@ -190,22 +171,20 @@ STRATEGY_METHODS = '''
             The output directory once it exists, else None (nothing finished yet, consolidation off, another rank,
             not waited for, timed out or failed; failures are logged).
         """
-        from nemo.lightning.io.consolidation.consolidation_policy import output_dirname
-
         consolidating_io = self._consolidating_io()
         if consolidating_io is None or not consolidating_io.consolidate_newest():
             return None
         if wait:
-            consolidating_io.wait_for_consolidation(self.ckpt_consolidation_timeout)
+            consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
         newest = consolidating_io.consolidation.newest_finished
         if newest is None or not newest.consolidated:
             return None
-        return newest.path / output_dirname(consolidating_io.consolidation_format)
+        return newest.path / consolidating_io.consolidation_settings.output_dirname
 '''
 
 UTILS_FACTORY = """        from nemo.lightning.io.pl import MegatronCheckpointIO
 
-        if kwargs.get("save_consolidated") is not None or kwargs.get("ckpt_consolidation_frequency") is not None:
+        if kwargs.get("consolidation_settings") is not None:
             from nemo.lightning.io.pl import ConsolidatingMegatronCheckpointIO as MegatronCheckpointIO
 
         checkpoint_io = MegatronCheckpointIO(**kwargs)
@@ -217,7 +196,7 @@ def __getattr__(name: str) -> Any:
     """``ConsolidatingMegatronCheckpointIO``: ``MegatronCheckpointIO`` that also consolidates finished checkpoints
     (see ``nemo.lightning.io.consolidation``); imported on first use, its module imports this one."""
     if name == "ConsolidatingMegatronCheckpointIO":
-        from nemo.lightning.io.consolidation import checkpoint_io
+        from nemo.lightning.io.consolidation.training import checkpoint_io
 
         return checkpoint_io.MegatronCheckpointIO
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -232,9 +211,9 @@ import sys
 import pytest
 
 import nemo.lightning as nl
-from nemo.lightning.io.consolidation.checkpoint_io import MegatronCheckpointIO as ConsolidatingIO
-from nemo.lightning.io.consolidation.checkpoint_io_chain import find_base_checkpoint_io
-from nemo.lightning.io.consolidation.consolidation_policy import ConsolidationPolicy
+from nemo.lightning.io.consolidation.training.checkpoint_io import MegatronCheckpointIO as ConsolidatingIO
+from nemo.lightning.io.consolidation.training.io_chain import find_base_checkpoint_io
+from nemo.lightning.io.consolidation.training.policy import ConsolidationPolicy
 from nemo.lightning.io.pl import ConsolidatingMegatronCheckpointIO, MegatronCheckpointIO
 
 
@@ -292,7 +271,7 @@ def _replace_once(text: str, anchor: str, replacement: str, where: str) -> str:
 
 def _rename_imports(source: str) -> str:
     source = source.replace("nemo_patch.", f"{PACKAGE}.")
-    return source.replace("python -m nemo_patch", f"python -m {PACKAGE}.consolidate_cli")
+    return source.replace("python -m nemo_patch", f"python -m {PACKAGE}.cli.nemo_consolidate")
 
 
 def patched_strategy(text: str) -> str:
@@ -349,8 +328,11 @@ def patched_utils(text: str) -> str:
 def new_files() -> Dict[str, str]:
     """Repository path -> content of every file the patch adds."""
     files = {f"{PACKAGE_DIR}/__init__.py": PACKAGE_INIT}
-    for name in ENGINE_MODULES:
-        files[f"{PACKAGE_DIR}/{name}.py"] = _rename_imports((REPO / "nemo_patch" / f"{name}.py").read_text())
+    for package in MOVED_PACKAGES:
+        for source in sorted((REPO / "nemo_patch" / package).glob("*.py")):
+            relative = f"{package}/{source.name}"
+            if relative not in NOT_MOVED:
+                files[f"{PACKAGE_DIR}/{relative}"] = _rename_imports(source.read_text())
     files[f"{TESTS_DIR}/__init__.py"] = ""
     for name in PORTED_TESTS:
         files[f"{TESTS_DIR}/{name}"] = _rename_imports((REPO / "tests" / name).read_text())

@@ -174,3 +174,18 @@ def test_consolidation_settings_reach_the_io():
     assert strategy.ckpt_consolidation_timeout == 12.5
     assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
     assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on
+
+
+def test_settings_are_validated_once_and_handed_on_as_one_value(monkeypatch, tmp_path):
+    """The strategy parses the user's values once; its checkpoint IO, queue and the worker's command line get that
+    one value (serialised once), never the separate arguments again."""
+    from nemo_patch.training import settings as settings_module
+
+    calls = []
+    resolve = settings_module.resolve_policy
+    monkeypatch.setattr(settings_module, "resolve_policy", lambda *args: calls.append(args) or resolve(*args))
+    strategy = MegatronStrategy(ckpt_consolidation_frequency="every_n:3", ckpt_consolidation_format="hf")
+    base = find_base_checkpoint_io(strategy.checkpoint_io)
+    assert base.consolidation_settings is strategy.consolidation_settings is base.queue.settings
+    assert calls == [(None, "every_n:3")]
+    assert base.queue._settings_json == strategy.consolidation_settings.to_json()

@@ -31,6 +31,9 @@ Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with 
 see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
 exporter, 1 anything else).
+
+Imports the engine, the export and the torch-free training modules (settings, ``LATEST``); torch when run, NeMo only
+for ``--format hf``; never the overlay or ``nemo_patch.testing``.
 """
 
 import argparse

@@ -20,7 +20,7 @@ writing safetensors (:mod:`.safetensors_writer`), publishing atomically (:mod:`.
 (:mod:`.consolidate`), checking it (:mod:`.verify`), loading it back (:mod:`.load`) and the errors (:mod:`.errors`).
 
 Imports the standard library, torch and safetensors only: never NeMo, Lightning or megatron-core, and nothing from
-the training side, the overlay, the export or the CLI (``.importlinter`` holds the contracts). This ``__init__``
-imports nothing, so that torch-free modules (``errors``, ``checkpoint_layout``, ``output_layout``, ``publish``) can
+the training side, the overlay, the export or the CLI (the import-linter contracts in ``setup.cfg``). This
+``__init__`` imports nothing, so that the torch-free modules (``errors``, ``checkpoint_layout``, ``output_layout``) can
 be used without importing torch.
 """

@@ -27,6 +27,8 @@ A NeMo 2 checkpoint written by ``MegatronCheckpointIO`` with the ``torch_dist`` 
 
 Other layouts NeMo can write are recognised and refused by name: ``zarr`` (``metadata.json`` says so) and
 ``fsdp_dtensor`` (Megatron FSDP; the DCP files lie directly in the checkpoint directory, keyed ``model.*``).
+
+Standard library only (no torch); never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
 import json

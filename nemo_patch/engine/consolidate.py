@@ -35,6 +35,9 @@ Memory: tensors are read one output tensor at a time (one layer of a stacked ten
 :class:`nemo_patch.engine.dcp_reader.DCPRegionReader`) and streamed into the file
 (:func:`nemo_patch.engine.safetensors_writer.write_safetensors`), so peak memory is about the largest single output
 tensor plus the largest stored chunk, not the model size.
+
+Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core, and
+nothing outside the engine.
 """
 
 import json

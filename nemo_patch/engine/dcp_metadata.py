@@ -19,6 +19,8 @@ restrictions, and megatron-core writes its own ``MCoreMetadata`` subclass into i
 runs) megatron-core. :func:`read_dcp_metadata` unpickles it with an allowlist: PyTorch's DCP metadata classes,
 ``torch.Size``, dtypes and layouts, and local stand-ins for megatron-core's ``MCoreMetadata``/``MCoreSavePlan`` (plain
 dataclasses with the same fields). Any other global in the file is refused with ``pickle.UnpicklingError``.
+
+Imports the standard library and torch only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
 import pickle

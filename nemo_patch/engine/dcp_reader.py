@@ -19,6 +19,8 @@ less: one output tensor at a time, i.e. one layer of megatron-core's layer-stack
 asks DCP's own planner helpers for exactly the chunk overlaps of a region (``create_read_items_for_chunk_list``) and
 lets ``FileSystemReader.read_data`` copy them into a destination tensor, so peak memory is one region plus the saved
 chunk being read (DCP loads a stored chunk whole, with ``torch.load(weights_only=True)``). No process group is used.
+
+Imports the standard library and torch only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
 import io

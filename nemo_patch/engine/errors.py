@@ -16,6 +16,8 @@
 
 Every class derives from :class:`ConsolidationError`, so a caller that does not care about the cause catches that one.
 Exit code 2 is left to ``argparse`` (bad command line) and 1 to causes without a class of their own.
+
+Standard library only (no torch); never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
 __all__ = [

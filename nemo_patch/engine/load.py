@@ -19,6 +19,9 @@ Consolidated names are the distributed checkpoint's canonical keys, which megatr
 local, non-Transformer-Engine spec maps ``input_layernorm.`` to ``self_attention.linear_qkv.layer_norm_`` and
 ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``; the TE spec maps nothing). :func:`load_consolidated_into`
 applies the same map, read from the model itself, so a model of either spec loads the same file.
+
+Imports torch and safetensors only; never NeMo, Lightning or megatron-core, and nothing outside the engine (a NeMo
+model is taken as any ``torch.nn.Module``).
 """
 
 from pathlib import Path

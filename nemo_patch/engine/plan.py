@@ -20,6 +20,9 @@ kept unless a cast is asked for. Names are the checkpoint's canonical keys witho
 megatron-core's layer-stacked tensors split back per layer: ``module.decoder.layers.mlp.linear_fc1.weight`` of shape
 ``[L, ...]`` becomes ``decoder.layers.<i>.mlp.linear_fc1.weight`` of shape ``[...]`` for ``i`` in ``0..L-1``. Output
 tensors are in natural name order (``layers.2`` before ``layers.10``).
+
+Imports torch and the engine's safetensors writer only; never NeMo, Lightning or megatron-core, and nothing outside the
+engine.
 """
 
 import re

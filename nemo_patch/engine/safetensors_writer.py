@@ -27,6 +27,8 @@ Sharding follows ``transformers``' ``save_pretrained``: files ``model-00001-of-0
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``); a single
 ``model.safetensors`` and no index when everything fits in one shard (the names are in
 :mod:`nemo_patch.engine.output_layout`).
+
+Imports the standard library and torch only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
 import hashlib

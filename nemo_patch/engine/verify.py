@@ -12,7 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Check a consolidated output tensor by tensor against the distributed checkpoint it was made from."""
+"""Check a consolidated output tensor by tensor against the distributed checkpoint it was made from.
+
+Imports torch, safetensors and the rest of the engine only; never NeMo, Lightning or megatron-core, and nothing outside
+the engine.
+"""
 
 import json
 from pathlib import Path

@@ -32,6 +32,9 @@ also renames local names that reach it (from a layer without that keys map), so 
 
 Memory: unlike the ``safetensors`` format, the exporter converts a whole model at once, so peak memory is about twice
 the model's weights.
+
+Imports torch and the engine at module level; NeMo only inside the functions that need it (``import
+nemo_patch.export.hf`` imports no NeMo); never the training side, the overlay, the CLI or ``nemo_patch.testing``.
 """
 
 import json

@@ -39,6 +39,8 @@ What is stubbed, and why (NeMo 2.7.3, megatron-core 0.15.3, torch 2.13 CPU build
 The model itself must also be CPU-friendly (local non-TE layer spec, fp32, ``use_cpu_initialization=True``, no
 fusions, ``OptimizerConfig(clip_grad=0.0)``) and batches must carry an ``attention_mask``: see
 :mod:`nemo_patch.testing.tiny_gpt`.
+
+Test and demo aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 import contextlib

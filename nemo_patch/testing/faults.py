@@ -26,6 +26,8 @@ moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
   ``PreemptionCallback`` is added to the trainer for it).
 * ``die:<step>``: at the start of the step after ``<step>`` (its async save issued, not finalized), SIGKILL this
   process and every process it started: the save never finishes.
+
+Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 import os

@@ -19,6 +19,8 @@
 ``nl.Trainer``, ``nl.MegatronStrategy``, NeMo's ``ModelCheckpoint`` and ``NeMoLogger``, resuming from ``DIR`` if it
 holds checkpoints) inside :func:`nemo_patch.testing.cpu_harness.megatron_on_cpu`, and writes a JSON report.
 Test/demo aid only.
+
+Nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 import argparse

@@ -18,6 +18,8 @@ Everything here is real NeMo: ``llm.GPTModel`` with megatron-core's local (non-T
 NeMo's ``MegatronDataSampler``, ``nl.Trainer``, ``nl.MegatronStrategy``, NeMo's ``ModelCheckpoint`` and
 ``NeMoLogger``. Only the CUDA assumptions are patched away, by :func:`nemo_patch.testing.cpu_harness.megatron_on_cpu`,
 which callers must enter around ``fit``.
+
+Test and demo aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 from pathlib import Path

@@ -18,6 +18,8 @@ Used by the Hugging Face round-trip test: :func:`make_tiny_hf_llama` writes a ``
 weights, a word-level tokenizer built with the ``tokenizers`` library; no hub access), and :func:`import_into_nemo`
 runs NeMo's own ``HFLlamaImporter`` on it. The importer's config is NeMo's ``LlamaConfig`` with only what a CPU without
 Transformer Engine needs changed (:func:`cpu_llama_config_class`: local layer spec, CPU initialisation, no fusions).
+
+Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 import sys

@@ -12,7 +12,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Lightning callback that drives checkpoint consolidation from the training loop's hooks."""
+"""Lightning callback that drives checkpoint consolidation from the training loop's hooks.
+
+Imports Lightning and the training side's checkpoint IO; never the overlay, the CLI or ``nemo_patch.testing``.
+"""
 
 import contextlib
 import logging

@@ -12,7 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""NeMo's ``MegatronCheckpointIO`` with checkpoint consolidation at a chosen cadence."""
+"""NeMo's ``MegatronCheckpointIO`` with checkpoint consolidation at a chosen cadence.
+
+Imports NeMo, Lightning, the engine and the training side's settings, schedule, queue and ``LATEST``; never the
+overlay, the CLI or ``nemo_patch.testing``.
+"""
 
 import logging
 from pathlib import Path

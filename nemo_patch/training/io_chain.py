@@ -12,7 +12,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Find and replace the base checkpoint IO inside Lightning's ``_WrappingCheckpointIO`` layers."""
+"""Find and replace the base checkpoint IO inside Lightning's ``_WrappingCheckpointIO`` layers.
+
+Imports Lightning only; never NeMo, the overlay, the CLI or ``nemo_patch.testing``.
+"""
 
 from typing import Any, Callable
 

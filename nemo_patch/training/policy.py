@@ -26,6 +26,8 @@ Accepted frequencies:
   checkpoint once.
 * ``"every_n:<k>"`` with ``k`` an integer >= 1: consolidate the k-th, 2k-th, ... finished checkpoint of the
   run (the count includes saves made before a resume).
+
+Standard library only: never torch, NeMo or Lightning, so that ``import nemo_patch`` can import it.
 """
 
 import re

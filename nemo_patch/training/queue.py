@@ -18,6 +18,9 @@ The training process (global rank 0 only) never consolidates itself. :class:`Con
 ``python -m nemo_patch.training.worker`` (:mod:`nemo_patch.training.worker`) for one checkpoint at a time, handing it
 the run's :class:`~nemo_patch.training.settings.ConsolidationSettings` as one JSON argument. The training loop only
 ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a timeout.
+
+Imports the standard library, the engine's publishing helpers and the training side's schedule and settings only:
+never NeMo or Lightning.
 """
 
 import logging

@@ -23,6 +23,8 @@ save interval) is a finished checkpoint like any other.
 
 The count is part of the Lightning checkpoint (as callback state), so it survives a resume: a run resumed after its
 3rd finished checkpoint with ``every_n:2`` consolidates its 4th.
+
+Standard library and the cadence policy only: never torch, NeMo or Lightning.
 """
 
 import logging

@@ -21,8 +21,9 @@ Started by :class:`nemo_patch.training.queue.ConsolidationQueue` for one checkpo
 It reads only files and uses no ``torch.distributed`` process group or collective (a consolidation calling a
 collective on the training communicator is a known way to hang a run).
 
-Must not import NeMo, Lightning or megatron-core itself (``.importlinter``; the ``hf`` export is the one, explicit,
-exception), so that the default ``safetensors`` consolidation starts in about the time of ``import torch``.
+Must not import NeMo, Lightning or megatron-core itself (an import-linter contract in ``setup.cfg``; the ``hf``
+export is the one, explicit, exception), so that the default ``safetensors`` consolidation starts in about the time
+of ``import torch``.
 """
 
 import argparse
