@@ -61,7 +61,11 @@ MOVED_PACKAGES = ["engine", "training", "export", "cli"]
 #: Modules of those that do not move: the strategy subclass becomes edits of NeMo's own strategy.
 NOT_MOVED = {"training/strategy.py"}
 #: nemo-patch unit tests ported into NeMo's test layout.
-PORTED_TESTS = ["test_consolidation_policy.py", "test_consolidation_schedule.py", "test_consolidation_settings.py"]
+PORTED_TESTS = [
+    "test_consolidation_policy.py",
+    "test_consolidation_schedule.py",
+    "test_consolidation_settings.py",
+]
 
 HEADER = (REPO / "nemo_patch" / "engine" / "consolidate.py").read_text().split('"""', 1)[0]
 
