@@ -100,7 +100,7 @@ STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
         ckpt_consolidation_format: str = "safetensors",
 """
 
-STRATEGY_VALIDATION = """        # Checkpoint consolidation settings: validated once, before anything else, into one frozen value.
+STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once.
         from nemo.lightning.io.consolidation.training.settings import ConsolidationSettings
 
         self.consolidation_settings = ConsolidationSettings.from_arguments(
