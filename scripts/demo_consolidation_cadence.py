@@ -79,6 +79,18 @@ def main() -> int:
         default=None,
         help="ckpt_consolidation_max_pending: consolidations that may wait behind the running one (default: 2)",
     )
+    parser.add_argument(
+        "--save-top-k",
+        type=int,
+        default=-1,
+        help="ModelCheckpoint(save_top_k=...): checkpoints NeMo keeps, newest first (default: -1, all)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=None,
+        help="ckpt_consolidation_keep: consolidated outputs kept when top-k removes their checkpoints (default: all)",
+    )
     args = parser.parse_args()
 
     from nemo_patch.testing.fit_run import run_tiny_fit
@@ -98,6 +110,9 @@ def main() -> int:
         save_every=args.save_every,
         async_save=args.async_save,
         max_pending=args.max_pending,
+        save_top_k=args.save_top_k,
+        monitor="step" if args.save_top_k >= 0 else None,  # newest first, and resumable (see the README)
+        keep=args.keep,
     )
     wall = time.perf_counter() - start
     print()
@@ -111,10 +126,20 @@ def main() -> int:
     print(format_table(report))
     if any(entry["global_step"] is None for entry in report["checkpoints"]):
         print("global step '-': saved before this run (resumed); the every_n count carried on from the checkpoint.")
+    if report["retained"]:
+        print("consolidated outputs kept after NeMo's top-k removed their checkpoints (retained/):")
+        for entry in report["retained"]:
+            marker = "   <- LATEST" if f"retained/{entry['name']}" == report["latest_target"] else ""
+            print(f"  {entry['name']}{marker}  (global step {entry['global_step']}, {_size(entry['bytes'])})")
     if report["skipped"]:
         print(
             f"Skipped because the consolidation queue was full (checkpoints came faster than they could be "
             f"consolidated; raise --max-pending to keep more waiting): {', '.join(report['skipped'])}"
+        )
+    if report["dropped_by_removal"]:
+        print(
+            f"Dropped because NeMo's top-k removed the checkpoint while its consolidation was waiting (raise "
+            f"--save-top-k to keep checkpoints longer): {', '.join(report['dropped_by_removal'])}"
         )
     return 0
 

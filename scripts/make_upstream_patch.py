@@ -88,6 +88,8 @@ STRATEGY_DOC = '''        **kwargs: Additional keyword arguments.
         ckpt_consolidation_timeout (float): seconds the end of fit waits for running and queued consolidations.
         ckpt_consolidation_max_shard_size (Union[int, str]): most bytes per output safetensors file ("5GB").
         ckpt_consolidation_max_pending (int): consolidation requests that may wait behind the running one.
+        ckpt_consolidation_keep (Optional[int]): consolidated outputs kept (under <root>/retained/) when top-k removes
+            their checkpoints: None all, N while among the newest N outputs, 0 none.
         ckpt_consolidation_format (str): "safetensors" (<ckpt>/consolidated) or "hf" (<ckpt>/hf, through the model's
             registered Hugging Face exporter).
 '''
@@ -98,6 +100,7 @@ STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
         ckpt_consolidation_max_shard_size: Union[int, str] = 5_000_000_000,
         ckpt_consolidation_max_pending: int = 2,
         ckpt_consolidation_format: str = "safetensors",
+        ckpt_consolidation_keep: Optional[int] = None,
 """
 
 STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once.
@@ -110,6 +113,7 @@ STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once
             max_shard_size=ckpt_consolidation_max_shard_size,
             max_pending=ckpt_consolidation_max_pending,
             output_format=ckpt_consolidation_format,
+            keep=ckpt_consolidation_keep,
         )
         self.consolidation_policy = self.consolidation_settings.policy
 """
@@ -257,6 +261,7 @@ def test_frequency_reaches_the_checkpoint_io(kwargs, policy):
         ({"ckpt_consolidation_timeout": 0}, "a number of seconds > 0"),
         ({"ckpt_consolidation_max_pending": -1}, "an integer >= 0"),
         ({"ckpt_consolidation_format": "onnx"}, '"safetensors" or "hf"'),
+        ({"ckpt_consolidation_keep": -1}, "None (keep every consolidated output) or an integer >= 0"),
     ],
 )
 def test_bad_values_raise_at_construction(kwargs, accepted):

@@ -148,6 +148,10 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_format", "onnx", '"safetensors" or "hf"'),
         ("ckpt_consolidation_format", "HF", '"safetensors" or "hf"'),
         ("ckpt_consolidation_format", None, '"safetensors" or "hf"'),
+        ("ckpt_consolidation_keep", -1, "None (keep every consolidated output) or an integer >= 0"),
+        ("ckpt_consolidation_keep", True, "None (keep every consolidated output) or an integer >= 0"),
+        ("ckpt_consolidation_keep", 2.0, "None (keep every consolidated output) or an integer >= 0"),
+        ("ckpt_consolidation_keep", "all", "None (keep every consolidated output) or an integer >= 0"),
     ],
 )
 def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):

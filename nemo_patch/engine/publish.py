@@ -20,6 +20,9 @@ so a reader sees either no output directory or a complete one (:func:`staged_out
 that). A process killed half-way (SIGKILL, node failure)
 leaves its temporary directory; :func:`remove_stale_tmp_dirs` removes those whose process is gone, which the strategy
 does when a fit starts and the CLI does before it consolidates a checkpoint.
+
+Imports the standard library, torch (for DCP's exception type) and the engine's errors and names only; never NeMo,
+Lightning or megatron-core, and nothing outside the engine.
 """
 
 import contextlib
@@ -30,7 +33,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Iterator, List, Optional, Union
+from typing import Iterator, List, Mapping, Optional, Union
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -41,6 +44,7 @@ __all__ = [
     "TMP_PREFIX",
     "fsync_dir",
     "link_consolidated_output",
+    "link_output",
     "make_tmp_dir",
     "publish_dir",
     "remove_stale_tmp_dirs",
@@ -212,6 +216,48 @@ def staged_output(
         raise
 
 
+def link_output(
+    source_output: Union[str, Path], output_dir: Union[str, Path], replace_files: Optional[Mapping[str, bytes]] = None
+) -> Path:
+    """Publish ``output_dir`` with the same files as ``source_output``, without recomputing them.
+
+    Files are hard-linked where the filesystem allows and copied otherwise, into a staging directory next to
+    ``output_dir`` that is then renamed into place (an existing ``output_dir`` is replaced atomically).
+
+    Args:
+        source_output: an existing output directory.
+        output_dir: the new output directory (its parent must exist).
+        replace_files: file name -> bytes written (and fsynced) instead of linking that file of ``source_output``.
+
+    Returns:
+        ``output_dir``.
+
+    Raises:
+        OSError: if the files cannot be linked, copied or written (nothing is left behind).
+    """
+    source_output, output_dir = Path(source_output), Path(output_dir)
+    replace_files = dict(replace_files or {})
+    tmp_dir = make_tmp_dir(output_dir.parent)
+    try:
+        for source in sorted(source_output.iterdir()):
+            target = tmp_dir / source.name
+            if source.name in replace_files:
+                with open(target, "wb") as handle:
+                    handle.write(replace_files[source.name])
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                continue
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
+        publish_dir(tmp_dir, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return output_dir
+
+
 def link_consolidated_output(
     source_output: Union[str, Path], checkpoint_dir: Union[str, Path], output_name: str = CONSOLIDATED_DIRNAME
 ) -> Path:
@@ -232,16 +278,4 @@ def link_consolidated_output(
     Raises:
         OSError: if the files cannot be linked or copied (nothing is left behind).
     """
-    source_output, checkpoint_dir = Path(source_output), Path(checkpoint_dir)
-    tmp_dir = make_tmp_dir(checkpoint_dir)
-    try:
-        for source in sorted(source_output.iterdir()):
-            try:
-                os.link(source, tmp_dir / source.name)
-            except OSError:
-                shutil.copy2(source, tmp_dir / source.name)
-        publish_dir(tmp_dir, checkpoint_dir / output_name)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return checkpoint_dir / output_name
+    return link_output(source_output, Path(checkpoint_dir) / output_name)

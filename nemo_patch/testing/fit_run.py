@@ -25,15 +25,35 @@ Nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["CHECKPOINT_FILENAME", "checkpoint_report", "run_tiny_fit"]
+__all__ = ["CHECKPOINT_FILENAME", "MONITORED_FILENAME", "checkpoint_report", "retained_report", "run_tiny_fit"]
 
 #: ``ModelCheckpoint`` file-name template: NeMo's ``step`` here is the 0-based index of the last training step.
 CHECKPOINT_FILENAME = "tiny_gpt--{step}-{consumed_samples}"
+#: The same with a monitored metric (``METRIC`` is replaced by its name), as NeMo's top-k needs it in the name.
+MONITORED_FILENAME = "tiny_gpt--{METRIC:.4f}-{step}-{consumed_samples}"
+
+
+def retained_report(checkpoint_root: Path) -> List[Dict[str, Any]]:
+    """One entry per output kept under ``<root>/retained/`` after NeMo removed its checkpoint: ``name``,
+    ``global_step`` (from its ``metadata.json``) and ``bytes`` of its files."""
+    from nemo_patch.training.retention import RETAINED_DIRNAME
+
+    entries = []
+    retained = checkpoint_root / RETAINED_DIRNAME
+    for entry in sorted(retained.iterdir()) if retained.is_dir() else []:
+        output = entry / "consolidated" if (entry / "consolidated").is_dir() else entry / "hf"
+        if not (output / "metadata.json").is_file():
+            continue
+        metadata = json.loads((output / "metadata.json").read_text())
+        size = sum(f.stat().st_size for f in output.iterdir())
+        entries.append({"name": entry.name, "global_step": metadata.get("global_step"), "bytes": size})
+    return entries
 
 
 def checkpoint_report(checkpoint_root: Path, steps: Optional[Dict[str, int]] = None) -> List[Dict[str, Any]]:
@@ -46,9 +66,13 @@ def checkpoint_report(checkpoint_root: Path, steps: Optional[Dict[str, int]] = N
     Returns:
         Dicts with ``name``, ``global_step`` (``None`` if unknown), ``consolidated`` (bool) and ``consolidated_bytes``.
     """
+    from nemo_patch.training.retention import RETAINED_DIRNAME
+
     entries = []
     for path in sorted(
-        p for p in checkpoint_root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")
+        p
+        for p in checkpoint_root.iterdir()
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != RETAINED_DIRNAME
     ):
         out = path / "consolidated" if (path / "consolidated").is_dir() else path / "hf"
         entries.append(
@@ -86,6 +110,10 @@ def run_tiny_fit(
     probe_hf: bool = False,
     faults: Sequence[str] = (),
     save_top_k: int = -1,
+    monitor: Optional[str] = None,
+    keep: Optional[int] = None,
+    snapshot_checkpoints: bool = False,
+    wait_for_consolidation: bool = False,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -116,6 +144,16 @@ def run_tiny_fit(
         probe_hf: after ``fit``, compare the trained model's logits with ``transformers``'
             ``AutoModelForCausalLM`` loaded from ``LATEST/hf`` (``max_abs_hf_logit_diff`` in the report).
         save_top_k: ``ModelCheckpoint(save_top_k=...)`` (``1``: NeMo removes each older checkpoint as a new one lands).
+        monitor: ``ModelCheckpoint(monitor=..., mode="min")`` (e.g. ``reduced_train_loss``), its value in the
+            checkpoint names; ``"step"``: ``mode="max"``, top-k by recency as with ``None``, but resumable (NeMo
+            2.7.3's ``nemo_topk_check_previous_run`` fails on resume with ``monitor=None`` and ``save_top_k >= 0``);
+            ``None``: no monitored metric.
+        keep: ``ckpt_consolidation_keep`` (``None``: not passed).
+        snapshot_checkpoints: hard-link every finished checkpoint's ``weights/`` into ``<out>/snapshots/<name>`` as
+            soon as it is seen (:class:`nemo_patch.testing.snapshots.CheckpointSnapshots`), so that outputs kept after
+            NeMo removed their checkpoint can still be compared with the checkpoint they came from.
+        wait_for_consolidation: wait at the end of each step until consolidations are done
+            (:class:`nemo_patch.testing.pacing.WaitForConsolidation`), so they keep up with the saves as in a real run.
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -137,7 +175,7 @@ def run_tiny_fit(
         kwargs["ckpt_consolidation_frequency"] = frequency
     if save_consolidated is not None:
         kwargs["save_consolidated"] = save_consolidated
-    options = (("max_pending", max_pending), ("max_shard_size", max_shard_size), ("timeout", timeout))
+    options = (("max_pending", max_pending), ("max_shard_size", max_shard_size), ("timeout", timeout), ("keep", keep))
     for name, value in options + (("format", output_format),):
         if value is not None:
             kwargs[f"ckpt_consolidation_{name}"] = value
@@ -148,17 +186,29 @@ def run_tiny_fit(
         kwargs["pipeline_dtype"] = torch.float32
     strategy = nl.MegatronStrategy(**kwargs)
     from nemo_patch.testing.faults import FaultInjector
+    from nemo_patch.testing.snapshots import CheckpointSnapshots
 
     injectors = [FaultInjector(spec) for spec in faults]
     callbacks: List[Any] = list(injectors)
+    if snapshot_checkpoints:
+        callbacks.append(CheckpointSnapshots(out / "snapshots"))
+    if wait_for_consolidation:
+        from nemo_patch.testing.pacing import WaitForConsolidation
+
+        callbacks.append(WaitForConsolidation())
     if any(injector.kind == "sigterm" for injector in injectors):
         from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
         callbacks.append(PreemptionCallback())
     trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps, callbacks=callbacks, devices=devices or tp * pp)
-    log = tiny_gpt.make_logger(
-        out, save_every=save_every, filename=CHECKPOINT_FILENAME, save_weights_only=weights_only, save_top_k=save_top_k
-    )
+    checkpoint_options: Dict[str, Any] = {"save_weights_only": weights_only, "save_top_k": save_top_k}
+    if monitor == "step":
+        checkpoint_options.update(monitor=monitor, mode="max", filename=CHECKPOINT_FILENAME)
+    elif monitor is not None:
+        checkpoint_options.update(monitor=monitor, mode="min", filename=MONITORED_FILENAME.replace("METRIC", monitor))
+    else:
+        checkpoint_options.update(filename=CHECKPOINT_FILENAME)
+    log = tiny_gpt.make_logger(out, save_every=save_every, **checkpoint_options)
     if model_from is not None:
         from nemo.lightning import io
 
@@ -196,9 +246,15 @@ def run_tiny_fit(
     report["checkpoints"] = checkpoint_report(root, steps)
     latest = nemo_patch.read_latest_pointer(root)
     report["latest"] = latest.name if latest else None
+    link = root / "LATEST"
+    report["latest_target"] = os.readlink(link) if link.is_symlink() else None
     report["finished_count"] = schedule.finished_count if schedule else None
     queue = getattr(base, "_queue", None)
     report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
+    report["dropped_by_removal"] = [save.path.name for save in getattr(base, "dropped_by_removal", [])]
+    report["retained"] = retained_report(root)
+    report["completed_steps"] = [step for step, _, error in queue.completed if error is None] if queue else []
+    report["resumed_from"] = str(trainer.ckpt_path) if trainer.ckpt_path else None
     from nemo_patch.training.callback import ConsolidationCallback
 
     callbacks = [cb for cb in trainer.callbacks if isinstance(cb, ConsolidationCallback)]
@@ -280,6 +336,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--probe-hf", action="store_true")
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--save-top-k", type=int, default=-1)
+    parser.add_argument("--monitor", default=None)
+    parser.add_argument("--keep", type=int, default=None)
+    parser.add_argument("--snapshot-checkpoints", action="store_true")
+    parser.add_argument("--wait-for-consolidation", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -307,6 +367,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         probe_hf=args.probe_hf,
         faults=args.fault,
         save_top_k=args.save_top_k,
+        monitor=args.monitor,
+        keep=args.keep,
+        snapshot_checkpoints=args.snapshot_checkpoints,
+        wait_for_consolidation=args.wait_for_consolidation,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

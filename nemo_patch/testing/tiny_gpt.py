@@ -168,7 +168,8 @@ def make_logger(log_dir: Path, save_every: int, name: str = "tiny_gpt", **checkp
     checkpoint_kwargs.setdefault("save_top_k", -1)
     checkpoint_kwargs.setdefault("save_last", True)
     checkpoint_kwargs.setdefault("save_optim_on_train_end", True)
-    checkpoint = nl.ModelCheckpoint(every_n_train_steps=save_every, monitor=None, **checkpoint_kwargs)
+    checkpoint_kwargs.setdefault("monitor", None)
+    checkpoint = nl.ModelCheckpoint(every_n_train_steps=save_every, **checkpoint_kwargs)
     return nl.NeMoLogger(log_dir=str(log_dir), name=name, ckpt=checkpoint, use_datetime_version=False)
 
 

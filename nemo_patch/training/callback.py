@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from nemo_patch.engine.publish import remove_stale_tmp_dirs
 from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
 from nemo_patch.training.io_chain import find_base_checkpoint_io
+from nemo_patch.training.retention import RETAINED_DIRNAME
 
 __all__ = ["ConsolidationCallback"]
 
@@ -54,6 +55,27 @@ def _consolidating_io(trainer: Optional["pl.Trainer"]) -> Optional[MegatronCheck
     return None
 
 
+def _warn_if_top_k_drops_consolidations(checkpoint_callback: Any, io: MegatronCheckpointIO) -> None:
+    """One warning when NeMo's top-k retention keeps at most one checkpoint while checkpoints are consolidated during
+    training: each checkpoint is then removed as soon as the next one is saved, so a due consolidation that has not
+    started by then (the consolidation process still busy with an earlier one) is dropped."""
+    policy = io.consolidation_policy
+    save_top_k = getattr(checkpoint_callback, "save_top_k", -1)
+    if policy is None or policy.mode not in ("each", "every_n") or not 0 <= save_top_k <= 1:
+        return
+    logger.warning(
+        "ModelCheckpoint(save_top_k=%d) removes each checkpoint as soon as the next one is saved: a checkpoint due "
+        "for consolidation (ckpt_consolidation_frequency=%r) is dropped whenever the consolidation process is still "
+        "busy with an earlier one at that moment. Consolidated outputs themselves are kept under <root>/%s/ "
+        "(ckpt_consolidation_keep). To consolidate every due checkpoint, keep more checkpoints (a larger save_top_k, "
+        "or -1) or save less often than a consolidation takes; ckpt_consolidation_frequency='latest' consolidates "
+        "only the final one.",
+        save_top_k,
+        str(policy),
+        RETAINED_DIRNAME,
+    )
+
+
 class ConsolidationCallback(Callback):
     """Consolidates finished checkpoints at the cadence of the trainer's :class:`MegatronCheckpointIO`.
 
@@ -61,7 +83,8 @@ class ConsolidationCallback(Callback):
     with its ``AsyncFinalizerCallback``), so it runs after NeMo's ``ModelCheckpoint`` and ``AsyncFinalizerCallback``
     in every hook: a save made or finalized in a hook is seen in the same hook.
 
-    * ``on_train_start``: remove temporary output left by consolidation processes that were killed.
+    * ``on_train_start``: warn when ``save_top_k`` <= 1 will drop due consolidations; remove temporary output left
+      by consolidation processes that were killed.
     * ``on_train_batch_end`` / ``on_validation_end``: consolidate the saves that finished and are due.
     * ``on_train_end``: the same, then, in ``latest`` mode, consolidate the newest finished checkpoint.
     * ``state_dict`` / ``load_state_dict``: the count of finished checkpoints, stored in each checkpoint by Lightning
@@ -82,14 +105,20 @@ class ConsolidationCallback(Callback):
         self._trainer = trainer
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """On global rank 0, remove temporary output that a killed consolidation process left in the run's
-        checkpoint directories (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`)."""
+        """On global rank 0: warn once when ``ModelCheckpoint(save_top_k=...)`` will drop due consolidations, and
+        remove temporary output that a killed consolidation process left in the run's checkpoint directories and
+        retained outputs (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`)."""
         io = _consolidating_io(trainer)
+        if io is None or not trainer.is_global_zero:
+            return
+        _warn_if_top_k_drops_consolidations(trainer.checkpoint_callback, io)
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-        if io is None or not trainer.is_global_zero or not dirpath or not Path(dirpath).is_dir():
+        if not dirpath or not Path(dirpath).is_dir():
             return
         with _never_fails_training("removing stale temporary output"):
-            for checkpoint_dir in Path(dirpath).iterdir():
+            retained = Path(dirpath) / RETAINED_DIRNAME
+            entries = list(Path(dirpath).iterdir()) + (list(retained.iterdir()) if retained.is_dir() else [])
+            for checkpoint_dir in entries:
                 if checkpoint_dir.is_dir() and not checkpoint_dir.is_symlink():
                     remove_stale_tmp_dirs(checkpoint_dir)
 

@@ -19,6 +19,7 @@ overlay, the CLI or ``nemo_patch.testing``.
 """
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -33,6 +34,7 @@ from nemo_patch.engine.publish import link_consolidated_output
 from nemo_patch.training.latest import update_latest_pointer
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.queue import ConsolidationQueue
+from nemo_patch.training.retention import prune_retained, repoint_latest, retain_output
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationSchedule
 from nemo_patch.training.settings import (
     CHECKPOINT_IO_ARGUMENTS,
@@ -65,8 +67,10 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_max_shard_size: most bytes of tensor data per output safetensors file (default 5 * 10**9).
         consolidation_max_pending: consolidation requests that may wait behind the running one (default 2).
         consolidation_format: ``"safetensors"`` (default, ``<ckpt>/consolidated``) or ``"hf"`` (``<ckpt>/hf``).
+        consolidation_keep: consolidated outputs kept when NeMo's top-k removes their checkpoints (default ``None``:
+            all; see :mod:`nemo_patch.training.retention`).
         consolidation_settings: all of the above as one already validated value (what
-            :class:`nemo_patch.MegatronStrategy` passes); when given, the five arguments above must not be.
+            :class:`nemo_patch.MegatronStrategy` passes); when given, the six arguments above must not be.
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
@@ -82,6 +86,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
         consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         consolidation_format: str = DEFAULT_FORMAT,
+        consolidation_keep: Optional[int] = None,
         consolidation_settings: Optional[ConsolidationSettings] = None,
         **kwargs: Any,
     ) -> None:
@@ -91,13 +96,14 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             max_shard_size=consolidation_max_shard_size,
             max_pending=consolidation_max_pending,
             output_format=consolidation_format,
+            keep=consolidation_keep,
             names=CHECKPOINT_IO_ARGUMENTS,
         )
         if consolidation_settings is not None and given != ConsolidationSettings():
             raise ValueError(
                 "Pass either consolidation_settings or the individual consolidation arguments "
                 "(save_consolidated, ckpt_consolidation_frequency, consolidation_max_shard_size, "
-                "consolidation_max_pending, consolidation_format), not both."
+                "consolidation_max_pending, consolidation_format, consolidation_keep), not both."
             )
         super().__init__(*args, **kwargs)
         self.set_consolidation_settings(consolidation_settings or given)
@@ -111,6 +117,11 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         self._queue: Optional[ConsolidationQueue] = None
         self._outputs: Dict[int, Path] = {}
         self._copies: Dict[int, List[CheckpointSave]] = {}
+        #: Due checkpoints that NeMo's top-k retention removed before their consolidation could start.
+        self.dropped_by_removal: List[CheckpointSave] = []
+        self._warned_drop = False
+        # NeMo may remove checkpoints from its own thread (async save): LATEST and retained/ change under this lock.
+        self._pointer_lock = threading.RLock()
 
     @classmethod
     def from_checkpoint_io(
@@ -180,7 +191,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     def queue(self) -> ConsolidationQueue:
         """The consolidation process queue of this run (created on first use, on global rank 0)."""
         if self._queue is None:
-            self._queue = ConsolidationQueue(self._on_consolidated, self.consolidation_settings)
+            self._queue = ConsolidationQueue(
+                self._on_consolidated, self.consolidation_settings, on_dropped=self._on_dropped
+            )
         return self._queue
 
     def consolidate_finished(self) -> None:
@@ -188,7 +201,10 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         process, and reap/start consolidation processes. Returns at once (called from the training loop)."""
         if self.consolidation is None:
             return
+        removed_before = len(self.consolidation.removed_while_due)
         due, copies = self.consolidation.collect_finished(self.is_checkpoint_gone)
+        for save in self.consolidation.removed_while_due[removed_before:]:
+            self._on_dropped(save)
         for save in due:
             self.queue.submit(save)
         for copy in copies:
@@ -237,11 +253,77 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         return True if self._queue is None else self._queue.wait(timeout)
 
     def remove_checkpoint_safely(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
-        """Run ``remove`` for a checkpoint without racing its consolidation (NeMo's top-k removal)."""
-        if self._queue is None:
+        """Run ``remove`` for a checkpoint (NeMo's top-k removal) without racing its consolidation, keeping its
+        consolidated output as ``ckpt_consolidation_keep`` says and moving ``LATEST`` off it first.
+
+        A queued consolidation of it is dropped (logged); a running one is waited for (``remove`` then runs when its
+        process has ended). See :mod:`nemo_patch.training.retention`.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        if self.consolidation is None:
             remove()
+            return
+
+        def remove_keeping_outputs() -> None:
+            self._before_removal(checkpoint_dir)
+            remove()
+
+        if self._queue is None:
+            remove_keeping_outputs()
         else:
-            self._queue.remove_checkpoint(Path(checkpoint_dir), remove)
+            self._queue.remove_checkpoint(checkpoint_dir, remove_keeping_outputs)
+
+    def _before_removal(self, checkpoint_dir: Path) -> None:
+        """Retain the checkpoint's output (within ``keep``) and move ``LATEST`` off it; never raises (logged)."""
+        output_name = self.consolidation_settings.output_dirname
+        keep = self.consolidation_settings.keep
+        root = checkpoint_dir.parent
+        with self._pointer_lock:
+            try:
+                if keep != 0:
+                    entry = retain_output(checkpoint_dir, output_name)
+                    if entry is not None:
+                        logger.info(
+                            "Kept the consolidated output of %s as %s: NeMo's top-k retention is removing the "
+                            "checkpoint (ckpt_consolidation_keep=%s)",
+                            checkpoint_dir.name,
+                            entry,
+                            keep,
+                        )
+                        for step, output in self._outputs.items():
+                            if output == checkpoint_dir / output_name:
+                                self._outputs[step] = entry / output_name
+                self._prune_retained(root, removing=checkpoint_dir)
+            except OSError:
+                logger.exception("Could not keep the consolidated output of %s before its removal", checkpoint_dir)
+
+    def _prune_retained(self, root: Path, removing: Optional[Path] = None) -> None:
+        """Hold the retained outputs to ``ckpt_consolidation_keep`` and keep ``LATEST`` on a complete output that is
+        not ``removing`` (called with the pointer lock held).
+
+        Raises:
+            OSError: a retained output or ``LATEST`` cannot be changed.
+        """
+        output_name = self.consolidation_settings.output_dirname
+        prune_retained(root, output_name, self.consolidation_settings.keep)
+        repoint_latest(root, output_name, removing=removing)
+
+    def _on_dropped(self, save: CheckpointSave) -> None:
+        self.dropped_by_removal.append(save)
+        log = logger.debug if self._warned_drop else logger.warning
+        log(
+            "Checkpoint %s (global step %d) was due for consolidation, but NeMo's top-k retention removed it before "
+            "its consolidation could start: not consolidated%s",
+            save.path,
+            save.global_step,
+            (
+                ""
+                if self._warned_drop
+                else " (ModelCheckpoint(save_top_k=...) keeps too few checkpoints for this "
+                "cadence; further drops are logged at debug level)"
+            ),
+        )
+        self._warned_drop = True
 
     def _on_consolidated(self, save: CheckpointSave, error: Optional[str]) -> None:
         if error is not None:
@@ -251,6 +333,12 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             return
         save.consolidated = True
         self._point_latest(save.path)
+        if self.consolidation_settings.keep is not None:  # a new output may push a retained one out of the newest N
+            with self._pointer_lock:
+                try:
+                    self._prune_retained(save.path.parent)
+                except OSError:
+                    logger.exception("Could not prune the retained outputs in %s", save.path.parent)
         self._outputs[save.global_step] = save.path / self.consolidation_settings.output_dirname
         self._link_copies(save.global_step)
 
@@ -273,7 +361,10 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                     logger.exception("Could not reuse %s for the copy %s", output, copy.path)
 
     def _point_latest(self, checkpoint_dir: Path) -> None:
-        try:
-            update_latest_pointer(checkpoint_dir)
-        except OSError:
-            logger.exception("Could not point LATEST at %s", checkpoint_dir)
+        with self._pointer_lock:
+            if self.is_checkpoint_gone(CheckpointSave(checkpoint_dir, -1)):
+                return  # being removed (its output, if any, was kept and LATEST placed then)
+            try:
+                update_latest_pointer(checkpoint_dir)
+            except OSError:
+                logger.exception("Could not point LATEST at %s", checkpoint_dir)

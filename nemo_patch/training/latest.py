@@ -33,21 +33,23 @@ from nemo_patch.engine.checkpoint_layout import (
 )
 from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
 
-__all__ = ["LATEST_NAME", "locate_checkpoint", "read_latest_pointer", "update_latest_pointer"]
+__all__ = ["LATEST_NAME", "locate_checkpoint", "read_latest_pointer", "remove_latest_pointer", "update_latest_pointer"]
 
 #: File name of the pointer in the checkpoint root.
 LATEST_NAME = "LATEST"
 
 
-def update_latest_pointer(checkpoint_dir: Union[str, Path]) -> Path:
-    """Point ``<root>/LATEST`` at ``checkpoint_dir`` (whose parent is ``<root>``).
+def update_latest_pointer(checkpoint_dir: Union[str, Path], root: Optional[Union[str, Path]] = None) -> Path:
+    """Point ``<root>/LATEST`` at ``checkpoint_dir``.
 
-    The symlink is relative (``LATEST -> <checkpoint name>``) so the run directory can be moved. It is replaced
-    atomically: a new link is created under a temporary name and renamed over the old one, so a reader never finds
-    ``LATEST`` missing or half-written.
+    The symlink is relative (``LATEST -> <checkpoint name>``, or ``LATEST -> retained/<name>`` for an output kept
+    after its checkpoint was removed; see :mod:`nemo_patch.training.retention`) so the run directory can be moved. It
+    is replaced atomically: a new link is created under a temporary name and renamed over the old one, so a reader
+    never finds ``LATEST`` missing or half-written.
 
     Args:
-        checkpoint_dir: the checkpoint directory to point at.
+        checkpoint_dir: the directory to point at (a checkpoint directory, or a retained entry).
+        root: the checkpoint root that holds ``LATEST``; default: ``checkpoint_dir``'s parent.
 
     Returns:
         The path of the ``LATEST`` link.
@@ -56,15 +58,21 @@ def update_latest_pointer(checkpoint_dir: Union[str, Path]) -> Path:
         OSError: if the link cannot be created (e.g. a read-only directory).
     """
     checkpoint_dir = Path(checkpoint_dir)
-    link = checkpoint_dir.parent / LATEST_NAME
-    tmp = checkpoint_dir.parent / f".{LATEST_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    os.symlink(checkpoint_dir.name, tmp)
+    root = checkpoint_dir.parent if root is None else Path(root)
+    link = root / LATEST_NAME
+    tmp = root / f".{LATEST_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    os.symlink(os.path.relpath(checkpoint_dir, root), tmp)
     try:
         os.replace(tmp, link)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
     return link
+
+
+def remove_latest_pointer(checkpoint_root: Union[str, Path]) -> None:
+    """Remove ``<checkpoint_root>/LATEST`` if it exists (a reader then finds no pointer, never a dangling one)."""
+    (Path(checkpoint_root) / LATEST_NAME).unlink(missing_ok=True)
 
 
 def read_latest_pointer(checkpoint_root: Union[str, Path]) -> Optional[Path]:
@@ -81,7 +89,8 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
     Args:
         path: a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (the directory that
             holds the checkpoints, or the run directory holding ``checkpoints/``). For a root, ``LATEST`` is taken
-            when it points at a checkpoint, else the newest finished checkpoint by the global step in its name
+            when it points at a checkpoint (not at an output retained after its checkpoint was removed, which has no
+            distributed checkpoint left to read), else the newest finished checkpoint by the global step in its name
             (``step=<N>``), a step's own checkpoint before its ``-last`` copy, then by modification time.
         allow_unfinished: accept an unfinished checkpoint (given directly, or the newest one of a root).
 
@@ -103,7 +112,7 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
         root = root / "checkpoints"
     link = root / LATEST_NAME
     latest = link.parent / os.readlink(link) if link.is_symlink() else None  # as given: relative stays relative
-    if latest is not None and latest.is_dir():
+    if latest is not None and latest.is_dir() and looks_like_checkpoint(latest):
         return inspect_checkpoint(latest, allow_unfinished)
     candidates = checkpoints_newest_first(root)
     for candidate in candidates:

@@ -72,15 +72,23 @@ class ConsolidationQueue:
         settings: the run's settings. ``max_pending`` requests may wait behind the running one; when a new request
             would exceed it, the oldest waiting request is skipped and logged (the first time with a warning, then at
             debug level). The whole value is handed to each consolidation process (its format and shard size).
+        on_dropped: called (in the caller's thread) for a waiting request dropped because :meth:`remove_checkpoint`
+            removes its checkpoint.
 
     Raises:
         ValueError: ``settings.max_pending`` < 0.
     """
 
-    def __init__(self, on_done: DoneCallback, settings: ConsolidationSettings = ConsolidationSettings()) -> None:
+    def __init__(
+        self,
+        on_done: DoneCallback,
+        settings: ConsolidationSettings = ConsolidationSettings(),
+        on_dropped: Optional[Callable[[CheckpointSave], None]] = None,
+    ) -> None:
         if settings.max_pending < 0:
             raise ValueError(f"max_pending must be >= 0, got {settings.max_pending}")
         self._on_done = on_done
+        self._on_dropped = on_dropped
         self.settings = settings
         self._max_pending = settings.max_pending
         self._settings_json = settings.to_json()  # serialised once, for every process this queue starts
@@ -168,20 +176,26 @@ class ConsolidationQueue:
     def remove_checkpoint(self, checkpoint_dir: Path, remove: Callable[[], None]) -> bool:
         """Remove a checkpoint without racing its consolidation (used for NeMo's top-k removal).
 
-        A waiting request for it is dropped and ``remove`` runs now; if it is being consolidated, ``remove`` runs as
-        soon as its child has ended (so the child never reads a vanishing checkpoint and never leaves a half-made
-        ``consolidated/`` behind).
+        A waiting request for it is dropped (reported to ``on_dropped``) and ``remove`` runs now; if it is being
+        consolidated, ``remove`` runs as soon as its child has ended (so the child never reads a vanishing checkpoint
+        and never leaves a half-made ``consolidated/`` behind).
 
         Returns:
             ``True`` if ``remove`` ran now, ``False`` if it was deferred.
         """
         checkpoint_dir = Path(checkpoint_dir)
         with self._lock:
+            dropped = [save for save in self._pending if save.path == checkpoint_dir]
             self._pending = deque(save for save in self._pending if save.path != checkpoint_dir)
             running = self._running
-            if running is not None and running.save.path == checkpoint_dir:
+            deferred = running is not None and running.save.path == checkpoint_dir
+            if deferred:
                 self._deferred_removals.append(remove)
-                return False
+        for save in dropped:
+            if self._on_dropped is not None:
+                self._on_dropped(save)
+        if deferred:
+            return False
         remove()
         return True
 

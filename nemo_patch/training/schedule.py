@@ -79,6 +79,8 @@ class ConsolidationSchedule:
         self.newest_finished: Optional[CheckpointSave] = None
         #: Every finished save of this run (``-last`` copies included), oldest first.
         self.history: List[CheckpointSave] = []
+        #: Saves that were due under the cadence but had been removed (NeMo's top-k) by the time they finished.
+        self.removed_while_due: List[CheckpointSave] = []
         self._registered_count = 0
         self._last_registered_step: Optional[int] = None
         self._last_finished_step: Optional[int] = None
@@ -126,6 +128,8 @@ class ConsolidationSchedule:
             self.finished_count += 1
             if gone:
                 logger.debug("Checkpoint %s was removed after it finished; nothing to consolidate.", save.path)
+                if self.policy.consolidates_during_training(self.finished_count):
+                    self.removed_while_due.append(save)
                 continue
             self.newest_finished = save
             if self.policy.consolidates_during_training(self.finished_count):

@@ -40,6 +40,7 @@ __all__ = [
     "STRATEGY_ARGUMENTS",
     "ConsolidationSettings",
     "validate_format",
+    "validate_keep",
     "validate_max_pending",
     "validate_max_shard_size",
     "validate_timeout",
@@ -60,6 +61,7 @@ STRATEGY_ARGUMENTS: Mapping[str, str] = {
     "max_shard_size": "ckpt_consolidation_max_shard_size",
     "max_pending": "ckpt_consolidation_max_pending",
     "output_format": "ckpt_consolidation_format",
+    "keep": "ckpt_consolidation_keep",
 }
 #: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
 #: strategy's teardown waits).
@@ -67,6 +69,7 @@ CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
     "max_shard_size": "consolidation_max_shard_size",
     "max_pending": "consolidation_max_pending",
     "output_format": "consolidation_format",
+    "keep": "consolidation_keep",
 }
 
 
@@ -82,6 +85,9 @@ class ConsolidationSettings:
         max_shard_size: most bytes of tensor data per output safetensors file (>= 1).
         max_pending: consolidation requests that may wait behind the running one (>= 0).
         timeout: seconds the end of ``fit`` waits for running and queued consolidations (> 0, finite).
+        keep: how many consolidated outputs survive NeMo's top-k removal of their checkpoints
+            (:mod:`nemo_patch.training.retention`): ``None`` all of them, ``N`` while among the run's newest ``N``
+            outputs, ``0`` none (NeMo's removal deletes them).
     """
 
     save_consolidated: Optional[bool] = None
@@ -91,6 +97,7 @@ class ConsolidationSettings:
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     max_pending: int = DEFAULT_MAX_PENDING
     timeout: float = DEFAULT_TIMEOUT
+    keep: Optional[int] = None
 
     @classmethod
     def from_arguments(
@@ -102,6 +109,7 @@ class ConsolidationSettings:
         max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
         max_pending: int = DEFAULT_MAX_PENDING,
         output_format: str = DEFAULT_FORMAT,
+        keep: Optional[int] = None,
         names: Mapping[str, str] = STRATEGY_ARGUMENTS,
     ) -> "ConsolidationSettings":
         """Validate the user's values and make the settings.
@@ -113,6 +121,7 @@ class ConsolidationSettings:
             max_shard_size: bytes as an ``int`` >= 1, or a size string such as ``"5GB"`` or ``"500MiB"``.
             max_pending: an ``int`` >= 0.
             output_format: ``"safetensors"`` or ``"hf"``.
+            keep: ``None`` or an ``int`` >= 0.
             names: the argument names to use in error messages (:data:`STRATEGY_ARGUMENTS` or
                 :data:`CHECKPOINT_IO_ARGUMENTS`).
 
@@ -127,6 +136,7 @@ class ConsolidationSettings:
             max_shard_size=validate_max_shard_size(max_shard_size, names["max_shard_size"]),
             max_pending=validate_max_pending(max_pending, names["max_pending"]),
             timeout=validate_timeout(timeout, names.get("timeout", STRATEGY_ARGUMENTS["timeout"])),
+            keep=validate_keep(keep, names["keep"]),
         )
 
     @property
@@ -222,6 +232,17 @@ def validate_format(value: object, name: str = STRATEGY_ARGUMENTS["output_format
     if isinstance(value, str) and value in ACCEPTED_FORMATS:
         return value
     raise _invalid(name, value, '"safetensors" or "hf"')
+
+
+def validate_keep(value: object, name: str = STRATEGY_ARGUMENTS["keep"]) -> Optional[int]:
+    """Return ``value`` (``None``: keep every consolidated output; an ``int`` >= 0, not ``bool``: keep the newest N).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if value is None or (isinstance(value, int) and _is_int(value, 0)):
+        return value
+    raise _invalid(name, value, "None (keep every consolidated output) or an integer >= 0 (e.g. 3)")
 
 
 def validate_max_pending(value: object, name: str = STRATEGY_ARGUMENTS["max_pending"]) -> int:

@@ -97,18 +97,24 @@ class MegatronStrategy(NeMoMegatronStrategy):
             sharding; default 5 * 10**9): an int, or a size string as ``save_pretrained`` takes it (``"5GB"``,
             ``"500MiB"``).
         ckpt_consolidation_max_pending: how many consolidation requests may wait behind the running one (default 2).
+            When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
+            consolidation never builds an unbounded backlog.
         ckpt_consolidation_format: ``"safetensors"`` (default): ``<ckpt>/consolidated/`` with this package's layout
             (megatron-core names, any model); ``"hf"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory
             written through NeMo's registered exporter for the model class (e.g. Llama); see
             :mod:`nemo_patch.export.hf`. Either runs in the consolidation process, off the training path.
-            When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
-            consolidation never builds an unbounded backlog.
+        ckpt_consolidation_keep: what happens to a consolidated output when NeMo's top-k retention
+            (``ModelCheckpoint(save_top_k=...)``) removes its checkpoint: ``None`` (default) keeps every one, as
+            ``<root>/retained/<checkpoint name>/``; ``N`` keeps one while it is among the run's newest ``N``
+            consolidated outputs; ``0`` keeps none (it goes with its checkpoint). ``LATEST`` never names a removed
+            checkpoint. See :mod:`nemo_patch.training.retention`.
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
     Raises:
         ValueError: for an invalid frequency, a ``save_consolidated`` that is not ``None``/``True``/``False``,
             ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
-            shard size that is not an integer >= 1 or a size string, a queue bound that is not an integer >= 0, or a
+            shard size that is not an integer >= 1 or a size string, a queue bound or keep count that is not an
+            integer >= 0, or a
             format other than ``"safetensors"``/``"hf"``.
             Raised before anything else is set up.
 
@@ -128,6 +134,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
         ckpt_consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         ckpt_consolidation_format: str = DEFAULT_FORMAT,
+        ckpt_consolidation_keep: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
@@ -138,6 +145,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             max_shard_size=ckpt_consolidation_max_shard_size,
             max_pending=ckpt_consolidation_max_pending,
             output_format=ckpt_consolidation_format,
+            keep=ckpt_consolidation_keep,
         )
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
@@ -178,6 +186,11 @@ class MegatronStrategy(NeMoMegatronStrategy):
     def ckpt_consolidation_format(self) -> str:
         """``"safetensors"`` or ``"hf"``."""
         return self.consolidation_settings.output_format
+
+    @property
+    def ckpt_consolidation_keep(self) -> Optional[int]:
+        """How many consolidated outputs survive NeMo's top-k removal (``None``: all)."""
+        return self.consolidation_settings.keep
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""

@@ -1,0 +1,233 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Consolidated outputs outlive NeMo's top-k retention, and ``LATEST`` never names a removed checkpoint.
+
+NeMo's ``ModelCheckpoint(save_top_k=...)`` removes checkpoints (``MegatronStrategy.remove_checkpoint``), and with
+them any ``consolidated/`` (or ``hf/``) output inside. The milestones a user asked for are kept instead: before NeMo
+removes a checkpoint that holds a complete output, the output is given a second home,
+
+    <root>/retained/<checkpoint name>/consolidated/      model.safetensors (or shards + index), metadata.json
+
+with the same files (hard links where the filesystem allows, copies otherwise), published atomically, so that a
+retained entry looks like a checkpoint directory that holds only its consolidated output. Its ``metadata.json`` keeps
+the ``global_step`` and gains ``retained_from`` (the removed checkpoint's name). NeMo then removes the checkpoint as
+it decides. ``ckpt_consolidation_keep`` bounds what is retained: ``None`` keeps all; ``N`` keeps an output only while
+it is among the run's newest ``N`` consolidated outputs (counting those still inside checkpoints), removing older
+retained ones; ``0`` retains nothing (NeMo's removal deletes the output, as without this package). A ``-last`` copy's
+output is retained only when no other output of its global step exists, under the name without ``-last``.
+
+``<root>/LATEST`` is moved before the checkpoint it names is removed: to the retained entry, or else to the newest
+remaining consolidated output (a checkpoint's or a retained one), or removed when none is left, each atomically and
+logged. A reader following ``LATEST`` always finds a complete output. NeMo's resume ignores ``retained/`` (it lists
+the root's entries only one level deep and picks ``*-last``/``*-end`` checkpoints).
+
+Imports the standard library, the engine's layout and publishing helpers and the training side's ``LATEST`` only:
+never NeMo or Lightning.
+"""
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
+from nemo_patch.engine.output_layout import METADATA_FILENAME
+from nemo_patch.engine.publish import link_output
+from nemo_patch.training.latest import LATEST_NAME, remove_latest_pointer, update_latest_pointer
+
+__all__ = [
+    "RETAINED_DIRNAME",
+    "ConsolidatedOutput",
+    "consolidated_outputs",
+    "prune_retained",
+    "repoint_latest",
+    "retain_output",
+    "retained_name",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Directory in the checkpoint root that holds the retained outputs.
+RETAINED_DIRNAME = "retained"
+_LAST_SUFFIX = "-last"
+
+
+@dataclass(frozen=True)
+class ConsolidatedOutput:
+    """A complete consolidated output of a run.
+
+    Attributes:
+        entry: what ``LATEST`` names for it: a checkpoint directory, or ``<root>/retained/<name>``.
+        output_dir: ``<entry>/consolidated`` (or ``<entry>/hf``).
+        global_step: from its ``metadata.json`` (``-1`` if unknown).
+        retained: whether it lives under ``retained/``.
+    """
+
+    entry: Path
+    output_dir: Path
+    global_step: int
+    retained: bool
+
+
+def retained_name(checkpoint_dir: Path) -> str:
+    """The retained entry's name for a checkpoint: its own name, without NeMo's ``-last`` suffix."""
+    name = Path(checkpoint_dir).name
+    return name[: -len(_LAST_SUFFIX)] if name.endswith(_LAST_SUFFIX) else name
+
+
+def _global_step(output_dir: Path) -> Optional[int]:
+    """The ``global_step`` in ``<output_dir>/metadata.json``, ``-1`` if it records none, ``None`` if incomplete."""
+    try:
+        step = json.loads((output_dir / METADATA_FILENAME).read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(step) if isinstance(step, int) else -1
+
+
+def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutput]:
+    """Every complete consolidated output of a checkpoint root, newest first.
+
+    Outputs inside checkpoints that NeMo marked unfinished (being saved or being removed) are left out. Among outputs
+    of the same global step, one inside a checkpoint comes before a retained one, and a step's own checkpoint before
+    its ``-last`` copy.
+
+    Args:
+        root: the checkpoint root (NeMo's ``ModelCheckpoint.dirpath``).
+        output_name: ``consolidated`` or ``hf``.
+    """
+    found: List[ConsolidatedOutput] = []
+    candidates = []
+    try:
+        candidates += [(path, False) for path in root.iterdir() if not path.is_symlink() and path.is_dir()]
+    except OSError:
+        return []
+    retained_root = root / RETAINED_DIRNAME
+    if retained_root.is_dir():
+        candidates += [(path, True) for path in retained_root.iterdir() if path.is_dir()]
+    for entry, retained in candidates:
+        if entry.name.startswith(".") or (not retained and entry.name == RETAINED_DIRNAME):
+            continue
+        if not retained and (entry.name.endswith(UNFINISHED_SUFFIX) or is_marked_unfinished(entry)):
+            continue
+        step = _global_step(entry / output_name)
+        if step is not None:
+            found.append(ConsolidatedOutput(entry, entry / output_name, step, retained))
+    found.sort(key=lambda o: (o.global_step, not o.retained, not o.entry.name.endswith(_LAST_SUFFIX)), reverse=True)
+    return found
+
+
+def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
+    """Give ``<checkpoint_dir>/<output_name>`` a second home under ``<root>/retained/``, atomically.
+
+    Args:
+        checkpoint_dir: a checkpoint about to be removed (its parent is the root).
+        output_name: ``consolidated`` or ``hf``.
+
+    Returns:
+        The retained entry ``<root>/retained/<name>``, or ``None`` if the checkpoint holds no complete output or an
+        entry of that name exists already (a step's ``-last`` copy whose own checkpoint's output was retained).
+
+    Raises:
+        OSError: the files cannot be linked or copied (nothing is left behind).
+    """
+    source = checkpoint_dir / output_name
+    metadata_path = source / METADATA_FILENAME
+    try:
+        metadata = json.loads(metadata_path.read_text())
+    except (OSError, ValueError):
+        return None
+    entry = checkpoint_dir.parent / RETAINED_DIRNAME / retained_name(checkpoint_dir)
+    if (entry / output_name).exists():
+        return None
+    entry.mkdir(parents=True, exist_ok=True)
+    metadata["retained_from"] = checkpoint_dir.name
+    if isinstance(metadata.get("source_checkpoint"), str):  # still names the removed checkpoint's weights
+        original = (source / metadata["source_checkpoint"]).resolve()
+        metadata["source_checkpoint"] = os.path.relpath(original, entry / output_name)
+    rewritten = (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode()
+    link_output(source, entry / output_name, replace_files={METADATA_FILENAME: rewritten})
+    return entry
+
+
+def prune_retained(root: Path, output_name: str, keep: Optional[int]) -> List[Path]:
+    """Remove retained entries that are not among the run's newest ``keep`` consolidated outputs.
+
+    Args:
+        root: the checkpoint root.
+        output_name: ``consolidated`` or ``hf``.
+        keep: ``None`` removes nothing; ``N >= 0`` keeps the newest ``N`` outputs, counting those inside checkpoints.
+
+    Returns:
+        The removed entries (``LATEST`` is not touched here: see :func:`repoint_latest`).
+    """
+    if keep is None:
+        return []
+    removed = []
+    for output in consolidated_outputs(root, output_name)[keep:]:
+        if output.retained:
+            shutil.rmtree(output.entry, ignore_errors=True)
+            removed.append(output.entry)
+            logger.info("Removed retained consolidated output %s (ckpt_consolidation_keep=%d)", output.entry, keep)
+    return removed
+
+
+def _latest_target(root: Path) -> Optional[Path]:
+    link = root / LATEST_NAME
+    if not link.is_symlink():
+        return None
+    return Path(os.path.normpath(root / os.readlink(link)))
+
+
+def repoint_latest(root: Path, output_name: str, removing: Optional[Path] = None) -> Optional[Path]:
+    """Keep ``<root>/LATEST`` on a complete output when the checkpoint it names is being removed or is gone.
+
+    Args:
+        root: the checkpoint root.
+        output_name: ``consolidated`` or ``hf``.
+        removing: a checkpoint about to be removed (``LATEST`` must not name it any more).
+
+    Returns:
+        What ``LATEST`` names afterwards (``None``: no pointer). Nothing changes while ``LATEST`` names a complete
+        output that is not ``removing``.
+    """
+    target = _latest_target(root)
+    if target is None:
+        return None
+    removing = Path(os.path.normpath(removing)) if removing is not None else None
+    if target != removing and _global_step(target / output_name) is not None:
+        return target
+    remaining = [o for o in consolidated_outputs(root, output_name) if o.entry != removing]
+    if remaining:
+        update_latest_pointer(remaining[0].entry, root)
+        logger.info(
+            "LATEST moved from %s to %s (%s)", target.name, _relative(remaining[0].entry, root), _why(removing)
+        )
+        return remaining[0].entry
+    remove_latest_pointer(root)
+    logger.info("LATEST removed: %s and no other consolidated output is left", _why(removing))
+    return None
+
+
+def _relative(path: Path, root: Path) -> str:
+    return os.path.relpath(path, root)
+
+
+def _why(removing: Optional[Path]) -> str:
+    return (
+        f"checkpoint {removing.name} is being removed" if removing is not None else "the checkpoint it named is gone"
+    )

@@ -1,0 +1,166 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Retention of consolidated outputs when NeMo's top-k removes their checkpoints, and ``LATEST`` never dangling.
+
+Unit level, on synthetic checkpoint roots (a checkpoint here is ``<name>/weights/.metadata`` plus a complete
+``consolidated/`` with ``metadata.json``); the real training runs are in ``test_retention_e2e.py``.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nemo_patch.engine.errors import NotACheckpointError
+from nemo_patch.training.latest import LATEST_NAME, locate_checkpoint, read_latest_pointer, update_latest_pointer
+from nemo_patch.training.retention import (
+    RETAINED_DIRNAME,
+    consolidated_outputs,
+    prune_retained,
+    repoint_latest,
+    retain_output,
+)
+
+
+def _checkpoint(root: Path, step: int, consolidated: bool = True, last: bool = False) -> Path:
+    path = root / f"m--step={step - 1}-consumed_samples={2.0 * step}{'-last' if last else ''}"
+    (path / "weights").mkdir(parents=True)
+    (path / "weights" / ".metadata").write_bytes(b"dcp")
+    if consolidated:
+        (path / "consolidated").mkdir()
+        (path / "consolidated" / "model.safetensors").write_bytes(b"weights of step %d" % step)
+        metadata = {"global_step": step, "source_checkpoint": "../weights", "files": {}}
+        (path / "consolidated" / "metadata.json").write_text(json.dumps(metadata))
+    return path
+
+
+def _removing(path: Path) -> None:
+    """What NeMo's ModelCheckpoint does before it asks the strategy to remove a checkpoint."""
+    Path(f"{path}-unfinished").touch()
+
+
+def test_retained_output_keeps_its_files_step_and_origin(tmp_path):
+    checkpoint = _checkpoint(tmp_path, 4)
+    _removing(checkpoint)
+    entry = retain_output(checkpoint, "consolidated")
+    assert entry == tmp_path / RETAINED_DIRNAME / checkpoint.name
+    kept = entry / "consolidated"
+    assert (kept / "model.safetensors").read_bytes() == b"weights of step 4"
+    assert os.stat(kept / "model.safetensors").st_ino == os.stat(checkpoint / "consolidated/model.safetensors").st_ino
+    metadata = json.loads((kept / "metadata.json").read_text())
+    assert metadata["global_step"] == 4 and metadata["retained_from"] == checkpoint.name
+    assert (kept / metadata["source_checkpoint"]).resolve() == (checkpoint / "weights").resolve()
+    # The original metadata.json is untouched (the retained one is a new file, not the hard link rewritten).
+    assert "retained_from" not in json.loads((checkpoint / "consolidated" / "metadata.json").read_text())
+    assert [p.name for p in (tmp_path / RETAINED_DIRNAME / checkpoint.name).iterdir()] == ["consolidated"]
+
+
+def test_a_last_copy_is_retained_once_under_its_steps_name(tmp_path):
+    own, last = _checkpoint(tmp_path, 10), _checkpoint(tmp_path, 10, last=True)
+    assert retain_output(own, "consolidated") is not None
+    assert retain_output(last, "consolidated") is None  # same step, already retained
+    assert sorted(p.name for p in (tmp_path / RETAINED_DIRNAME).iterdir()) == [own.name]
+
+
+def test_nothing_to_retain_without_a_complete_output(tmp_path):
+    bare = _checkpoint(tmp_path, 2, consolidated=False)
+    (bare / "consolidated").mkdir()  # e.g. half-made by hand: no metadata.json
+    assert retain_output(bare, "consolidated") is None
+    assert not (tmp_path / RETAINED_DIRNAME).exists()
+
+
+def test_outputs_are_listed_newest_first_without_those_being_removed(tmp_path):
+    a, b, c = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4), _checkpoint(tmp_path, 6, consolidated=False)
+    _removing(a)
+    retain_output(a, "consolidated")
+    listed = [(o.entry.name, o.global_step, o.retained) for o in consolidated_outputs(tmp_path, "consolidated")]
+    assert listed == [(b.name, 4, False), (a.name, 2, True)]
+    assert c.name not in {name for name, _, _ in listed}
+
+
+@pytest.mark.parametrize("keep, retained_steps", [(None, [2, 4, 6]), (3, [4, 6]), (2, [6]), (1, []), (0, [])])
+def test_keep_bounds_the_retained_outputs_counting_living_ones(tmp_path, keep, retained_steps):
+    checkpoints = [_checkpoint(tmp_path, step) for step in (2, 4, 6, 8)]
+    for checkpoint in checkpoints[:3]:
+        _removing(checkpoint)
+        retain_output(checkpoint, "consolidated")
+        shutil.rmtree(checkpoint)
+    prune_retained(tmp_path, "consolidated", keep)
+    # The living step-8 output counts towards N: keep=2 leaves it and the newest retained one.
+    outputs = consolidated_outputs(tmp_path, "consolidated")
+    assert sorted(o.global_step for o in outputs if o.retained) == retained_steps
+    assert [o.global_step for o in outputs if not o.retained] == [8]
+
+
+def test_latest_moves_to_the_retained_entry_then_to_the_newest_remaining_then_goes(tmp_path):
+    old, new = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
+    update_latest_pointer(new)
+    _removing(new)
+    entry = retain_output(new, "consolidated")
+    assert repoint_latest(tmp_path, "consolidated", removing=new) == entry
+    assert os.readlink(tmp_path / LATEST_NAME) == f"{RETAINED_DIRNAME}/{new.name}"  # relative, inside the root
+    assert read_latest_pointer(tmp_path) == entry.resolve()
+    shutil.rmtree(entry)  # e.g. pruned by ckpt_consolidation_keep
+    assert repoint_latest(tmp_path, "consolidated") == old
+    _removing(old)
+    assert repoint_latest(tmp_path, "consolidated", removing=old) is None
+    assert not os.path.lexists(tmp_path / LATEST_NAME)
+
+
+def test_latest_is_left_alone_while_it_names_a_complete_output(tmp_path):
+    old, new = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
+    update_latest_pointer(old)
+    assert repoint_latest(tmp_path, "consolidated", removing=new) == old
+    assert os.readlink(tmp_path / LATEST_NAME) == old.name
+
+
+def test_cli_root_lookup_skips_a_latest_that_names_a_retained_output(tmp_path):
+    removed, newest = _checkpoint(tmp_path, 4), _checkpoint(tmp_path, 6, consolidated=False)
+    entry = retain_output(removed, "consolidated")
+    update_latest_pointer(entry, tmp_path)
+    shutil.rmtree(removed)
+    assert locate_checkpoint(tmp_path).checkpoint_dir == newest  # the newest finished checkpoint instead
+    with pytest.raises(NotACheckpointError):
+        locate_checkpoint(entry)  # a retained output alone has no distributed checkpoint to read
+
+
+@pytest.mark.parametrize("keep", [None, 0])
+def test_checkpoint_io_keeps_the_output_and_moves_latest_before_nemo_removes(tmp_path, keep, caplog):
+    """The consolidating checkpoint IO's part of NeMo's top-k removal: retain (unless keep=0), move LATEST, then let
+    NeMo remove the checkpoint; a queued consolidation of it is dropped and logged once as a warning."""
+    from nemo_patch import ConsolidationSettings, MegatronCheckpointIO
+    from nemo_patch.training.schedule import CheckpointSave
+
+    io = MegatronCheckpointIO(consolidation_settings=ConsolidationSettings.from_arguments(True, keep=keep))
+    old, new = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
+    update_latest_pointer(new)
+    _removing(new)
+    io.remove_checkpoint_safely(new, lambda: shutil.rmtree(new))
+    assert not new.exists()
+    if keep is None:
+        assert read_latest_pointer(tmp_path) == (tmp_path / RETAINED_DIRNAME / new.name).resolve()
+    else:
+        assert not (tmp_path / RETAINED_DIRNAME).exists() and read_latest_pointer(tmp_path) == old.resolve()
+    # Two queued requests dropped by removal: one warning, then debug.
+    queued = [CheckpointSave(_checkpoint(tmp_path, step, consolidated=False), step, written=True) for step in (6, 8)]
+    io.queue._pending.extend(queued)  # waiting behind a running one (none is started here)
+    with caplog.at_level("DEBUG", logger="nemo_patch.training.checkpoint_io"):
+        for save in queued:
+            io.remove_checkpoint_safely(save.path, lambda path=save.path: shutil.rmtree(path))
+    assert io.dropped_by_removal == queued
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "was due for consolidation" in r.message]
+    assert len(warnings) == 1
