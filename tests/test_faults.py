@@ -34,6 +34,7 @@ from conftest import REPO, run_fit
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.training.latest import LATEST_NAME, update_latest_pointer
+from nemo_patch.training.retention import RETAINED_DIRNAME
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import CheckpointSave
 
@@ -48,7 +49,10 @@ def _leftovers(root: Path):
 
 
 def _checkpoints(root: Path):
-    return sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name != RETAINED_DIRNAME),
+        key=lambda p: p.stat().st_mtime,
+    )
 
 
 def _dead_pid() -> int:
@@ -269,9 +273,11 @@ def test_top_k_removal_during_consolidation_leaves_no_half_made_output(tmp_path)
     assert _leftovers(root) == []
     remaining = _checkpoints(root)
     assert len(remaining) <= 2  # the newest step and its -last copy; the rest were removed by NeMo
-    for checkpoint in remaining:
+    kept = sorted((root / RETAINED_DIRNAME).iterdir()) if (root / RETAINED_DIRNAME).is_dir() else []
+    for checkpoint in remaining + kept:  # outputs of removed checkpoints are kept, complete, under retained/
         output = checkpoint / "consolidated"
         assert (output / "metadata.json").is_file() and (output / "model.safetensors").is_file()
+    assert len(kept) == len(set(report["completed_steps"]) - {6})  # every consolidation but the newest one's
     assert (root / LATEST_NAME).resolve() in remaining
 
 
