@@ -50,6 +50,9 @@ def run_fit(out: Path, *, stock: bool = False, **options: Any) -> Dict[str, Any]
         flag = "--" + name.replace("_", "-")
         if value is True:
             args.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                args += [flag, str(item)]
         elif value is not None and value is not False:
             args += [flag, str(value)]
     env = {k: v for k, v in os.environ.items() if k != "NEMO_PATCH_DISABLE"}

@@ -167,10 +167,12 @@ def test_unfinished_checkpoint_exits_5_unless_explicitly_allowed(checkpoint_copy
 
 
 def test_unsupported_formats_exit_6_and_say_which(checkpoint_copy, tmp_path, capsys):
-    zarr = tmp_path / "zarr-ckpt"
-    (zarr / "weights").mkdir(parents=True)
-    (zarr / "weights" / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
-    _assert_failed(capsys, [zarr], 6, "is a 'zarr' checkpoint; only 'torch_dist'")
+    other = tmp_path / "other-ckpt"  # a sharded_backend megatron-core may write that is neither torch_dist nor zarr
+    (other / "weights").mkdir(parents=True)
+    (other / "weights" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch"}))
+    _assert_failed(
+        capsys, [other], 6, "is a 'torch' checkpoint; only 'torch_dist' and 'zarr' checkpoints can be consolidated"
+    )
     fsdp = tmp_path / "fsdp-ckpt"  # NeMo's fsdp_dtensor layout: DCP files directly in the checkpoint directory
     shutil.copytree(checkpoint_copy / "weights", fsdp)
     shutil.copytree(checkpoint_copy / "context", fsdp / "context")

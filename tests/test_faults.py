@@ -34,8 +34,8 @@ from conftest import REPO, run_fit
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.training.latest import LATEST_NAME, update_latest_pointer
-from nemo_patch.training.retention import RETAINED_DIRNAME
 from nemo_patch.training.queue import ConsolidationQueue
+from nemo_patch.training.retention import RETAINED_DIRNAME
 from nemo_patch.training.schedule import CheckpointSave
 
 

@@ -25,8 +25,12 @@ A NeMo 2 checkpoint written by ``MegatronCheckpointIO`` with the ``torch_dist`` 
     <root>/<name>--step=<N>-...-unfinished            NeMo's marker while the save is not finished
     <root>/LATEST                                     the training side's pointer to the newest consolidated one
 
-Other layouts NeMo can write are recognised and refused by name: ``zarr`` (``metadata.json`` says so) and
-``fsdp_dtensor`` (Megatron FSDP; the DCP files lie directly in the checkpoint directory, keyed ``model.*``).
+NeMo's ``save_ckpt_format='zarr'`` writes megatron-core's ``zarr`` layout instead: ``weights/`` holds one Zarr array
+directory per tensor (``<key>/.zarray`` plus chunk files) and ``metadata.json`` says ``"sharded_backend": "zarr"``;
+it is read by :mod:`nemo_patch.engine.zarr_reader`. megatron-core writes ``metadata.json`` last, so for ``zarr`` it
+is what marks a finished save (``.metadata`` does for ``torch_dist``). Other layouts are recognised and refused by
+name: ``fsdp_dtensor`` (Megatron FSDP; the DCP files lie directly in the checkpoint directory, keyed ``model.*``) and
+any other ``sharded_backend``.
 
 Standard library only (no torch); never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
@@ -51,7 +55,12 @@ __all__ = [
     "inspect_checkpoint",
     "is_marked_unfinished",
     "looks_like_checkpoint",
+    "sharded_backend",
+    "weights_written",
 ]
+
+#: The distributed-checkpoint formats that can be consolidated (megatron-core's ``sharded_backend`` names).
+READABLE_BACKENDS = ("torch_dist", "zarr")
 
 #: NeMo's ``ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX``.
 UNFINISHED_SUFFIX = "-unfinished"
@@ -64,13 +73,16 @@ class CheckpointLocation:
 
     Attributes:
         checkpoint_dir: the checkpoint directory (``<ckpt>``; for a bare DCP directory, the directory itself).
-        weights_dir: the directory with the DCP ``.metadata`` and shard files (``<ckpt>/weights``).
-        finished: ``False`` when NeMo's unfinished marker is present or ``.metadata`` was never written.
+        weights_dir: the directory with the distributed checkpoint's files (``<ckpt>/weights``).
+        finished: ``False`` when NeMo's unfinished marker is present or the file the format writes last (``.metadata``
+            for ``torch_dist``, megatron-core's ``metadata.json`` for ``zarr``) was never written.
+        backend: ``"torch_dist"`` or ``"zarr"``.
     """
 
     checkpoint_dir: Path
     weights_dir: Path
     finished: bool
+    backend: str = "torch_dist"
 
 
 def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
@@ -78,12 +90,26 @@ def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
     return Path(str(checkpoint_dir).removesuffix(".ckpt").removesuffix("-EMA") + UNFINISHED_SUFFIX).exists()
 
 
-def _backend(weights_dir: Path) -> str:
+def sharded_backend(weights_dir: Path) -> str:
+    """The format of a checkpoint's ``weights/``: megatron-core's ``metadata.json`` ``sharded_backend``; without that
+    file, ``"zarr"`` when Zarr array directories are there (a zarr save that never finished), else ``"torch_dist"``
+    (a plain DCP directory)."""
     try:
         config = json.loads((weights_dir / "metadata.json").read_text())
     except (OSError, ValueError):
-        return "torch_dist"  # a plain DCP directory (no megatron-core config file)
+        try:
+            is_zarr = any((entry / ".zarray").is_file() for entry in weights_dir.iterdir() if entry.is_dir())
+        except OSError:
+            is_zarr = False
+        return "zarr" if is_zarr else "torch_dist"
     return str(config.get("sharded_backend", "torch_dist")) if isinstance(config, dict) else "torch_dist"
+
+
+def weights_written(weights_dir: Path) -> bool:
+    """Whether the file a distributed checkpoint's format writes last is there: ``.metadata`` for ``torch_dist``,
+    megatron-core's ``metadata.json`` for ``zarr`` (NeMo's unfinished marker is checked separately)."""
+    backend = sharded_backend(weights_dir)
+    return (weights_dir / ("metadata.json" if backend == "zarr" else ".metadata")).is_file()
 
 
 def looks_like_checkpoint(path: Path) -> bool:
@@ -92,7 +118,7 @@ def looks_like_checkpoint(path: Path) -> bool:
 
 
 def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -> CheckpointLocation:
-    """Check that ``path`` is one finished ``torch_dist`` checkpoint.
+    """Check that ``path`` is one finished ``torch_dist`` or ``zarr`` checkpoint.
 
     Args:
         path: a checkpoint directory or its ``weights/`` directory.
@@ -104,8 +130,9 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
     Raises:
         CheckpointNotFoundError: ``path`` does not exist.
         NotACheckpointError: ``path`` holds neither ``weights/`` nor DCP/megatron-core metadata.
-        UnsupportedFormatError: a ``zarr`` or ``fsdp_dtensor`` checkpoint (the message names which).
-        UnfinishedCheckpointError: NeMo's unfinished marker is present or ``.metadata`` is missing.
+        UnsupportedFormatError: an ``fsdp_dtensor`` checkpoint or another ``sharded_backend`` (the message names it).
+        UnfinishedCheckpointError: NeMo's unfinished marker is present, or the file the format writes last is
+            missing (``.metadata``; ``metadata.json`` for ``zarr``).
     """
     path = Path(path)
     if not path.exists():
@@ -116,8 +143,8 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
         checkpoint_dir, weights_dir = path, path / "weights"
     elif (path / ".metadata").is_file() and (path / "context").is_dir():
         raise UnsupportedFormatError(
-            f"{path} is an 'fsdp_dtensor' checkpoint (Megatron FSDP); only 'torch_dist' checkpoints can be "
-            "consolidated"
+            f"{path} is an 'fsdp_dtensor' checkpoint (Megatron FSDP); only 'torch_dist' and 'zarr' checkpoints can "
+            "be consolidated (re-save with MegatronStrategy(save_ckpt_format='torch_dist'))"
         )
     elif looks_like_checkpoint(path):
         checkpoint_dir, weights_dir = (path.parent if path.name == "weights" else path), path
@@ -126,17 +153,18 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
             f"{path} is not a NeMo 2 checkpoint: expected a 'weights/' directory with torch.distributed.checkpoint "
             "'.metadata' (or that directory itself)"
         )
-    backend = _backend(weights_dir)
-    if backend != "torch_dist":
+    backend = sharded_backend(weights_dir)
+    if backend not in READABLE_BACKENDS:
         raise UnsupportedFormatError(
-            f"{checkpoint_dir} is a '{backend}' checkpoint; only 'torch_dist' checkpoints can be consolidated "
-            "(re-save with ckpt_save_format='torch_dist')"
+            f"{checkpoint_dir} is a '{backend}' checkpoint; only 'torch_dist' and 'zarr' checkpoints can be "
+            "consolidated (re-save with MegatronStrategy(save_ckpt_format='torch_dist'))"
         )
-    finished = (weights_dir / ".metadata").is_file() and not is_marked_unfinished(checkpoint_dir)
+    last_file = "metadata.json" if backend == "zarr" else ".metadata"
+    finished = weights_written(weights_dir) and not is_marked_unfinished(checkpoint_dir)
     if not finished and not allow_unfinished:
-        why = "NeMo's unfinished marker is present" if is_marked_unfinished(checkpoint_dir) else "no '.metadata'"
+        why = "NeMo's unfinished marker is present" if is_marked_unfinished(checkpoint_dir) else f"no '{last_file}'"
         raise UnfinishedCheckpointError(f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended")
-    return CheckpointLocation(checkpoint_dir, weights_dir, finished)
+    return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend)
 
 
 def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:

@@ -52,8 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
-from nemo_patch.engine.dcp_reader import DCPRegionReader
+from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
 from nemo_patch.engine.output_layout import (
     CONSOLIDATED_DIRNAME,
@@ -103,7 +102,7 @@ def _root_cause(error: BaseException) -> str:
 
 
 def tensor_producer(
-    reader: DCPRegionReader,
+    reader: RegionReader,
     sources: Dict[str, OutputTensor],
     metadata: Metadata,
     largest: int,
@@ -165,7 +164,7 @@ def consolidate_checkpoint(
     allow_unfinished: bool = False,
     progress: Optional[ProgressCallback] = None,
 ) -> ConsolidationResult:
-    """Consolidate a finished NeMo 2 ``torch_dist`` checkpoint into ``consolidated/`` safetensors.
+    """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
     Reads only files: no process group is needed or used. Unpickles nothing but the DCP ``.metadata`` file, with an
     allowlist of metadata types (:func:`nemo_patch.engine.dcp_metadata.read_dcp_metadata`; megatron-core is not
@@ -174,7 +173,8 @@ def consolidate_checkpoint(
     was killed is removed first (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`).
 
     Args:
-        checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory.
+        checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory; ``torch_dist`` or
+            megatron-core's ``zarr`` (:mod:`nemo_patch.engine.zarr_reader`: same output, bit for bit).
         output_dir: where to publish; defaults to ``<ckpt>/consolidated``.
         global_step: recorded in ``metadata.json``; ``None`` if unknown.
         max_shard_size: most tensor-data bytes per safetensors file (default 5 * 10**9, Hugging Face's "5GB"); a
@@ -205,18 +205,12 @@ def consolidate_checkpoint(
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
 
-    try:
-        metadata = read_dcp_metadata(weights_dir)
-    except Exception as error:  # OSError, pickle.UnpicklingError, EOFError
-        raise CorruptShardError(
-            f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: {error}"
-        ) from error
+    metadata, reader = open_weights(weights_dir, location.backend)
     outputs = cast_outputs(plan_outputs(metadata), dtype)
     if not outputs:
         raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
 
     with staged_output(ckpt_dir, output_dir, overwrite, f"Consolidating {ckpt_dir}") as tmp_dir:
-        reader = DCPRegionReader(weights_dir, metadata)
         largest = max(output.spec.nbytes for output in outputs)
         total_bytes = sum(output.spec.nbytes for output in outputs)
         read = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, largest)

@@ -59,7 +59,8 @@ class UnfinishedCheckpointError(ConsolidationError):
 
 
 class UnsupportedFormatError(ConsolidationError):
-    """A NeMo checkpoint in a format other than ``torch_dist`` (``zarr``, ``fsdp_dtensor``); the message names it."""
+    """A checkpoint format that cannot be consolidated (``fsdp_dtensor``, another ``sharded_backend``) or a ``zarr``
+    array whose layout cannot be read safely; the message names it."""
 
     exit_code = 6
 

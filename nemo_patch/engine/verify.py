@@ -27,8 +27,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
-from nemo_patch.engine.dcp_reader import DCPRegionReader
+from nemo_patch.engine.checkpoint_reader import open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
 from nemo_patch.engine.output_layout import INDEX_FILENAME, SINGLE_FILENAME
 from nemo_patch.engine.plan import plan_outputs
@@ -73,7 +72,8 @@ def verify_consolidated(
             cannot be read; the message names the tensor and the output file.
     """
     weights_dir, output_dir = Path(weights_dir), Path(output_dir)
-    metadata = read_dcp_metadata(weights_dir) if metadata is None else metadata
+    opened_metadata, reader = open_weights(weights_dir)
+    metadata = opened_metadata if metadata is None else metadata
     sources = {output.spec.name: output for output in plan_outputs(metadata)}
     try:
         weight_map = _weight_map(output_dir)
@@ -85,7 +85,6 @@ def verify_consolidated(
         raise VerificationError(
             f"{output_dir} does not hold the checkpoint's tensors: missing {missing[:5]}, unexpected {extra[:5]}"
         )
-    reader = DCPRegionReader(weights_dir, metadata)
     by_file: Dict[str, list] = {}
     for name, filename in weight_map.items():
         by_file.setdefault(filename, []).append(name)

@@ -48,9 +48,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+from nemo_patch.engine.checkpoint_reader import open_weights
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, tensor_producer
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
-from nemo_patch.engine.dcp_reader import DCPRegionReader
 from nemo_patch.engine.errors import (
     ConsolidationError,
     CorruptShardError,
@@ -118,9 +117,8 @@ def _exporter_for(checkpoint_dir: Path) -> Any:
 
 
 def _read_state_dict(weights_dir: Path, progress: Optional[ProgressCallback]) -> Dict[str, torch.Tensor]:
-    metadata = read_dcp_metadata(weights_dir)
+    metadata, reader = open_weights(weights_dir)
     outputs = plan_outputs(metadata)
-    reader = DCPRegionReader(weights_dir, metadata)
     total = sum(output.spec.nbytes for output in outputs)
     produce = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, 0, reuse=False)
     state, done = {}, 0

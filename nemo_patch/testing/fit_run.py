@@ -114,6 +114,7 @@ def run_tiny_fit(
     keep: Optional[int] = None,
     snapshot_checkpoints: bool = False,
     wait_for_consolidation: bool = False,
+    strategy_args: Sequence[str] = (),
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -154,6 +155,8 @@ def run_tiny_fit(
             NeMo removed their checkpoint can still be compared with the checkpoint they came from.
         wait_for_consolidation: wait at the end of each step until consolidations are done
             (:class:`nemo_patch.testing.pacing.WaitForConsolidation`), so they keep up with the saves as in a real run.
+        strategy_args: more ``MegatronStrategy`` arguments as ``name=value`` (``value`` read as JSON when it parses,
+            e.g. ``save_ckpt_format=zarr``, ``ckpt_parallel_save=false``, ``ckpt_torch_dist_multiproc=2``).
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -182,6 +185,12 @@ def run_tiny_fit(
     if stock and nemo_patch.overlay_applied():
         raise RuntimeError("--stock needs NEMO_PATCH_DISABLE=1, so that NeMo runs without the overlay")
     kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    for item in strategy_args:
+        name, _, text = item.partition("=")
+        try:
+            kwargs[name] = json.loads(text)
+        except ValueError:
+            kwargs[name] = text
     if pp > 1:
         kwargs["pipeline_dtype"] = torch.float32
     strategy = nl.MegatronStrategy(**kwargs)
@@ -340,6 +349,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--keep", type=int, default=None)
     parser.add_argument("--snapshot-checkpoints", action="store_true")
     parser.add_argument("--wait-for-consolidation", action="store_true")
+    parser.add_argument("--strategy-arg", action="append", default=[])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -371,6 +381,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         keep=args.keep,
         snapshot_checkpoints=args.snapshot_checkpoints,
         wait_for_consolidation=args.wait_for_consolidation,
+        strategy_args=args.strategy_arg,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

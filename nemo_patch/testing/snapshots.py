@@ -28,7 +28,7 @@ from typing import Any, Set
 
 from lightning.pytorch.callbacks import Callback
 
-from nemo_patch.engine.checkpoint_layout import is_marked_unfinished
+from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
 
 __all__ = ["CheckpointSnapshots"]
 
@@ -53,18 +53,21 @@ class CheckpointSnapshots(Callback):
             return
         for checkpoint in Path(dirpath).iterdir():
             weights = checkpoint / "weights"
-            if checkpoint.name in self._seen or checkpoint.is_symlink() or not (weights / ".metadata").is_file():
+            if checkpoint.name in self._seen or checkpoint.is_symlink() or not weights.is_dir():
+                continue
+            if not weights_written(weights):
                 continue
             if is_marked_unfinished(checkpoint):
                 continue
             target = self.directory / checkpoint.name / "weights"
-            if (target / ".metadata").exists():  # taken by an earlier run of a resumed training
+            if target.exists():  # taken by an earlier run of a resumed training
                 self._seen.add(checkpoint.name)
                 continue
             target.mkdir(parents=True, exist_ok=True)
-            for file in weights.iterdir():
+            for file in weights.rglob("*"):  # zarr: one directory per array
                 if file.is_file():
-                    os.link(file, target / file.name)
+                    (target / file.relative_to(weights)).parent.mkdir(parents=True, exist_ok=True)
+                    os.link(file, target / file.relative_to(weights))
             self._seen.add(checkpoint.name)
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:

@@ -29,6 +29,7 @@ from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
+from nemo_patch.engine.checkpoint_layout import weights_written
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
 from nemo_patch.engine.publish import link_consolidated_output
 from nemo_patch.training.latest import update_latest_pointer
@@ -181,11 +182,10 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
 
     @staticmethod
     def is_checkpoint_gone(save: CheckpointSave) -> bool:
-        """Whether a finished checkpoint has been removed or is being removed: its directory or DCP metadata is
-        missing, or NeMo's ``<ckpt>-unfinished`` marker is back (NeMo sets it while deleting a checkpoint)."""
-        return (
-            ModelCheckpoint.is_checkpoint_unfinished(save.path) or not (save.path / "weights" / ".metadata").is_file()
-        )
+        """Whether a finished checkpoint has been removed or is being removed: its directory or the file its format
+        writes last (``.metadata``; ``metadata.json`` for ``zarr``) is missing, or NeMo's ``<ckpt>-unfinished`` marker
+        is back (NeMo sets it while deleting a checkpoint)."""
+        return ModelCheckpoint.is_checkpoint_unfinished(save.path) or not weights_written(save.path / "weights")
 
     @property
     def queue(self) -> ConsolidationQueue:

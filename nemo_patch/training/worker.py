@@ -52,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The process exit code: 0 on success, 1 on a :class:`nemo_patch.engine.errors.ConsolidationError`.
     """
-    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 torch_dist checkpoint (nemo_patch worker).")
+    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 distributed checkpoint (nemo_patch worker).")
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--global-step", type=int, default=None)
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())

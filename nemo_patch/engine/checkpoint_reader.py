@@ -1,0 +1,81 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Open a checkpoint's weights for reading, whatever distributed-checkpoint format wrote them.
+
+Two formats are read: ``torch_dist`` (``torch.distributed.checkpoint``: ``.metadata`` + ``*.distcp`` shard files;
+:mod:`nemo_patch.engine.dcp_metadata`, :mod:`nemo_patch.engine.dcp_reader`) and megatron-core's ``zarr``
+(:mod:`nemo_patch.engine.zarr_reader`). Both are described by ``torch.distributed.checkpoint`` ``Metadata`` (global
+shape, dtype and chunks of each key), so naming and planning the output (:mod:`nemo_patch.engine.plan`) is one code
+path, and both readers read a key, or one index of it along dimension 0, into a given tensor.
+
+Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
+"""
+
+from pathlib import Path
+from typing import List, Optional, Protocol, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from nemo_patch.engine.checkpoint_layout import sharded_backend
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.dcp_reader import DCPRegionReader
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
+from nemo_patch.engine.zarr_reader import ZarrRegionReader, read_zarr_metadata
+
+__all__ = ["RegionReader", "open_weights"]
+
+
+class RegionReader(Protocol):
+    """What the engine needs of a reader (:class:`DCPRegionReader`, :class:`ZarrRegionReader`)."""
+
+    path: Path
+
+    def files_of(self, key: str) -> List[str]:
+        """The files (relative to :attr:`path`) that hold ``key``, for error messages."""
+
+    def read(self, key: str, index: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``key`` (or ``key[index]``) in its stored dtype, into ``out`` when given."""
+
+
+def open_weights(weights_dir: Path, backend: Optional[str] = None) -> Tuple[Metadata, RegionReader]:
+    """The metadata and a reader of a checkpoint's ``weights/`` directory.
+
+    Args:
+        weights_dir: the directory with the distributed checkpoint's files.
+        backend: ``"torch_dist"`` or ``"zarr"``; read from megatron-core's ``metadata.json`` when ``None``.
+
+    Returns:
+        ``(metadata, reader)``.
+
+    Raises:
+        CorruptShardError: the metadata cannot be read (``.metadata`` truncated or corrupt, a ``.zarray`` unreadable).
+        UnsupportedFormatError: a zarr array this package cannot read safely, or zarr/ml_dtypes not installed.
+        ConsolidationError: any other backend.
+    """
+    weights_dir = Path(weights_dir)
+    backend = sharded_backend(weights_dir) if backend is None else backend
+    if backend == "zarr":
+        metadata = read_zarr_metadata(weights_dir)
+        return metadata, ZarrRegionReader(weights_dir, metadata)
+    if backend != "torch_dist":
+        raise ConsolidationError(f"{weights_dir}: cannot read a '{backend}' checkpoint")
+    try:
+        metadata = read_dcp_metadata(weights_dir)
+    except Exception as error:  # OSError, pickle.UnpicklingError, EOFError
+        raise CorruptShardError(
+            f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: {error}"
+        ) from error
+    return metadata, DCPRegionReader(weights_dir, metadata)
