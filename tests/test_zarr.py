@@ -37,7 +37,10 @@ from nemo_patch.engine.errors import CorruptShardError, UnfinishedCheckpointErro
 SAVE = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
+    import socket
+    with socket.socket() as probe:  # a free port for the one-process group
+        probe.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor

@@ -24,7 +24,7 @@ Imports the standard library, torch and the rest of the engine only; never NeMo,
 """
 
 from pathlib import Path
-from typing import List, Optional, Protocol, Tuple
+from typing import List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -46,8 +46,10 @@ class RegionReader(Protocol):
     def files_of(self, key: str) -> List[str]:
         """The files (relative to :attr:`path`) that hold ``key``, for error messages."""
 
-    def read(self, key: str, index: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``key`` (or ``key[index]``) in its stored dtype, into ``out`` when given."""
+    def read(
+        self, key: str, index: Union[None, int, Tuple[int, ...]] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``key`` (or ``key[index]``, indices into the leading dimensions) in its stored dtype, into ``out``."""
 
 
 def open_weights(weights_dir: Path, backend: Optional[str] = None) -> Tuple[Metadata, RegionReader]:

@@ -133,11 +133,11 @@ def tensor_producer(
         stored = stored_spec(metadata, source)
         try:
             if stored.dtype == spec.dtype:
-                return reader.read(source.key, source.layer, out=out)
+                return reader.read(source.key, source.index, out=out)
             if not staging or staging[0].numel() < stored.nbytes:
                 staging[:] = [torch.empty(stored.nbytes, dtype=torch.uint8)]
             raw = reader.read(
-                source.key, source.layer, out=staging[0][: stored.nbytes].view(stored.dtype).view(stored.shape)
+                source.key, source.index, out=staging[0][: stored.nbytes].view(stored.dtype).view(stored.shape)
             )
             return out.copy_(raw)
         except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException

@@ -27,7 +27,7 @@ import io
 import os
 import zipfile
 from pathlib import Path
-from typing import IO, Any, List, Optional, Sequence
+from typing import IO, Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -160,17 +160,20 @@ class DCPRegionReader:
         """Names of the shard files that hold chunks of ``key``."""
         return sorted({info.relative_path for index, info in self.metadata.storage_data.items() if index.fqn == key})
 
-    def read(self, key: str, index: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def read(
+        self, key: str, index: Union[None, int, Tuple[int, ...]] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Read tensor ``key`` (global shape and dtype from the metadata), or only ``key[index]``.
 
         Args:
             key: a tensor entry of the checkpoint.
-            index: an index along dimension 0 (e.g. a layer of a layer-stacked tensor), or ``None`` for all of it.
+            index: indices into the leading dimensions (a layer of a layer-stacked tensor, then an expert), an
+                ``int`` for dimension 0 alone, or ``None``/``()`` for all of it.
             out: a contiguous tensor of the result's shape and dtype to read into (lets a caller reuse memory);
                 a new one is allocated when ``None``.
 
         Returns:
-            A new CPU tensor of shape ``size[1:]`` (with ``index``) or ``size``, in the stored dtype.
+            A new CPU tensor of shape ``size[len(index):]``, in the stored dtype.
 
         Raises:
             KeyError: if ``key`` is not a tensor entry.
@@ -181,14 +184,13 @@ class DCPRegionReader:
         if not isinstance(item, TensorStorageMetadata):
             raise KeyError(f"{key} is not a tensor entry of {self.path}")
         size = list(item.size)
-        shape = size if index is None else size[1:]
+        leading = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        shape = size[len(leading) :]
         destination = torch.empty(shape, dtype=item.properties.dtype) if out is None else out
         if tuple(destination.shape) != tuple(shape) or destination.dtype != item.properties.dtype:
             raise ValueError(f"out is {destination.dtype} {tuple(destination.shape)}; {key} needs {shape}")
-        if index is None:
-            planner = _RegionLoadPlanner(key, [0] * len(size), destination)
-        else:
-            planner = _RegionLoadPlanner(key, [index] + [0] * (len(size) - 1), destination.unsqueeze(0))
+        region = destination.reshape([1] * len(leading) + shape)  # a view: the read lands in ``destination``
+        planner = _RegionLoadPlanner(key, list(leading) + [0] * len(shape), region)
         planner.set_up_planner({}, self.metadata, True)
         plan = self._reader.prepare_local_plan(planner.create_local_plan())
         plan = planner.finish_plan(self._reader.prepare_global_plan([plan])[0])

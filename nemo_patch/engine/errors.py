@@ -28,6 +28,7 @@ __all__ = [
     "NotACheckpointError",
     "OutputExistsError",
     "UnfinishedCheckpointError",
+    "UnknownLayoutError",
     "UnsupportedFormatError",
     "VerificationError",
 ]
@@ -81,6 +82,14 @@ class VerificationError(ConsolidationError):
     """A consolidated tensor differs from its source; the message names the tensor and the output file."""
 
     exit_code = 9
+
+
+class UnknownLayoutError(ConsolidationError):
+    """A checkpoint entry whose layout the output plan does not understand (an expert entry without its expert axis,
+    a tensor its stored chunks cover only in part, two entries mapping to one name); the message names the key. The
+    consolidation fails instead of writing a misnamed or partly filled tensor."""
+
+    exit_code = 11
 
 
 class ExportError(ConsolidationError):

@@ -78,7 +78,8 @@ def canonical_key_map(model: torch.nn.Module) -> Dict[str, str]:
         if keys_map:
             prefix_maps[f"{name}." if name else ""] = keys_map
     mapping = {}
-    for key in model.state_dict():
+    state_keys = set(model.state_dict())
+    for key in state_keys:
         if key.endswith("_extra_state"):
             continue
         canonical = key
@@ -87,11 +88,13 @@ def canonical_key_map(model: torch.nn.Module) -> Dict[str, str]:
                 continue
             rest = key[len(layer_prefix) :]
             for old, new in keys_map.items():
-                if rest.startswith(old):
+                # Only into a fused module the layer has: an MoE layer keeps its pre_mlp_layernorm (as the plan does).
+                fused = f"{layer_prefix}{new.rsplit('.', 1)[0]}.weight"
+                if rest.startswith(old) and fused in state_keys:
                     canonical = layer_prefix + new + rest[len(old) :]
                     break
         mapping[key] = canonical
-    return mapping
+    return dict(sorted(mapping.items()))
 
 
 def load_consolidated_into(model: torch.nn.Module, path: Union[str, Path]) -> None:

@@ -14,52 +14,87 @@
 
 """Which tensors a consolidation writes, under which names, read from which checkpoint entries.
 
-The output holds the model weights of the checkpoint: its ``module.*`` tensor entries. Optimizer state
-(``optimizer.*``), ``_extra_state`` entries (pickled bytes) and anything that is not a tensor are left out; dtypes are
-kept unless a cast is asked for. Names are the checkpoint's canonical keys without the ``module.`` prefix, with
-megatron-core's layer-stacked tensors split back per layer: ``module.decoder.layers.mlp.linear_fc1.weight`` of shape
-``[L, ...]`` becomes ``decoder.layers.<i>.mlp.linear_fc1.weight`` of shape ``[...]`` for ``i`` in ``0..L-1``. Output
-tensors are in natural name order (``layers.2`` before ``layers.10``).
+The rule: the output holds exactly the tensors of the TP=1, PP=1, EP=1 megatron-core model's ``state_dict()`` minus
+``_extra_state``, under the distributed checkpoint's canonical names (for the dense layer norms, the Transformer Engine
+names that megatron-core saves for either layer spec), whatever parallelism wrote the checkpoint. From the checkpoint's
+``module.*`` tensor entries (optimizer state, ``_extra_state`` payloads and non-tensors are left out; dtypes are kept
+unless a cast is asked for), with ``module.`` dropped:
 
-Imports torch and the engine's safetensors writer only; never NeMo, Lightning or megatron-core, and nothing outside the
-engine.
+* layer-stacked entries are split per layer: ``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
+  ``decoder.layers.<i>.mlp.linear_fc1.weight`` ``[...]``; a layer index that no chunk covers (a layer of another kind,
+  e.g. a dense layer among MoE layers) has no output;
+* expert-stacked entries of MoE layers (``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP`` all save
+  ``<...>.mlp.experts.experts.<linear>.<param>`` with the expert axis first, after any layer axis) are split per
+  expert, named as ``SequentialMLP``'s ``state_dict`` names them:
+  ``<...>.mlp.experts.local_experts.<e>.<linear>.<param>``; expert ``e`` is the global expert index, so any
+  expert-parallel layout gives the same names and bytes;
+* the pre-MLP norm of an MoE layer, which the local layer spec saves as ``mlp.linear_fc1.layer_norm_*`` although the
+  layer has no ``linear_fc1``, is named ``pre_mlp_layernorm.*`` as the model names it (dense layers keep the fused
+  names);
+* everything else keeps its name and shape.
+
+Anything the plan does not understand fails, naming the key, instead of giving a misnamed or partly filled output: an
+expert entry without its expert axis, an ``experts.experts`` name left after planning, or an output tensor that the
+stored chunks cover only in part. Output tensors are in natural name order (``layers.2`` before ``layers.10``).
+
+Imports torch and the engine's safetensors writer and errors only; never NeMo, Lightning or megatron-core, and nothing
+outside the engine.
 """
 
+import itertools
+import math
 import re
 from dataclasses import dataclass
-from typing import List, Optional, cast
+from typing import List, Optional, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from nemo_patch.engine.errors import UnknownLayoutError
 from nemo_patch.engine.safetensors_writer import TensorSpec
 
-__all__ = ["OutputTensor", "cast_outputs", "consolidated_key", "model_tensor_keys", "plan_outputs", "stored_spec"]
+__all__ = [
+    "OutputTensor",
+    "cast_outputs",
+    "consolidated_key",
+    "model_tensor_keys",
+    "plan_outputs",
+    "stored_spec",
+]
 
 _MODEL_PREFIX = "module."
 _STACKED_LAYERS = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<tail>[^0-9].*)$")
+_STACKED_EXPERTS = re.compile(r"^(?P<head>(?:.*\.)?experts)\.experts\.(?P<tail>[^0-9].*)$")
 
 
-def consolidated_key(checkpoint_key: str, layer: Optional[int] = None) -> str:
+def consolidated_key(checkpoint_key: str, layer: Optional[int] = None, expert: Optional[int] = None) -> str:
     """Map a DCP model key to its consolidated name.
 
     Args:
         checkpoint_key: a key of the distributed checkpoint, e.g. ``module.decoder.layers.mlp.linear_fc1.weight``.
         layer: for a layer-stacked tensor, the layer index to insert after ``layers``.
+        expert: for an expert-stacked tensor (``...experts.experts...``), the global expert index.
 
     Returns:
-        The key without ``module.``, e.g. ``decoder.layers.3.mlp.linear_fc1.weight`` for ``layer=3``.
+        The key without ``module.``, e.g. ``decoder.layers.3.mlp.linear_fc1.weight`` for ``layer=3``, or
+        ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight`` for
+        ``module.decoder.layers.mlp.experts.experts.linear_fc1.weight`` with ``layer=3, expert=5``.
 
     Raises:
-        ValueError: ``layer`` is given for a key that is not layer-stacked.
+        ValueError: ``layer`` (``expert``) is given for a key that is not layer-stacked (expert-stacked).
     """
     key = checkpoint_key[len(_MODEL_PREFIX) :] if checkpoint_key.startswith(_MODEL_PREFIX) else checkpoint_key
-    if layer is None:
-        return key
-    match = _STACKED_LAYERS.match(key)
-    if match is None:
-        raise ValueError(f"{checkpoint_key!r} is not a layer-stacked key")
-    return f"{match.group('head')}.{layer}.{match.group('tail')}"
+    if layer is not None:
+        match = _STACKED_LAYERS.match(key)
+        if match is None:
+            raise ValueError(f"{checkpoint_key!r} is not a layer-stacked key")
+        key = f"{match.group('head')}.{layer}.{match.group('tail')}"
+    if expert is not None:
+        match = _STACKED_EXPERTS.match(key)
+        if match is None:
+            raise ValueError(f"{checkpoint_key!r} is not an expert-stacked key")
+        key = f"{match.group('head')}.local_experts.{expert}.{match.group('tail')}"
+    return key
 
 
 def model_tensor_keys(metadata: Metadata) -> List[str]:
@@ -79,6 +114,26 @@ def _is_stacked(key: str) -> bool:
     return _STACKED_LAYERS.match(key[len(_MODEL_PREFIX) :]) is not None
 
 
+def _has_experts(key: str) -> bool:
+    return _STACKED_EXPERTS.match(consolidated_key(key, 0) if _is_stacked(key) else consolidated_key(key)) is not None
+
+
+def _covered(item: TensorStorageMetadata, index: Tuple[int, ...]) -> int:
+    """How many elements of ``item[index]`` (a region of the leading dims) the stored chunks hold."""
+    total = 0
+    for chunk in item.chunks:
+        volume = 1
+        for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            if dim < len(index):
+                if not offset <= index[dim] < offset + size:
+                    volume = 0
+                    break
+            else:
+                volume *= size
+        total += volume
+    return total
+
+
 def _natural(name: str) -> List[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
@@ -90,34 +145,91 @@ class OutputTensor:
     Attributes:
         spec: name, dtype and shape in the output.
         key: the DCP key it is read from.
-        layer: for a layer-stacked source ``[L, ...]``, the index along its first axis; ``None`` for the whole entry.
+        index: the indices into the source's leading axes (layer, then expert), ``()`` for the whole entry; the
+            output is ``source[index]``.
     """
 
     spec: TensorSpec
     key: str
-    layer: Optional[int]
+    index: Tuple[int, ...] = ()
+
+    @property
+    def where(self) -> str:
+        """``key[i, j]`` (for messages)."""
+        return self.key + (f"[{', '.join(map(str, self.index))}]" if self.index else "")
+
+
+def _outputs_of(key: str, item: TensorStorageMetadata) -> List[OutputTensor]:
+    dtype, size = item.properties.dtype, tuple(item.size)
+    stacked, experts = _is_stacked(key), _has_experts(key)
+    axes = int(stacked) + int(experts)
+    if len(size) <= axes:
+        raise UnknownLayoutError(
+            f"{key}: shape {list(size)} lacks the {'layer and expert' if axes == 2 else 'stacked'} axis its name says "
+            "it has; cannot name its tensors"
+        )
+    outputs = []
+    for index in itertools.product(*(range(n) for n in size[:axes])):
+        layer = index[0] if stacked else None
+        expert = index[-1] if experts else None
+        region = math.prod(size[axes:])
+        covered = _covered(item, index)
+        if covered == 0 and stacked:
+            continue  # a layer of another kind (e.g. dense among MoE layers): this entry has nothing for it
+        if covered != region:
+            raise UnknownLayoutError(
+                f"{key}{list(index) if index else ''}: the stored chunks cover {covered} of its {region} elements; "
+                "refusing to write a partly filled tensor"
+            )
+        name = consolidated_key(key, layer, expert)
+        outputs.append(OutputTensor(TensorSpec(name, dtype, size[axes:]), key, tuple(index)))
+    return outputs
+
+
+_FUSED_MLP_NORM = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+\.)mlp\.linear_fc1\.layer_norm_(?P<param>\w+)$")
+
+
+def _moe_pre_mlp_norms(outputs: List[OutputTensor]) -> List[OutputTensor]:
+    """The local spec saves every layer's pre-MLP norm as ``mlp.linear_fc1.layer_norm_*``; in a layer whose MLP has no
+    ``linear_fc1`` (an MoE layer) that is a name no model has, so it gets the model's own, ``pre_mlp_layernorm.*``
+    (what both layer specs call it in an MoE layer)."""
+    names = {output.spec.name for output in outputs}
+    renamed = []
+    for output in outputs:
+        match = _FUSED_MLP_NORM.match(output.spec.name)
+        if match and f"{match.group('layer')}mlp.linear_fc1.weight" not in names:
+            name = f"{match.group('layer')}pre_mlp_layernorm.{match.group('param')}"
+            output = OutputTensor(TensorSpec(name, output.spec.dtype, output.spec.shape), output.key, output.index)
+        renamed.append(output)
+    return renamed
 
 
 def plan_outputs(metadata: Metadata) -> List[OutputTensor]:
-    """Every output tensor of a checkpoint with its source, in natural name order, dtypes as stored."""
+    """Every output tensor of a checkpoint with its source, in natural name order, dtypes as stored.
+
+    Raises:
+        UnknownLayoutError: an entry whose layout is not understood (see the module docstring); names the key.
+    """
     outputs = []
     for key in model_tensor_keys(metadata):
-        item = cast(TensorStorageMetadata, metadata.state_dict_metadata[key])
-        dtype, size = item.properties.dtype, tuple(item.size)
-        if _is_stacked(key):
-            outputs += [
-                OutputTensor(TensorSpec(consolidated_key(key, i), dtype, size[1:]), key, i) for i in range(size[0])
-            ]
-        else:
-            outputs.append(OutputTensor(TensorSpec(consolidated_key(key), dtype, size), key, None))
+        outputs += _outputs_of(key, cast(TensorStorageMetadata, metadata.state_dict_metadata[key]))
+    outputs = _moe_pre_mlp_norms(outputs)
+    for output in outputs:
+        if ".experts.experts." in f".{output.spec.name}.":
+            raise UnknownLayoutError(
+                f"{output.key}: an expert entry this plan cannot name (output {output.spec.name})"
+            )
+    names = [output.spec.name for output in outputs]
+    if len(set(names)) != len(names):
+        duplicate = next(name for name in names if names.count(name) > 1)
+        raise UnknownLayoutError(f"two checkpoint entries map to the output name {duplicate}")
     return sorted(outputs, key=lambda output: _natural(output.spec.name))
 
 
 def stored_spec(metadata: Metadata, output: OutputTensor) -> TensorSpec:
     """The spec of an output tensor as stored in the checkpoint (before any dtype cast)."""
     item = cast(TensorStorageMetadata, metadata.state_dict_metadata[output.key])
-    size = tuple(item.size)
-    return TensorSpec(output.spec.name, item.properties.dtype, size if output.layer is None else size[1:])
+    return TensorSpec(output.spec.name, item.properties.dtype, tuple(item.size)[len(output.index) :])
 
 
 def cast_outputs(outputs: List[OutputTensor], dtype: Optional[torch.dtype]) -> List[OutputTensor]:
@@ -132,7 +244,7 @@ def cast_outputs(outputs: List[OutputTensor], dtype: Optional[torch.dtype]) -> L
         raise ValueError(f"dtype must be a floating-point dtype (bf16, fp16, fp32), got {dtype}")
     return [
         (
-            OutputTensor(TensorSpec(o.spec.name, dtype, o.spec.shape), o.key, o.layer)
+            OutputTensor(TensorSpec(o.spec.name, dtype, o.spec.shape), o.key, o.index)
             if o.spec.dtype.is_floating_point
             else o
         )

@@ -95,7 +95,7 @@ def verify_consolidated(
                     actual = handle.get_tensor(name)
                     source = sources[name]
                     try:
-                        expected = reader.read(source.key, source.layer)
+                        expected = reader.read(source.key, source.index)
                     except (Exception, CheckpointException) as error:
                         raise CorruptShardError(
                             f"Cannot read shard file(s) {', '.join(reader.files_of(source.key))} of {weights_dir} "
@@ -105,8 +105,7 @@ def verify_consolidated(
                         expected = expected.to(actual.dtype)
                     if not tensors_bitwise_equal(expected, actual):
                         raise VerificationError(
-                            f"Tensor {name} in {output_dir / filename} differs from {source.key}"
-                            f"{'' if source.layer is None else f'[{source.layer}]'} of {weights_dir}"
+                            f"Tensor {name} in {output_dir / filename} differs from {source.where} of {weights_dir}"
                         )
         except ConsolidationError:
             raise

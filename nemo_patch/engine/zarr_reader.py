@@ -42,7 +42,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -88,11 +88,11 @@ class _Array:
     def chunk_file(self, index: Tuple[int, ...]) -> Path:
         return self.path / (self.separator.join(str(i) for i in index) if index else "0")
 
-    def chunk_indices(self, first_axis: Optional[int] = None) -> List[Tuple[int, ...]]:
-        """The chunk grid indices (all of them, or those covering ``[first_axis]`` along dimension 0)."""
+    def chunk_indices(self, leading: Tuple[int, ...] = ()) -> List[Tuple[int, ...]]:
+        """The chunk grid indices (all of them, or those covering ``[leading]`` along the leading dimensions)."""
         grids = [range(math.ceil(size / chunk)) for size, chunk in zip(self.shape, self.chunks)]
-        if first_axis is not None and grids:
-            grids[0] = range(first_axis // self.chunks[0], first_axis // self.chunks[0] + 1)
+        for dim, position in enumerate(leading):
+            grids[dim] = range(position // self.chunks[dim], position // self.chunks[dim] + 1)
         return list(itertools.product(*grids))
 
 
@@ -200,8 +200,8 @@ class ZarrRegionReader:
         array = self._array(key)
         return [str(array.chunk_file(index).relative_to(self.path)) for index in array.chunk_indices()]
 
-    def _check_chunks(self, array: _Array, index: Optional[int]) -> None:
-        for chunk in array.chunk_indices(index):
+    def _check_chunks(self, array: _Array, leading: Tuple[int, ...]) -> None:
+        for chunk in array.chunk_indices(leading):
             file = array.chunk_file(chunk)
             try:
                 size = file.stat().st_size
@@ -213,16 +213,19 @@ class ZarrRegionReader:
                 what = "truncated" if size < array.chunk_nbytes else "longer than its chunk"
                 raise CorruptShardError(f"{file}: {size} bytes, the chunk needs {array.chunk_nbytes} ({what})")
 
-    def read(self, key: str, index: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def read(
+        self, key: str, index: Union[None, int, Tuple[int, ...]] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Read tensor ``key``, or only ``key[index]``, after checking the chunk files it needs.
 
         Args:
             key: an array of the checkpoint.
-            index: an index along dimension 0 (a layer of a layer-stacked tensor), or ``None`` for all of it.
+            index: indices into the leading dimensions (layer, then expert), an ``int`` for dimension 0 alone, or
+                ``None``/``()`` for all of it.
             out: a contiguous tensor of the result's shape and dtype to read into; new memory when ``None``.
 
         Returns:
-            A CPU tensor of shape ``shape[1:]`` (with ``index``) or ``shape``, in the stored dtype, bit for bit.
+            A CPU tensor of shape ``shape[len(index):]``, in the stored dtype, bit for bit.
 
         Raises:
             CorruptShardError: a chunk file the read needs is missing or has the wrong size (named).
@@ -230,13 +233,14 @@ class ZarrRegionReader:
             ValueError: ``out`` has the wrong shape or dtype.
         """
         array = self._array(key)
-        shape = array.shape if index is None else array.shape[1:]
+        leading = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        shape = array.shape[len(leading) :]
         if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != array.dtype):
             raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; {key} needs {array.dtype} {shape}")
-        self._check_chunks(array, index)
+        self._check_chunks(array, leading)
         if array.dtype == torch.bfloat16:
             _numpy_bfloat16()
-        values = self._zarr.open(str(array.path), mode="r")[... if index is None else index]
+        values = self._zarr.open(str(array.path), mode="r")[leading if leading else ...]
         if array.dtype == torch.bfloat16:
             values = values.view("<u2")  # numpy's bfloat16 -> the same 16 bits, which torch can take
         tensor = torch.from_numpy(values.copy()).reshape(shape)

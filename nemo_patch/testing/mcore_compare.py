@@ -37,6 +37,8 @@ def compare(weights_dir: Path, output_dir: Path) -> int:
     Raises:
         AssertionError: a tensor differs, or one is missing on either side (the message names it).
     """
+    import socket
+
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -45,8 +47,9 @@ def compare(weights_dir: Path, output_dir: Path) -> int:
     from nemo_patch.engine.plan import consolidated_key
     from nemo_patch.engine.verify import tensors_bitwise_equal
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    with socket.socket() as probe:  # a free port for the one-process group
+        probe.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1)
     plain = dist_checkpointing.load_plain_tensors(str(weights_dir))
