@@ -202,3 +202,87 @@ def test_the_cli_exits_11_on_a_layout_it_cannot_name(moe_checkpoint, tmp_path, c
     monkeypatch.setattr(consolidate_module, "plan_outputs", refuse)
     assert main([str(checkpoint), "--out", str(tmp_path / "out")]) == 11
     assert "module.x" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+EXPERT_PARALLEL = textwrap.dedent(
+    """
+    import os, sys, zlib, torch, torch.distributed as dist
+
+    def fill(model, num_experts, ep_rank, ep_size):
+        # Deterministic weights from each tensor's global name alone (expert e also offset by e), so that any
+        # expert-parallel layout of the same model holds the same values.
+        local = num_experts // ep_size
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                expert = None
+                if ".local_experts." in name:
+                    head, tail = name.split(".local_experts.")
+                    number, rest = tail.split(".", 1)
+                    expert = ep_rank * local + int(number)
+                    name = f"{head}.local_experts.{expert}.{rest}"
+                seed = zlib.crc32(name.encode()) % 997
+                values = torch.sin(torch.arange(param.numel(), dtype=torch.float32) * 0.37 + seed).view_as(param)
+                param.copy_(values + (expert if expert is not None else 0))
+
+    def main():
+        ep, path = int(sys.argv[1]), sys.argv[2]
+        dist.init_process_group("gloo")
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        from nemo_patch.testing.cpu_harness import megatron_on_cpu
+
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+        with megatron_on_cpu():
+            model_parallel_cuda_manual_seed(0)
+            config = TransformerConfig(
+                num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
+                num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                add_bias_linear=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+                persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                expert_model_parallel_size=ep)
+            model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4), vocab_size=64, max_sequence_length=16)
+            fill(model, 4, parallel_state.get_expert_model_parallel_rank(), ep)
+            os.makedirs(os.path.join(path, "weights"), exist_ok=True)
+            dist_checkpointing.save(model.sharded_state_dict(prefix="module."), os.path.join(path, "weights"))
+        dist.barrier()
+        print("ok")
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def _save_expert_parallel(tmp_path, ep):
+    import socket
+
+    script = tmp_path / "expert_parallel.py"
+    script.write_text(EXPERT_PARALLEL)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    checkpoint = tmp_path / f"ep{ep}"
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ep}", f"--master_port={port}"]
+    proc = subprocess.run(
+        [*launcher, str(script), str(ep), str(checkpoint)], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.count("ok") == ep, proc.stderr[-4000:]
+    return checkpoint
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_consolidates_to_the_same_bytes_as_ep1(tmp_path):
+    """EP=2 (2 gloo processes, 2 experts each) and EP=1 checkpoints of the same weights: identical output files."""
+    outputs = []
+    for ep in (1, 2):
+        checkpoint = _save_expert_parallel(tmp_path, ep)
+        result = consolidate_checkpoint(checkpoint, verify=True)
+        outputs.append((result.output_dir / "model.safetensors").read_bytes())
+    assert outputs[0] == outputs[1]
+    tensors = load_file(str(tmp_path / "ep2" / "consolidated" / "model.safetensors"))
+    for expert in range(4):  # global expert ids: rank 1's first local expert is expert 2
+        name = f"decoder.layers.1.mlp.experts.local_experts.{expert}.linear_fc2.weight"
+        assert abs(tensors[name].mean().item() - expert) < 0.3, name
