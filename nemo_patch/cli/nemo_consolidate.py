@@ -30,7 +30,7 @@ atomically: on any failure nothing is left under the output name or in a tempora
 Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr:
 see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
-exporter, 11 a checkpoint entry whose layout cannot be named safely, 1 anything else).
+exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint, 1 anything else).
 
 Imports the engine, the export and the torch-free training modules (settings, ``LATEST``); torch when run, NeMo only
 for ``--format hf``; never the overlay or ``nemo_patch.testing``.
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(or a Hugging Face model directory).",
         epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "
-        "11 a layout that cannot be named safely, 1 other.",
+        "11 a layout that cannot be named safely, 12 a PEFT adapter checkpoint, 1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "

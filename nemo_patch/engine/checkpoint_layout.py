@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple, Union
 
 from nemo_patch.engine.errors import (
+    AdapterCheckpointError,
     CheckpointNotFoundError,
     NotACheckpointError,
     UnfinishedCheckpointError,
@@ -49,6 +50,7 @@ from nemo_patch.engine.errors import (
 )
 
 __all__ = [
+    "ADAPTER_METADATA",
     "UNFINISHED_SUFFIX",
     "CheckpointLocation",
     "checkpoints_newest_first",
@@ -64,6 +66,8 @@ READABLE_BACKENDS = ("torch_dist", "zarr")
 
 #: NeMo's ``ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX``.
 UNFINISHED_SUFFIX = "-unfinished"
+#: NeMo's marker of a PEFT adapter checkpoint, in its ``weights/`` (NeMo's ``ADAPTER_META_FILENAME``).
+ADAPTER_METADATA = "adapter_metadata.json"
 _STEP = re.compile(r"step=(\d+)")
 
 
@@ -133,6 +137,8 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
         UnsupportedFormatError: an ``fsdp_dtensor`` checkpoint or another ``sharded_backend`` (the message names it).
         UnfinishedCheckpointError: NeMo's unfinished marker is present, or the file the format writes last is
             missing (``.metadata``; ``metadata.json`` for ``zarr``).
+        AdapterCheckpointError: a PEFT adapter checkpoint (NeMo's ``weights/adapter_metadata.json``): adapters only,
+            which are never consolidated as a model.
     """
     path = Path(path)
     if not path.exists():
@@ -158,6 +164,16 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
         raise UnsupportedFormatError(
             f"{checkpoint_dir} is a '{backend}' checkpoint; only 'torch_dist' and 'zarr' checkpoints can be "
             "consolidated (re-save with MegatronStrategy(save_ckpt_format='torch_dist'))"
+        )
+    if (weights_dir / ADAPTER_METADATA).is_file():
+        try:
+            base = json.loads((weights_dir / ADAPTER_METADATA).read_text()).get("model_ckpt_path")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        raise AdapterCheckpointError(
+            f"{checkpoint_dir} is a PEFT adapter checkpoint (NeMo's weights/{ADAPTER_METADATA}; base model: {base}): "
+            "it holds only adapter weights, not a model, and consolidating adapters is not supported yet; nothing "
+            "was written"
         )
     last_file = "metadata.json" if backend == "zarr" else ".metadata"
     finished = weights_written(weights_dir) and not is_marked_unfinished(checkpoint_dir)

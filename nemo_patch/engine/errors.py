@@ -29,6 +29,7 @@ __all__ = [
     "OutputExistsError",
     "UnfinishedCheckpointError",
     "UnknownLayoutError",
+    "AdapterCheckpointError",
     "UnsupportedFormatError",
     "VerificationError",
 ]
@@ -90,6 +91,14 @@ class UnknownLayoutError(ConsolidationError):
     consolidation fails instead of writing a misnamed or partly filled tensor."""
 
     exit_code = 11
+
+
+class AdapterCheckpointError(ConsolidationError):
+    """A PEFT (e.g. LoRA) adapter checkpoint: NeMo's ``weights/adapter_metadata.json`` is there and the checkpoint
+    holds only adapter weights, not a model. Consolidating adapters is not supported yet, and they are never written
+    as a model; the message names the base checkpoint NeMo recorded."""
+
+    exit_code = 12
 
 
 class ExportError(ConsolidationError):

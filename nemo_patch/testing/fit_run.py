@@ -115,6 +115,7 @@ def run_tiny_fit(
     snapshot_checkpoints: bool = False,
     wait_for_consolidation: bool = False,
     strategy_args: Sequence[str] = (),
+    swap_io: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -157,6 +158,8 @@ def run_tiny_fit(
             (:class:`nemo_patch.testing.pacing.WaitForConsolidation`), so they keep up with the saves as in a real run.
         strategy_args: more ``MegatronStrategy`` arguments as ``name=value`` (``value`` read as JSON when it parses,
             e.g. ``save_ckpt_format=zarr``, ``ckpt_parallel_save=false``, ``ckpt_torch_dist_multiproc=2``).
+        swap_io: replace the checkpoint IO in a callback's ``setup`` as NeMo's PEFT callback does
+            (:class:`nemo_patch.testing.io_swap.SwapCheckpointIO`: ``"stock"`` or ``"custom"``).
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -201,6 +204,10 @@ def run_tiny_fit(
     callbacks: List[Any] = list(injectors)
     if snapshot_checkpoints:
         callbacks.append(CheckpointSnapshots(out / "snapshots"))
+    if swap_io is not None:
+        from nemo_patch.testing.io_swap import SwapCheckpointIO
+
+        callbacks.append(SwapCheckpointIO(swap_io))
     if wait_for_consolidation:
         from nemo_patch.testing.pacing import WaitForConsolidation
 
@@ -350,6 +357,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--snapshot-checkpoints", action="store_true")
     parser.add_argument("--wait-for-consolidation", action="store_true")
     parser.add_argument("--strategy-arg", action="append", default=[])
+    parser.add_argument("--swap-io", choices=["stock", "custom"], default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -382,6 +390,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         snapshot_checkpoints=args.snapshot_checkpoints,
         wait_for_consolidation=args.wait_for_consolidation,
         strategy_args=args.strategy_arg,
+        swap_io=args.swap_io,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

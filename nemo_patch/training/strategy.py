@@ -21,7 +21,7 @@ NeMo's public name once this module has been executed.
 import importlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
@@ -72,6 +72,15 @@ else:
         _nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", _nemo_megatron_strategy.MegatronStrategy
     )
 setattr(_nemo_megatron_strategy, "_NEMO_MEGATRON_STRATEGY", NeMoMegatronStrategy)
+
+
+def _io_chain_names(checkpoint_io: Any) -> List[str]:
+    """Class names of a checkpoint IO chain, outermost first (Lightning's ``_WrappingCheckpointIO`` layers)."""
+    names = []
+    while checkpoint_io is not None:
+        names.append(f"{type(checkpoint_io).__module__}.{type(checkpoint_io).__qualname__}")
+        checkpoint_io = getattr(checkpoint_io, "_checkpoint_io", None)
+    return names
 
 
 class MegatronStrategy(NeMoMegatronStrategy):
@@ -256,8 +265,46 @@ class MegatronStrategy(NeMoMegatronStrategy):
         base = find_base_checkpoint_io(self.checkpoint_io)
         return base.consolidation_policy if isinstance(base, _consolidating_io_class()) else None
 
+    def _ensure_consolidating_io(self) -> None:
+        """With consolidation on, make sure the consolidating checkpoint IO is still in the chain.
+
+        Something may have replaced the checkpoint IO after this strategy was built: NeMo's PEFT callback rebuilds it
+        with ``create_checkpoint_io`` in its ``setup`` (assigning ``_checkpoint_io`` directly), and user code may do
+        the same. NeMo's stock ``MegatronCheckpointIO`` found at the bottom of the new chain is replaced by the
+        consolidating one with this strategy's settings, inside whatever wrappers are there (the wrapper objects stay
+        the same, so references to them stay valid). Any other checkpoint IO cannot consolidate: an error names the
+        chain, and the run goes on without consolidation.
+        """
+        settings = self.consolidation_settings
+        if not settings.enabled or not self._checkpoint_io:
+            return
+        base = find_base_checkpoint_io(self._checkpoint_io)
+        if isinstance(base, _consolidating_io_class()):
+            return
+        chain = " > ".join(_io_chain_names(self._checkpoint_io))
+        if type(base) is nemo_io_pl.MegatronCheckpointIO:
+            self._checkpoint_io = replace_base_checkpoint_io(
+                self._checkpoint_io, lambda io: _consolidating_io_class().from_checkpoint_io(io, settings)
+            )
+            logger.info(
+                "The checkpoint IO was replaced after MegatronStrategy was built (now %s, e.g. by NeMo's PEFT "
+                "callback); checkpoint consolidation was re-installed inside it",
+                chain,
+            )
+            return
+        logger.error(
+            "The checkpoint IO was replaced after MegatronStrategy was built by %s, which cannot consolidate: "
+            "checkpoints of this run will NOT be consolidated (ckpt_consolidation_frequency=%r). Use NeMo's "
+            "MegatronCheckpointIO or nemo_patch.MegatronCheckpointIO at the bottom of the chain.",
+            chain,
+            str(settings.policy),
+        )
+
     def setup(self, trainer: pl.Trainer) -> None:
-        """NeMo's set-up, then attach a :class:`ConsolidationCallback` when consolidation is on."""
+        """Re-install consolidation if a callback replaced the checkpoint IO (see :meth:`_ensure_consolidating_io`;
+        Lightning runs every callback's ``setup`` before this), NeMo's set-up, then attach a
+        :class:`ConsolidationCallback` when consolidation is on."""
+        self._ensure_consolidating_io()
         super().setup(trainer)
         from nemo_patch.training.callback import ConsolidationCallback
 
