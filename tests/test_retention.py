@@ -43,7 +43,7 @@ def _checkpoint(root: Path, step: int, consolidated: bool = True, last: bool = F
     if consolidated:
         (path / "consolidated").mkdir()
         (path / "consolidated" / "model.safetensors").write_bytes(b"weights of step %d" % step)
-        metadata = {"global_step": step, "source_checkpoint": "../weights", "files": {}}
+        metadata = {"format_version": 1, "global_step": step, "source_checkpoint": "../weights", "files": {}}
         (path / "consolidated" / "metadata.json").write_text(json.dumps(metadata))
     return path
 
@@ -164,3 +164,18 @@ def test_checkpoint_io_keeps_the_output_and_moves_latest_before_nemo_removes(tmp
     assert io.dropped_by_removal == queued
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "was due for consolidation" in r.message]
     assert len(warnings) == 1
+
+
+def test_cli_names_a_retained_entry_or_an_output_instead_of_calling_it_unfinished(tmp_path):
+    removed = _checkpoint(tmp_path, 4)
+    entry = retain_output(removed, "consolidated")
+    with pytest.raises(NotACheckpointError, match="kept after NeMo's top-k retention removed its checkpoint"):
+        locate_checkpoint(entry)
+    with pytest.raises(NotACheckpointError, match="is a consolidated output"):
+        locate_checkpoint(entry / "consolidated")
+
+
+def test_a_log_dir_given_as_root_gets_a_hint(tmp_path):
+    _checkpoint(tmp_path / "tiny_gpt" / "checkpoints", 2)
+    with pytest.raises(NotACheckpointError, match=r"its checkpoint roots: .*tiny_gpt/checkpoints"):
+        locate_checkpoint(tmp_path)

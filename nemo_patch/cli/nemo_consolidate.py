@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``nemo-consolidate``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Consolidate a NeMo 2 torch_dist distributed checkpoint into unsharded safetensors "
+        description="Consolidate a NeMo 2 distributed checkpoint (torch_dist or zarr) into unsharded safetensors "
         "(or a Hugging Face model directory).",
         epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "

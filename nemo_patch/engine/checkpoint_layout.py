@@ -109,6 +109,14 @@ def sharded_backend(weights_dir: Path) -> str:
     return str(config.get("sharded_backend", "torch_dist")) if isinstance(config, dict) else "torch_dist"
 
 
+def _is_consolidated_output(path: Path) -> bool:
+    """Whether ``path`` is an output this package wrote (``metadata.json`` with its ``format_version``)."""
+    try:
+        return "format_version" in json.loads((path / "metadata.json").read_text()) and not (path / "weights").exists()
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def weights_written(weights_dir: Path) -> bool:
     """Whether the file a distributed checkpoint's format writes last is there: ``.metadata`` for ``torch_dist``,
     megatron-core's ``metadata.json`` for ``zarr`` (NeMo's unfinished marker is checked separately)."""
@@ -145,6 +153,11 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
         raise CheckpointNotFoundError(f"{path} does not exist")
     if not path.is_dir():
         raise NotACheckpointError(f"{path} is not a NeMo 2 checkpoint: it is a file, expected a directory")
+    if _is_consolidated_output(path):
+        raise NotACheckpointError(
+            f"{path} is a consolidated output (nemo_patch's metadata.json and safetensors files), not a distributed "
+            "checkpoint: give the checkpoint directory that holds it"
+        )
     if (path / "weights").is_dir():
         checkpoint_dir, weights_dir = path, path / "weights"
     elif (path / ".metadata").is_file() and (path / "context").is_dir():

@@ -32,6 +32,7 @@ __all__ = [
     "INDEX_FILENAME",
     "METADATA_FILENAME",
     "OUTPUT_DIRNAMES",
+    "RETAINED_DIRNAME",
     "SINGLE_FILENAME",
     "shard_filename",
 ]
@@ -42,6 +43,9 @@ CONSOLIDATED_DIRNAME = "consolidated"
 HF_DIRNAME = "hf"
 #: Output format (``ckpt_consolidation_format``, the CLI's ``--format``) -> output directory name.
 OUTPUT_DIRNAMES: Dict[str, str] = {"safetensors": CONSOLIDATED_DIRNAME, "hf": HF_DIRNAME}
+#: Directory in a checkpoint root holding outputs kept after NeMo's top-k removed their checkpoints
+#: (``retained/<checkpoint name>/consolidated/``; see ``nemo_patch.training.retention``).
+RETAINED_DIRNAME = "retained"
 #: Hugging Face's default ``max_shard_size`` ("5GB", decimal): 5 * 10**9 bytes of tensor data per file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 #: Weights file name when everything fits in one shard.

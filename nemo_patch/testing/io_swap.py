@@ -38,6 +38,7 @@ class _PassThroughIO(_WrappingCheckpointIO, AsyncCompatibleCheckpointIO):
 
     def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> Any:
         """The wrapped IO's save (its async request, for an async save)."""
+        assert self.checkpoint_io is not None, "a wrapper always wraps an IO"
         return self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
 

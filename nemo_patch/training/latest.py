@@ -32,6 +32,7 @@ from nemo_patch.engine.checkpoint_layout import (
     looks_like_checkpoint,
 )
 from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
+from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
 
 __all__ = ["LATEST_NAME", "locate_checkpoint", "read_latest_pointer", "remove_latest_pointer", "update_latest_pointer"]
 
@@ -105,6 +106,13 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
+    if path.resolve().parent.name == RETAINED_DIRNAME and any(
+        (path / name).is_dir() for name in OUTPUT_DIRNAMES.values()
+    ):
+        raise NotACheckpointError(
+            f"{path} is a consolidated output kept after NeMo's top-k retention removed its checkpoint: there is no "
+            f"distributed checkpoint left to consolidate; its files are in {path}/consolidated (or hf)"
+        )
     if not path.is_dir() or looks_like_checkpoint(path):
         return inspect_checkpoint(path, allow_unfinished)
     root = path
@@ -124,6 +132,8 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
             return location
     if candidates:
         raise UnfinishedCheckpointError(f"every checkpoint under {root} is unfinished; newest: {candidates[0].name}")
+    roots = sorted(str(found) for found in path.glob("*/checkpoints") if found.is_dir())
+    hint = f" (a NeMoLogger log_dir? its checkpoint roots: {', '.join(roots)})" if roots else ""
     raise NotACheckpointError(
-        f"{path} is neither a NeMo 2 checkpoint nor a checkpoint root: no '<name>/weights/' directory in it"
+        f"{path} is neither a NeMo 2 checkpoint nor a checkpoint root: no '<name>/weights/' directory in it{hint}"
     )

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
-from nemo_patch.engine.output_layout import METADATA_FILENAME
+from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
 from nemo_patch.engine.publish import link_output
 from nemo_patch.training.latest import LATEST_NAME, remove_latest_pointer, update_latest_pointer
 
@@ -62,8 +62,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Directory in the checkpoint root that holds the retained outputs.
-RETAINED_DIRNAME = "retained"
 _LAST_SUFFIX = "-last"
 
 
