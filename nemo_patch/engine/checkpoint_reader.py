@@ -52,12 +52,15 @@ class RegionReader(Protocol):
         """``key`` (or ``key[index]``, indices into the leading dimensions) in its stored dtype, into ``out``."""
 
 
-def open_weights(weights_dir: Path, backend: Optional[str] = None) -> Tuple[Metadata, RegionReader]:
+def open_weights(
+    weights_dir: Path, backend: Optional[str] = None, metadata: Optional[Metadata] = None
+) -> Tuple[Metadata, RegionReader]:
     """The metadata and a reader of a checkpoint's ``weights/`` directory.
 
     Args:
         weights_dir: the directory with the distributed checkpoint's files.
         backend: ``"torch_dist"`` or ``"zarr"``; read from megatron-core's ``metadata.json`` when ``None``.
+        metadata: the checkpoint's metadata when the caller has read it already (it is not read again).
 
     Returns:
         ``(metadata, reader)``.
@@ -70,10 +73,12 @@ def open_weights(weights_dir: Path, backend: Optional[str] = None) -> Tuple[Meta
     weights_dir = Path(weights_dir)
     backend = sharded_backend(weights_dir) if backend is None else backend
     if backend == "zarr":
-        metadata = read_zarr_metadata(weights_dir)
+        metadata = read_zarr_metadata(weights_dir) if metadata is None else metadata
         return metadata, ZarrRegionReader(weights_dir, metadata)
     if backend != "torch_dist":
         raise ConsolidationError(f"{weights_dir}: cannot read a '{backend}' checkpoint")
+    if metadata is not None:
+        return metadata, DCPRegionReader(weights_dir, metadata)
     try:
         metadata = read_dcp_metadata(weights_dir)
     except Exception as error:  # OSError, pickle.UnpicklingError, EOFError

@@ -72,8 +72,7 @@ def verify_consolidated(
             cannot be read; the message names the tensor and the output file.
     """
     weights_dir, output_dir = Path(weights_dir), Path(output_dir)
-    opened_metadata, reader = open_weights(weights_dir)
-    metadata = opened_metadata if metadata is None else metadata
+    metadata, reader = open_weights(weights_dir, metadata=metadata)
     sources = {output.spec.name: output for output in plan_outputs(metadata)}
     try:
         weight_map = _weight_map(output_dir)

@@ -42,6 +42,7 @@ from nemo_patch.training.settings import (
     DEFAULT_FORMAT,
     DEFAULT_MAX_PENDING,
     ConsolidationSettings,
+    setting_view,
 )
 
 __all__ = ["MegatronCheckpointIO"]
@@ -140,30 +141,11 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         """The cadence, or ``None`` when consolidation is off."""
         return self.consolidation.policy if self.consolidation else None
 
-    @property
-    def save_consolidated(self) -> Optional[bool]:
-        """The ``save_consolidated`` value given (``None``, ``True`` or ``False``)."""
-        return self.consolidation_settings.save_consolidated
-
-    @property
-    def ckpt_consolidation_frequency(self) -> Optional[str]:
-        """The ``ckpt_consolidation_frequency`` value given (``None`` if none)."""
-        return self.consolidation_settings.frequency
-
-    @property
-    def consolidation_max_shard_size(self) -> int:
-        """Most bytes of tensor data per output safetensors file."""
-        return self.consolidation_settings.max_shard_size
-
-    @property
-    def consolidation_max_pending(self) -> int:
-        """Consolidation requests that may wait behind the running one."""
-        return self.consolidation_settings.max_pending
-
-    @property
-    def consolidation_format(self) -> str:
-        """``"safetensors"`` or ``"hf"``."""
-        return self.consolidation_settings.output_format
+    save_consolidated = setting_view("save_consolidated", "The ``save_consolidated`` value given.")
+    ckpt_consolidation_frequency = setting_view("frequency", "The ``ckpt_consolidation_frequency`` value given.")
+    consolidation_max_shard_size = setting_view("max_shard_size", "Most tensor bytes per output file.")
+    consolidation_max_pending = setting_view("max_pending", "Requests that may wait behind the running one.")
+    consolidation_format = setting_view("output_format", '``"safetensors"`` or ``"hf"``.')
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> Any:
         """Save as NeMo does; with consolidation on, global rank 0 also records the save for consolidation.

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "STRATEGY_ARGUMENTS",
     "ConsolidationSettings",
+    "setting_view",
     "validate_format",
     "validate_keep",
     "validate_max_pending",
@@ -174,6 +175,13 @@ class ConsolidationSettings:
         policy = data.get("policy")
         data["policy"] = None if policy is None else ConsolidationPolicy(policy["mode"], int(policy["every_n"]))
         return cls(**data)
+
+
+def setting_view(setting: str, doc: str) -> Any:
+    """A read-only property that returns ``self.consolidation_settings.<setting>``: how the strategy and the checkpoint
+    IO expose their settings under their own argument names (``ckpt_consolidation_timeout``,
+    ``consolidation_max_pending``, ...)."""
+    return property(lambda self: getattr(self.consolidation_settings, setting), doc=doc)
 
 
 def _invalid(name: str, value: object, accepted: str) -> ValueError:

@@ -38,6 +38,7 @@ from nemo_patch.training.settings import (
     DEFAULT_TIMEOUT,
     STRATEGY_ARGUMENTS,
     ConsolidationSettings,
+    setting_view,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
@@ -166,40 +167,15 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if checkpoint_io is not None:
             self._checkpoint_io = self._with_consolidation(checkpoint_io)
 
-    @property
-    def save_consolidated(self) -> Optional[bool]:
-        """The ``save_consolidated`` argument as given."""
-        return self.consolidation_settings.save_consolidated
-
-    @property
-    def ckpt_consolidation_frequency(self) -> Optional[str]:
-        """The ``ckpt_consolidation_frequency`` argument as given."""
-        return self.consolidation_settings.frequency
-
-    @property
-    def ckpt_consolidation_timeout(self) -> float:
-        """Seconds the end of ``fit`` waits for consolidations."""
-        return self.consolidation_settings.timeout
-
-    @property
-    def ckpt_consolidation_max_shard_size(self) -> int:
-        """Most bytes of tensor data per output safetensors file."""
-        return self.consolidation_settings.max_shard_size
-
-    @property
-    def ckpt_consolidation_max_pending(self) -> int:
-        """Consolidation requests that may wait behind the running one."""
-        return self.consolidation_settings.max_pending
-
-    @property
-    def ckpt_consolidation_format(self) -> str:
-        """``"safetensors"`` or ``"hf"``."""
-        return self.consolidation_settings.output_format
-
-    @property
-    def ckpt_consolidation_keep(self) -> Optional[int]:
-        """How many consolidated outputs survive NeMo's top-k removal (``None``: all)."""
-        return self.consolidation_settings.keep
+    save_consolidated = setting_view("save_consolidated", "The ``save_consolidated`` argument as given.")
+    ckpt_consolidation_frequency = setting_view("frequency", "The ``ckpt_consolidation_frequency`` argument as given.")
+    ckpt_consolidation_timeout = setting_view("timeout", "Seconds the end of ``fit`` waits for consolidations.")
+    ckpt_consolidation_max_shard_size = setting_view("max_shard_size", "Most tensor bytes per output file.")
+    ckpt_consolidation_max_pending = setting_view("max_pending", "Requests that may wait behind the running one.")
+    ckpt_consolidation_format = setting_view("output_format", '``"safetensors"`` or ``"hf"``.')
+    ckpt_consolidation_keep = setting_view(
+        "keep", "Outputs kept when top-k removes their checkpoints (``None``: all)."
+    )
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""
