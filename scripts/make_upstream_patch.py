@@ -92,6 +92,8 @@ STRATEGY_DOC = '''        **kwargs: Additional keyword arguments.
             their checkpoints: None all, N while among the newest N outputs, 0 none.
         ckpt_consolidation_format (str): "safetensors" (<ckpt>/consolidated) or "hf" (<ckpt>/hf, through the model's
             registered Hugging Face exporter).
+        ckpt_consolidation_dtype (Optional[str]): output dtype, "bf16", "fp16" or "fp32"; None keeps the
+            checkpoint's.
 '''
 
 STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
@@ -101,6 +103,7 @@ STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
         ckpt_consolidation_max_pending: int = 2,
         ckpt_consolidation_format: str = "safetensors",
         ckpt_consolidation_keep: Optional[int] = None,
+        ckpt_consolidation_dtype: Optional[str] = None,
 """
 
 STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once.
@@ -114,6 +117,7 @@ STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once
             max_pending=ckpt_consolidation_max_pending,
             output_format=ckpt_consolidation_format,
             keep=ckpt_consolidation_keep,
+            dtype=ckpt_consolidation_dtype,
         )
         self.consolidation_policy = self.consolidation_settings.policy
 """

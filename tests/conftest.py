@@ -72,6 +72,26 @@ def consolidated_names(report: Dict[str, Any]) -> list:
     return [entry["name"] for entry in report["checkpoints"] if entry["consolidated"]]
 
 
+def make_tiny_llama(out: Path, *flags: str) -> Path:
+    """``out/hf``: a random tiny ``LlamaForCausalLM`` (``nemo_patch.testing.tiny_llama`` with ``flags``); ``out/nemo``:
+    its import with NeMo's own importer."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_patch.testing.tiny_llama", "--out", str(out), *flags],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def imported_llama(tmp_path_factory) -> Path:
+    """``hf/``: a random LlamaForCausalLM (2 layers, GQA, fp32) with a word-level tokenizer; ``nemo/``: its import."""
+    return make_tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
 @pytest.fixture(scope="session")
 def each_run(tmp_path_factory) -> Dict[str, Any]:
     """A 6-step run saving every 2 steps with ``ckpt_consolidation_frequency="each"`` (sync save)."""

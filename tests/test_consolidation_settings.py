@@ -39,8 +39,15 @@ from nemo_patch.training.settings import (
 )
 def test_settings_round_trip_through_json_unchanged(save_consolidated, frequency, policy):
     settings = ConsolidationSettings.from_arguments(
-        save_consolidated, frequency, timeout=12, max_shard_size="1KiB", max_pending=0, output_format="hf"
+        save_consolidated,
+        frequency,
+        timeout=12,
+        max_shard_size="1KiB",
+        max_pending=0,
+        output_format="hf",
+        dtype="bfloat16",
     )
+    assert settings.dtype == "bf16"
     assert settings.policy == policy and settings.enabled is (policy is not None)
     assert settings.max_shard_size == 1024 and settings.timeout == 12.0 and settings.output_dirname == "hf"
     assert ConsolidationSettings.from_json(settings.to_json()) == settings

@@ -18,30 +18,13 @@ with ``AutoModelForCausalLM``."""
 
 import filecmp
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, run_fit
+from conftest import run_fit
 
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.export.hf import te_layer_norm_names
-
-
-@pytest.fixture(scope="module")
-def imported_llama(tmp_path_factory):
-    """``hf/``: a random LlamaForCausalLM (2 layers, GQA) with a word-level tokenizer; ``nemo/``: its NeMo import."""
-    out = tmp_path_factory.mktemp("llama")
-    proc = subprocess.run(
-        [sys.executable, "-m", "nemo_patch.testing.tiny_llama", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
 
 
 @pytest.mark.slow

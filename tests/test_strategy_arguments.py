@@ -28,6 +28,7 @@ from nemo_patch import (
     MegatronCheckpointIO,
     MegatronStrategy,
 )
+from nemo_patch.engine.output_layout import DTYPE_NAMES
 from nemo_patch.training.io_chain import find_base_checkpoint_io
 
 
@@ -152,6 +153,9 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_keep", True, "None (keep every consolidated output) or an integer >= 0"),
         ("ckpt_consolidation_keep", 2.0, "None (keep every consolidated output) or an integer >= 0"),
         ("ckpt_consolidation_keep", "all", "None (keep every consolidated output) or an integer >= 0"),
+        ("ckpt_consolidation_dtype", "int8", "None (the checkpoint's dtype) or one of 'bf16', 'fp16', 'fp32'"),
+        ("ckpt_consolidation_dtype", True, "None (the checkpoint's dtype) or one of 'bf16', 'fp16', 'fp32'"),
+        ("ckpt_consolidation_dtype", "fp8", "None (the checkpoint's dtype) or one of 'bf16', 'fp16', 'fp32'"),
     ],
 )
 def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):
@@ -167,14 +171,28 @@ def test_shard_sizes_take_hugging_face_style_strings(value, size):
     assert MegatronStrategy(ckpt_consolidation_max_shard_size=value).ckpt_consolidation_max_shard_size == size
 
 
+@pytest.mark.parametrize(
+    "value, name", [("bf16", "bf16"), ("bfloat16", "bf16"), ("FP16", "fp16"), ("half", "fp16"), ("float32", "fp32")]
+)
+def test_dtypes_take_short_torch_and_dtype_forms(value, name):
+    import torch
+
+    assert MegatronStrategy(ckpt_consolidation_dtype=value).ckpt_consolidation_dtype == name
+    assert (
+        MegatronStrategy(ckpt_consolidation_dtype=getattr(torch, DTYPE_NAMES[name])).ckpt_consolidation_dtype == name
+    )
+
+
 def test_consolidation_settings_reach_the_io():
     strategy = MegatronStrategy(
         ckpt_consolidation_frequency="each",
         ckpt_consolidation_timeout=12.5,
         ckpt_consolidation_max_shard_size=1000,
         ckpt_consolidation_max_pending=0,
+        ckpt_consolidation_dtype="bf16",
     )
     base = find_base_checkpoint_io(strategy.checkpoint_io)
+    assert base.consolidation_dtype == "bf16"
     assert strategy.ckpt_consolidation_timeout == 12.5
     assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
     assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on

@@ -49,24 +49,23 @@ from typing import Callable, Iterator, List, Optional, TextIO
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES
+from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.training.latest import locate_checkpoint
 from nemo_patch.training.settings import ACCEPTED_FORMATS, validate_max_shard_size
 
 __all__ = ["DTYPES", "main"]
 
 #: ``--dtype`` values and the ``torch`` dtype each names.
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+DTYPES = DTYPE_NAMES
 
 PROG = "nemo-consolidate"
 
 
 def _dtype(value: str) -> str:
-    value = _DTYPE_ALIASES.get(value.lower(), value.lower())
-    if value not in DTYPES:
-        raise argparse.ArgumentTypeError(f"invalid dtype {value!r}: expected one of {', '.join(DTYPES)}")
-    return value
+    try:
+        return dtype_name(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _size(value: str) -> int:

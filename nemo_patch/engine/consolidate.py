@@ -67,6 +67,7 @@ from nemo_patch.engine.plan import OutputTensor, cast_outputs, plan_outputs, sto
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.safetensors_writer import TensorSpec, plan_shards, write_index, write_safetensors
 from nemo_patch.engine.verify import verify_consolidated
+from nemo_patch.engine.vocabulary import vocabulary_sizes
 
 __all__ = ["ConsolidationResult", "ProgressCallback", "consolidate_checkpoint", "tensor_producer"]
 
@@ -237,6 +238,7 @@ def consolidate_checkpoint(
             "tensor_count": len(outputs),
             "total_bytes": total_bytes,
             "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
             "files": {name: {"sha256": digest} for name, digest in sorted(files.items())},
         }
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

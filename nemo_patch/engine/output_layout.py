@@ -26,6 +26,7 @@ from typing import Dict
 
 __all__ = [
     "CONSOLIDATED_DIRNAME",
+    "DTYPE_NAMES",
     "DEFAULT_MAX_SHARD_SIZE",
     "FORMAT_VERSION",
     "HF_DIRNAME",
@@ -34,6 +35,7 @@ __all__ = [
     "OUTPUT_DIRNAMES",
     "RETAINED_DIRNAME",
     "SINGLE_FILENAME",
+    "dtype_name",
     "shard_filename",
 ]
 
@@ -56,6 +58,26 @@ INDEX_FILENAME = "model.safetensors.index.json"
 METADATA_FILENAME = "metadata.json"
 #: Version of the ``metadata.json`` layout.
 FORMAT_VERSION = 1
+
+
+#: Output dtypes a user may ask for (``ckpt_consolidation_dtype``, the CLI's ``--dtype``) -> the ``torch`` dtype's
+#: attribute name.
+DTYPE_NAMES: Dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def dtype_name(value: object) -> str:
+    """The short name (``"bf16"``, ``"fp16"`` or ``"fp32"``) of an output dtype given as a short name, a torch name
+    (``"bfloat16"``, ``"float16"``/``"half"``, ``"float32"``/``"float"``, case-insensitive) or a ``torch.dtype``.
+
+    Raises:
+        ValueError: anything else; the message names the accepted values.
+    """
+    text = str(value).removeprefix("torch.").lower() if not isinstance(value, bool) else ""
+    name = _DTYPE_ALIASES.get(text, text)
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"invalid dtype {value!r}: expected one of {', '.join(DTYPE_NAMES)} (or a torch dtype)")
+    return name
 
 
 def shard_filename(index: int, count: int) -> str:

@@ -42,10 +42,11 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.checkpoint_reader import open_weights
@@ -61,8 +62,9 @@ from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSI
 from nemo_patch.engine.plan import plan_outputs
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import tensors_bitwise_equal
+from nemo_patch.engine.vocabulary import vocabulary_sizes
 
-__all__ = ["HF_DIRNAME", "export_hf_checkpoint", "te_layer_norm_names"]
+__all__ = ["HF_DIRNAME", "cast_floating", "checkpoint_dtype", "export_hf_checkpoint", "te_layer_norm_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,33 @@ def te_layer_norm_names(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.
     return renamed
 
 
+def checkpoint_dtype(state_dict: Dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating-point dtype that holds most of ``state_dict``'s floating-point bytes (the checkpoint's dtype).
+
+    Raises:
+        ConsolidationError: ``state_dict`` has no floating-point tensor.
+    """
+    sizes: Dict[torch.dtype, int] = {}
+    for tensor in state_dict.values():
+        if tensor.is_floating_point():
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
+    if not sizes:
+        raise ConsolidationError("The checkpoint holds no floating-point model tensors to export")
+    return max(sizes, key=lambda dtype: sizes[dtype])
+
+
+def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """``state_dict`` with every floating-point tensor in ``dtype``; integer and bool tensors unchanged.
+
+    NeMo's state transforms assert that source and target dtypes agree (``dtype mismatch between source and target
+    state dicts``), and the exporter's target model is built in the requested dtype, so the source is cast first.
+    """
+    return {
+        name: tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+        for name, tensor in state_dict.items()
+    }
+
+
 def _exporter_for(checkpoint_dir: Path) -> Any:
     """NeMo's registered ``"hf"`` exporter for the model class in ``<checkpoint_dir>/context``."""
     try:
@@ -116,7 +145,9 @@ def _exporter_for(checkpoint_dir: Path) -> Any:
     return model, exporter
 
 
-def _read_state_dict(weights_dir: Path, progress: Optional[ProgressCallback]) -> Dict[str, torch.Tensor]:
+def _read_state_dict(
+    weights_dir: Path, progress: Optional[ProgressCallback]
+) -> Tuple[Dict[str, torch.Tensor], Metadata]:
     metadata, reader = open_weights(weights_dir)
     outputs = plan_outputs(metadata)
     total = sum(output.spec.nbytes for output in outputs)
@@ -127,7 +158,7 @@ def _read_state_dict(weights_dir: Path, progress: Optional[ProgressCallback]) ->
         done += output.spec.nbytes
         if progress is not None:
             progress(done, total)
-    return state
+    return state, metadata
 
 
 def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
@@ -166,7 +197,8 @@ def export_hf_checkpoint(
         output_dir: where to publish; defaults to ``<ckpt>/hf``. Published atomically.
         global_step: recorded in ``metadata.json``.
         max_shard_size: bytes per safetensors file, passed to ``save_pretrained``.
-        dtype: dtype of the exported weights; default: the model config's training dtype (as NeMo's exporter).
+        dtype: floating-point dtype of the exported weights; default: the checkpoint's (:func:`checkpoint_dtype`).
+            Integer and bool tensors keep theirs.
         overwrite: replace an existing output; if ``False`` it raises :class:`OutputExistsError` before any work.
         verify: re-read the written files and compare every tensor with the exporter's converted model.
         allow_unfinished: export even if NeMo's unfinished marker is present.
@@ -189,17 +221,19 @@ def export_hf_checkpoint(
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
     model, exporter = _exporter_for(ckpt_dir)
     try:
-        state = te_layer_norm_names(_read_state_dict(weights_dir, progress))
+        state, metadata = _read_state_dict(weights_dir, progress)
+        state = te_layer_norm_names(state)
     except ConsolidationError:
         raise
     except (Exception, CheckpointException) as error:
         raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
 
-    from nemo.collections.llm.gpt.model.base import torch_dtype_from_mcore_config
     from nemo.lightning.io.state import _ModelState
 
+    dtype = dtype or checkpoint_dtype(state)
+    state = cast_floating(state, dtype)
     with staged_output(ckpt_dir, output_dir, overwrite, f"Exporting {ckpt_dir} to Hugging Face", "hf-") as tmp_dir:
-        target = exporter.init(dtype or torch_dtype_from_mcore_config(model.config))
+        target = exporter.init(dtype)
         target = exporter.convert_state(_ModelState(state, model.config), target).cpu()
         del state
         target.save_pretrained(tmp_dir, max_shard_size=max_shard_size, safe_serialization=True)
@@ -218,6 +252,8 @@ def export_hf_checkpoint(
             "exporter": f"{type(exporter).__module__}.{type(exporter).__qualname__}",
             "tensor_count": len(saved),
             "total_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
+            "dtype": str(dtype).removeprefix("torch."),
+            "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
         }
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])

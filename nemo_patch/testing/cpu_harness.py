@@ -35,6 +35,10 @@ What is stubbed, and why (NeMo 2.7.3, megatron-core 0.15.3, torch 2.13 CPU build
 5. ``nemo.lightning.io.pl._fix_tensors_device``, which asserts CUDA is initialised after a checkpoint load,
    becomes the identity.
 6. ``torch.cuda.synchronize`` and ``torch.cuda.empty_cache`` become no-ops.
+7. ``torch.Tensor.type()`` called with no argument names a CPU tensor's type as its CUDA one
+   (``torch.BFloat16Tensor`` -> ``torch.cuda.BFloat16Tensor``): megatron-core's mixed-precision optimizer
+   (``Float16OptimizerWithFloat16Params``, used for ``bf16-mixed`` and ``16-mixed``) accepts only parameters whose
+   type string is a CUDA one. ``type(dtype)`` conversions are unchanged.
 
 The model itself must also be CPU-friendly (local non-TE layer spec, fp32, ``use_cpu_initialization=True``, no
 fusions, ``OptimizerConfig(clip_grad=0.0)``) and batches must carry an ``attention_mask``: see
@@ -94,6 +98,16 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    name = _TENSOR_TYPE(self, *args, **kwargs)
+    if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
+
+
 def _identity_receiver(self: Any, *args: Any, **kwargs: Any) -> Any:
     return self
 
@@ -123,6 +137,7 @@ def megatron_on_cpu() -> Iterator[None]:
         mock.patch.object(torch.cuda, "manual_seed_all", _noop),
         mock.patch.object(torch.Tensor, "cuda", _identity_receiver),
         mock.patch.object(torch.nn.Module, "cuda", _identity_receiver),
+        mock.patch.object(torch.Tensor, "type", _cuda_type_name),
         mock.patch.object(mcore_random.CudaRNGStatesTracker, "fork", _noop_fork),
         mock.patch.object(mcore_random.CudaRNGStatesTracker, "add", _noop),
         mock.patch.object(nemo_io_pl, "_fix_tensors_device", lambda ckpt: ckpt),

@@ -116,6 +116,7 @@ def run_tiny_fit(
     wait_for_consolidation: bool = False,
     strategy_args: Sequence[str] = (),
     swap_io: Optional[str] = None,
+    precision: str = "32",
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -160,6 +161,8 @@ def run_tiny_fit(
             e.g. ``save_ckpt_format=zarr``, ``ckpt_parallel_save=false``, ``ckpt_torch_dist_multiproc=2``).
         swap_io: replace the checkpoint IO in a callback's ``setup`` as NeMo's PEFT callback does
             (:class:`nemo_patch.testing.io_swap.SwapCheckpointIO`: ``"stock"`` or ``"custom"``).
+        precision: the trainer's ``nl.MegatronMixedPrecision`` precision, ``"32"`` (default), ``"bf16-mixed"`` or
+            ``"16-mixed"``: the parameters, and so the checkpoint's weights, are in that dtype.
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -216,7 +219,9 @@ def run_tiny_fit(
         from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
         callbacks.append(PreemptionCallback())
-    trainer = tiny_gpt.make_trainer(strategy, max_steps=max_steps, callbacks=callbacks, devices=devices or tp * pp)
+    trainer = tiny_gpt.make_trainer(
+        strategy, max_steps=max_steps, callbacks=callbacks, devices=devices or tp * pp, precision=precision
+    )
     checkpoint_options: Dict[str, Any] = {"save_weights_only": weights_only, "save_top_k": save_top_k}
     if monitor == "step":
         checkpoint_options.update(monitor=monitor, mode="max", filename=CHECKPOINT_FILENAME)
@@ -229,10 +234,10 @@ def run_tiny_fit(
         from nemo.lightning import io
 
         context = io.load_context(str(Path(model_from) / "context"), subpath="model")
-        model = type(context)(context.config, optim=tiny_gpt.cpu_adam(lr), tokenizer=context.tokenizer)
+        model = type(context)(context.config, optim=tiny_gpt.cpu_adam(lr, precision), tokenizer=context.tokenizer)
         restore_from = model_from
     else:
-        model = tiny_gpt.tiny_gpt_model(tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings), lr=lr)
+        model = tiny_gpt.tiny_gpt_model(tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings), lr, precision)
     if restore_from is not None:
         restore = nl.RestoreConfig(path=str(restore_from), load_optim_state=False)
         resume = nl.AutoResume(restore_config=restore)
@@ -358,6 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--wait-for-consolidation", action="store_true")
     parser.add_argument("--strategy-arg", action="append", default=[])
     parser.add_argument("--swap-io", choices=["stock", "custom"], default=None)
+    parser.add_argument("--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -391,6 +397,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         wait_for_consolidation=args.wait_for_consolidation,
         strategy_args=args.strategy_arg,
         swap_io=args.swap_io,
+        precision=args.precision,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

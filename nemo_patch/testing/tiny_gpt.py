@@ -79,8 +79,16 @@ def tiny_gpt_config(num_layers: int = 2, tie_embeddings: bool = True, layer_spec
     )
 
 
-def cpu_adam(lr: float = 1e-3) -> Any:
-    """NeMo's ``MegatronOptimizerModule`` with megatron-core Adam set up to run on the CPU (``clip_grad=0``, fp32)."""
+#: ``nl.MegatronMixedPrecision`` precisions the CPU harness trains with -> the parameters' dtype.
+PRECISIONS = {"32": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def cpu_adam(lr: float = 1e-3, precision: str = "32") -> Any:
+    """NeMo's ``MegatronOptimizerModule`` with megatron-core Adam set up to run on the CPU (``clip_grad=0``).
+
+    ``precision`` is the trainer's (:data:`PRECISIONS`): with ``"bf16-mixed"``/``"16-mixed"`` the model's parameters
+    are bf16/fp16 and megatron-core's mixed-precision optimizer keeps fp32 main parameters (fp16 with a loss scale).
+    """
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
 
@@ -90,18 +98,18 @@ def cpu_adam(lr: float = 1e-3) -> Any:
             lr=lr,
             clip_grad=0.0,
             use_distributed_optimizer=False,  # megatron-core's distributed optimizer needs CUDA tensors
-            bf16=False,
-            fp16=False,
-            params_dtype=torch.float32,
+            bf16=precision == "bf16-mixed",
+            fp16=precision == "16-mixed",
+            params_dtype=PRECISIONS[precision],
         )
     )
 
 
-def tiny_gpt_model(config: Optional[Any] = None, lr: float = 1e-3) -> Any:
+def tiny_gpt_model(config: Optional[Any] = None, lr: float = 1e-3, precision: str = "32") -> Any:
     """An ``llm.GPTModel`` of :func:`tiny_gpt_config` with a Megatron Adam optimizer (:func:`cpu_adam`)."""
     from nemo.collections import llm
 
-    return llm.GPTModel(config or tiny_gpt_config(), optim=cpu_adam(lr))
+    return llm.GPTModel(config or tiny_gpt_config(), optim=cpu_adam(lr, precision))
 
 
 def causal_batch(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -173,8 +181,11 @@ def make_logger(log_dir: Path, save_every: int, name: str = "tiny_gpt", **checkp
     return nl.NeMoLogger(log_dir=str(log_dir), name=name, ckpt=checkpoint, use_datetime_version=False)
 
 
-def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[List[Any]] = None, devices: int = 1) -> Any:
-    """An ``nl.Trainer`` on the CPU (``devices`` processes, gloo): fp32, no validation, no progress bar."""
+def make_trainer(
+    strategy: Any, max_steps: int, callbacks: Optional[List[Any]] = None, devices: int = 1, precision: str = "32"
+) -> Any:
+    """An ``nl.Trainer`` on the CPU (``devices`` processes, gloo): ``precision`` (default fp32; see
+    :data:`PRECISIONS`), no validation, no progress bar."""
     from nemo import lightning as nl
 
     return nl.Trainer(
@@ -182,7 +193,7 @@ def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[List[Any]] =
         devices=devices,
         max_steps=max_steps,
         strategy=strategy,
-        plugins=nl.MegatronMixedPrecision(precision="32"),
+        plugins=nl.MegatronMixedPrecision(precision=precision),
         callbacks=callbacks or [],
         limit_val_batches=0,
         num_sanity_val_steps=0,

@@ -73,8 +73,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def make_tiny_hf_llama(out_dir: Path, tie_embeddings: bool = False, seed: int = 0) -> Path:
-    """Write a random 2-layer, hidden-64 ``LlamaForCausalLM`` (GQA: 4 heads, 2 KV heads) and its tokenizer, fp32.
+def make_tiny_hf_llama(
+    out_dir: Path,
+    tie_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+    vocab_size: int = VOCAB_SIZE,
+    padded_vocab_size: Optional[int] = None,
+) -> Path:
+    """Write a random 2-layer, hidden-64 ``LlamaForCausalLM`` (GQA: 4 heads, 2 KV heads) and its tokenizer.
+
+    ``dtype`` (a ``torch`` dtype name) is the weights' dtype and the config's, which NeMo's importer makes the
+    model's training dtype (``bf16``/``fp16`` flags and ``params_dtype``). The tokenizer has ``vocab_size`` entries;
+    the model's embedding has ``padded_vocab_size`` rows (default: the same), as a NeMo model whose
+    ``make_vocab_size_divisible_by`` padded its vocabulary (NeMo's importer then keeps the padded rows and its
+    exporter prunes them back to the tokenizer's size).
 
     The vocabulary has :data:`nemo_patch.testing.tiny_gpt.VOCAB_SIZE` (128) entries, ``<unk>``, ``<s>``, ``</s>``
     then ``t0`` ... ``t124``, so the tiny GPT's random token data module serves it.
@@ -82,12 +95,12 @@ def make_tiny_hf_llama(out_dir: Path, tie_embeddings: bool = False, seed: int = 
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i + 3 for i in range(VOCAB_SIZE - 3)}}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i + 3 for i in range(vocab_size - 3)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=padded_vocab_size or vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -98,10 +111,10 @@ def make_tiny_hf_llama(out_dir: Path, tie_embeddings: bool = False, seed: int = 
         tie_word_embeddings=tie_embeddings,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    model = LlamaForCausalLM(config).float().to(getattr(torch, dtype))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     fast.save_pretrained(out_dir)
@@ -132,11 +145,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tie-embeddings", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    parser.add_argument("--padded-vocab-size", type=int, default=None)
     args = parser.parse_args(argv)
     # Through the package module, not __main__: NeMo's context must name the config class by its importable path.
     from nemo_patch.testing import tiny_llama
 
-    tiny_llama.make_tiny_hf_llama(args.out / "hf", tie_embeddings=args.tie_embeddings)
+    tiny_llama.make_tiny_hf_llama(
+        args.out / "hf",
+        tie_embeddings=args.tie_embeddings,
+        dtype=args.dtype,
+        vocab_size=args.vocab_size,
+        padded_vocab_size=args.padded_vocab_size,
+    )
     with megatron_on_cpu():
         tiny_llama.import_into_nemo(args.out / "hf", args.out / "nemo")
     return 0

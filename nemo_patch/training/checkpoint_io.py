@@ -71,8 +71,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_format: ``"safetensors"`` (default, ``<ckpt>/consolidated``) or ``"hf"`` (``<ckpt>/hf``).
         consolidation_keep: consolidated outputs kept when NeMo's top-k removes their checkpoints (default ``None``:
             all; see :mod:`nemo_patch.training.retention`).
+        consolidation_dtype: output dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default ``None``: the checkpoint's).
         consolidation_settings: all of the above as one already validated value (what
-            :class:`nemo_patch.MegatronStrategy` passes); when given, the six arguments above must not be.
+            :class:`nemo_patch.MegatronStrategy` passes); when given, the seven arguments above must not be.
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
@@ -89,6 +90,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         consolidation_format: str = DEFAULT_FORMAT,
         consolidation_keep: Optional[int] = None,
+        consolidation_dtype: Optional[Any] = None,
         consolidation_settings: Optional[ConsolidationSettings] = None,
         **kwargs: Any,
     ) -> None:
@@ -99,13 +101,14 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             max_pending=consolidation_max_pending,
             output_format=consolidation_format,
             keep=consolidation_keep,
+            dtype=consolidation_dtype,
             names=CHECKPOINT_IO_ARGUMENTS,
         )
         if consolidation_settings is not None and given != ConsolidationSettings():
             raise ValueError(
                 "Pass either consolidation_settings or the individual consolidation arguments "
                 "(save_consolidated, ckpt_consolidation_frequency, consolidation_max_shard_size, "
-                "consolidation_max_pending, consolidation_format, consolidation_keep), not both."
+                "consolidation_max_pending, consolidation_format, consolidation_keep, consolidation_dtype), not both."
             )
         super().__init__(*args, **kwargs)
         self.set_consolidation_settings(consolidation_settings or given)
@@ -146,6 +149,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     consolidation_max_shard_size = setting_view("max_shard_size", "Most tensor bytes per output file.")
     consolidation_max_pending = setting_view("max_pending", "Requests that may wait behind the running one.")
     consolidation_format = setting_view("output_format", '``"safetensors"`` or ``"hf"``.')
+    consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> Any:
         """Save as NeMo does; with consolidation on, global rank 0 also records the save for consolidation.

@@ -28,7 +28,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Union
 
-from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, OUTPUT_DIRNAMES
+from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.training.policy import ConsolidationPolicy, resolve_policy
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "STRATEGY_ARGUMENTS",
     "ConsolidationSettings",
     "setting_view",
+    "validate_dtype",
     "validate_format",
     "validate_keep",
     "validate_max_pending",
@@ -63,6 +64,7 @@ STRATEGY_ARGUMENTS: Mapping[str, str] = {
     "max_pending": "ckpt_consolidation_max_pending",
     "output_format": "ckpt_consolidation_format",
     "keep": "ckpt_consolidation_keep",
+    "dtype": "ckpt_consolidation_dtype",
 }
 #: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
 #: strategy's teardown waits).
@@ -71,6 +73,7 @@ CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
     "max_pending": "consolidation_max_pending",
     "output_format": "consolidation_format",
     "keep": "consolidation_keep",
+    "dtype": "consolidation_dtype",
 }
 
 
@@ -89,6 +92,8 @@ class ConsolidationSettings:
         keep: how many consolidated outputs survive NeMo's top-k removal of their checkpoints
             (:mod:`nemo_patch.training.retention`): ``None`` all of them, ``N`` while among the run's newest ``N``
             outputs, ``0`` none (NeMo's removal deletes them).
+        dtype: the floating-point dtype of the outputs, ``"bf16"``, ``"fp16"`` or ``"fp32"``; ``None`` keeps the
+            checkpoint's. Integer and bool tensors keep theirs.
     """
 
     save_consolidated: Optional[bool] = None
@@ -99,6 +104,7 @@ class ConsolidationSettings:
     max_pending: int = DEFAULT_MAX_PENDING
     timeout: float = DEFAULT_TIMEOUT
     keep: Optional[int] = None
+    dtype: Optional[str] = None
 
     @classmethod
     def from_arguments(
@@ -111,6 +117,7 @@ class ConsolidationSettings:
         max_pending: int = DEFAULT_MAX_PENDING,
         output_format: str = DEFAULT_FORMAT,
         keep: Optional[int] = None,
+        dtype: Optional[object] = None,
         names: Mapping[str, str] = STRATEGY_ARGUMENTS,
     ) -> "ConsolidationSettings":
         """Validate the user's values and make the settings.
@@ -123,6 +130,8 @@ class ConsolidationSettings:
             max_pending: an ``int`` >= 0.
             output_format: ``"safetensors"`` or ``"hf"``.
             keep: ``None`` or an ``int`` >= 0.
+            dtype: ``None``, ``"bf16"``, ``"fp16"``, ``"fp32"``, their torch names or a ``torch.dtype``
+                (:func:`nemo_patch.engine.output_layout.dtype_name`); kept as the short name.
             names: the argument names to use in error messages (:data:`STRATEGY_ARGUMENTS` or
                 :data:`CHECKPOINT_IO_ARGUMENTS`).
 
@@ -138,6 +147,7 @@ class ConsolidationSettings:
             max_pending=validate_max_pending(max_pending, names["max_pending"]),
             timeout=validate_timeout(timeout, names.get("timeout", STRATEGY_ARGUMENTS["timeout"])),
             keep=validate_keep(keep, names["keep"]),
+            dtype=validate_dtype(dtype, names["dtype"]),
         )
 
     @property
@@ -240,6 +250,21 @@ def validate_format(value: object, name: str = STRATEGY_ARGUMENTS["output_format
     if isinstance(value, str) and value in ACCEPTED_FORMATS:
         return value
     raise _invalid(name, value, '"safetensors" or "hf"')
+
+
+def validate_dtype(value: object, name: str = STRATEGY_ARGUMENTS["dtype"]) -> Optional[str]:
+    """Return ``None`` (keep the checkpoint's dtype) or the short name of ``value`` (``"bf16"``, ``"fp16"``,
+    ``"fp32"``; also accepted: ``"bfloat16"``, ``"float16"``, ``"float32"`` and ``torch.dtype`` objects).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if value is None:
+        return None
+    try:
+        return dtype_name(value)
+    except ValueError:
+        raise _invalid(name, value, f"None (the checkpoint's dtype) or one of {', '.join(map(repr, DTYPE_NAMES))}")
 
 
 def validate_keep(value: object, name: str = STRATEGY_ARGUMENTS["keep"]) -> Optional[int]:

@@ -118,14 +118,16 @@ class MegatronStrategy(NeMoMegatronStrategy):
             ``<root>/retained/<checkpoint name>/``; ``N`` keeps one while it is among the run's newest ``N``
             consolidated outputs; ``0`` keeps none (it goes with its checkpoint). ``LATEST`` never names a removed
             checkpoint. See :mod:`nemo_patch.training.retention`.
+        ckpt_consolidation_dtype: floating-point dtype of the outputs, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or a
+            ``torch.dtype``); ``None`` (default) keeps the checkpoint's. Integer tensors are never cast.
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
     Raises:
         ValueError: for an invalid frequency, a ``save_consolidated`` that is not ``None``/``True``/``False``,
             ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
             shard size that is not an integer >= 1 or a size string, a queue bound or keep count that is not an
-            integer >= 0, or a
-            format other than ``"safetensors"``/``"hf"``.
+            integer >= 0, a format other than ``"safetensors"``/``"hf"``, or a dtype other than
+            ``"bf16"``/``"fp16"``/``"fp32"``.
             Raised before anything else is set up.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
@@ -145,6 +147,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_max_pending: int = DEFAULT_MAX_PENDING,
         ckpt_consolidation_format: str = DEFAULT_FORMAT,
         ckpt_consolidation_keep: Optional[int] = None,
+        ckpt_consolidation_dtype: Optional[Any] = None,
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
@@ -156,6 +159,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             max_pending=ckpt_consolidation_max_pending,
             output_format=ckpt_consolidation_format,
             keep=ckpt_consolidation_keep,
+            dtype=ckpt_consolidation_dtype,
         )
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
@@ -176,6 +180,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
     ckpt_consolidation_keep = setting_view(
         "keep", "Outputs kept when top-k removes their checkpoints (``None``: all)."
     )
+    ckpt_consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""

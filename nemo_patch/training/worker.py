@@ -64,14 +64,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         pass
     # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    import torch
+
     from nemo_patch.engine.errors import ConsolidationError
+    from nemo_patch.engine.output_layout import DTYPE_NAMES
 
     if settings.output_format == "hf":
         from nemo_patch.export.hf import export_hf_checkpoint as consolidate
     else:
         from nemo_patch.engine.consolidate import consolidate_checkpoint as consolidate
     try:
-        consolidate(args.checkpoint, global_step=args.global_step, max_shard_size=settings.max_shard_size)
+        dtype = None if settings.dtype is None else getattr(torch, DTYPE_NAMES[settings.dtype])
+        consolidate(args.checkpoint, global_step=args.global_step, max_shard_size=settings.max_shard_size, dtype=dtype)
     except ConsolidationError as error:
         print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
         return 1
