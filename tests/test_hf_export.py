@@ -103,3 +103,43 @@ def test_local_and_te_layer_norm_names_map_to_the_same_export_names():
         "decoder.layers.1.mlp.router.weight": torch.ones(1),
     }
     assert te_layer_norm_names(moe) == moe
+
+
+@pytest.fixture(scope="module")
+def tied_padded_llama(tmp_path_factory):
+    """A tied-embedding tiny Llama whose tokenizer has 50 tokens and whose model has 64 vocabulary rows, as NeMo's
+    ``make_vocab_size_divisible_by=64`` pads it; ``nemo/`` is its import with NeMo's importer."""
+    from conftest import make_tiny_llama
+
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tied"), "--tie-embeddings", "--vocab-size", "50", "--padded-vocab-size", "64"
+    )
+
+
+@pytest.mark.slow
+def test_tied_and_padded_vocabulary_exports_the_tokenizers_rows_and_loads_cleanly(tied_padded_llama, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    original = load_file(tied_padded_llama / "hf" / "model.safetensors")["model.embed_tokens.weight"]
+    assert original.shape == (64, 64)
+    assert main([str(tied_padded_llama / "nemo"), "--format", "hf", "--out", str(tmp_path / "hf"), "--quiet"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == 50 and config["tie_word_embeddings"] is True
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert torch.equal(model.model.embed_tokens.weight, original[:50])  # NeMo's exporter prunes the padded rows
+    reference = AutoModelForCausalLM.from_pretrained(str(tied_padded_llama / "hf")).eval()
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(tokens).logits, reference(tokens).logits[..., :50])
+    sizes = {"padded": 64, "tokenizer": 50}
+    assert json.loads((tmp_path / "hf" / "metadata.json").read_text())["vocab_size"] == sizes
+
+    # The safetensors format holds the model's state_dict: the padded rows stay, and metadata.json says both sizes.
+    assert main([str(tied_padded_llama / "nemo"), "--out", str(tmp_path / "st"), "--quiet"]) == 0
+    consolidated = load_file(tmp_path / "st" / "model.safetensors")
+    assert torch.equal(consolidated["embedding.word_embeddings.weight"], original)
+    assert "output_layer.weight" not in consolidated  # tied: the model has no separate output layer weight
+    assert json.loads((tmp_path / "st" / "metadata.json").read_text())["vocab_size"] == sizes

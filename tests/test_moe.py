@@ -49,7 +49,8 @@ MODEL = textwrap.dedent(
 
     def build(variant, seed):
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_mtp_block_spec)
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -59,11 +60,17 @@ MODEL = textwrap.dedent(
         if variant == "shared-experts-expert-bias":
             extra = dict(moe_shared_expert_intermediate_size=48, moe_router_enable_expert_bias=True,
                          moe_router_score_function="sigmoid")
-        config = TransformerConfig(
+        if variant == "mixed-dense-mtp":  # MoE, dense, MoE layers and one multi-token-prediction layer (MoE)
+            extra = dict(num_layers=3, moe_layer_freq=[1, 0, 1], mtp_num_layers=1)
+        config = TransformerConfig(**{**dict(
             num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
             num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
             add_bias_linear=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-            persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False, **extra)
+            persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False), **extra})
+        if variant == "mixed-dense-mtp":
+            block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+            mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False)
+            return GPTModel(config, block, vocab_size=64, max_sequence_length=16, mtp_block_spec=mtp)
         spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
         return GPTModel(config, spec, vocab_size=64, max_sequence_length=16)
 
@@ -112,7 +119,7 @@ def _run(tmp_path, *args):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
-@pytest.fixture(scope="module", params=["sequential-mlp", "shared-experts-expert-bias"])
+@pytest.fixture(scope="module", params=["sequential-mlp", "shared-experts-expert-bias", "mixed-dense-mtp"])
 def moe_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "ckpt"
     _run(path.parent, "save", request.param, path)
@@ -130,13 +137,24 @@ def test_moe_output_is_the_models_state_dict_under_canonical_names(moe_checkpoin
     for name, tensor in expected.items():
         assert torch.equal(output[name], tensor), name
     expert_names = [name for name in output if ".local_experts." in name]
-    assert len(expert_names) == 2 * 4 * 2  # layers x experts x (fc1, fc2)
+    moe_layers = 3 if variant == "mixed-dense-mtp" else 2  # decoder and MTP layers with experts
+    assert len(expert_names) == moe_layers * 4 * 2  # x experts x (fc1, fc2)
     for name in expert_names:  # each expert's tensor holds its own id's values
         expert = int(name.split(".local_experts.")[1].split(".")[0])
         assert abs(output[name].float().mean().item() - expert) < 0.05, name
-    # The MoE layers' pre-MLP norm under the model's own name, not the local spec's fused name (no linear_fc1 there).
-    assert "decoder.layers.1.pre_mlp_layernorm.weight" in output
-    assert not any("mlp.linear_fc1.layer_norm" in name for name in output)
+    # The MoE layers' pre-MLP norm under the model's own name, not the local spec's fused name (no linear_fc1 there);
+    # a dense layer among them keeps the fused name, as the dense rule says.
+    if variant == "mixed-dense-mtp":
+        assert "decoder.layers.0.pre_mlp_layernorm.weight" in output and "decoder.layers.2.mlp.router.weight" in output
+        assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in output  # the dense layer
+        assert (
+            "decoder.layers.1.mlp.linear_fc1.weight" in output and "decoder.layers.1.mlp.router.weight" not in output
+        )
+        assert "mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight" in output
+        assert "mtp.layers.0.eh_proj.weight" in output and "mtp.layers.0.enorm.weight" in output
+    else:
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in output
+        assert not any("mlp.linear_fc1.layer_norm" in name for name in output)
     if variant == "shared-experts-expert-bias":
         assert "decoder.layers.0.mlp.router.expert_bias" in output
         assert "decoder.layers.1.mlp.shared_experts.linear_fc1.weight" in output
@@ -286,3 +304,51 @@ def test_expert_parallel_checkpoint_consolidates_to_the_same_bytes_as_ep1(tmp_pa
     for expert in range(4):  # global expert ids: rank 1's first local expert is expert 2
         name = f"decoder.layers.1.mlp.experts.local_experts.{expert}.linear_fc2.weight"
         assert abs(tensors[name].mean().item() - expert) < 0.3, name
+
+
+@pytest.mark.parametrize("moe_checkpoint", ["sequential-mlp"], indirect=True)
+def test_grouped_gemm_experts_load_the_same_file_under_their_own_names(moe_checkpoint, tmp_path):
+    """``TEGroupedMLP`` (Transformer Engine's ``GroupedLinear``: one parameter per expert, ``linear_fc1.weight<e>``)
+    cannot be built without Transformer Engine, so this stand-in module tree has exactly its parameter names and
+    shapes: ``load_consolidated_into`` maps them to the output's per-expert names and loads every expert's tensor."""
+    _, checkpoint = moe_checkpoint
+    from nemo_patch.engine.load import canonical_key_map, load_consolidated_into
+
+    result = consolidate_checkpoint(checkpoint, output_dir=tmp_path / "out")
+    output = load_file(str(result.output_dir / "model.safetensors"))
+
+    class GroupedLinear(torch.nn.Module):
+        def __init__(self, linear: str, layer: int):
+            super().__init__()
+            for expert in range(4):
+                shape = output[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{linear}.weight"].shape
+                self.register_parameter(f"weight{expert}", torch.nn.Parameter(torch.zeros(shape)))
+
+    model = torch.nn.Module()
+    for name in output:  # everything but the experts, as plain parameters under their own names
+        if ".local_experts." not in name:
+            module = model
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(output[name].shape)))
+    for layer in range(2):
+        experts = torch.nn.Module()
+        model.decoder.layers.get_submodule(f"{layer}.mlp").add_module("experts", experts)
+        for linear in ("linear_fc1", "linear_fc2"):
+            experts.add_module(linear, GroupedLinear(linear, layer))
+    key_map = canonical_key_map(model)
+    assert key_map["decoder.layers.1.mlp.experts.linear_fc2.weight3"] == (
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    )
+    load_consolidated_into(model, result.output_dir)
+    state = model.state_dict()
+    for layer in range(2):
+        for expert in range(4):
+            loaded = state[f"decoder.layers.{layer}.mlp.experts.linear_fc1.weight{expert}"]
+            assert torch.equal(
+                loaded, output[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight"]
+            )
+            assert abs(loaded.mean().item() - expert) < 0.05  # expert e's values, not another's

@@ -32,8 +32,13 @@ see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
 exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint, 1 anything else).
 
+``--verify`` re-reads the output and compares every tensor with the checkpoint; for the ``safetensors`` format of a
+checkpoint with a NeMo ``context/`` it also checks that the output's names and shapes are those of the model the
+context describes, built on the meta device (:mod:`nemo_patch.export.context_model`; a warning says so when that
+model cannot be built here, e.g. without Transformer Engine). A mismatch exits 9 naming the first differing key.
+
 Imports the engine, the export and the torch-free training modules (settings, ``LATEST``); torch when run, NeMo only
-for ``--format hf``; never the overlay or ``nemo_patch.testing``.
+for ``--format hf`` and ``--verify`` with a context; never the overlay or ``nemo_patch.testing``.
 """
 
 import argparse
@@ -45,7 +50,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, TextIO
+from typing import Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
@@ -153,11 +158,31 @@ def _human(size: float) -> str:
     return f"{size:.1f} GB"
 
 
-def _verify_existing(location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float) -> int:
-    """``--verify`` on an output that exists: compare it with the checkpoint, write nothing."""
-    from nemo_patch.engine.verify import verify_consolidated
+def _context_shapes(location: "CheckpointLocation") -> Optional[Dict[str, Tuple[int, ...]]]:
+    """The names and shapes of the model in the checkpoint's ``context/`` (``--verify``), or ``None`` with a warning
+    on stderr when there is no context or the model cannot be built here (the tensor comparison still runs)."""
+    if not (location.checkpoint_dir / "context").is_dir():
+        return None
+    from nemo_patch.export.context_model import context_model_shapes
 
+    try:
+        with _nemo_output_held_back():
+            return context_model_shapes(location.checkpoint_dir)
+    except ConsolidationError as error:
+        print(f"{PROG}: warning: names and shapes not compared with the checkpoint's context: {error}",
+              file=sys.stderr)  # fmt: skip
+        return None
+
+
+def _verify_existing(location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float) -> int:
+    """``--verify`` on an output that exists: compare it with the checkpoint (and its context's model), write
+    nothing."""
+    from nemo_patch.engine.verify import verify_consolidated, verify_names_and_shapes
+
+    expected = _context_shapes(location)
     count = verify_consolidated(location.weights_dir, output_dir)
+    if expected is not None:
+        verify_names_and_shapes(output_dir, expected, "the model in the checkpoint's context")
     if not quiet:
         print(f"Verified {output_dir} against {location.checkpoint_dir}: {count} tensors match "
               f"({time.perf_counter() - started:.1f} s)")  # fmt: skip
@@ -207,6 +232,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             from nemo_patch.engine.consolidate import consolidate_checkpoint
 
+            if args.verify:
+                options["expected_shapes"] = _context_shapes(location)
             result = consolidate_checkpoint(location.checkpoint_dir, args.out, **options)
     except ConsolidationError as error:
         close()

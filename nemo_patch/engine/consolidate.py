@@ -45,7 +45,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -66,7 +66,7 @@ from nemo_patch.engine.output_layout import (
 from nemo_patch.engine.plan import OutputTensor, cast_outputs, plan_outputs, stored_spec
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.safetensors_writer import TensorSpec, plan_shards, write_index, write_safetensors
-from nemo_patch.engine.verify import verify_consolidated
+from nemo_patch.engine.verify import verify_consolidated, verify_names_and_shapes
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 
 __all__ = ["ConsolidationResult", "ProgressCallback", "consolidate_checkpoint", "tensor_producer"]
@@ -164,6 +164,7 @@ def consolidate_checkpoint(
     verify: bool = False,
     allow_unfinished: bool = False,
     progress: Optional[ProgressCallback] = None,
+    expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
@@ -187,6 +188,9 @@ def consolidate_checkpoint(
             (:func:`nemo_patch.engine.verify.verify_consolidated`).
         allow_unfinished: consolidate even if NeMo's unfinished marker is present (the CLI's explicit override).
         progress: called with ``(bytes done, bytes in all)`` after each tensor is read.
+        expected_shapes: with ``verify``, the names and shapes the output must have besides (e.g. the model in the
+            checkpoint's context: :func:`nemo_patch.export.context_model.context_model_shapes`), checked before
+            publishing (:func:`nemo_patch.engine.verify.verify_names_and_shapes`).
 
     Returns:
         A :class:`ConsolidationResult`.
@@ -247,5 +251,7 @@ def consolidate_checkpoint(
                 os.fsync(handle.fileno())
         if verify:
             verify_consolidated(weights_dir, tmp_dir, metadata=metadata)
+            if expected_shapes is not None:
+                verify_names_and_shapes(tmp_dir, expected_shapes, "the model in the checkpoint's context")
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
     return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files)

@@ -20,10 +20,16 @@ local, non-Transformer-Engine spec maps ``input_layernorm.`` to ``self_attention
 ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``; the TE spec maps nothing). :func:`load_consolidated_into`
 applies the same map, read from the model itself, so a model of either spec loads the same file.
 
+Experts: the output names every expert as ``SequentialMLP`` does,
+``<...>.mlp.experts.local_experts.<e>.linear_fc1.weight``. A model built with Transformer Engine's grouped GEMM
+(``TEGroupedMLP``, whose ``GroupedLinear`` holds one parameter per expert, ``<...>.mlp.experts.linear_fc1.weight<e>``)
+is mapped to those names too, so it loads the same file.
+
 Imports torch and safetensors only; never NeMo, Lightning or megatron-core, and nothing outside the engine (a NeMo
 model is taken as any ``torch.nn.Module``).
 """
 
+import re
 from pathlib import Path
 from typing import Dict, Union
 
@@ -33,6 +39,20 @@ from safetensors.torch import load_file
 from nemo_patch.engine.output_layout import SINGLE_FILENAME as SAFETENSORS_FILENAME
 
 __all__ = ["canonical_key_map", "load_consolidated_into", "load_consolidated_state_dict"]
+
+
+_GROUPED_EXPERT = re.compile(
+    r"^(?P<head>.*\.experts)\.(?P<linear>linear_fc[12])\.(?P<param>weight|bias)(?P<expert>\d+)$"
+)
+
+
+def _expert_name(key: str) -> str:
+    """``<...>.experts.linear_fc1.weight3`` (``TEGroupedMLP``) -> ``<...>.experts.local_experts.3.linear_fc1.weight``;
+    other keys unchanged."""
+    match = _GROUPED_EXPERT.match(key)
+    if match is None:
+        return key
+    return f"{match['head']}.local_experts.{match['expert']}.{match['linear']}.{match['param']}"
 
 
 def load_consolidated_state_dict(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
@@ -63,7 +83,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def canonical_key_map(model: torch.nn.Module) -> Dict[str, str]:
     """Map each ``state_dict`` key of a TP=1 megatron-core model to its consolidated (canonical) name.
 
-    ``_extra_state`` entries are not weights and are left out.
+    ``_extra_state`` entries are not weights and are left out. Grouped-GEMM experts (``linear_fc1.weight<e>``) map to
+    the per-expert names of the output (``local_experts.<e>.linear_fc1.weight``).
 
     Args:
         model: a megatron-core model (e.g. ``GPTModel``) or a NeMo ``LightningModule`` wrapping one in ``.module``.
@@ -93,7 +114,7 @@ def canonical_key_map(model: torch.nn.Module) -> Dict[str, str]:
                 if rest.startswith(old) and fused in state_keys:
                     canonical = layer_prefix + new + rest[len(old) :]
                     break
-        mapping[key] = canonical
+        mapping[key] = _expert_name(canonical)
     return dict(sorted(mapping.items()))
 
 

@@ -30,7 +30,7 @@ unless a cast is asked for), with ``module.`` dropped:
   expert-parallel layout gives the same names and bytes;
 * the pre-MLP norm of an MoE layer, which the local layer spec saves as ``mlp.linear_fc1.layer_norm_*`` although the
   layer has no ``linear_fc1``, is named ``pre_mlp_layernorm.*`` as the model names it (dense layers keep the fused
-  names);
+  names); the same holds in a multi-token-prediction layer's ``mtp.layers.<i>.transformer_layer.``;
 * everything else keeps its name and shape.
 
 Anything the plan does not understand fails, naming the key, instead of giving a misnamed or partly filled output: an
@@ -54,6 +54,7 @@ from nemo_patch.engine.errors import UnknownLayoutError
 from nemo_patch.engine.safetensors_writer import TensorSpec
 
 __all__ = [
+    "LAYER_PREFIX",
     "OutputTensor",
     "cast_outputs",
     "consolidated_key",
@@ -186,7 +187,10 @@ def _outputs_of(key: str, item: TensorStorageMetadata) -> List[OutputTensor]:
     return outputs
 
 
-_FUSED_MLP_NORM = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+\.)mlp\.linear_fc1\.layer_norm_(?P<param>\w+)$")
+#: A transformer layer's prefix: ``decoder.layers.<i>.``, or a multi-token-prediction layer's inner transformer layer,
+#: ``mtp.layers.<i>.transformer_layer.``.
+LAYER_PREFIX = r"(?:.*\.)?layers\.\d+\.(?:transformer_layer\.)?"
+_FUSED_MLP_NORM = re.compile(rf"^(?P<layer>{LAYER_PREFIX})mlp\.linear_fc1\.layer_norm_(?P<param>\w+)$")
 
 
 def _moe_pre_mlp_norms(outputs: List[OutputTensor]) -> List[OutputTensor]:

@@ -20,7 +20,7 @@ the engine.
 
 import json
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -32,7 +32,7 @@ from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, Veri
 from nemo_patch.engine.output_layout import INDEX_FILENAME, SINGLE_FILENAME
 from nemo_patch.engine.plan import plan_outputs
 
-__all__ = ["tensors_bitwise_equal", "verify_consolidated"]
+__all__ = ["output_shapes", "tensors_bitwise_equal", "verify_consolidated", "verify_names_and_shapes"]
 
 
 def _weight_map(output_dir: Path) -> Dict[str, str]:
@@ -41,6 +41,50 @@ def _weight_map(output_dir: Path) -> Dict[str, str]:
         return dict(json.loads(index.read_text())["weight_map"])
     with safe_open(str(output_dir / SINGLE_FILENAME), framework="pt") as handle:
         return {name: SINGLE_FILENAME for name in handle.keys()}
+
+
+def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:
+    """Name -> shape of every tensor in a consolidated output, from the safetensors headers (no tensor data read).
+
+    Raises:
+        VerificationError: an output file cannot be read.
+    """
+    output_dir = Path(output_dir)
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    try:
+        for filename in sorted(set(_weight_map(output_dir).values())):
+            with safe_open(str(output_dir / filename), framework="pt") as handle:
+                shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+    except Exception as error:  # OSError, ValueError, safetensors' SafetensorError
+        raise VerificationError(f"Cannot read the consolidated output in {output_dir}: {error}") from error
+    return shapes
+
+
+def verify_names_and_shapes(output_dir: Union[str, Path], expected: Mapping[str, Tuple[int, ...]], source: str) -> int:
+    """Check that a consolidated output holds exactly the names and shapes of ``expected`` (e.g. those of the model a
+    checkpoint's context describes, :func:`nemo_patch.export.context_model.context_model_shapes`).
+
+    Args:
+        output_dir: a consolidated output directory.
+        expected: name -> shape.
+        source: what ``expected`` describes, for the message.
+
+    Returns:
+        The number of tensors checked.
+
+    Raises:
+        VerificationError: naming the first differing key (in sorted order) with both sides' shapes.
+    """
+    actual = output_shapes(output_dir)
+    for name in sorted(set(actual) | set(expected)):
+        if actual.get(name) != expected.get(name):
+            have = "absent" if name not in actual else f"shape {list(actual[name])}"
+            want = "absent" if name not in expected else f"shape {list(expected[name])}"
+            raise VerificationError(
+                f"{output_dir} does not match {source}: first differing key {name} is {have} in the output and "
+                f"{want} in the model"
+            )
+    return len(actual)
 
 
 def tensors_bitwise_equal(expected: torch.Tensor, actual: torch.Tensor) -> bool:

@@ -59,7 +59,7 @@ from nemo_patch.engine.errors import (
     VerificationError,
 )
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
-from nemo_patch.engine.plan import plan_outputs
+from nemo_patch.engine.plan import LAYER_PREFIX, plan_outputs
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
@@ -68,7 +68,7 @@ __all__ = ["HF_DIRNAME", "cast_floating", "checkpoint_dtype", "export_hf_checkpo
 
 logger = logging.getLogger(__name__)
 
-_LOCAL_NORM = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+\.)(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<p>\w+)$")
+_LOCAL_NORM = re.compile(rf"^(?P<layer>{LAYER_PREFIX})(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<p>\w+)$")
 _FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
 
 
