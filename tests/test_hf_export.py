@@ -143,3 +143,60 @@ def test_tied_and_padded_vocabulary_exports_the_tokenizers_rows_and_loads_cleanl
     assert torch.equal(consolidated["embedding.word_embeddings.weight"], original)
     assert "output_layer.weight" not in consolidated  # tied: the model has no separate output layer weight
     assert json.loads((tmp_path / "st" / "metadata.json").read_text())["vocab_size"] == sizes
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_of_the_gqa_llama_exports_the_same_files_as_tp1(imported_llama, tmp_path, capsys):
+    """A 2-process TP=2 run (gloo) of the GQA Llama (4 query heads, 2 KV groups: one per TP rank) with lr=0 saves
+    the imported weights split over two ranks; during training and offline, its export is byte for byte the TP=1
+    import's."""
+    report = run_fit(
+        tmp_path / "tp2",
+        model_from=imported_llama / "nemo",
+        tp=2,
+        lr=0,
+        max_steps=1,
+        save_every=1,
+        frequency="latest",
+        format="hf",
+    )
+    assert report["consolidations"] == 1 and report["consolidation_errors"] == []
+    checkpoint = tmp_path / "tp2" / "tiny_gpt" / "checkpoints" / report["latest"]
+    assert {p.name for p in (checkpoint / "weights").glob("__1_*.distcp")}  # rank 1 wrote its shards
+    assert main([str(imported_llama / "nemo"), "--format", "hf", "--out", str(tmp_path / "tp1"), "--quiet"]) == 0
+    assert main([str(checkpoint), "--format", "hf", "--out", str(tmp_path / "offline"), "--quiet"]) == 0
+    for name in ("model.safetensors", "config.json"):
+        reference = (tmp_path / "tp1" / name).read_bytes()
+        assert (checkpoint / "hf" / name).read_bytes() == reference, name
+        assert (tmp_path / "offline" / name).read_bytes() == reference, name
+
+
+@pytest.mark.slow
+def test_fine_tuned_mixtral_round_trips_through_transformers(tmp_path_factory, tmp_path):
+    """The MoE family: a tiny random Mixtral (4 experts, top-2, GQA) made with ``transformers``, imported with NeMo's
+    ``HFMixtralImporter``, fine-tuned on the CPU with ``"hf"`` consolidation (NeMo's ``HFMixtralExporter``), loaded
+    with ``AutoModelForCausalLM``: same logits as the trained NeMo model within float32 rounding."""
+    from conftest import make_tiny_llama
+
+    mixtral = make_tiny_llama(tmp_path_factory.mktemp("mixtral"), "--family", "mixtral")
+    report = run_fit(
+        tmp_path / "ft",
+        model_from=mixtral / "nemo",
+        frequency="latest",
+        format="hf",
+        max_steps=2,
+        save_every=2,
+        probe_hf=True,
+    )
+    assert report["consolidations"] == 1 and report["consolidation_errors"] == []
+    assert report["max_abs_hf_logit_diff"] < 1e-5  # ~2e-7 observed: routing and every expert agree
+    hf_dir = tmp_path / "ft" / "tiny_gpt" / "checkpoints" / report["latest"] / "hf"
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    meta = json.loads((hf_dir / "metadata.json").read_text())
+    assert meta["exporter"] == "nemo.collections.llm.gpt.model.mixtral.HFMixtralExporter"
+    from safetensors import safe_open
+
+    with safe_open(str(hf_dir / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+    assert {f"model.layers.{layer}.block_sparse_moe.experts.{e}.w{w}.weight" for layer in (0, 1) for e in range(4)
+            for w in (1, 2, 3)} <= names  # fmt: skip

@@ -37,6 +37,7 @@ Imports torch and the engine at module level; NeMo only inside the functions tha
 nemo_patch.export.hf`` imports no NeMo); never the training side, the overlay, the CLI or ``nemo_patch.testing``.
 """
 
+import inspect
 import json
 import logging
 import os
@@ -122,6 +123,15 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Di
         name: tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
         for name, tensor in state_dict.items()
     }
+
+
+def _init_target(exporter: Any, dtype: torch.dtype) -> Any:
+    """The exporter's empty ``transformers`` model in ``dtype``: NeMo's exporters differ in whether ``init`` takes the
+    dtype (``HFLlamaExporter.init(dtype)``) or not (``HFMixtralExporter.init()``, which builds the config's default,
+    fp32); the latter is cast."""
+    if len(inspect.signature(exporter.init).parameters) >= 1:
+        return exporter.init(dtype)
+    return exporter.init().to(dtype)
 
 
 def _exporter_for(checkpoint_dir: Path) -> Any:
@@ -233,7 +243,7 @@ def export_hf_checkpoint(
     dtype = dtype or checkpoint_dtype(state)
     state = cast_floating(state, dtype)
     with staged_output(ckpt_dir, output_dir, overwrite, f"Exporting {ckpt_dir} to Hugging Face", "hf-") as tmp_dir:
-        target = exporter.init(dtype)
+        target = _init_target(exporter, dtype)
         target = exporter.convert_state(_ModelState(state, model.config), target).cpu()
         del state
         target.save_pretrained(tmp_dir, max_shard_size=max_shard_size, safe_serialization=True)

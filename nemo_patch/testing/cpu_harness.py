@@ -39,6 +39,9 @@ What is stubbed, and why (NeMo 2.7.3, megatron-core 0.15.3, torch 2.13 CPU build
    (``torch.BFloat16Tensor`` -> ``torch.cuda.BFloat16Tensor``): megatron-core's mixed-precision optimizer
    (``Float16OptimizerWithFloat16Params``, used for ``bf16-mixed`` and ``16-mixed``) accepts only parameters whose
    type string is a CUDA one. ``type(dtype)`` conversions are unchanged.
+8. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None``: megatron-core 0.15.3 imports it
+   only with Transformer Engine yet tests ``te_general_gemm is not None`` in the MoE router's forward, a
+   ``NameError`` without TE; ``None`` selects its own plain ``torch`` path.
 
 The model itself must also be CPU-friendly (local non-TE layer spec, fp32, ``use_cpu_initialization=True``, no
 fusions, ``OptimizerConfig(clip_grad=0.0)``) and batches must carry an ``attention_mask``: see
@@ -125,6 +128,7 @@ def megatron_on_cpu() -> Iterator[None]:
     from unittest import mock
 
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
     from nemo.lightning.io import pl as nemo_io_pl
 
     patches = [
@@ -138,6 +142,7 @@ def megatron_on_cpu() -> Iterator[None]:
         mock.patch.object(torch.Tensor, "cuda", _identity_receiver),
         mock.patch.object(torch.nn.Module, "cuda", _identity_receiver),
         mock.patch.object(torch.Tensor, "type", _cuda_type_name),
+        mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True),
         mock.patch.object(mcore_random.CudaRNGStatesTracker, "fork", _noop_fork),
         mock.patch.object(mcore_random.CudaRNGStatesTracker, "add", _noop),
         mock.patch.object(nemo_io_pl, "_fix_tensors_device", lambda ckpt: ckpt),

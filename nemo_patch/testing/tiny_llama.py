@@ -24,13 +24,47 @@ Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter c
 
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from nemo_patch.testing.tiny_gpt import SEQ_LENGTH, VOCAB_SIZE
 
-__all__ = ["cpu_llama_config_class", "import_into_nemo", "make_tiny_hf_llama"]
+__all__ = ["cpu_llama_config_class", "cpu_mixtral_config_class", "import_into_nemo", "make_tiny_hf_llama"]
+
+#: What the CPU needs changed in a NeMo config's defaults: no fused kernels (they need CUDA), CPU initialisation, no
+#: dropout (so that logits can be compared).
+_CPU_DEFAULTS = dict(
+    use_cpu_initialization=True,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    cross_entropy_loss_fusion=False,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
+
+
+def _cpu_config_class(name: str, base: type, **more_defaults: Any) -> type:
+    """``base`` (a NeMo config dataclass) with the local layer spec and :data:`_CPU_DEFAULTS`, registered in this
+    module as ``name`` (the name NeMo's serialized context refers to)."""
+    if name in globals():
+        return globals()[name]
+    from dataclasses import field, make_dataclass
+
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    defaults = {**_CPU_DEFAULTS, **more_defaults}
+    fields = [("transformer_layer_spec", Any, field(default=local_layer_spec))]
+    fields += [(key, type(value), field(default=value)) for key, value in defaults.items()]
+    config_class = make_dataclass(name, fields, bases=(base,))
+    config_class.__module__ = "nemo_patch.testing.tiny_llama"  # also when this file runs as __main__
+    config_class.__qualname__ = name
+    globals()[name] = config_class
+    return config_class
 
 
 def cpu_llama_config_class() -> type:
@@ -40,36 +74,27 @@ def cpu_llama_config_class() -> type:
     afterwards. Defined on first use (NeMo is imported then) and cached as this module's ``CpuLlamaConfig``, the
     name NeMo's serialized context refers to.
     """
-    if "CpuLlamaConfig" in globals():
-        return globals()["CpuLlamaConfig"]
-    from dataclasses import dataclass, field
-
     from nemo.collections.llm import LlamaConfig
-    from nemo.collections.llm.gpt.model.base import local_layer_spec
 
-    @dataclass
-    class CpuLlamaConfig(LlamaConfig):
-        transformer_layer_spec: Any = field(default=local_layer_spec)
-        use_cpu_initialization: bool = True
-        bias_activation_fusion: bool = False
-        bias_dropout_fusion: bool = False
-        masked_softmax_fusion: bool = False
-        persist_layer_norm: bool = False
-        apply_rope_fusion: bool = False
-        gradient_accumulation_fusion: bool = False
-        cross_entropy_loss_fusion: bool = False
-        attention_dropout: float = 0.0
-        hidden_dropout: float = 0.0
+    return _cpu_config_class("CpuLlamaConfig", LlamaConfig)
 
-    CpuLlamaConfig.__module__ = "nemo_patch.testing.tiny_llama"  # also when this file runs as __main__
-    CpuLlamaConfig.__qualname__ = "CpuLlamaConfig"
-    globals()["CpuLlamaConfig"] = CpuLlamaConfig
-    return CpuLlamaConfig
+
+def cpu_mixtral_config_class() -> type:
+    """NeMo's ``MixtralConfig8x7B`` (what its importer builds) with CPU defaults, ``SequentialMLP`` experts (no
+    grouped GEMM) and the all-gather token dispatcher."""
+    from nemo.collections.llm.gpt.model.mixtral import MixtralConfig8x7B
+
+    return _cpu_config_class(
+        "CpuMixtralConfig", MixtralConfig8x7B, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False
+    )
 
 
 def __getattr__(name: str) -> Any:
-    if name == "CpuLlamaConfig":  # NeMo's context loader resolves the class by this name
+    # NeMo's context loader resolves the config classes by these names
+    if name == "CpuLlamaConfig":
         return cpu_llama_config_class()
+    if name == "CpuMixtralConfig":
+        return cpu_mixtral_config_class()
     raise AttributeError(name)
 
 
@@ -80,8 +105,10 @@ def make_tiny_hf_llama(
     dtype: str = "float32",
     vocab_size: int = VOCAB_SIZE,
     padded_vocab_size: Optional[int] = None,
+    family: str = "llama",
 ) -> Path:
-    """Write a random 2-layer, hidden-64 ``LlamaForCausalLM`` (GQA: 4 heads, 2 KV heads) and its tokenizer.
+    """Write a random 2-layer, hidden-64 ``LlamaForCausalLM`` (GQA: 4 heads, 2 KV heads) and its tokenizer; with
+    ``family="mixtral"`` a ``MixtralForCausalLM`` of the same shape with 4 experts, top-2 routing.
 
     ``dtype`` (a ``torch`` dtype name) is the weights' dtype and the config's, which NeMo's importer makes the
     model's training dtype (``bf16``/``fp16`` flags and ``params_dtype``). The tokenizer has ``vocab_size`` entries;
@@ -93,13 +120,14 @@ def make_tiny_hf_llama(
     then ``t0`` ... ``t124``, so the tiny GPT's random token data module serves it.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i + 3 for i in range(vocab_size - 3)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(
+    extra: Dict[str, Any] = dict(num_local_experts=4, num_experts_per_tok=2) if family == "mixtral" else {}
+    config = (MixtralConfig if family == "mixtral" else LlamaConfig)(
         vocab_size=padded_vocab_size or vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -112,27 +140,35 @@ def make_tiny_hf_llama(
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype=dtype,
+        **extra,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().to(getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(config).float().to(getattr(torch, dtype))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     fast.save_pretrained(out_dir)
     return out_dir
 
 
-def import_into_nemo(hf_dir: Path, output_path: Path) -> Path:
-    """Import ``hf_dir`` into a NeMo 2 checkpoint at ``output_path`` with NeMo's ``HFLlamaImporter`` (on the CPU).
+def import_into_nemo(hf_dir: Path, output_path: Path, family: str = "llama") -> Path:
+    """Import ``hf_dir`` into a NeMo 2 checkpoint at ``output_path`` with NeMo's ``HFLlamaImporter`` (or, for
+    ``family="mixtral"``, ``HFMixtralImporter``) on the CPU.
 
     Must run inside :func:`nemo_patch.testing.cpu_harness.megatron_on_cpu`.
     """
     from unittest import mock
 
-    from nemo.collections.llm.gpt.model import llama
+    from nemo.collections.llm.gpt.model import llama, mixtral
 
-    # NeMo's importer builds `LlamaConfig(...)` from the HF config; build the CPU variant instead.
-    with mock.patch.object(llama, "LlamaConfig", cpu_llama_config_class()):
-        importer = llama.HFLlamaImporter(str(hf_dir))
+    # NeMo's importer builds its config class from the HF config; build the CPU variant instead.
+    if family == "mixtral":
+        patch = mock.patch.object(mixtral, "MixtralConfig8x7B", cpu_mixtral_config_class())
+        importer_class: Any = mixtral.HFMixtralImporter
+    else:
+        patch = mock.patch.object(llama, "LlamaConfig", cpu_llama_config_class())
+        importer_class = llama.HFLlamaImporter
+    with patch:
+        importer = importer_class(str(hf_dir))
         return Path(importer(overwrite=True, output_path=Path(output_path)))
 
 
@@ -148,6 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     parser.add_argument("--padded-vocab-size", type=int, default=None)
+    parser.add_argument("--family", choices=["llama", "mixtral"], default="llama")
     args = parser.parse_args(argv)
     # Through the package module, not __main__: NeMo's context must name the config class by its importable path.
     from nemo_patch.testing import tiny_llama
@@ -158,9 +195,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         dtype=args.dtype,
         vocab_size=args.vocab_size,
         padded_vocab_size=args.padded_vocab_size,
+        family=args.family,
     )
     with megatron_on_cpu():
-        tiny_llama.import_into_nemo(args.out / "hf", args.out / "nemo")
+        tiny_llama.import_into_nemo(args.out / "hf", args.out / "nemo", family=args.family)
     return 0
 
 
