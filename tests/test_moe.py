@@ -227,23 +227,38 @@ EXPERT_PARALLEL = textwrap.dedent(
     import os, sys, zlib, torch, torch.distributed as dist
 
     def fill(model, num_experts, ep_rank, ep_size):
-        # Deterministic weights from each tensor's global name alone (expert e also offset by e), so that any
-        # expert-parallel layout of the same model holds the same values.
+        # Deterministic weights from each tensor's global name and global shape alone (expert e also offset by e);
+        # a TP-split parameter takes its rank's slice of that global tensor. So any expert- and tensor-parallel layout
+        # of the same model holds the same values.
+        from megatron.core import parallel_state as ps
+
         local = num_experts // ep_size
         with torch.no_grad():
             for name, param in model.named_parameters():
                 expert = None
+                tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
                 if ".local_experts." in name:
                     head, tail = name.split(".local_experts.")
                     number, rest = tail.split(".", 1)
                     expert = ep_rank * local + int(number)
                     name = f"{head}.local_experts.{expert}.{rest}"
+                    tp_rank = ps.get_expert_tensor_parallel_rank()
+                    tp_size = ps.get_expert_tensor_parallel_world_size()
+                shape, dim = list(param.shape), getattr(param, "partition_dim", 0)
+                split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+                if split:
+                    shape[dim] *= tp_size
                 seed = zlib.crc32(name.encode()) % 997
-                values = torch.sin(torch.arange(param.numel(), dtype=torch.float32) * 0.37 + seed).view_as(param)
+                numel = 1
+                for size in shape:
+                    numel *= size
+                values = torch.sin(torch.arange(numel, dtype=torch.float32) * 0.37 + seed).view(shape)
+                if split:
+                    values = values.narrow(dim, tp_rank * param.shape[dim], param.shape[dim])
                 param.copy_(values + (expert if expert is not None else 0))
 
     def main():
-        ep, path = int(sys.argv[1]), sys.argv[2]
+        ep, tp, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
         dist.init_process_group("gloo")
         from megatron.core import dist_checkpointing, parallel_state
         from megatron.core.models.gpt import GPTModel
@@ -252,7 +267,13 @@ EXPERT_PARALLEL = textwrap.dedent(
         from megatron.core.transformer.transformer_config import TransformerConfig
         from nemo_patch.testing.cpu_harness import megatron_on_cpu
 
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+        # EP x TP asks for sequence parallelism, which the local spec's torch norms cannot do (TE or Apex can); it
+        # changes no weight layout. megatron-core 0.15.3 then warns through a `warnings` module it never imported
+        # (a NameError), so the module gets one.
+        import warnings
+        from megatron.core import model_parallel_config
+        model_parallel_config.warnings = warnings
         with megatron_on_cpu():
             model_parallel_cuda_manual_seed(0)
             config = TransformerConfig(
@@ -260,7 +281,7 @@ EXPERT_PARALLEL = textwrap.dedent(
                 num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                 add_bias_linear=False, bias_activation_fusion=False, masked_softmax_fusion=False,
                 persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                expert_model_parallel_size=ep)
+                expert_model_parallel_size=ep, tensor_model_parallel_size=tp)
             model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4), vocab_size=64, max_sequence_length=16)
             fill(model, 4, parallel_state.get_expert_model_parallel_rank(), ep)
             os.makedirs(os.path.join(path, "weights"), exist_ok=True)
@@ -274,7 +295,7 @@ EXPERT_PARALLEL = textwrap.dedent(
 )
 
 
-def _save_expert_parallel(tmp_path, ep):
+def _save_expert_parallel(tmp_path, ep, tp=1):
     import socket
 
     script = tmp_path / "expert_parallel.py"
@@ -282,25 +303,30 @@ def _save_expert_parallel(tmp_path, ep):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    checkpoint = tmp_path / f"ep{ep}"
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ep}", f"--master_port={port}"]
+    checkpoint = tmp_path / f"ep{ep}tp{tp}"
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ep * tp}", f"--master_port={port}"]
     proc = subprocess.run(
-        [*launcher, str(script), str(ep), str(checkpoint)], capture_output=True, text=True, cwd=REPO, timeout=600
+        [*launcher, str(script), str(ep), str(tp), str(checkpoint)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
     )
-    assert proc.returncode == 0 and proc.stdout.count("ok") == ep, proc.stderr[-4000:]
+    assert proc.returncode == 0 and proc.stdout.count("ok") == ep * tp, proc.stderr[-4000:]
     return checkpoint
 
 
 @pytest.mark.slow
 def test_expert_parallel_checkpoint_consolidates_to_the_same_bytes_as_ep1(tmp_path):
-    """EP=2 (2 gloo processes, 2 experts each) and EP=1 checkpoints of the same weights: identical output files."""
+    """EP=2 (2 gloo processes, 2 experts each), EP=2 x TP=2 (4 processes: experts and attention split over TP ranks
+    too, sequence parallel) and EP=1 checkpoints of the same weights: identical output files."""
     outputs = []
-    for ep in (1, 2):
-        checkpoint = _save_expert_parallel(tmp_path, ep)
+    for ep, tp in ((1, 1), (2, 1), (2, 2)):
+        checkpoint = _save_expert_parallel(tmp_path, ep, tp)
         result = consolidate_checkpoint(checkpoint, verify=True)
         outputs.append((result.output_dir / "model.safetensors").read_bytes())
-    assert outputs[0] == outputs[1]
-    tensors = load_file(str(tmp_path / "ep2" / "consolidated" / "model.safetensors"))
+    assert outputs[0] == outputs[1] == outputs[2]
+    tensors = load_file(str(tmp_path / "ep2tp2" / "consolidated" / "model.safetensors"))
     for expert in range(4):  # global expert ids: rank 1's first local expert is expert 2
         name = f"decoder.layers.1.mlp.experts.local_experts.{expert}.linear_fc2.weight"
         assert abs(tensors[name].mean().item() - expert) < 0.3, name
