@@ -78,6 +78,7 @@ def test_metadata_json_describes_the_output(each_run):
         assert handle.metadata() == {"format": "pt"}
     assert meta == {
         "format_version": 1,
+        "kind": "model",
         "global_step": 6,
         "source_checkpoint": "../weights",
         "tensor_count": len(tensors),

@@ -13,7 +13,7 @@
 # limitations under the License.
 
 """Consolidation is never switched off silently by something that replaces the checkpoint IO (#12, first part), and
-PEFT adapter checkpoints are never consolidated as a model."""
+PEFT adapter checkpoints are never consolidated as a model (the real LoRA runs are in ``test_peft.py``)."""
 
 import json
 import re
@@ -79,11 +79,17 @@ def test_the_strategy_reinstalls_or_names_the_replacement(kind, caplog):
         assert [r.levelname for r in caplog.records] == ["ERROR"] and "CustomCheckpointIO" in caplog.text
 
 
-def test_an_adapter_checkpoint_is_refused_naming_its_base(checkpoint_copy, tmp_path, capsys):
-    """NeMo's WrappedAdapterIO writes weights/adapter_metadata.json; such a checkpoint holds adapters only."""
+def test_an_adapter_checkpoint_is_never_written_as_a_model(checkpoint_copy, tmp_path, capsys):
+    """NeMo's WrappedAdapterIO writes weights/adapter_metadata.json; such a checkpoint holds adapters only: the
+    safetensors format writes adapter_model.safetensors, the Hugging Face format (hf-peft) is refused naming the
+    base (exit 12) and writes nothing."""
     (checkpoint_copy / "weights" / "adapter_metadata.json").write_text(json.dumps({"model_ckpt_path": "/base/ckpt"}))
-    for extra in ([], ["--format", "hf"]):
-        assert main([str(checkpoint_copy), "--out", str(tmp_path / "out"), *extra]) == 12
-        err = capsys.readouterr().err
-        assert "PEFT adapter checkpoint" in err and "/base/ckpt" in err and "Traceback" not in err
-        assert not (tmp_path / "out").exists()
+    assert main([str(checkpoint_copy), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 12
+    err = capsys.readouterr().err
+    assert "PEFT adapter checkpoint" in err and "/base/ckpt" in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()
+    assert main([str(checkpoint_copy), "--out", str(tmp_path / "out"), "--verify"]) == 0
+    assert "adapter tensors" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter_model.safetensors", "metadata.json"]
+    meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
+    assert meta["kind"] == "adapter" and meta["base_checkpoint"] == "/base/ckpt" and meta["peft"] is None

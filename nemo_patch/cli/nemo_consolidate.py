@@ -30,7 +30,8 @@ atomically: on any failure nothing is left under the output name or in a tempora
 Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr:
 see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
-exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint, 1 anything else).
+exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint in the ``hf`` format,
+1 anything else). An adapter checkpoint in the ``safetensors`` format gives ``adapter_model.safetensors``.
 
 ``--verify`` re-reads the output and compares every tensor with the checkpoint; for the ``safetensors`` format of a
 checkpoint with a NeMo ``context/`` it also checks that the output's names and shapes are those of the model the
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(or a Hugging Face model directory).",
         epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "
-        "11 a layout that cannot be named safely, 12 a PEFT adapter checkpoint, 1 other.",
+        "11 a layout that cannot be named safely, 12 a PEFT adapter checkpoint in the hf format, 1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "
@@ -161,7 +162,7 @@ def _human(size: float) -> str:
 def _context_shapes(location: "CheckpointLocation") -> Optional[Dict[str, Tuple[int, ...]]]:
     """The names and shapes of the model in the checkpoint's ``context/`` (``--verify``), or ``None`` with a warning
     on stderr when there is no context or the model cannot be built here (the tensor comparison still runs)."""
-    if not (location.checkpoint_dir / "context").is_dir():
+    if location.adapter or not (location.checkpoint_dir / "context").is_dir():  # adapters are not the context's model
         return None
     from nemo_patch.export.context_model import context_model_shapes
 
@@ -248,7 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.quiet:
         rate = result.total_bytes / seconds if seconds > 0 else 0.0
         print(
-            f"Consolidated {location.checkpoint_dir} -> {result.output_dir}: {result.tensor_count} tensors, "
+            f"Consolidated {location.checkpoint_dir} -> {result.output_dir}: {result.tensor_count} "
+            f"{'adapter tensors' if result.kind == 'adapter' else 'tensors'}, "
             f"{_human(result.total_bytes)} in {seconds:.1f} s ({_human(rate)}/s)"
             f"{', verified' if args.verify else ''}"
         )

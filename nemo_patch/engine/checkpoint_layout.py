@@ -39,10 +39,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.errors import (
-    AdapterCheckpointError,
     CheckpointNotFoundError,
     NotACheckpointError,
     UnfinishedCheckpointError,
@@ -81,12 +80,17 @@ class CheckpointLocation:
         finished: ``False`` when NeMo's unfinished marker is present or the file the format writes last (``.metadata``
             for ``torch_dist``, megatron-core's ``metadata.json`` for ``zarr``) was never written.
         backend: ``"torch_dist"`` or ``"zarr"``.
+        adapter: whether it is a PEFT adapter checkpoint (NeMo's ``weights/adapter_metadata.json``): adapter weights
+            only, for the base model NeMo recorded.
+        adapter_base: the base model's checkpoint path NeMo recorded (``model_ckpt_path``), ``None`` if unreadable.
     """
 
     checkpoint_dir: Path
     weights_dir: Path
     finished: bool
     backend: str = "torch_dist"
+    adapter: bool = False
+    adapter_base: Optional[str] = None
 
 
 def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
@@ -145,8 +149,9 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
         UnsupportedFormatError: an ``fsdp_dtensor`` checkpoint or another ``sharded_backend`` (the message names it).
         UnfinishedCheckpointError: NeMo's unfinished marker is present, or the file the format writes last is
             missing (``.metadata``; ``metadata.json`` for ``zarr``).
-        AdapterCheckpointError: a PEFT adapter checkpoint (NeMo's ``weights/adapter_metadata.json``): adapters only,
-            which are never consolidated as a model.
+
+    A PEFT adapter checkpoint (NeMo's ``weights/adapter_metadata.json``) is returned with ``adapter=True``: its
+    consolidation writes adapters, never a model.
     """
     path = Path(path)
     if not path.exists():
@@ -178,22 +183,18 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
             f"{checkpoint_dir} is a '{backend}' checkpoint; only 'torch_dist' and 'zarr' checkpoints can be "
             "consolidated (re-save with MegatronStrategy(save_ckpt_format='torch_dist'))"
         )
-    if (weights_dir / ADAPTER_METADATA).is_file():
+    adapter, base = (weights_dir / ADAPTER_METADATA).is_file(), None
+    if adapter:
         try:
             base = json.loads((weights_dir / ADAPTER_METADATA).read_text()).get("model_ckpt_path")
         except (OSError, ValueError, AttributeError):
             base = None
-        raise AdapterCheckpointError(
-            f"{checkpoint_dir} is a PEFT adapter checkpoint (NeMo's weights/{ADAPTER_METADATA}; base model: {base}): "
-            "it holds only adapter weights, not a model, and consolidating adapters is not supported yet; nothing "
-            "was written"
-        )
     last_file = "metadata.json" if backend == "zarr" else ".metadata"
     finished = weights_written(weights_dir) and not is_marked_unfinished(checkpoint_dir)
     if not finished and not allow_unfinished:
         why = "NeMo's unfinished marker is present" if is_marked_unfinished(checkpoint_dir) else f"no '{last_file}'"
         raise UnfinishedCheckpointError(f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended")
-    return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend)
+    return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend, adapter, base)
 
 
 def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:

@@ -25,7 +25,12 @@ Output: ``<ckpt>/consolidated/``
 * ``model.safetensors`` (or ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json`` when
   the weights exceed ``max_shard_size``, as Hugging Face splits them; names in
   :mod:`nemo_patch.engine.output_layout`): the model weights only, named as :mod:`nemo_patch.engine.plan` says.
-* ``metadata.json``: see :class:`ConsolidationResult` (layout version ``FORMAT_VERSION``).
+* ``metadata.json``: see :class:`ConsolidationResult` (layout version ``FORMAT_VERSION``), with ``"kind": "model"``.
+
+A PEFT adapter checkpoint (NeMo's ``weights/adapter_metadata.json``; LoRA fine-tuning saves only the adapters) gives
+``adapter_model.safetensors`` instead (the adapter tensors, TP shards reassembled, layer stacks split, names as for a
+model), never ``model.safetensors``, and ``metadata.json`` says ``"kind": "adapter"`` with the ``base_checkpoint``
+NeMo recorded and the PEFT method and settings from the context (:mod:`nemo_patch.engine.adapter_settings`).
 
 The output is published atomically: everything is written to a hidden temporary directory next to the final one and
 renamed into place (:func:`nemo_patch.engine.publish.staged_output`), so a reader sees either no ``consolidated/`` or
@@ -51,17 +56,20 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
 from nemo_patch.engine.output_layout import (
+    ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
     DEFAULT_MAX_SHARD_SIZE,
     FORMAT_VERSION,
-    INDEX_FILENAME,
     METADATA_FILENAME,
-    SINGLE_FILENAME,
+    MODEL_STEM,
+    index_filename,
     shard_filename,
+    single_filename,
 )
 from nemo_patch.engine.plan import OutputTensor, cast_outputs, plan_outputs, stored_spec
 from nemo_patch.engine.publish import staged_output
@@ -84,6 +92,7 @@ class ConsolidationResult:
         total_bytes: sum of the tensors' data sizes in bytes (``numel * element_size``), excluding headers.
         global_step: the global step recorded in ``metadata.json`` (``None`` if unknown).
         files: output file name -> sha256 hex digest.
+        kind: ``"model"``, or ``"adapter"`` for a PEFT adapter checkpoint's adapters.
     """
 
     output_dir: Path
@@ -91,6 +100,7 @@ class ConsolidationResult:
     total_bytes: int
     global_step: Optional[int]
     files: Dict[str, str] = field(default_factory=dict)
+    kind: str = "model"
 
 
 def _root_cause(error: BaseException) -> str:
@@ -229,14 +239,17 @@ def consolidate_checkpoint(
             return tensor
 
         shards = plan_shards([output.spec for output in outputs], max_shard_size)
-        names = [SINGLE_FILENAME] if len(shards) == 1 else [shard_filename(i, len(shards)) for i in range(len(shards))]
+        stem = ADAPTER_STEM if location.adapter else MODEL_STEM
+        count = len(shards)
+        names = [single_filename(stem)] if count == 1 else [shard_filename(i, count, stem) for i in range(count)]
         files = {}
         for name, specs in zip(names, shards):
             files[name] = write_safetensors(tmp_dir / name, specs, produce, metadata={"format": "pt"})
         if len(shards) > 1:
-            files[INDEX_FILENAME] = write_index(tmp_dir / INDEX_FILENAME, zip(names, shards))
+            files[index_filename(stem)] = write_index(tmp_dir / index_filename(stem), zip(names, shards))
         manifest = {
             "format_version": FORMAT_VERSION,
+            "kind": "adapter" if location.adapter else "model",
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
             "tensor_count": len(outputs),
@@ -245,6 +258,8 @@ def consolidate_checkpoint(
             "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
             "files": {name: {"sha256": digest} for name, digest in sorted(files.items())},
         }
+        if location.adapter:
+            manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
             with open(tmp_dir / name, "rb") as handle:
@@ -254,4 +269,5 @@ def consolidate_checkpoint(
             if expected_shapes is not None:
                 verify_names_and_shapes(tmp_dir, expected_shapes, "the model in the checkpoint's context")
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
-    return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files)
+    kind = "adapter" if location.adapter else "model"
+    return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files, kind)

@@ -94,9 +94,9 @@ class UnknownLayoutError(ConsolidationError):
 
 
 class AdapterCheckpointError(ConsolidationError):
-    """A PEFT (e.g. LoRA) adapter checkpoint: NeMo's ``weights/adapter_metadata.json`` is there and the checkpoint
-    holds only adapter weights, not a model. Consolidating adapters is not supported yet, and they are never written
-    as a model; the message names the base checkpoint NeMo recorded."""
+    """A PEFT (e.g. LoRA) adapter checkpoint (NeMo's ``weights/adapter_metadata.json``: adapter weights only, not a
+    model) asked for in a form that is not supported for adapters yet (the Hugging Face format); the message names
+    the base checkpoint NeMo recorded. Adapters are never written as a model."""
 
     exit_code = 12
 

@@ -25,6 +25,7 @@ it.
 from typing import Dict
 
 __all__ = [
+    "ADAPTER_STEM",
     "CONSOLIDATED_DIRNAME",
     "DTYPE_NAMES",
     "DEFAULT_MAX_SHARD_SIZE",
@@ -32,11 +33,14 @@ __all__ = [
     "HF_DIRNAME",
     "INDEX_FILENAME",
     "METADATA_FILENAME",
+    "MODEL_STEM",
     "OUTPUT_DIRNAMES",
     "RETAINED_DIRNAME",
     "SINGLE_FILENAME",
     "dtype_name",
+    "index_filename",
     "shard_filename",
+    "single_filename",
 ]
 
 #: Name of the ``safetensors``-format output directory inside a checkpoint directory.
@@ -50,6 +54,10 @@ OUTPUT_DIRNAMES: Dict[str, str] = {"safetensors": CONSOLIDATED_DIRNAME, "hf": HF
 RETAINED_DIRNAME = "retained"
 #: Hugging Face's default ``max_shard_size`` ("5GB", decimal): 5 * 10**9 bytes of tensor data per file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+#: Stem of the weights files of a model output (``model.safetensors``, ``model-00001-of-00002.safetensors``).
+MODEL_STEM = "model"
+#: Stem of the weights files of a PEFT adapter output (``adapter_model.safetensors``, the name Hugging Face PEFT uses).
+ADAPTER_STEM = "adapter_model"
 #: Weights file name when everything fits in one shard.
 SINGLE_FILENAME = "model.safetensors"
 #: Index file name when there are several shards.
@@ -80,6 +88,17 @@ def dtype_name(value: object) -> str:
     return name
 
 
-def shard_filename(index: int, count: int) -> str:
-    """``model-00001-of-00003.safetensors`` for ``index=0, count=3`` (Hugging Face's naming)."""
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+def shard_filename(index: int, count: int, stem: str = MODEL_STEM) -> str:
+    """``model-00001-of-00003.safetensors`` for ``index=0, count=3`` (Hugging Face's naming); ``stem`` is
+    :data:`MODEL_STEM` or :data:`ADAPTER_STEM`."""
+    return f"{stem}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def single_filename(stem: str = MODEL_STEM) -> str:
+    """``model.safetensors`` (or ``adapter_model.safetensors``): the weights file when everything fits in one."""
+    return f"{stem}.safetensors"
+
+
+def index_filename(stem: str = MODEL_STEM) -> str:
+    """``model.safetensors.index.json`` (or ``adapter_model.safetensors.index.json``) when there are several shards."""
+    return f"{stem}.safetensors.index.json"

@@ -29,18 +29,22 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.checkpoint_reader import open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
-from nemo_patch.engine.output_layout import INDEX_FILENAME, SINGLE_FILENAME
+from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM, index_filename, single_filename
 from nemo_patch.engine.plan import plan_outputs
 
 __all__ = ["output_shapes", "tensors_bitwise_equal", "verify_consolidated", "verify_names_and_shapes"]
 
 
 def _weight_map(output_dir: Path) -> Dict[str, str]:
-    index = output_dir / INDEX_FILENAME
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    with safe_open(str(output_dir / SINGLE_FILENAME), framework="pt") as handle:
-        return {name: SINGLE_FILENAME for name in handle.keys()}
+    """Tensor name -> file of a model or adapter output (its index, else its single file)."""
+    for stem in (MODEL_STEM, ADAPTER_STEM):
+        index = output_dir / index_filename(stem)
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+    single = next((name for name in map(single_filename, (MODEL_STEM, ADAPTER_STEM)) if (output_dir / name).is_file()),
+                  single_filename())  # fmt: skip
+    with safe_open(str(output_dir / single), framework="pt") as handle:
+        return {name: single for name in handle.keys()}
 
 
 def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:

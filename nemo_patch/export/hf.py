@@ -53,6 +53,7 @@ from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.checkpoint_reader import open_weights
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, tensor_producer
 from nemo_patch.engine.errors import (
+    AdapterCheckpointError,
     ConsolidationError,
     CorruptShardError,
     ExportError,
@@ -219,6 +220,7 @@ def export_hf_checkpoint(
         exported model's ``state_dict``).
 
     Raises:
+        AdapterCheckpointError: a PEFT adapter checkpoint (exit code 12).
         ExportError: NeMo is not importable, the context cannot be read, or the model class has no ``"hf"``
             exporter (the message names the class).
         ConsolidationError: or another subclass from :mod:`nemo_patch.engine.errors`, as for
@@ -226,6 +228,12 @@ def export_hf_checkpoint(
     """
     location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
     ckpt_dir, weights_dir = location.checkpoint_dir, location.weights_dir
+    if location.adapter:
+        raise AdapterCheckpointError(
+            f"{ckpt_dir} is a PEFT adapter checkpoint (base model: {location.adapter_base}): the Hugging Face format "
+            "of adapters (NeMo's 'hf-peft' exporter) is not supported yet; use the safetensors format, which writes "
+            "adapter_model.safetensors; nothing was written"
+        )
     output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / HF_DIRNAME
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
@@ -257,6 +265,7 @@ def export_hf_checkpoint(
         manifest = {
             "format_version": FORMAT_VERSION,
             "format": "hf",
+            "kind": "model",
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
             "exporter": f"{type(exporter).__module__}.{type(exporter).__qualname__}",

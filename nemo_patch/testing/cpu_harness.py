@@ -42,6 +42,11 @@ What is stubbed, and why (NeMo 2.7.3, megatron-core 0.15.3, torch 2.13 CPU build
 8. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None``: megatron-core 0.15.3 imports it
    only with Transformer Engine yet tests ``te_general_gemm is not None`` in the MoE router's forward, a
    ``NameError`` without TE; ``None`` selects its own plain ``torch`` path.
+9. NeMo's LoRA without Transformer Engine: ``nemo.collections.llm.peft.lora.te`` is NeMo's placeholder module, which
+   raises on any attribute, yet ``LoRA.transform`` compares ``m.__class__ == te.Linear``; it becomes a namespace whose
+   ``Linear`` no module is. ``nemo.collections.llm.peft.utils.HAVE_TE`` comes out ``True`` because megatron-core
+   0.15.3 defines its ``TE*Linear`` names as mock stand-ins without TE (and ``isinstance`` on them raises); it is set
+   to ``False``, as it is on a machine without TE and without those stand-ins.
 
 The model itself must also be CPU-friendly (local non-TE layer spec, fp32, ``use_cpu_initialization=True``, no
 fusions, ``OptimizerConfig(clip_grad=0.0)``) and batches must carry an ``attention_mask``: see
@@ -51,6 +56,7 @@ Test and demo aid: nothing in the product imports ``nemo_patch.testing`` (import
 """
 
 import contextlib
+import types
 from typing import Any, Iterator
 
 import torch
@@ -129,6 +135,8 @@ def megatron_on_cpu() -> Iterator[None]:
 
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils
+    from nemo.collections.llm.peft import lora as peft_lora
+    from nemo.collections.llm.peft import utils as peft_utils
     from nemo.lightning.io import pl as nemo_io_pl
 
     patches = [
@@ -146,6 +154,8 @@ def megatron_on_cpu() -> Iterator[None]:
         mock.patch.object(mcore_random.CudaRNGStatesTracker, "fork", _noop_fork),
         mock.patch.object(mcore_random.CudaRNGStatesTracker, "add", _noop),
         mock.patch.object(nemo_io_pl, "_fix_tensors_device", lambda ckpt: ckpt),
+        mock.patch.object(peft_lora, "te", types.SimpleNamespace(Linear=type("NoTransformerEngineLinear", (), {}))),
+        mock.patch.object(peft_utils, "HAVE_TE", False),
     ]
     with contextlib.ExitStack() as stack:
         for patch in patches:

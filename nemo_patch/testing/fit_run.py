@@ -37,6 +37,9 @@ __all__ = ["CHECKPOINT_FILENAME", "MONITORED_FILENAME", "checkpoint_report", "re
 CHECKPOINT_FILENAME = "tiny_gpt--{step}-{consumed_samples}"
 #: The same with a monitored metric (``METRIC`` is replaced by its name), as NeMo's top-k needs it in the name.
 MONITORED_FILENAME = "tiny_gpt--{METRIC:.4f}-{step}-{consumed_samples}"
+#: LoRA rank and alpha of ``--peft lora`` (alpha != rank: the merge scale alpha / rank is 2, not 1).
+LORA_DIM = 8
+LORA_ALPHA = 16
 
 
 def retained_report(checkpoint_root: Path) -> List[Dict[str, Any]]:
@@ -117,6 +120,7 @@ def run_tiny_fit(
     strategy_args: Sequence[str] = (),
     swap_io: Optional[str] = None,
     precision: str = "32",
+    peft: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -161,6 +165,9 @@ def run_tiny_fit(
             e.g. ``save_ckpt_format=zarr``, ``ckpt_parallel_save=false``, ``ckpt_torch_dist_multiproc=2``).
         swap_io: replace the checkpoint IO in a callback's ``setup`` as NeMo's PEFT callback does
             (:class:`nemo_patch.testing.io_swap.SwapCheckpointIO`: ``"stock"`` or ``"custom"``).
+        peft: ``"lora"``: fine-tune with ``llm.finetune`` and NeMo's ``LoRA`` on ``linear_qkv`` and ``linear_proj``
+            (rank :data:`LORA_DIM`, alpha :data:`LORA_ALPHA`: alpha != rank, so a merge that forgets the scale shows);
+            needs ``model_from``. NeMo's PEFT callback then saves adapter-only checkpoints.
         precision: the trainer's ``nl.MegatronMixedPrecision`` precision, ``"32"`` (default), ``"bf16-mixed"`` or
             ``"16-mixed"``: the parameters, and so the checkpoint's weights, are in that dtype.
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
@@ -248,7 +255,11 @@ def run_tiny_fit(
         start = time.perf_counter()
         data = tiny_gpt.TinyTokenDataModule(global_batch_size=2 * (devices or tp * pp) // (tp * pp))
         try:
-            llm.train(model, data, trainer, log=log, resume=resume, tokenizer=None)
+            if peft is not None:
+                adapter = llm.peft.LoRA(target_modules=["linear_qkv", "linear_proj"], dim=LORA_DIM, alpha=LORA_ALPHA)
+                llm.finetune(model, data, trainer, peft=adapter, log=log, resume=resume, tokenizer=None)
+            else:
+                llm.train(model, data, trainer, log=log, resume=resume, tokenizer=None)
         except SystemExit as stop:  # NeMo's PreemptionCallback ends fit with sys.exit(0) after its final save
             report["system_exit"] = stop.code
         finally:
@@ -363,6 +374,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--wait-for-consolidation", action="store_true")
     parser.add_argument("--strategy-arg", action="append", default=[])
     parser.add_argument("--swap-io", choices=["stock", "custom"], default=None)
+    parser.add_argument("--peft", choices=["lora"], default=None)
     parser.add_argument("--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -398,6 +410,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         strategy_args=args.strategy_arg,
         swap_io=args.swap_io,
         precision=args.precision,
+        peft=args.peft,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

@@ -1,0 +1,61 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The PEFT method and settings of an adapter checkpoint, as NeMo recorded them in its context.
+
+NeMo's PEFT callback saves adapter-only checkpoints (``weights/adapter_metadata.json`` names the base model) whose
+``context/model.yaml`` holds the model's ``model_transform``: the PEFT object, e.g.::
+
+    model_transform:
+      _target_: nemo.collections.llm.peft.lora.LoRA
+      dim: 8
+      alpha: 16
+      dropout: 0.0
+      target_modules: [linear_qkv, linear_proj]
+
+:func:`peft_settings` reads that block with PyYAML (installed with NeMo; without it, or without the file, the settings
+are unknown: ``None``). Only plain values are kept; NeMo's own objects (``_call_`` entries) are left out.
+
+Standard library (and PyYAML when present) only.
+"""
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+__all__ = ["MODEL_YAML", "peft_settings"]
+
+#: NeMo's human-readable dump of a checkpoint's model, relative to the checkpoint directory.
+MODEL_YAML = Path("context") / "model.yaml"
+_KEPT = (str, int, float, bool, type(None))
+
+
+def peft_settings(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
+    """``{"method": <class path>, "dim": ..., "alpha": ..., ...}`` of the checkpoint's ``model_transform``, or
+    ``None`` when it has none or it cannot be read (never raises for that)."""
+    try:
+        import yaml
+
+        data = yaml.safe_load((Path(checkpoint_dir) / MODEL_YAML).read_text())
+        transform = data.get("model_transform")
+    except Exception:  # no PyYAML, no file, not YAML, not a mapping: unknown, not an error
+        return None
+    if not isinstance(transform, dict) or not isinstance(transform.get("_target_"), str):
+        return None
+    settings: Dict[str, Any] = {"method": transform["_target_"]}
+    for key, value in sorted(transform.items()):
+        if key.startswith("_"):
+            continue
+        if isinstance(value, _KEPT) or (isinstance(value, list) and all(isinstance(v, _KEPT) for v in value)):
+            settings[key] = value
+    return settings
