@@ -94,6 +94,8 @@ STRATEGY_DOC = '''        **kwargs: Additional keyword arguments.
             registered Hugging Face exporter).
         ckpt_consolidation_dtype (Optional[str]): output dtype, "bf16", "fp16" or "fp32"; None keeps the
             checkpoint's.
+        ckpt_consolidation_merge_adapters (bool): for PEFT (LoRA) adapter checkpoints, write the base model with the
+            adapters merged instead of the adapters alone.
 '''
 
 STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
@@ -104,6 +106,7 @@ STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
         ckpt_consolidation_format: str = "safetensors",
         ckpt_consolidation_keep: Optional[int] = None,
         ckpt_consolidation_dtype: Optional[str] = None,
+        ckpt_consolidation_merge_adapters: bool = False,
 """
 
 STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once.
@@ -118,6 +121,7 @@ STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once
             output_format=ckpt_consolidation_format,
             keep=ckpt_consolidation_keep,
             dtype=ckpt_consolidation_dtype,
+            merge_adapters=ckpt_consolidation_merge_adapters,
         )
         self.consolidation_policy = self.consolidation_settings.policy
 """

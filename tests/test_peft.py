@@ -23,7 +23,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, run_fit
+from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.testing.fit_run import LORA_ALPHA, LORA_DIM
@@ -33,12 +35,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def lora_run(imported_llama, tmp_path_factory):
-    """4 LoRA steps from the imported Llama, a checkpoint every 2, NeMo's default async save, ``"each"``."""
+    """4 LoRA steps from the imported Llama, a checkpoint every 2, NeMo's default async save, ``"each"``; the
+    newest checkpoint's adapters merged offline in both formats and compared with the trained model's logits."""
     out = tmp_path_factory.mktemp("lora")
     report = run_fit(
         out, model_from=imported_llama / "nemo", peft="lora", frequency="each", max_steps=4, save_every=2,
-        async_save=True,
+        async_save=True, lr=0.01, probe_merged=True,
     )  # fmt: skip
+    report["out"] = out
     report["root"] = out / "tiny_gpt" / "checkpoints"
     return report
 
@@ -78,3 +82,66 @@ def test_the_cli_writes_adapters_and_says_so(lora_run, tmp_path, capsys):
     ).read_bytes()
     assert main([str(newest), "--format", "hf", "--out", str(tmp_path / "hf")]) == 12
     assert "hf-peft" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+def test_merged_adapters_give_the_trained_models_logits_in_both_formats(lora_run):
+    """The merged safetensors output in a plain megatron-core model (no adapters) and the merged Hugging Face output in
+    ``AutoModelForCausalLM`` compute the logits of the trained model with its adapters (fp32)."""
+    assert lora_run["max_abs_merged_logit_diff"] < 1e-5
+    assert lora_run["max_abs_merged_hf_logit_diff"] < 1e-5
+
+
+def test_the_merge_is_nemos_lora_merge_with_the_alpha_over_dim_scale(lora_run, imported_llama, tmp_path):
+    newest = lora_run["root"] / lora_run["latest"]
+    merged_dir = lora_run["out"] / "probe-merged" / "safetensors"
+    merged = load_file(merged_dir / "model.safetensors")
+    adapters = load_file(newest / "consolidated" / "adapter_model.safetensors")
+    assert main([str(imported_llama / "nemo"), "--out", str(tmp_path / "base"), "--quiet"]) == 0
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    assert sorted(merged) == sorted(base)  # the base model's tensors, nothing of the adapters' names
+    scale = LORA_ALPHA / LORA_DIM
+    assert scale == 2.0  # alpha != dim: a merge that forgot the scale would be off by the delta
+    wrapped = {name.split(".adapter.")[0] + ".weight" for name in adapters}
+    assert len(wrapped) == 4  # 2 layers x (linear_qkv, linear_proj)
+    for name, tensor in merged.items():
+        if name in wrapped:
+            prefix = name.removesuffix(".weight")
+            delta = adapters[f"{prefix}.adapter.linear_out.weight"] @ adapters[f"{prefix}.adapter.linear_in.weight"]
+            assert delta.abs().max() > 1e-4, name  # training moved the adapter away from its zero init
+            assert torch.equal(tensor, base[name] + scale * adapters[f"{prefix}.adapter.linear_out.weight"]
+                               @ adapters[f"{prefix}.adapter.linear_in.weight"]), name  # fmt: skip
+        else:
+            assert torch.equal(tensor, base[name]), name
+    meta = json.loads((merged_dir / "metadata.json").read_text())
+    assert meta["kind"] == "model" and meta["merged_adapters"] == {
+        "method": "nemo.collections.llm.peft.lora.LoRA",
+        "alpha": LORA_ALPHA,
+        "dim": LORA_DIM,
+    }
+
+
+def test_a_missing_base_checkpoint_exits_13_naming_it_and_writes_nothing(lora_run, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "adapter"
+    shutil.copytree(lora_run["root"] / lora_run["latest"], copy, ignore=shutil.ignore_patterns("consolidated"))
+    (copy / "weights" / "adapter_metadata.json").write_text(json.dumps({"model_ckpt_path": str(tmp_path / "gone")}))
+    for output_format in ("safetensors", "hf"):
+        out = tmp_path / output_format
+        code = main([str(copy), "--merge-adapters", "--format", output_format, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 13 and f"base checkpoint {tmp_path / 'gone'}" in err and "does not exist" in err, err
+        assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_adapters_are_merged_during_training_when_asked(imported_llama, tmp_path):
+    report = run_fit(
+        tmp_path, model_from=imported_llama / "nemo", peft="lora", frequency="latest", format="hf", max_steps=2,
+        save_every=2, strategy_arg=["ckpt_consolidation_merge_adapters=true"],
+    )  # fmt: skip
+    assert report["consolidations"] == 1 and report["consolidation_errors"] == []
+    hf_dir = tmp_path / "tiny_gpt" / "checkpoints" / report["latest"] / "hf"
+    assert {"config.json", "model.safetensors", "metadata.json"} <= {p.name for p in hf_dir.iterdir()}
+    meta = json.loads((hf_dir / "metadata.json").read_text())
+    assert meta["kind"] == "model" and meta["merged_adapters"]["alpha"] == LORA_ALPHA
+    assert meta["base_checkpoint"] == str(imported_llama / "nemo")

@@ -156,6 +156,9 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_dtype", "int8", "None (the checkpoint's dtype) or one of 'bf16', 'fp16', 'fp32'"),
         ("ckpt_consolidation_dtype", True, "None (the checkpoint's dtype) or one of 'bf16', 'fp16', 'fp32'"),
         ("ckpt_consolidation_dtype", "fp8", "None (the checkpoint's dtype) or one of 'bf16', 'fp16', 'fp32'"),
+        ("ckpt_consolidation_merge_adapters", 1, "True or False"),
+        ("ckpt_consolidation_merge_adapters", "yes", "True or False"),
+        ("ckpt_consolidation_merge_adapters", None, "True or False"),
     ],
 )
 def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):
@@ -190,9 +193,10 @@ def test_consolidation_settings_reach_the_io():
         ckpt_consolidation_max_shard_size=1000,
         ckpt_consolidation_max_pending=0,
         ckpt_consolidation_dtype="bf16",
+        ckpt_consolidation_merge_adapters=True,
     )
     base = find_base_checkpoint_io(strategy.checkpoint_io)
-    assert base.consolidation_dtype == "bf16"
+    assert base.consolidation_dtype == "bf16" and base.consolidation_merge_adapters is True
     assert strategy.ckpt_consolidation_timeout == 12.5
     assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
     assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on

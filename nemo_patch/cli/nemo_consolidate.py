@@ -17,7 +17,7 @@
 Usage (also ``python -m nemo_patch``)::
 
     nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
-                     [--max-shard-size 5GB] [--verify] [--force] [--allow-unfinished] [--quiet]
+                     [--max-shard-size 5GB] [--merge-adapters] [--verify] [--force] [--allow-unfinished] [--quiet]
 
 ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
 else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). Checkpoints
@@ -30,8 +30,9 @@ atomically: on any failure nothing is left under the output name or in a tempora
 Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr:
 see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
-exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint in the ``hf`` format,
-1 anything else). An adapter checkpoint in the ``safetensors`` format gives ``adapter_model.safetensors``.
+exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint in the ``hf``
+format without ``--merge-adapters``, 13 adapters that cannot be merged (e.g. the base checkpoint is missing), 1
+anything else). An adapter checkpoint in the ``safetensors`` format gives ``adapter_model.safetensors``.
 
 ``--verify`` re-reads the output and compares every tensor with the checkpoint; for the ``safetensors`` format of a
 checkpoint with a NeMo ``context/`` it also checks that the output's names and shapes are those of the model the
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(or a Hugging Face model directory).",
         epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "
-        "11 a layout that cannot be named safely, 12 a PEFT adapter checkpoint in the hf format, 1 other.",
+        "11 a layout that cannot be named safely, 12 a PEFT adapter checkpoint in the hf format without "
+        "--merge-adapters, 13 adapters that cannot be merged (e.g. base checkpoint missing), 1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "
@@ -99,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=ACCEPTED_FORMATS, default="safetensors", help="output format")
     parser.add_argument("--dtype", type=_dtype, default=None, help="cast floating-point tensors: bf16, fp16 or fp32")
     parser.add_argument("--max-shard-size", type=_size, default=None, help='bytes per file, e.g. 5GB (default)')
+    parser.add_argument("--merge-adapters", action="store_true", help="for a PEFT (LoRA) adapter checkpoint: write "
+                        "its base model with the adapters merged instead of the adapters alone")  # fmt: skip
     parser.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
                         "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
@@ -217,6 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             verify=args.verify,
             allow_unfinished=args.allow_unfinished,
             progress=update,
+            merge_adapters=args.merge_adapters,
         )
         if args.max_shard_size is not None:
             options["max_shard_size"] = args.max_shard_size

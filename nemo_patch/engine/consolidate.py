@@ -53,13 +53,15 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from nemo_patch.engine.adapter_merge import LoRAMergeSource, merged_producer, open_lora_merge
 from nemo_patch.engine.adapter_settings import peft_settings
-from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
-from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError, VerificationError
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
@@ -74,10 +76,15 @@ from nemo_patch.engine.output_layout import (
 from nemo_patch.engine.plan import OutputTensor, cast_outputs, plan_outputs, stored_spec
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.safetensors_writer import TensorSpec, plan_shards, write_index, write_safetensors
-from nemo_patch.engine.verify import verify_consolidated, verify_names_and_shapes
+from nemo_patch.engine.verify import (
+    output_shapes,
+    tensors_bitwise_equal,
+    verify_consolidated,
+    verify_names_and_shapes,
+)
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 
-__all__ = ["ConsolidationResult", "ProgressCallback", "consolidate_checkpoint", "tensor_producer"]
+__all__ = ["ConsolidationResult", "ProgressCallback", "consolidate_checkpoint", "read_state_dict", "tensor_producer"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +167,74 @@ def tensor_producer(
     return produce
 
 
+def _merged_reader(
+    merge: LoRAMergeSource, planned: List[OutputTensor], adapter_reader: RegionReader
+) -> Callable[[TensorSpec], torch.Tensor]:
+    """Reads a merged output tensor (base + LoRA delta, in the stored dtype), cast to the spec's dtype."""
+    stored = {output.spec.name: output for output in planned}
+    read_base = tensor_producer(merge.base_reader, stored, merge.base_metadata, 0, reuse=False)
+    merged = merged_producer(
+        read_base, lambda output: adapter_reader.read(output.key, output.index), merge.pairs, merge.scale
+    )
+
+    def read(spec: TensorSpec) -> torch.Tensor:
+        tensor = merged(stored[spec.name].spec)
+        return tensor if tensor.dtype == spec.dtype else tensor.to(spec.dtype)
+
+    return read
+
+
+def _verify_merged(output_dir: Path, outputs: List[OutputTensor], read: Callable[[TensorSpec], torch.Tensor]) -> None:
+    """Every tensor of a merged output equals a fresh merge of its sources, bitwise, and nothing else is there."""
+    shapes = output_shapes(output_dir)
+    expected = {output.spec.name for output in outputs}
+    if set(shapes) != expected:
+        raise VerificationError(
+            f"{output_dir} does not hold the merged model's tensors: missing {sorted(expected - set(shapes))[:5]}, "
+            f"unexpected {sorted(set(shapes) - expected)[:5]}"
+        )
+    for path in sorted(output_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for output in outputs:
+                if output.spec.name in handle.keys() and not tensors_bitwise_equal(
+                    read(output.spec), handle.get_tensor(output.spec.name)
+                ):
+                    raise VerificationError(f"Tensor {output.spec.name} in {path} differs from the merged model's")
+
+
+def read_state_dict(
+    location: CheckpointLocation, merge_adapters: bool = False, progress: Optional["ProgressCallback"] = None
+) -> Tuple[Dict[str, torch.Tensor], Metadata]:
+    """Every output tensor of a checkpoint in memory (what the Hugging Face export converts at once).
+
+    Args:
+        location: from :func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`.
+        merge_adapters: for a LoRA adapter checkpoint, the base model with the adapters merged.
+        progress: called with ``(bytes read, bytes in all)``.
+
+    Returns:
+        ``(name -> tensor in its stored dtype, the metadata of the checkpoint the model tensors come from)``.
+
+    Raises:
+        ConsolidationError: or a subclass, as :func:`consolidate_checkpoint` raises them.
+    """
+    metadata, reader = open_weights(location.weights_dir, location.backend)
+    merge = open_lora_merge(location, metadata) if merge_adapters and location.adapter else None
+    outputs = merge.base_outputs if merge is not None else plan_outputs(metadata)
+    if merge is not None:
+        produce = _merged_reader(merge, outputs, reader)
+    else:
+        produce = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, 0, reuse=False)
+    total = sum(output.spec.nbytes for output in outputs)
+    state, done = {}, 0
+    for output in outputs:
+        state[output.spec.name] = produce(output.spec)
+        done += output.spec.nbytes
+        if progress is not None:
+            progress(done, total)
+    return state, (merge.base_metadata if merge is not None else metadata)
+
+
 #: Called during a consolidation with ``(bytes done, bytes in all)`` of tensor data, after each tensor.
 ProgressCallback = Callable[[int, int], None]
 
@@ -175,6 +250,7 @@ def consolidate_checkpoint(
     allow_unfinished: bool = False,
     progress: Optional[ProgressCallback] = None,
     expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
+    merge_adapters: bool = False,
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
@@ -201,6 +277,9 @@ def consolidate_checkpoint(
         expected_shapes: with ``verify``, the names and shapes the output must have besides (e.g. the model in the
             checkpoint's context: :func:`nemo_patch.export.context_model.context_model_shapes`), checked before
             publishing (:func:`nemo_patch.engine.verify.verify_names_and_shapes`).
+        merge_adapters: for a LoRA adapter checkpoint, write the base model with the adapters merged
+            (``model.safetensors``, :mod:`nemo_patch.engine.adapter_merge`) instead of ``adapter_model.safetensors``;
+            no effect on a model checkpoint.
 
     Returns:
         A :class:`ConsolidationResult`.
@@ -221,14 +300,19 @@ def consolidate_checkpoint(
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
 
     metadata, reader = open_weights(weights_dir, location.backend)
-    outputs = cast_outputs(plan_outputs(metadata), dtype)
+    merge = open_lora_merge(location, metadata) if merge_adapters and location.adapter else None
+    planned = merge.base_outputs if merge is not None else plan_outputs(metadata)
+    outputs = cast_outputs(planned, dtype)
     if not outputs:
         raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
 
     with staged_output(ckpt_dir, output_dir, overwrite, f"Consolidating {ckpt_dir}") as tmp_dir:
         largest = max(output.spec.nbytes for output in outputs)
         total_bytes = sum(output.spec.nbytes for output in outputs)
-        read = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, largest)
+        if merge is None:
+            read = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, largest)
+        else:
+            read = _merged_reader(merge, planned, reader)
         done = [0]
 
         def produce(spec: TensorSpec) -> torch.Tensor:
@@ -239,7 +323,8 @@ def consolidate_checkpoint(
             return tensor
 
         shards = plan_shards([output.spec for output in outputs], max_shard_size)
-        stem = ADAPTER_STEM if location.adapter else MODEL_STEM
+        kind = "adapter" if location.adapter and merge is None else "model"
+        stem = ADAPTER_STEM if kind == "adapter" else MODEL_STEM
         count = len(shards)
         names = [single_filename(stem)] if count == 1 else [shard_filename(i, count, stem) for i in range(count)]
         files = {}
@@ -249,7 +334,7 @@ def consolidate_checkpoint(
             files[index_filename(stem)] = write_index(tmp_dir / index_filename(stem), zip(names, shards))
         manifest = {
             "format_version": FORMAT_VERSION,
-            "kind": "adapter" if location.adapter else "model",
+            "kind": kind,
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
             "tensor_count": len(outputs),
@@ -260,14 +345,19 @@ def consolidate_checkpoint(
         }
         if location.adapter:
             manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
+        if merge is not None:
+            manifest.update(
+                merged_adapters=merge.settings, vocab_size=vocabulary_sizes(merge.base_dir, merge.base_metadata)
+            )
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
             with open(tmp_dir / name, "rb") as handle:
                 os.fsync(handle.fileno())
-        if verify:
+        if verify and merge is not None:
+            _verify_merged(tmp_dir, outputs, _merged_reader(merge, planned, reader))
+        elif verify:
             verify_consolidated(weights_dir, tmp_dir, metadata=metadata)
             if expected_shapes is not None:
                 verify_names_and_shapes(tmp_dir, expected_shapes, "the model in the checkpoint's context")
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
-    kind = "adapter" if location.adapter else "model"
     return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files, kind)

@@ -30,6 +30,7 @@ __all__ = [
     "UnfinishedCheckpointError",
     "UnknownLayoutError",
     "AdapterCheckpointError",
+    "AdapterMergeError",
     "UnsupportedFormatError",
     "VerificationError",
 ]
@@ -99,6 +100,14 @@ class AdapterCheckpointError(ConsolidationError):
     the base checkpoint NeMo recorded. Adapters are never written as a model."""
 
     exit_code = 12
+
+
+class AdapterMergeError(ConsolidationError):
+    """Adapters cannot be merged into their base model: the base checkpoint NeMo recorded is missing or unreadable, the
+    PEFT method is not LoRA, its ``alpha``/``dim`` are unknown, or an adapter tensor does not pair with a base weight;
+    the message names the path, method or tensor. Nothing is written."""
+
+    exit_code = 13
 
 
 class ExportError(ConsolidationError):

@@ -43,15 +43,14 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 
+from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
-from nemo_patch.engine.checkpoint_reader import open_weights
-from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, tensor_producer
+from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, read_state_dict
 from nemo_patch.engine.errors import (
     AdapterCheckpointError,
     ConsolidationError,
@@ -61,7 +60,7 @@ from nemo_patch.engine.errors import (
     VerificationError,
 )
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
-from nemo_patch.engine.plan import LAYER_PREFIX, plan_outputs
+from nemo_patch.engine.plan import LAYER_PREFIX
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
@@ -156,22 +155,6 @@ def _exporter_for(checkpoint_dir: Path) -> Any:
     return model, exporter
 
 
-def _read_state_dict(
-    weights_dir: Path, progress: Optional[ProgressCallback]
-) -> Tuple[Dict[str, torch.Tensor], Metadata]:
-    metadata, reader = open_weights(weights_dir)
-    outputs = plan_outputs(metadata)
-    total = sum(output.spec.nbytes for output in outputs)
-    produce = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, 0, reuse=False)
-    state, done = {}, 0
-    for output in outputs:
-        state[output.spec.name] = produce(output.spec)
-        done += output.spec.nbytes
-        if progress is not None:
-            progress(done, total)
-    return state, metadata
-
-
 def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
     """Every tensor in the written safetensors files equals the exporter's converted tensor (bitwise)."""
     from safetensors import safe_open
@@ -200,6 +183,7 @@ def export_hf_checkpoint(
     verify: bool = False,
     allow_unfinished: bool = False,
     progress: Optional[ProgressCallback] = None,
+    merge_adapters: bool = False,
 ) -> ConsolidationResult:
     """Write a ``transformers``-loadable directory for a finished NeMo 2 ``torch_dist`` checkpoint.
 
@@ -214,13 +198,16 @@ def export_hf_checkpoint(
         verify: re-read the written files and compare every tensor with the exporter's converted model.
         allow_unfinished: export even if NeMo's unfinished marker is present.
         progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
+        merge_adapters: for a LoRA adapter checkpoint, export the base model with the adapters merged (a full
+            ``transformers`` directory; :mod:`nemo_patch.engine.adapter_merge`).
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
         exported model's ``state_dict``).
 
     Raises:
-        AdapterCheckpointError: a PEFT adapter checkpoint (exit code 12).
+        AdapterCheckpointError: a PEFT adapter checkpoint without ``merge_adapters`` (exit code 12).
+        AdapterMergeError: the adapters cannot be merged (exit code 13; e.g. the base checkpoint is missing).
         ExportError: NeMo is not importable, the context cannot be read, or the model class has no ``"hf"``
             exporter (the message names the class).
         ConsolidationError: or another subclass from :mod:`nemo_patch.engine.errors`, as for
@@ -228,10 +215,11 @@ def export_hf_checkpoint(
     """
     location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
     ckpt_dir, weights_dir = location.checkpoint_dir, location.weights_dir
-    if location.adapter:
+    if location.adapter and not merge_adapters:
         raise AdapterCheckpointError(
             f"{ckpt_dir} is a PEFT adapter checkpoint (base model: {location.adapter_base}): the Hugging Face format "
-            "of adapters (NeMo's 'hf-peft' exporter) is not supported yet; use the safetensors format, which writes "
+            "of adapters alone (NeMo's 'hf-peft' exporter) is not supported yet; merge them into the base model "
+            "(--merge-adapters, ckpt_consolidation_merge_adapters=True) or use the safetensors format, which writes "
             "adapter_model.safetensors; nothing was written"
         )
     output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / HF_DIRNAME
@@ -239,7 +227,7 @@ def export_hf_checkpoint(
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
     model, exporter = _exporter_for(ckpt_dir)
     try:
-        state, metadata = _read_state_dict(weights_dir, progress)
+        state, metadata = read_state_dict(location, merge_adapters, progress)
         state = te_layer_norm_names(state)
     except ConsolidationError:
         raise
@@ -274,6 +262,8 @@ def export_hf_checkpoint(
             "dtype": str(dtype).removeprefix("torch."),
             "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
         }
+        if location.adapter:  # merged (else refused above)
+            manifest.update(base_checkpoint=location.adapter_base, merged_adapters=peft_settings(ckpt_dir))
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
     return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {})

@@ -121,6 +121,7 @@ def run_tiny_fit(
     swap_io: Optional[str] = None,
     precision: str = "32",
     peft: Optional[str] = None,
+    probe_merged: bool = False,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -168,6 +169,8 @@ def run_tiny_fit(
         peft: ``"lora"``: fine-tune with ``llm.finetune`` and NeMo's ``LoRA`` on ``linear_qkv`` and ``linear_proj``
             (rank :data:`LORA_DIM`, alpha :data:`LORA_ALPHA`: alpha != rank, so a merge that forgets the scale shows);
             needs ``model_from``. NeMo's PEFT callback then saves adapter-only checkpoints.
+        probe_merged: after a ``peft`` run, merge the adapters of ``LATEST`` offline in both formats and report how
+            far the merged models' logits are from the trained model-with-adapters' (see :func:`_probe_merged_logits`).
         precision: the trainer's ``nl.MegatronMixedPrecision`` precision, ``"32"`` (default), ``"bf16-mixed"`` or
             ``"16-mixed"``: the parameters, and so the checkpoint's weights, are in that dtype.
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
@@ -271,6 +274,8 @@ def run_tiny_fit(
             report["max_abs_logit_diff"] = _probe_logits(model, root)
         if probe_hf:
             report["max_abs_hf_logit_diff"] = _probe_hf_logits(model, root / "LATEST" / "hf")
+        if probe_merged:
+            report.update(_probe_merged_logits(model, root / "LATEST", out / "probe-merged"))
 
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     schedule = getattr(base, "consolidation", None)
@@ -320,6 +325,41 @@ def _probe_logits(model: Any, root: Path) -> float:
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         actual = fresh(batch["tokens"], batch["position_ids"], batch["attention_mask"])
     return float((expected - actual).abs().max())
+
+
+def _probe_merged_logits(model: Any, checkpoint: Path, out: Path) -> Dict[str, float]:
+    """Merge the adapters of the LoRA checkpoint ``checkpoint`` with ``nemo-consolidate --merge-adapters`` in both
+    formats (into ``out/safetensors`` and ``out/hf``) and compare with the trained model-with-adapters: the
+    ``safetensors`` output loaded into a plain model (no adapters) of the same config, the ``hf`` one with
+    ``AutoModelForCausalLM``. Returns ``max_abs_merged_logit_diff`` and ``max_abs_merged_hf_logit_diff``."""
+    import torch
+    from megatron.core.models.gpt import GPTModel as MCoreGPTModel
+    from transformers import AutoModelForCausalLM
+
+    import nemo_patch
+    from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
+    from nemo_patch.testing import tiny_gpt
+
+    for output_format in ("safetensors", "hf"):
+        args = [str(checkpoint), "--merge-adapters", "--format", output_format, "--out", str(out / output_format)]
+        if nemo_consolidate([*args, "--quiet", "--verify"]) != 0:
+            raise RuntimeError(f"nemo-consolidate {' '.join(args)} failed")
+    trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
+    plain = model.config.configure_model(tokenizer=None).eval()
+    nemo_patch.load_consolidated_into(plain, out / "safetensors")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(out / "hf"), torch_dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    batch = tiny_gpt.causal_batch(
+        torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
+    )
+    with torch.no_grad():
+        expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        merged = plain(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        merged_hf = hf_model(input_ids=batch["tokens"]).logits
+    return {
+        "max_abs_merged_logit_diff": float((expected - merged).abs().max()),
+        "max_abs_merged_hf_logit_diff": float((expected - merged_hf).abs().max()),
+    }
 
 
 def _probe_hf_logits(model: Any, hf_dir: Path) -> float:
@@ -375,6 +415,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--strategy-arg", action="append", default=[])
     parser.add_argument("--swap-io", choices=["stock", "custom"], default=None)
     parser.add_argument("--peft", choices=["lora"], default=None)
+    parser.add_argument("--probe-merged", action="store_true")
     parser.add_argument("--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -411,6 +452,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         swap_io=args.swap_io,
         precision=args.precision,
         peft=args.peft,
+        probe_merged=args.probe_merged,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

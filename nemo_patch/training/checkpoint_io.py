@@ -72,8 +72,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_keep: consolidated outputs kept when NeMo's top-k removes their checkpoints (default ``None``:
             all; see :mod:`nemo_patch.training.retention`).
         consolidation_dtype: output dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default ``None``: the checkpoint's).
+        consolidation_merge_adapters: merge LoRA adapters into the base model (default ``False``: adapters alone).
         consolidation_settings: all of the above as one already validated value (what
-            :class:`nemo_patch.MegatronStrategy` passes); when given, the seven arguments above must not be.
+            :class:`nemo_patch.MegatronStrategy` passes); when given, the eight arguments above must not be.
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
@@ -91,6 +92,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_format: str = DEFAULT_FORMAT,
         consolidation_keep: Optional[int] = None,
         consolidation_dtype: Optional[Any] = None,
+        consolidation_merge_adapters: bool = False,
         consolidation_settings: Optional[ConsolidationSettings] = None,
         **kwargs: Any,
     ) -> None:
@@ -102,13 +104,15 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             output_format=consolidation_format,
             keep=consolidation_keep,
             dtype=consolidation_dtype,
+            merge_adapters=consolidation_merge_adapters,
             names=CHECKPOINT_IO_ARGUMENTS,
         )
         if consolidation_settings is not None and given != ConsolidationSettings():
             raise ValueError(
                 "Pass either consolidation_settings or the individual consolidation arguments "
                 "(save_consolidated, ckpt_consolidation_frequency, consolidation_max_shard_size, "
-                "consolidation_max_pending, consolidation_format, consolidation_keep, consolidation_dtype), not both."
+                "consolidation_max_pending, consolidation_format, consolidation_keep, consolidation_dtype, "
+                "consolidation_merge_adapters), not both."
             )
         super().__init__(*args, **kwargs)
         self.set_consolidation_settings(consolidation_settings or given)
@@ -150,6 +154,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     consolidation_max_pending = setting_view("max_pending", "Requests that may wait behind the running one.")
     consolidation_format = setting_view("output_format", '``"safetensors"`` or ``"hf"``.')
     consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
+    consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> Any:
         """Save as NeMo does; with consolidation on, global rank 0 also records the save for consolidation.

@@ -41,6 +41,7 @@ __all__ = [
     "ConsolidationSettings",
     "setting_view",
     "validate_dtype",
+    "validate_flag",
     "validate_format",
     "validate_keep",
     "validate_max_pending",
@@ -65,6 +66,7 @@ STRATEGY_ARGUMENTS: Mapping[str, str] = {
     "output_format": "ckpt_consolidation_format",
     "keep": "ckpt_consolidation_keep",
     "dtype": "ckpt_consolidation_dtype",
+    "merge_adapters": "ckpt_consolidation_merge_adapters",
 }
 #: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
 #: strategy's teardown waits).
@@ -74,6 +76,7 @@ CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
     "output_format": "consolidation_format",
     "keep": "consolidation_keep",
     "dtype": "consolidation_dtype",
+    "merge_adapters": "consolidation_merge_adapters",
 }
 
 
@@ -94,6 +97,8 @@ class ConsolidationSettings:
             outputs, ``0`` none (NeMo's removal deletes them).
         dtype: the floating-point dtype of the outputs, ``"bf16"``, ``"fp16"`` or ``"fp32"``; ``None`` keeps the
             checkpoint's. Integer and bool tensors keep theirs.
+        merge_adapters: for PEFT (LoRA) adapter checkpoints, write the base model with the adapters merged instead of
+            the adapters alone.
     """
 
     save_consolidated: Optional[bool] = None
@@ -105,6 +110,7 @@ class ConsolidationSettings:
     timeout: float = DEFAULT_TIMEOUT
     keep: Optional[int] = None
     dtype: Optional[str] = None
+    merge_adapters: bool = False
 
     @classmethod
     def from_arguments(
@@ -118,6 +124,7 @@ class ConsolidationSettings:
         output_format: str = DEFAULT_FORMAT,
         keep: Optional[int] = None,
         dtype: Optional[object] = None,
+        merge_adapters: bool = False,
         names: Mapping[str, str] = STRATEGY_ARGUMENTS,
     ) -> "ConsolidationSettings":
         """Validate the user's values and make the settings.
@@ -132,6 +139,7 @@ class ConsolidationSettings:
             keep: ``None`` or an ``int`` >= 0.
             dtype: ``None``, ``"bf16"``, ``"fp16"``, ``"fp32"``, their torch names or a ``torch.dtype``
                 (:func:`nemo_patch.engine.output_layout.dtype_name`); kept as the short name.
+            merge_adapters: ``True`` or ``False``.
             names: the argument names to use in error messages (:data:`STRATEGY_ARGUMENTS` or
                 :data:`CHECKPOINT_IO_ARGUMENTS`).
 
@@ -148,6 +156,7 @@ class ConsolidationSettings:
             timeout=validate_timeout(timeout, names.get("timeout", STRATEGY_ARGUMENTS["timeout"])),
             keep=validate_keep(keep, names["keep"]),
             dtype=validate_dtype(dtype, names["dtype"]),
+            merge_adapters=validate_flag(merge_adapters, names["merge_adapters"]),
         )
 
     @property
@@ -265,6 +274,17 @@ def validate_dtype(value: object, name: str = STRATEGY_ARGUMENTS["dtype"]) -> Op
         return dtype_name(value)
     except ValueError:
         raise _invalid(name, value, f"None (the checkpoint's dtype) or one of {', '.join(map(repr, DTYPE_NAMES))}")
+
+
+def validate_flag(value: object, name: str) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (not a truthy stand-in such as ``1`` or ``"yes"``).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    raise _invalid(name, value, "True or False")
 
 
 def validate_keep(value: object, name: str = STRATEGY_ARGUMENTS["keep"]) -> Optional[int]:

@@ -120,6 +120,10 @@ class MegatronStrategy(NeMoMegatronStrategy):
             checkpoint. See :mod:`nemo_patch.training.retention`.
         ckpt_consolidation_dtype: floating-point dtype of the outputs, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or a
             ``torch.dtype``); ``None`` (default) keeps the checkpoint's. Integer tensors are never cast.
+        ckpt_consolidation_merge_adapters: for PEFT (LoRA) runs, whose checkpoints hold only the adapters: ``False``
+            (default) writes ``adapter_model.safetensors``; ``True`` writes the base model with the adapters merged as
+            NeMo's ``LoRAMerge`` computes it (``model.safetensors``, or a full ``transformers`` directory with the
+            ``"hf"`` format).
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
     Raises:
@@ -127,7 +131,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
             shard size that is not an integer >= 1 or a size string, a queue bound or keep count that is not an
             integer >= 0, a format other than ``"safetensors"``/``"hf"``, or a dtype other than
-            ``"bf16"``/``"fp16"``/``"fp32"``.
+            ``"bf16"``/``"fp16"``/``"fp32"``, or a merge flag that is not ``True``/``False``.
             Raised before anything else is set up.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
@@ -148,6 +152,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_format: str = DEFAULT_FORMAT,
         ckpt_consolidation_keep: Optional[int] = None,
         ckpt_consolidation_dtype: Optional[Any] = None,
+        ckpt_consolidation_merge_adapters: bool = False,
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
@@ -160,6 +165,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             output_format=ckpt_consolidation_format,
             keep=ckpt_consolidation_keep,
             dtype=ckpt_consolidation_dtype,
+            merge_adapters=ckpt_consolidation_merge_adapters,
         )
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
@@ -181,6 +187,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         "keep", "Outputs kept when top-k removes their checkpoints (``None``: all)."
     )
     ckpt_consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
+    ckpt_consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""

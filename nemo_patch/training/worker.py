@@ -31,7 +31,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from nemo_patch.training.settings import ConsolidationSettings
 
@@ -69,13 +69,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     from nemo_patch.engine.errors import ConsolidationError
     from nemo_patch.engine.output_layout import DTYPE_NAMES
 
+    consolidate: Callable[..., Any]
     if settings.output_format == "hf":
         from nemo_patch.export.hf import export_hf_checkpoint as consolidate
     else:
         from nemo_patch.engine.consolidate import consolidate_checkpoint as consolidate
     try:
         dtype = None if settings.dtype is None else getattr(torch, DTYPE_NAMES[settings.dtype])
-        consolidate(args.checkpoint, global_step=args.global_step, max_shard_size=settings.max_shard_size, dtype=dtype)
+        consolidate(
+            args.checkpoint,
+            global_step=args.global_step,
+            max_shard_size=settings.max_shard_size,
+            dtype=dtype,
+            merge_adapters=settings.merge_adapters,
+        )
     except ConsolidationError as error:
         print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
         return 1

@@ -1,0 +1,201 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Merge a LoRA adapter checkpoint into its base model's weights, one output tensor at a time.
+
+NeMo's LoRA wraps a linear layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) and saves, per
+wrapped layer, ``<layer>.adapter.linear_in.weight`` (``A``, shape ``[dim, in]``) and
+``<layer>.adapter.linear_out.weight`` (``B``, ``[out, dim]``); the adapter checkpoint holds only those, and
+``weights/adapter_metadata.json`` names the base checkpoint. The merged weight is computed as NeMo's ``LoRAMerge``
+does, on the TP=1 (consolidated, TP shards reassembled) tensors::
+
+    merged = base + alpha / dim * B @ A        # (alpha / dim * B) @ A, in the stored dtype
+
+so the output is the model ``llm.peft.merge_lora`` would give, as ``model.safetensors`` with the base model's names.
+Everything that is not a LoRA-wrapped weight is the base checkpoint's tensor unchanged.
+
+Imports torch and the rest of the engine only.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from nemo_patch.engine.adapter_settings import peft_settings
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
+from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
+from nemo_patch.engine.errors import AdapterMergeError, ConsolidationError
+from nemo_patch.engine.plan import OutputTensor, plan_outputs
+from nemo_patch.engine.safetensors_writer import TensorSpec
+
+__all__ = ["LoRAMergeSource", "LoRAPair", "lora_pairs", "lora_scale", "merged_producer", "open_lora_merge"]
+
+_LINEAR_IN = re.compile(r"^(?P<layer>.+)\.adapter\.linear_in\.weight$")
+_LINEAR_OUT = re.compile(r"^(?P<layer>.+)\.adapter\.linear_out\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRAPair:
+    """The two adapter tensors of one LoRA-wrapped linear layer (consolidated names and sources)."""
+
+    linear_in: OutputTensor
+    linear_out: OutputTensor
+
+
+def lora_pairs(adapter_outputs: List[OutputTensor], base_names: AbstractSet[str]) -> Dict[str, LoRAPair]:
+    """Base weight name (``<layer>.weight``) -> its adapter pair.
+
+    Args:
+        adapter_outputs: the planned outputs of the adapter checkpoint (:func:`nemo_patch.engine.plan.plan_outputs`).
+        base_names: the names of the base checkpoint's outputs.
+
+    Raises:
+        AdapterMergeError: an adapter tensor that is neither half of a LoRA pair, a pair with one half missing, or a
+            pair whose layer has no ``<layer>.weight`` in the base model (the message names the tensor).
+    """
+    halves: Dict[str, Dict[str, OutputTensor]] = {}
+    for output in adapter_outputs:
+        match_in, match_out = _LINEAR_IN.match(output.spec.name), _LINEAR_OUT.match(output.spec.name)
+        if match_in is None and match_out is None:
+            raise AdapterMergeError(
+                f"Cannot merge adapter tensor {output.spec.name}: only LoRA's <layer>.adapter.linear_in.weight and "
+                "<layer>.adapter.linear_out.weight pairs can be merged"
+            )
+        match = match_in or match_out
+        assert match is not None
+        halves.setdefault(match["layer"], {})["in" if match_in else "out"] = output
+    pairs = {}
+    for layer, half in sorted(halves.items()):
+        if set(half) != {"in", "out"}:
+            raise AdapterMergeError(f"Cannot merge the adapter of {layer}: it has only linear_{next(iter(half))}")
+        if f"{layer}.weight" not in base_names:
+            raise AdapterMergeError(f"Cannot merge the adapter of {layer}: the base model has no {layer}.weight")
+        pairs[f"{layer}.weight"] = LoRAPair(half["in"], half["out"])
+    return pairs
+
+
+def lora_scale(peft: Optional[Mapping[str, Any]]) -> Tuple[float, Dict[str, Any]]:
+    """``alpha / dim`` of a LoRA adapter and the settings it came from.
+
+    Args:
+        peft: the adapter checkpoint's PEFT settings (:func:`nemo_patch.engine.adapter_settings.peft_settings`).
+
+    Raises:
+        AdapterMergeError: the settings are unknown, the method is not NeMo's ``LoRA``, or ``alpha``/``dim`` are not
+            positive numbers.
+    """
+    if not peft:
+        raise AdapterMergeError(
+            "Cannot merge: the adapter checkpoint's context records no PEFT settings (context/model.yaml's "
+            "model_transform), so LoRA's alpha and dim are unknown"
+        )
+    method = str(peft.get("method", ""))
+    if method.rsplit(".", 1)[-1] != "LoRA":
+        raise AdapterMergeError(f"Cannot merge a {method or 'unknown'} adapter: only NeMo's LoRA can be merged")
+    alpha, dim = peft.get("alpha"), peft.get("dim")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (alpha, dim)):
+        raise AdapterMergeError(f"Cannot merge: LoRA alpha={alpha!r} and dim={dim!r} must be positive numbers")
+    return float(alpha) / float(dim), {"method": method, "alpha": alpha, "dim": dim}  # type: ignore[arg-type]
+
+
+def merged_producer(
+    read_base: Callable[[TensorSpec], torch.Tensor],
+    read_adapter: Callable[[OutputTensor], torch.Tensor],
+    pairs: Mapping[str, LoRAPair],
+    scale: float,
+) -> Callable[[TensorSpec], torch.Tensor]:
+    """A function that reads a base output tensor and, for a LoRA-wrapped weight, adds ``scale * B @ A``.
+
+    Args:
+        read_base: reads a base output tensor in its stored dtype (by spec).
+        read_adapter: reads an adapter output tensor.
+        pairs: from :func:`lora_pairs`.
+        scale: from :func:`lora_scale`.
+
+    The function raises :class:`AdapterMergeError` when ``B @ A`` does not have the base weight's shape.
+    """
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        base = read_base(spec)
+        pair = pairs.get(spec.name)
+        if pair is None:
+            return base
+        lora_in, lora_out = read_adapter(pair.linear_in), read_adapter(pair.linear_out)
+        lora = scale * lora_out @ lora_in  # NeMo's LoRAMerge: alpha / dim * linear_out.weight @ linear_in.weight
+        if lora.shape != base.shape:
+            raise AdapterMergeError(
+                f"Cannot merge the adapter of {spec.name}: linear_out @ linear_in has shape {list(lora.shape)}, the "
+                f"base weight {list(base.shape)}"
+            )
+        return base + lora.to(base.dtype)
+
+    return produce
+
+
+@dataclass(frozen=True)
+class LoRAMergeSource:
+    """Everything a merged consolidation reads: the base checkpoint and the adapter pairs.
+
+    Attributes:
+        base_dir: the base model's checkpoint directory.
+        base_metadata: its distributed checkpoint's metadata.
+        base_reader: a reader of its ``weights/``.
+        base_outputs: its planned outputs (the merged output's tensors, names and shapes).
+        pairs: base weight name -> adapter pair (:func:`lora_pairs`).
+        scale: ``alpha / dim``.
+        settings: ``{"method", "alpha", "dim"}`` for ``metadata.json``.
+    """
+
+    base_dir: Path
+    base_metadata: Metadata
+    base_reader: RegionReader
+    base_outputs: List[OutputTensor]
+    pairs: Dict[str, LoRAPair]
+    scale: float
+    settings: Dict[str, Any]
+
+
+def open_lora_merge(location: CheckpointLocation, adapter_metadata: Metadata) -> LoRAMergeSource:
+    """Open the base checkpoint of an adapter checkpoint and pair its adapters with the base weights.
+
+    Raises:
+        AdapterMergeError: the base checkpoint NeMo recorded is missing, not a finished checkpoint or unreadable (the
+            message names the path), or the adapters cannot be merged (see :func:`lora_pairs`, :func:`lora_scale`).
+    """
+    scale, settings = lora_scale(peft_settings(location.checkpoint_dir))
+    base = location.adapter_base
+    if not base:
+        raise AdapterMergeError(
+            f"Cannot merge the adapters of {location.checkpoint_dir}: its weights/adapter_metadata.json names no base "
+            "checkpoint (model_ckpt_path)"
+        )
+    try:
+        base_location = inspect_checkpoint(base)
+        if base_location.adapter:
+            raise AdapterMergeError(f"{base} is itself an adapter checkpoint")
+        base_metadata, base_reader = open_weights(base_location.weights_dir, base_location.backend)
+        base_outputs = plan_outputs(base_metadata)
+    except ConsolidationError as error:
+        raise AdapterMergeError(
+            f"Cannot merge the adapters of {location.checkpoint_dir}: its base checkpoint {base} (NeMo's "
+            f"model_ckpt_path) cannot be read: {error}"
+        ) from error
+    pairs = lora_pairs(plan_outputs(adapter_metadata), {output.spec.name for output in base_outputs})
+    return LoRAMergeSource(
+        base_location.checkpoint_dir, base_metadata, base_reader, base_outputs, pairs, scale, settings
+    )
