@@ -81,12 +81,12 @@ def test_the_strategy_reinstalls_or_names_the_replacement(kind, caplog):
 
 def test_an_adapter_checkpoint_is_never_written_as_a_model(checkpoint_copy, tmp_path, capsys):
     """NeMo's WrappedAdapterIO writes weights/adapter_metadata.json; such a checkpoint holds adapters only: the
-    safetensors format writes adapter_model.safetensors, the Hugging Face format (hf-peft) is refused naming the
-    base (exit 12) and writes nothing."""
+    safetensors format writes adapter_model.safetensors; the Hugging Face format needs the model class's "hf-peft"
+    exporter, which the plain GPTModel lacks: exit 12 naming the class, nothing written."""
     (checkpoint_copy / "weights" / "adapter_metadata.json").write_text(json.dumps({"model_ckpt_path": "/base/ckpt"}))
     assert main([str(checkpoint_copy), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 12
     err = capsys.readouterr().err
-    assert "PEFT adapter checkpoint" in err and "/base/ckpt" in err and "Traceback" not in err
+    assert "'hf-peft') exporter for nemo.collections.llm.gpt.model.base.GPTModel" in err and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
     assert main([str(checkpoint_copy), "--out", str(tmp_path / "out"), "--verify"]) == 0
     assert "adapter tensors" in capsys.readouterr().out

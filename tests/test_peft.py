@@ -80,15 +80,25 @@ def test_the_cli_writes_adapters_and_says_so(lora_run, tmp_path, capsys):
     assert (tmp_path / "out" / "adapter_model.safetensors").read_bytes() == (
         newest / "consolidated" / "adapter_model.safetensors"
     ).read_bytes()
-    assert main([str(newest), "--format", "hf", "--out", str(tmp_path / "hf")]) == 12
-    assert "hf-peft" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    # The Hugging Face format of adapters alone: a PEFT directory through NeMo's HFLlamaPEFTExporter.
+    peft_dir = lora_run["out"] / "probe-merged" / "peft"
+    assert {"adapter_model.safetensors", "adapter_config.json", "metadata.json"} <= {
+        p.name for p in peft_dir.iterdir()
+    }
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (LORA_DIM, LORA_ALPHA, "LORA")
+    meta = json.loads((peft_dir / "metadata.json").read_text())
+    assert meta["kind"] == "adapter" and meta["exporter"].endswith("HFLlamaPEFTExporter")
 
 
-def test_merged_adapters_give_the_trained_models_logits_in_both_formats(lora_run):
-    """The merged safetensors output in a plain megatron-core model (no adapters) and the merged Hugging Face output in
-    ``AutoModelForCausalLM`` compute the logits of the trained model with its adapters (fp32)."""
+def test_merged_and_peft_outputs_give_the_trained_models_logits(lora_run):
+    """The merged safetensors output in a plain megatron-core model (no adapters), the merged Hugging Face output in
+    ``AutoModelForCausalLM`` and the Hugging Face PEFT directory on the base model compute the logits of the trained
+    model with its adapters (fp32)."""
     assert lora_run["max_abs_merged_logit_diff"] < 1e-5
     assert lora_run["max_abs_merged_hf_logit_diff"] < 1e-5
+    # Unmerged: peft.PeftModel.from_pretrained(<the base's transformers model>, <hf adapter dir>).
+    assert lora_run["max_abs_peft_logit_diff"] < 1e-5
 
 
 def test_the_merge_is_nemos_lora_merge_with_the_alpha_over_dim_scale(lora_run, imported_llama, tmp_path):

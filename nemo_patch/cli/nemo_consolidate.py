@@ -31,8 +31,9 @@ Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with 
 see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
 exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint in the ``hf``
-format without ``--merge-adapters``, 13 adapters that cannot be merged (e.g. the base checkpoint is missing), 1
-anything else). An adapter checkpoint in the ``safetensors`` format gives ``adapter_model.safetensors``.
+format whose model class has no ``hf-peft`` exporter, 13 adapters that cannot be merged (e.g. the base checkpoint is
+missing), 1 anything else). An adapter checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging
+Face PEFT directory (``hf``), or with ``--merge-adapters`` the merged model.
 
 ``--verify`` re-reads the output and compares every tensor with the checkpoint; for the ``safetensors`` format of a
 checkpoint with a NeMo ``context/`` it also checks that the output's names and shapes are those of the model the
@@ -90,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(or a Hugging Face model directory).",
         epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "
-        "11 a layout that cannot be named safely, 12 a PEFT adapter checkpoint in the hf format without "
-        "--merge-adapters, 13 adapters that cannot be merged (e.g. base checkpoint missing), 1 other.",
+        "11 a layout that cannot be named safely, 12 an adapter checkpoint whose model class has no hf-peft "
+        "exporter, 13 adapters that cannot be merged (e.g. base checkpoint missing), 1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "

@@ -96,8 +96,9 @@ class UnknownLayoutError(ConsolidationError):
 
 class AdapterCheckpointError(ConsolidationError):
     """A PEFT (e.g. LoRA) adapter checkpoint (NeMo's ``weights/adapter_metadata.json``: adapter weights only, not a
-    model) asked for in a form that is not supported for adapters yet (the Hugging Face format); the message names
-    the base checkpoint NeMo recorded. Adapters are never written as a model."""
+    model) cannot be exported as asked: in the Hugging Face format its model class has no ``"hf-peft"`` exporter, or
+    its PEFT method cannot be read from the context; the message names the class or the context. Adapters are never
+    written as a model."""
 
     exit_code = 12
 

@@ -134,8 +134,10 @@ def _init_target(exporter: Any, dtype: torch.dtype) -> Any:
     return exporter.init().to(dtype)
 
 
-def _exporter_for(checkpoint_dir: Path) -> Any:
-    """NeMo's registered ``"hf"`` exporter for the model class in ``<checkpoint_dir>/context``."""
+def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Any:
+    """NeMo's registered ``"hf"`` exporter (``"hf-peft"`` with ``peft``) for the model class in
+    ``<checkpoint_dir>/context``; the PEFT exporter is given the context's PEFT object (``model_transform``), as NeMo's
+    own ``apply`` does."""
     try:
         from nemo.lightning import io
     except ImportError as error:
@@ -145,13 +147,26 @@ def _exporter_for(checkpoint_dir: Path) -> Any:
     except Exception as error:
         raise ExportError(f"Cannot read the model class from {checkpoint_dir / 'context'}: {error}") from error
     model_class = type(model)
+    name = f"{model_class.__module__}.{model_class.__qualname__}"
     try:
-        exporter = model_class.exporter("hf", str(checkpoint_dir))
+        exporter = model_class.exporter("hf-peft" if peft else "hf", str(checkpoint_dir))
     except (ValueError, AttributeError) as error:
+        if peft:
+            raise AdapterCheckpointError(
+                f"NeMo has no Hugging Face PEFT ('hf-peft') exporter for {name} (the model class of the adapter "
+                f"checkpoint {checkpoint_dir}); merge the adapters (--merge-adapters) or use --format safetensors"
+            ) from error
         raise ExportError(
-            f"NeMo has no Hugging Face exporter for {model_class.__module__}.{model_class.__qualname__} (the model "
-            f"class of {checkpoint_dir}); use --format safetensors"
+            f"NeMo has no Hugging Face exporter for {name} (the model class of {checkpoint_dir}); use --format "
+            "safetensors"
         ) from error
+    if peft:
+        try:
+            exporter.peft_obj = io.load_context(str(checkpoint_dir / "context"), subpath="model.model_transform")
+        except Exception as error:
+            raise AdapterCheckpointError(
+                f"Cannot read the PEFT method from {checkpoint_dir / 'context'} (model.model_transform): {error}"
+            ) from error
     return model, exporter
 
 
@@ -199,14 +214,17 @@ def export_hf_checkpoint(
         allow_unfinished: export even if NeMo's unfinished marker is present.
         progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
         merge_adapters: for a LoRA adapter checkpoint, export the base model with the adapters merged (a full
-            ``transformers`` directory; :mod:`nemo_patch.engine.adapter_merge`).
+            ``transformers`` directory; :mod:`nemo_patch.engine.adapter_merge`). Without it, an adapter checkpoint
+            gives a Hugging Face PEFT directory (``adapter_model.safetensors`` + ``adapter_config.json``) through
+            NeMo's ``"hf-peft"`` exporter, which ``peft.PeftModel.from_pretrained`` loads onto the base model.
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
         exported model's ``state_dict``).
 
     Raises:
-        AdapterCheckpointError: a PEFT adapter checkpoint without ``merge_adapters`` (exit code 12).
+        AdapterCheckpointError: a PEFT adapter checkpoint (without ``merge_adapters``) whose model class has no
+            ``"hf-peft"`` exporter, or whose PEFT method cannot be read (exit code 12; the class is named).
         AdapterMergeError: the adapters cannot be merged (exit code 13; e.g. the base checkpoint is missing).
         ExportError: NeMo is not importable, the context cannot be read, or the model class has no ``"hf"``
             exporter (the message names the class).
@@ -215,17 +233,11 @@ def export_hf_checkpoint(
     """
     location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
     ckpt_dir, weights_dir = location.checkpoint_dir, location.weights_dir
-    if location.adapter and not merge_adapters:
-        raise AdapterCheckpointError(
-            f"{ckpt_dir} is a PEFT adapter checkpoint (base model: {location.adapter_base}): the Hugging Face format "
-            "of adapters alone (NeMo's 'hf-peft' exporter) is not supported yet; merge them into the base model "
-            "(--merge-adapters, ckpt_consolidation_merge_adapters=True) or use the safetensors format, which writes "
-            "adapter_model.safetensors; nothing was written"
-        )
+    peft = location.adapter and not merge_adapters
     output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / HF_DIRNAME
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
-    model, exporter = _exporter_for(ckpt_dir)
+    model, exporter = _exporter_for(ckpt_dir, peft)
     try:
         state, metadata = read_state_dict(location, merge_adapters, progress)
         state = te_layer_norm_names(state)
@@ -242,18 +254,24 @@ def export_hf_checkpoint(
         target = _init_target(exporter, dtype)
         target = exporter.convert_state(_ModelState(state, model.config), target).cpu()
         del state
-        target.save_pretrained(tmp_dir, max_shard_size=max_shard_size, safe_serialization=True)
-        try:
-            exporter.tokenizer.tokenizer.save_pretrained(tmp_dir)
-        except Exception as error:  # as NeMo's own exporter: a model without a Hugging Face tokenizer still exports
-            logger.warning("No Hugging Face tokenizer saved with %s: %s", output_dir, error)
-        saved = target.state_dict()
+        if peft:  # as NeMo's HF PEFT exporter saves: adapter_model.safetensors + adapter_config.json
+            from peft import get_peft_model_state_dict
+
+            target.save_pretrained(tmp_dir, save_embedding_layers=False)
+            saved = get_peft_model_state_dict(target, save_embedding_layers=False)
+        else:
+            target.save_pretrained(tmp_dir, max_shard_size=max_shard_size, safe_serialization=True)
+            try:
+                exporter.tokenizer.tokenizer.save_pretrained(tmp_dir)
+            except Exception as error:  # as NeMo's own exporter: a model without a HF tokenizer still exports
+                logger.warning("No Hugging Face tokenizer saved with %s: %s", output_dir, error)
+            saved = target.state_dict()
         if verify:
             _verify_hf(tmp_dir, saved)
         manifest = {
             "format_version": FORMAT_VERSION,
             "format": "hf",
-            "kind": "model",
+            "kind": "adapter" if peft else "model",
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
             "exporter": f"{type(exporter).__module__}.{type(exporter).__qualname__}",
@@ -262,8 +280,11 @@ def export_hf_checkpoint(
             "dtype": str(dtype).removeprefix("torch."),
             "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
         }
-        if location.adapter:  # merged (else refused above)
+        if peft:
+            manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
+        elif location.adapter:
             manifest.update(base_checkpoint=location.adapter_base, merged_adapters=peft_settings(ckpt_dir))
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
-    return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {})
+    kind = manifest["kind"]
+    return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {}, kind)

@@ -331,23 +331,34 @@ def _probe_merged_logits(model: Any, checkpoint: Path, out: Path) -> Dict[str, f
     """Merge the adapters of the LoRA checkpoint ``checkpoint`` with ``nemo-consolidate --merge-adapters`` in both
     formats (into ``out/safetensors`` and ``out/hf``) and compare with the trained model-with-adapters: the
     ``safetensors`` output loaded into a plain model (no adapters) of the same config, the ``hf`` one with
-    ``AutoModelForCausalLM``. Returns ``max_abs_merged_logit_diff`` and ``max_abs_merged_hf_logit_diff``."""
+    ``AutoModelForCausalLM``; and the unmerged Hugging Face PEFT directory (``out/peft``) loaded with
+    ``peft.PeftModel.from_pretrained`` onto the base checkpoint's own ``hf`` export (``out/base-hf``). Returns
+    ``max_abs_merged_logit_diff``, ``max_abs_merged_hf_logit_diff`` and ``max_abs_peft_logit_diff``."""
     import torch
     from megatron.core.models.gpt import GPTModel as MCoreGPTModel
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     import nemo_patch
     from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
+    from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
     from nemo_patch.testing import tiny_gpt
 
-    for output_format in ("safetensors", "hf"):
-        args = [str(checkpoint), "--merge-adapters", "--format", output_format, "--out", str(out / output_format)]
+    base = inspect_checkpoint(checkpoint).adapter_base
+    for args in (
+        [str(checkpoint), "--merge-adapters", "--out", str(out / "safetensors")],
+        [str(checkpoint), "--merge-adapters", "--format", "hf", "--out", str(out / "hf")],
+        [str(checkpoint), "--format", "hf", "--out", str(out / "peft")],
+        [str(base), "--format", "hf", "--out", str(out / "base-hf")],
+    ):
         if nemo_consolidate([*args, "--quiet", "--verify"]) != 0:
             raise RuntimeError(f"nemo-consolidate {' '.join(args)} failed")
     trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
     plain = model.config.configure_model(tokenizer=None).eval()
     nemo_patch.load_consolidated_into(plain, out / "safetensors")
     hf_model = AutoModelForCausalLM.from_pretrained(str(out / "hf"), torch_dtype=torch.float32).eval()
+    base_model = AutoModelForCausalLM.from_pretrained(str(out / "base-hf"), torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base_model, str(out / "peft")).eval()
     generator = torch.Generator().manual_seed(0)
     batch = tiny_gpt.causal_batch(
         torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
@@ -356,7 +367,9 @@ def _probe_merged_logits(model: Any, checkpoint: Path, out: Path) -> Dict[str, f
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         merged = plain(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         merged_hf = hf_model(input_ids=batch["tokens"]).logits
+        with_adapters = peft_model(input_ids=batch["tokens"]).logits
     return {
+        "max_abs_peft_logit_diff": float((expected - with_adapters).abs().max()),
         "max_abs_merged_logit_diff": float((expected - merged).abs().max()),
         "max_abs_merged_hf_logit_diff": float((expected - merged_hf).abs().max()),
     }
