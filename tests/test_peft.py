@@ -155,3 +155,26 @@ def test_adapters_are_merged_during_training_when_asked(imported_llama, tmp_path
     meta = json.loads((hf_dir / "metadata.json").read_text())
     assert meta["kind"] == "model" and meta["merged_adapters"]["alpha"] == LORA_ALPHA
     assert meta["base_checkpoint"] == str(imported_llama / "nemo")
+
+
+def test_a_tp2_lora_checkpoint_gives_the_same_adapter_and_merged_outputs_as_tp1(imported_llama, tmp_path, capsys):
+    """LoRA at TP=2 (2 gloo processes: linear_qkv's adapter split on its output rows, linear_proj's on its input
+    columns), then the same run resumed at TP=1 (NeMo re-shards the adapters on load) for one step with lr=0 and a
+    fresh optimizer, so the TP=1 checkpoint holds the same adapter values in TP=1 layout: both consolidate to the same
+    bytes, adapters and merged model alike."""
+    options = dict(model_from=imported_llama / "nemo", peft="lora", frequency="latest", save_every=1)
+    tp2 = run_fit(tmp_path, tp=2, max_steps=2, lr=0.01, **{**options, "save_every": 2})
+    tp1 = run_fit(tmp_path, tp=1, max_steps=3, lr=0, strategy_arg=["ckpt_load_optimizer=false"], **options)
+    assert tp1["resumed_from"] and tp2["latest"] in tp1["resumed_from"]
+    root = tmp_path / "tiny_gpt" / "checkpoints"
+    first, second = root / tp2["latest"], root / tp1["latest"]
+    assert {p.name for p in (first / "weights").glob("__1_*.distcp")} and not list((second / "weights").glob("__1_*"))
+    adapters = first / "consolidated" / "adapter_model.safetensors"
+    assert adapters.read_bytes() == (second / "consolidated" / "adapter_model.safetensors").read_bytes()
+    assert load_file(adapters)["decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight"].abs().max() > 0
+    merged = []
+    for checkpoint in (first, second):
+        out = tmp_path / f"merged-{checkpoint.name}"
+        assert main([str(checkpoint), "--merge-adapters", "--out", str(out), "--quiet"]) == 0, capsys.readouterr().err
+        merged.append((out / "model.safetensors").read_bytes())
+    assert merged[0] == merged[1]

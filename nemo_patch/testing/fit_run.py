@@ -250,7 +250,8 @@ def run_tiny_fit(
         model = tiny_gpt.tiny_gpt_model(tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings), lr, precision)
     if restore_from is not None:
         restore = nl.RestoreConfig(path=str(restore_from), load_optim_state=False)
-        resume = nl.AutoResume(restore_config=restore)
+        # As NeMo's fine-tuning recipes: start from the restore path, or resume this run's newest checkpoint.
+        resume = nl.AutoResume(restore_config=restore, resume_if_exists=True, resume_ignore_no_checkpoint=True)
     else:
         resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
     report: Dict[str, Any] = {"strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}"}
