@@ -130,7 +130,7 @@ def test_the_merge_is_nemos_lora_merge_with_the_alpha_over_dim_scale(lora_run, i
     }
 
 
-def test_a_missing_base_checkpoint_exits_13_naming_it_and_writes_nothing(lora_run, tmp_path, capsys):
+def test_a_missing_base_checkpoint_exits_13_naming_it_and_writes_nothing(lora_run, imported_llama, tmp_path, capsys):
     import shutil
 
     copy = tmp_path / "adapter"
@@ -141,7 +141,18 @@ def test_a_missing_base_checkpoint_exits_13_naming_it_and_writes_nothing(lora_ru
         code = main([str(copy), "--merge-adapters", "--format", output_format, "--out", str(out)])
         err = capsys.readouterr().err
         assert code == 13 and f"base checkpoint {tmp_path / 'gone'}" in err and "does not exist" in err, err
-        assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
+        assert "--base-checkpoint" in err and not out.exists() and not list(tmp_path.glob(".*tmp*"))
+    # The base given where it is now (NeMo records the path as given, a relative one against the current directory).
+    out = tmp_path / "merged"
+    assert (
+        main([str(copy), "--merge-adapters", "--base-checkpoint", str(imported_llama / "nemo"), "--out", str(out)])
+        == 0
+    )
+    reference = lora_run["out"] / "probe-merged" / "safetensors" / "model.safetensors"
+    assert (out / "model.safetensors").read_bytes() == reference.read_bytes()
+    with pytest.raises(SystemExit) as usage:  # only meaningful with --merge-adapters
+        main([str(copy), "--base-checkpoint", str(imported_llama / "nemo")])
+    assert usage.value.code == 2 and "--base-checkpoint is only used with --merge-adapters" in capsys.readouterr().err
 
 
 def test_adapters_are_merged_during_training_when_asked(imported_llama, tmp_path):

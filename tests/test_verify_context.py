@@ -65,3 +65,10 @@ def test_a_context_that_cannot_be_built_is_reported_and_the_tensors_still_compar
     assert "warning: names and shapes not compared with the checkpoint's context: Cannot read the model" in (
         capsys.readouterr().err
     )
+
+
+def test_verify_with_a_context_prints_one_summary_line(llama_copy, capfd):
+    """Building the context's model makes NeMo log on stdout; the command's output stays its summary line."""
+    assert main([str(llama_copy), "--verify"]) == 0
+    out = capfd.readouterr().out
+    assert len(out.strip().splitlines()) == 1 and out.startswith("Consolidated ") and "verified" in out, out

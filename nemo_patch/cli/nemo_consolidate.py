@@ -17,7 +17,8 @@
 Usage (also ``python -m nemo_patch``)::
 
     nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
-                     [--max-shard-size 5GB] [--merge-adapters] [--verify] [--force] [--allow-unfinished] [--quiet]
+                     [--max-shard-size 5GB] [--merge-adapters [--base-checkpoint DIR]] [--verify] [--force]
+                     [--allow-unfinished] [--quiet]
 
 ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
 else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). Checkpoints
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", type=_size, default=None, help='bytes per file, e.g. 5GB (default)')
     parser.add_argument("--merge-adapters", action="store_true", help="for a PEFT (LoRA) adapter checkpoint: write "
                         "its base model with the adapters merged instead of the adapters alone")  # fmt: skip
+    parser.add_argument("--base-checkpoint", type=Path, default=None, help="with --merge-adapters: the base model's "
+                        "checkpoint (default: the path NeMo recorded in weights/adapter_metadata.json, a relative "
+                        "one resolved against the current directory)")  # fmt: skip
     parser.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
                         "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
@@ -156,6 +160,22 @@ def _nemo_output_held_back() -> Iterator[None]:
             os.close(saved)
 
 
+@contextlib.contextmanager
+def _stdout_dropped() -> Iterator[None]:
+    """Send what is written to stdout (file descriptor 1: NeMo's logging handler holds the stream) to ``/dev/null``,
+    so that the command's output stays its one summary line."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def _human(size: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1000 or unit == "GB":
@@ -172,7 +192,7 @@ def _context_shapes(location: "CheckpointLocation") -> Optional[Dict[str, Tuple[
     from nemo_patch.export.context_model import context_model_shapes
 
     try:
-        with _nemo_output_held_back():
+        with _nemo_output_held_back(), _stdout_dropped():  # NeMo logs its model building on stdout
             return context_model_shapes(location.checkpoint_dir)
     except ConsolidationError as error:
         print(f"{PROG}: warning: names and shapes not compared with the checkpoint's context: {error}",
@@ -197,7 +217,10 @@ def _verify_existing(location: "CheckpointLocation", output_dir: Path, quiet: bo
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.base_checkpoint is not None and not args.merge_adapters:
+        parser.error("--base-checkpoint is only used with --merge-adapters")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
@@ -223,6 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             allow_unfinished=args.allow_unfinished,
             progress=update,
             merge_adapters=args.merge_adapters,
+            base_checkpoint=args.base_checkpoint,
         )
         if args.max_shard_size is not None:
             options["max_shard_size"] = args.max_shard_size

@@ -31,7 +31,7 @@ Imports torch and the rest of the engine only.
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -170,15 +170,24 @@ class LoRAMergeSource:
     settings: Dict[str, Any]
 
 
-def open_lora_merge(location: CheckpointLocation, adapter_metadata: Metadata) -> LoRAMergeSource:
+def open_lora_merge(
+    location: CheckpointLocation, adapter_metadata: Metadata, base_checkpoint: Optional[Union[str, Path]] = None
+) -> LoRAMergeSource:
     """Open the base checkpoint of an adapter checkpoint and pair its adapters with the base weights.
+
+    Args:
+        location: the adapter checkpoint.
+        adapter_metadata: its distributed checkpoint's metadata.
+        base_checkpoint: the base model's checkpoint; default: the path NeMo recorded (``model_ckpt_path`` in
+            ``weights/adapter_metadata.json``), which is resolved as NeMo resolves it: a relative path against the
+            current directory.
 
     Raises:
         AdapterMergeError: the base checkpoint NeMo recorded is missing, not a finished checkpoint or unreadable (the
             message names the path), or the adapters cannot be merged (see :func:`lora_pairs`, :func:`lora_scale`).
     """
     scale, settings = lora_scale(peft_settings(location.checkpoint_dir))
-    base = location.adapter_base
+    base = str(base_checkpoint) if base_checkpoint is not None else location.adapter_base
     if not base:
         raise AdapterMergeError(
             f"Cannot merge the adapters of {location.checkpoint_dir}: its weights/adapter_metadata.json names no base "
@@ -191,9 +200,10 @@ def open_lora_merge(location: CheckpointLocation, adapter_metadata: Metadata) ->
         base_metadata, base_reader = open_weights(base_location.weights_dir, base_location.backend)
         base_outputs = plan_outputs(base_metadata)
     except ConsolidationError as error:
+        given = "given" if base_checkpoint is not None else "NeMo's model_ckpt_path, a relative path is resolved here"
         raise AdapterMergeError(
-            f"Cannot merge the adapters of {location.checkpoint_dir}: its base checkpoint {base} (NeMo's "
-            f"model_ckpt_path) cannot be read: {error}"
+            f"Cannot merge the adapters of {location.checkpoint_dir}: its base checkpoint {base} ({given}) cannot be "
+            f"read: {error}; give the base with --base-checkpoint (base_checkpoint=)"
         ) from error
     pairs = lora_pairs(plan_outputs(adapter_metadata), {output.spec.name for output in base_outputs})
     return LoRAMergeSource(

@@ -195,15 +195,19 @@ def _verify_merged(output_dir: Path, outputs: List[OutputTensor], read: Callable
         )
     for path in sorted(output_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
+            names = set(handle.keys())
             for output in outputs:
-                if output.spec.name in handle.keys() and not tensors_bitwise_equal(
+                if output.spec.name in names and not tensors_bitwise_equal(
                     read(output.spec), handle.get_tensor(output.spec.name)
                 ):
                     raise VerificationError(f"Tensor {output.spec.name} in {path} differs from the merged model's")
 
 
 def read_state_dict(
-    location: CheckpointLocation, merge_adapters: bool = False, progress: Optional["ProgressCallback"] = None
+    location: CheckpointLocation,
+    merge_adapters: bool = False,
+    progress: Optional["ProgressCallback"] = None,
+    base_checkpoint: Optional[Union[str, Path]] = None,
 ) -> Tuple[Dict[str, torch.Tensor], Metadata]:
     """Every output tensor of a checkpoint in memory (what the Hugging Face export converts at once).
 
@@ -211,6 +215,7 @@ def read_state_dict(
         location: from :func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`.
         merge_adapters: for a LoRA adapter checkpoint, the base model with the adapters merged.
         progress: called with ``(bytes read, bytes in all)``.
+        base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
 
     Returns:
         ``(name -> tensor in its stored dtype, the metadata of the checkpoint the model tensors come from)``.
@@ -219,7 +224,7 @@ def read_state_dict(
         ConsolidationError: or a subclass, as :func:`consolidate_checkpoint` raises them.
     """
     metadata, reader = open_weights(location.weights_dir, location.backend)
-    merge = open_lora_merge(location, metadata) if merge_adapters and location.adapter else None
+    merge = open_lora_merge(location, metadata, base_checkpoint) if merge_adapters and location.adapter else None
     outputs = merge.base_outputs if merge is not None else plan_outputs(metadata)
     if merge is not None:
         produce = _merged_reader(merge, outputs, reader)
@@ -251,6 +256,7 @@ def consolidate_checkpoint(
     progress: Optional[ProgressCallback] = None,
     expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
     merge_adapters: bool = False,
+    base_checkpoint: Optional[Union[str, Path]] = None,
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
@@ -280,6 +286,7 @@ def consolidate_checkpoint(
         merge_adapters: for a LoRA adapter checkpoint, write the base model with the adapters merged
             (``model.safetensors``, :mod:`nemo_patch.engine.adapter_merge`) instead of ``adapter_model.safetensors``;
             no effect on a model checkpoint.
+        base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
 
     Returns:
         A :class:`ConsolidationResult`.
@@ -300,7 +307,7 @@ def consolidate_checkpoint(
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
 
     metadata, reader = open_weights(weights_dir, location.backend)
-    merge = open_lora_merge(location, metadata) if merge_adapters and location.adapter else None
+    merge = open_lora_merge(location, metadata, base_checkpoint) if merge_adapters and location.adapter else None
     planned = merge.base_outputs if merge is not None else plan_outputs(metadata)
     outputs = cast_outputs(planned, dtype)
     if not outputs:

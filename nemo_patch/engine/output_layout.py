@@ -84,7 +84,9 @@ def dtype_name(value: object) -> str:
     text = str(value).removeprefix("torch.").lower() if not isinstance(value, bool) else ""
     name = _DTYPE_ALIASES.get(text, text)
     if name not in DTYPE_NAMES:
-        raise ValueError(f"invalid dtype {value!r}: expected one of {', '.join(DTYPE_NAMES)} (or a torch dtype)")
+        raise ValueError(
+            f"invalid dtype {value!r}: expected one of {', '.join(DTYPE_NAMES)} (or bfloat16, float16, float32)"
+        )
     return name
 
 

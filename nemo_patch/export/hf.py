@@ -48,6 +48,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from nemo_patch.engine.adapter_merge import lora_scale
 from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, read_state_dict
@@ -199,6 +200,7 @@ def export_hf_checkpoint(
     allow_unfinished: bool = False,
     progress: Optional[ProgressCallback] = None,
     merge_adapters: bool = False,
+    base_checkpoint: Optional[Union[str, Path]] = None,
 ) -> ConsolidationResult:
     """Write a ``transformers``-loadable directory for a finished NeMo 2 ``torch_dist`` checkpoint.
 
@@ -217,6 +219,7 @@ def export_hf_checkpoint(
             ``transformers`` directory; :mod:`nemo_patch.engine.adapter_merge`). Without it, an adapter checkpoint
             gives a Hugging Face PEFT directory (``adapter_model.safetensors`` + ``adapter_config.json``) through
             NeMo's ``"hf-peft"`` exporter, which ``peft.PeftModel.from_pretrained`` loads onto the base model.
+        base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
@@ -239,7 +242,7 @@ def export_hf_checkpoint(
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
     model, exporter = _exporter_for(ckpt_dir, peft)
     try:
-        state, metadata = read_state_dict(location, merge_adapters, progress)
+        state, metadata = read_state_dict(location, merge_adapters, progress, base_checkpoint)
         state = te_layer_norm_names(state)
     except ConsolidationError:
         raise
@@ -248,7 +251,7 @@ def export_hf_checkpoint(
 
     from nemo.lightning.io.state import _ModelState
 
-    dtype = dtype or checkpoint_dtype(state)
+    requested_dtype, dtype = dtype, dtype or checkpoint_dtype(state)
     state = cast_floating(state, dtype)
     with staged_output(ckpt_dir, output_dir, overwrite, f"Exporting {ckpt_dir} to Hugging Face", "hf-") as tmp_dir:
         target = _init_target(exporter, dtype)
@@ -277,13 +280,13 @@ def export_hf_checkpoint(
             "exporter": f"{type(exporter).__module__}.{type(exporter).__qualname__}",
             "tensor_count": len(saved),
             "total_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": None if requested_dtype is None else str(requested_dtype).removeprefix("torch."),
             "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
         }
-        if peft:
+        if location.adapter:
             manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
-        elif location.adapter:
-            manifest.update(base_checkpoint=location.adapter_base, merged_adapters=peft_settings(ckpt_dir))
+        if location.adapter and not peft:  # merged: as the safetensors format records it
+            manifest.update(merged_adapters=lora_scale(manifest["peft"])[1])
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
     kind = manifest["kind"]
