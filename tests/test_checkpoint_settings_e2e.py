@@ -30,13 +30,19 @@ from conftest import REPO, run_fit
 
 pytestmark = pytest.mark.slow
 
+#: Settings that do not exclude each other share a run (each run saves, consolidates, compares and resumes).
 SETTINGS = [
     pytest.param(["save_ckpt_format=zarr"], 1, id="zarr"),
-    pytest.param(["ckpt_parallel_save=true"], 1, id="parallel_save-on"),
-    pytest.param(["ckpt_parallel_save=false"], 1, id="parallel_save-off"),
-    pytest.param(["ckpt_torch_dist_multiproc=2"], 1, id="torch_dist_multiproc-2"),
-    pytest.param(["ckpt_assume_constant_structure=true"], 1, id="assume_constant_structure"),
-    pytest.param(["ckpt_load_directly_on_device=false", "ckpt_parallel_load=true"], 1, id="load-settings"),
+    pytest.param(
+        ["ckpt_parallel_save=true", "ckpt_torch_dist_multiproc=2", "ckpt_assume_constant_structure=true"],
+        1,
+        id="parallel_save-on-multiproc-2-constant-structure",
+    ),
+    pytest.param(
+        ["ckpt_parallel_save=false", "ckpt_load_directly_on_device=false", "ckpt_parallel_load=true"],
+        1,
+        id="parallel_save-off-load-settings",
+    ),
     pytest.param(
         ["ckpt_parallel_save=true", "ckpt_parallel_save_within_dp=true", "ckpt_parallel_save_optim=true"],
         2,

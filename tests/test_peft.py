@@ -155,37 +155,32 @@ def test_a_missing_base_checkpoint_exits_13_naming_it_and_writes_nothing(lora_ru
     assert usage.value.code == 2 and "--base-checkpoint is only used with --merge-adapters" in capsys.readouterr().err
 
 
-def test_adapters_are_merged_during_training_when_asked(imported_llama, tmp_path):
-    report = run_fit(
-        tmp_path, model_from=imported_llama / "nemo", peft="lora", frequency="latest", format="hf", max_steps=2,
-        save_every=2, strategy_arg=["ckpt_consolidation_merge_adapters=true"],
-    )  # fmt: skip
-    assert report["consolidations"] == 1 and report["consolidation_errors"] == []
-    hf_dir = tmp_path / "tiny_gpt" / "checkpoints" / report["latest"] / "hf"
-    assert {"config.json", "model.safetensors", "metadata.json"} <= {p.name for p in hf_dir.iterdir()}
-    meta = json.loads((hf_dir / "metadata.json").read_text())
-    assert meta["kind"] == "model" and meta["merged_adapters"]["alpha"] == LORA_ALPHA
-    assert meta["base_checkpoint"] == str(imported_llama / "nemo")
-
-
-def test_a_tp2_lora_checkpoint_gives_the_same_adapter_and_merged_outputs_as_tp1(imported_llama, tmp_path, capsys):
+def test_a_tp2_lora_checkpoint_gives_the_same_adapter_and_merged_outputs_as_tp1(imported_llama, tmp_path):
     """LoRA at TP=2 (2 gloo processes: linear_qkv's adapter split on its output rows, linear_proj's on its input
     columns), then the same run resumed at TP=1 (NeMo re-shards the adapters on load) for one step with lr=0 and a
     fresh optimizer, so the TP=1 checkpoint holds the same adapter values in TP=1 layout: both consolidate to the same
-    bytes, adapters and merged model alike."""
-    options = dict(model_from=imported_llama / "nemo", peft="lora", frequency="latest", save_every=1)
-    tp2 = run_fit(tmp_path, tp=2, max_steps=2, lr=0.01, **{**options, "save_every": 2})
-    tp1 = run_fit(tmp_path, tp=1, max_steps=3, lr=0, strategy_arg=["ckpt_load_optimizer=false"], **options)
+    bytes, adapters and merged model alike; the TP=1 run merges during training
+    (``ckpt_consolidation_merge_adapters=True``)."""
+    options = dict(model_from=imported_llama / "nemo", peft="lora", frequency="latest")
+    tp2 = run_fit(tmp_path, tp=2, max_steps=2, lr=0.01, save_every=2, **options)
+    # This run also merges during training (the strategy's ckpt_consolidation_merge_adapters).
+    merge = ["ckpt_load_optimizer=false", "ckpt_consolidation_merge_adapters=true"]
+    tp1 = run_fit(tmp_path, tp=1, max_steps=3, lr=0, save_every=1, strategy_arg=merge, **options)
     assert tp1["resumed_from"] and tp2["latest"] in tp1["resumed_from"]
     root = tmp_path / "tiny_gpt" / "checkpoints"
     first, second = root / tp2["latest"], root / tp1["latest"]
     assert {p.name for p in (first / "weights").glob("__1_*.distcp")} and not list((second / "weights").glob("__1_*"))
+    assert tp1["consolidations"] == 1 and tp1["consolidation_errors"] == []
     adapters = first / "consolidated" / "adapter_model.safetensors"
-    assert adapters.read_bytes() == (second / "consolidated" / "adapter_model.safetensors").read_bytes()
+    assert main([str(second), "--out", str(tmp_path / "tp1-adapters"), "--quiet"]) == 0
+    assert adapters.read_bytes() == (tmp_path / "tp1-adapters" / "adapter_model.safetensors").read_bytes()
     assert load_file(adapters)["decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight"].abs().max() > 0
-    merged = []
-    for checkpoint in (first, second):
-        out = tmp_path / f"merged-{checkpoint.name}"
-        assert main([str(checkpoint), "--merge-adapters", "--out", str(out), "--quiet"]) == 0, capsys.readouterr().err
-        merged.append((out / "model.safetensors").read_bytes())
-    assert merged[0] == merged[1]
+    # Merged: offline from the TP=2 checkpoint == during training from the TP=1 one.
+    assert main([str(first), "--merge-adapters", "--out", str(tmp_path / "tp2-merged"), "--quiet"]) == 0
+    merged_during_training = second / "consolidated"
+    meta = json.loads((merged_during_training / "metadata.json").read_text())
+    assert meta["kind"] == "model" and meta["merged_adapters"]["alpha"] == LORA_ALPHA
+    assert meta["base_checkpoint"] == str(imported_llama / "nemo")
+    assert (tmp_path / "tp2-merged" / "model.safetensors").read_bytes() == (
+        merged_during_training / "model.safetensors"
+    ).read_bytes()
