@@ -152,7 +152,6 @@ class LoRAMergeSource:
     """Everything a merged consolidation reads: the base checkpoint and the adapter pairs.
 
     Attributes:
-        base_dir: the base model's checkpoint directory.
         base_metadata: its distributed checkpoint's metadata.
         base_reader: a reader of its ``weights/``.
         base_outputs: its planned outputs (the merged output's tensors, names and shapes).
@@ -161,7 +160,6 @@ class LoRAMergeSource:
         settings: ``{"method", "alpha", "dim"}`` for ``metadata.json``.
     """
 
-    base_dir: Path
     base_metadata: Metadata
     base_reader: RegionReader
     base_outputs: List[OutputTensor]
@@ -206,6 +204,4 @@ def open_lora_merge(
             f"read: {error}; give the base with --base-checkpoint (base_checkpoint=)"
         ) from error
     pairs = lora_pairs(plan_outputs(adapter_metadata), {output.spec.name for output in base_outputs})
-    return LoRAMergeSource(
-        base_location.checkpoint_dir, base_metadata, base_reader, base_outputs, pairs, scale, settings
-    )
+    return LoRAMergeSource(base_metadata, base_reader, base_outputs, pairs, scale, settings)

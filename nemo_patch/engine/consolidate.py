@@ -347,15 +347,13 @@ def consolidate_checkpoint(
             "tensor_count": len(outputs),
             "total_bytes": total_bytes,
             "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-            "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
+            "vocab_size": vocabulary_sizes(ckpt_dir, metadata if merge is None else merge.base_metadata),
             "files": {name: {"sha256": digest} for name, digest in sorted(files.items())},
         }
         if location.adapter:
             manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
         if merge is not None:
-            manifest.update(
-                merged_adapters=merge.settings, vocab_size=vocabulary_sizes(merge.base_dir, merge.base_metadata)
-            )
+            manifest.update(merged_adapters=merge.settings)
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
             with open(tmp_dir / name, "rb") as handle:

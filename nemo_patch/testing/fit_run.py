@@ -307,6 +307,18 @@ def run_tiny_fit(
     return report
 
 
+def _probe_batch() -> Dict[str, Any]:
+    """The fixed batch every logit probe compares on (2 sequences, seed 0)."""
+    import torch
+
+    from nemo_patch.testing import tiny_gpt
+
+    generator = torch.Generator().manual_seed(0)
+    return tiny_gpt.causal_batch(
+        torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
+    )
+
+
 def _probe_logits(model: Any, root: Path) -> float:
     """Max |logit difference| between the trained model and a fresh one loaded from ``LATEST/consolidated``."""
     import torch
@@ -318,10 +330,7 @@ def _probe_logits(model: Any, root: Path) -> float:
     trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
     fresh = tiny_gpt.tiny_gpt_config().configure_model(tokenizer=None).eval()
     nemo_patch.load_consolidated_into(fresh, root / "LATEST" / "consolidated")
-    generator = torch.Generator().manual_seed(0)
-    batch = tiny_gpt.causal_batch(
-        torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
-    )
+    batch = _probe_batch()
     with torch.no_grad():
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         actual = fresh(batch["tokens"], batch["position_ids"], batch["attention_mask"])
@@ -343,7 +352,6 @@ def _probe_merged_logits(model: Any, checkpoint: Path, out: Path) -> Dict[str, f
     import nemo_patch
     from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
     from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
-    from nemo_patch.testing import tiny_gpt
 
     base = inspect_checkpoint(checkpoint).adapter_base
     for args in (
@@ -360,10 +368,7 @@ def _probe_merged_logits(model: Any, checkpoint: Path, out: Path) -> Dict[str, f
     hf_model = AutoModelForCausalLM.from_pretrained(str(out / "hf"), torch_dtype=torch.float32).eval()
     base_model = AutoModelForCausalLM.from_pretrained(str(out / "base-hf"), torch_dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base_model, str(out / "peft")).eval()
-    generator = torch.Generator().manual_seed(0)
-    batch = tiny_gpt.causal_batch(
-        torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
-    )
+    batch = _probe_batch()
     with torch.no_grad():
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         merged = plain(batch["tokens"], batch["position_ids"], batch["attention_mask"])
@@ -382,14 +387,9 @@ def _probe_hf_logits(model: Any, hf_dir: Path) -> float:
     from megatron.core.models.gpt import GPTModel as MCoreGPTModel
     from transformers import AutoModelForCausalLM
 
-    from nemo_patch.testing import tiny_gpt
-
     trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
     hf_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(0)
-    batch = tiny_gpt.causal_batch(
-        torch.randint(0, tiny_gpt.VOCAB_SIZE, (2, tiny_gpt.SEQ_LENGTH + 1), generator=generator)
-    )
+    batch = _probe_batch()
     with torch.no_grad():
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         actual = hf_model(input_ids=batch["tokens"]).logits

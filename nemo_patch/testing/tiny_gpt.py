@@ -62,22 +62,28 @@ def tiny_gpt_config(num_layers: int = 2, tie_embeddings: bool = True, layer_spec
         make_vocab_size_divisible_by=VOCAB_SIZE,
         share_embeddings_and_output_weights=tie_embeddings,
         transformer_layer_spec=local_layer_spec,
-        use_cpu_initialization=True,
         params_dtype=torch.float32,
         bf16=False,
         fp16=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
         init_method_std=0.02,
+        **CPU_CONFIG_DEFAULTS,
     )
 
+
+#: What the CPU needs changed in a NeMo model config's defaults: no fused kernels (they need CUDA), CPU
+#: initialisation, no dropout (so that logits can be compared).
+CPU_CONFIG_DEFAULTS: Dict[str, Any] = dict(
+    use_cpu_initialization=True,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    cross_entropy_loss_fusion=False,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 
 #: ``nl.MegatronMixedPrecision`` precisions the CPU harness trains with -> the parameters' dtype.
 PRECISIONS = {"32": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

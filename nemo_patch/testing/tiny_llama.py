@@ -28,36 +28,22 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from nemo_patch.testing.tiny_gpt import SEQ_LENGTH, VOCAB_SIZE
+from nemo_patch.testing.tiny_gpt import CPU_CONFIG_DEFAULTS, SEQ_LENGTH, VOCAB_SIZE
 
 __all__ = ["cpu_llama_config_class", "cpu_mixtral_config_class", "import_into_nemo", "make_tiny_hf_llama"]
 
-#: What the CPU needs changed in a NeMo config's defaults: no fused kernels (they need CUDA), CPU initialisation, no
-#: dropout (so that logits can be compared).
-_CPU_DEFAULTS = dict(
-    use_cpu_initialization=True,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
-    cross_entropy_loss_fusion=False,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
-
 
 def _cpu_config_class(name: str, base: type, **more_defaults: Any) -> type:
-    """``base`` (a NeMo config dataclass) with the local layer spec and :data:`_CPU_DEFAULTS`, registered in this
-    module as ``name`` (the name NeMo's serialized context refers to)."""
+    """``base`` (a NeMo config dataclass) with the local layer spec and the CPU defaults
+    (:data:`nemo_patch.testing.tiny_gpt.CPU_CONFIG_DEFAULTS`), registered in this module as ``name`` (the name NeMo's
+    serialized context refers to)."""
     if name in globals():
         return globals()[name]
     from dataclasses import field, make_dataclass
 
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
-    defaults = {**_CPU_DEFAULTS, **more_defaults}
+    defaults = {**CPU_CONFIG_DEFAULTS, **more_defaults}
     fields = [("transformer_layer_spec", Any, field(default=local_layer_spec))]
     fields += [(key, type(value), field(default=value)) for key, value in defaults.items()]
     config_class = make_dataclass(name, fields, bases=(base,))
