@@ -65,6 +65,7 @@ _LAZY = {
     "MegatronStrategy": "nemo_patch.training.strategy",
     "MegatronCheckpointIO": "nemo_patch.training.checkpoint_io",
     "ConsolidationCallback": "nemo_patch.training.callback",
+    "find_best_checkpoint": "nemo_patch.engine.best_checkpoint",
 }
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "apply_overlay",
     "consolidate_checkpoint",
     "export_hf_checkpoint",
+    "find_best_checkpoint",
     "load_consolidated_into",
     "load_consolidated_state_dict",
     "locate_checkpoint",

@@ -82,9 +82,11 @@ STRATEGY_DOC = '''        **kwargs: Additional keyword arguments.
         save_consolidated (Optional[bool]): None (default) or False: no checkpoint consolidation unless a frequency is
             given; True: consolidate at "each" unless a frequency is given. False with a frequency raises ValueError.
         ckpt_consolidation_frequency (Optional[str]): when finished checkpoints are consolidated into unsharded
-            safetensors: "each", "latest" (none during training, the newest finished checkpoint once when fit ends)
-            or "every_n:<k>" (the k-th, 2k-th, ... finished checkpoint, counted across resumes). Giving one turns
-            consolidation on; see nemo.lightning.io.consolidation.
+            safetensors: "each", "latest" (none during training, the newest finished checkpoint once when fit ends),
+            "every_n:<k>" (the k-th, 2k-th, ... finished checkpoint, counted across resumes), "best" (those
+            ModelCheckpoint ranked best by its monitored metric when saved; <root>/BEST names the best), or phases
+            such as "every_n:10; each@50000". Giving one turns consolidation on; see
+            nemo.lightning.io.consolidation.
         ckpt_consolidation_timeout (float): seconds the end of fit waits for running and queued consolidations.
         ckpt_consolidation_max_shard_size (Union[int, str]): most bytes per output safetensors file ("5GB").
         ckpt_consolidation_max_pending (int): consolidation requests that may wait behind the running one.
@@ -196,6 +198,29 @@ STRATEGY_METHODS = '''
         if newest is None or not newest.consolidated:
             return None
         return newest.path / consolidating_io.consolidation_settings.output_dirname
+
+    def consolidate_best_checkpoint(self, wait: bool = True) -> Optional[Path]:
+        """Consolidate the run's best finished checkpoint by ModelCheckpoint's monitored metric now, unless its
+        output exists, and point <root>/BEST at it (what "best" does when fit ends).
+
+        Args:
+            wait: wait for it, up to ckpt_consolidation_timeout seconds.
+
+        Returns:
+            The output directory once it exists, else None (no best recorded, not finished or removed, consolidation
+            off, another rank, not waited for, timed out or failed; each is logged).
+        """
+        consolidating_io = self._consolidating_io()
+        if consolidating_io is None or not self.is_global_zero:
+            return None
+        if consolidating_io.checkpoint_callback is None and getattr(self, "trainer", None) is not None:
+            consolidating_io.checkpoint_callback = self.trainer.checkpoint_callback
+        best = consolidating_io.consolidate_best()
+        if best is None:
+            return None
+        if wait:
+            consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
+        return best.path / consolidating_io.consolidation_settings.output_dirname if best.consolidated else None
 '''
 
 UTILS_FACTORY = """        from nemo.lightning.io.pl import MegatronCheckpointIO
@@ -229,7 +254,7 @@ import pytest
 import nemo.lightning as nl
 from nemo.lightning.io.consolidation.training.checkpoint_io import MegatronCheckpointIO as ConsolidatingIO
 from nemo.lightning.io.consolidation.training.io_chain import find_base_checkpoint_io
-from nemo.lightning.io.consolidation.training.policy import ConsolidationPolicy
+from nemo.lightning.io.consolidation.training.policy import parse_consolidation_frequency
 from nemo.lightning.io.pl import ConsolidatingMegatronCheckpointIO, MegatronCheckpointIO
 
 
@@ -248,9 +273,10 @@ def test_default_is_stock_checkpoint_io():
 @pytest.mark.parametrize(
     "kwargs, policy",
     [
-        ({"ckpt_consolidation_frequency": "latest"}, ConsolidationPolicy("latest")),
-        ({"ckpt_consolidation_frequency": "every_n:5"}, ConsolidationPolicy("every_n", 5)),
-        ({"save_consolidated": True}, ConsolidationPolicy("each")),
+        ({"ckpt_consolidation_frequency": "latest"}, parse_consolidation_frequency("latest")),
+        ({"ckpt_consolidation_frequency": "every_n:5"}, parse_consolidation_frequency("every_n:5")),
+        ({"ckpt_consolidation_frequency": "best; each@100"}, parse_consolidation_frequency("best; each@100")),
+        ({"save_consolidated": True}, parse_consolidation_frequency("each")),
     ],
 )
 def test_frequency_reaches_the_checkpoint_io(kwargs, policy):
@@ -263,8 +289,9 @@ def test_frequency_reaches_the_checkpoint_io(kwargs, policy):
 @pytest.mark.parametrize(
     "kwargs, accepted",
     [
-        ({"ckpt_consolidation_frequency": "weekly"}, '"each", "latest" or "every_n:<k>"'),
-        ({"ckpt_consolidation_frequency": "every_n:0"}, '"each", "latest" or "every_n:<k>"'),
+        ({"ckpt_consolidation_frequency": "weekly"}, '"each", "latest", "best" or "every_n:<k>"'),
+        ({"ckpt_consolidation_frequency": "every_n:0"}, '"each", "latest", "best" or "every_n:<k>"'),
+        ({"ckpt_consolidation_frequency": "each; best"}, 'needs "@<global step>"'),
         ({"save_consolidated": False, "ckpt_consolidation_frequency": "each"}, "contradicts"),
         ({"ckpt_consolidation_timeout": 0}, "a number of seconds > 0"),
         ({"ckpt_consolidation_max_pending": -1}, "an integer >= 0"),

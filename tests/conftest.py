@@ -45,6 +45,14 @@ def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: int = 6
 
 def run_fit(out: Path, *, stock: bool = False, **options: Any) -> Dict[str, Any]:
     """Run one tiny-GPT fit into ``out`` and return its JSON report (see ``nemo_patch.testing.fit_run``)."""
+    proc = run_fit_process(out, stock=stock, **options)
+    if proc.returncode != 0:
+        pytest.fail(f"fit failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads((out / "report.json").read_text())
+
+
+def run_fit_process(out: Path, *, stock: bool = False, **options: Any) -> subprocess.CompletedProcess:
+    """Run one tiny-GPT fit into ``out``; returns the completed process (its output also in ``out/fit.log``)."""
     args = [sys.executable, "-m", "nemo_patch.testing.fit_run", "--out", str(out), "--json", str(out / "report.json")]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
@@ -62,9 +70,7 @@ def run_fit(out: Path, *, stock: bool = False, **options: Any) -> Dict[str, Any]
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
     (out / "fit.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        pytest.fail(f"fit failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return json.loads((out / "report.json").read_text())
+    return proc
 
 
 def consolidated_names(report: Dict[str, Any]) -> list:

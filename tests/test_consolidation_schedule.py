@@ -72,7 +72,7 @@ def test_count_survives_resume_through_state_dict():
         state = first.state_dict(step)  # Lightning dumps callback state before the save is issued
         _save(first, f"s{step}", step)
     _save(first, "s6-last", 6)
-    assert first.state_dict(6) == state == {"finished_count": 3, "global_step": 6}
+    assert first.state_dict(6) == state == {"finished_count": 3, "global_step": 6, "phase_start": 0, "phase_count": 3}
 
     resumed = _schedule("every_n:2")
     resumed.load_state_dict(state)
@@ -80,3 +80,53 @@ def test_count_survives_resume_through_state_dict():
     _save(resumed, "s10", 10)
     due, _ = resumed.collect_finished(lambda save: False)
     assert [s.path.name for s in due] == ["s8"] and resumed.finished_count == 5
+
+
+def test_a_state_saved_before_phases_existed_counts_as_the_first_phase():
+    resumed = _schedule("every_n:2")
+    resumed.load_state_dict({"finished_count": 3, "global_step": 6})
+    for step in (8, 10):
+        _save(resumed, f"s{step}", step)
+    assert [s.path.name for s in resumed.collect_finished(lambda save: False)[0]] == ["s8"]
+
+
+def _due_steps(schedule, steps, best=()):
+    for step in steps:
+        save = _save(schedule, f"s{step}", step)
+        save.best = {"monitor": "val_loss", "value": 0.0, "mode": "min"} if step in best else None
+    return [s.global_step for s in schedule.collect_finished(lambda save: False)[0]]
+
+
+def test_every_n_counts_per_phase_and_the_phase_starts_at_its_step():
+    schedule = _schedule("every_n:3; every_n:2@10; each@20")
+    # phase 1: steps 2..8 (4 checkpoints: the 3rd is due); phase 2: 10..18 (5: 2nd and 4th); phase 3: all
+    assert _due_steps(schedule, range(2, 25, 2)) == [6, 12, 16, 20, 22, 24]
+    assert schedule.finished_count == 12
+
+
+def test_phase_counts_survive_a_resume_in_the_middle_of_a_phase():
+    frequency = "every_n:3; every_n:2@10; each@20"
+    first = _schedule(frequency)
+    states = {}
+    for step in range(2, 15, 2):
+        states[step] = first.state_dict(step)
+        _save(first, f"s{step}", step)
+    assert states[12] == {"finished_count": 6, "global_step": 12, "phase_start": 10, "phase_count": 2}
+    for resume_at in (8, 10, 12):  # last checkpoint of phase 1, first and second of phase 2
+        resumed = _schedule(frequency)
+        resumed.load_state_dict(states[resume_at])
+        expected = [step for step in [6, 12, 16, 20, 22, 24] if step > resume_at]
+        assert _due_steps(resumed, range(resume_at + 2, 25, 2)) == expected, resume_at
+
+
+def test_a_changed_cadence_on_resume_starts_the_new_phase_count_from_zero():
+    first = _schedule("every_n:2")
+    state = first.state_dict(6)
+    resumed = _schedule("each; every_n:2@4")  # step 6 is now in a phase that starts at 4, not 0
+    resumed.load_state_dict(state)
+    assert _due_steps(resumed, (8, 10, 12)) == [10]
+
+
+def test_best_consolidates_the_saves_marked_best_when_they_were_saved():
+    schedule = _schedule("best; each@100")
+    assert _due_steps(schedule, (10, 20, 30, 40, 100, 110), best={10, 20, 40}) == [10, 20, 40, 100, 110]

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 
-from nemo_patch.training.policy import ConsolidationPolicy
+from nemo_patch.training.policy import parse_consolidation_frequency
 from nemo_patch.training.settings import (
     CHECKPOINT_IO_ARGUMENTS,
     DEFAULT_MAX_PENDING,
@@ -32,9 +32,9 @@ from nemo_patch.training.settings import (
     [
         (None, None, None),
         (False, None, None),
-        (True, None, ConsolidationPolicy("each")),
-        (None, "latest", ConsolidationPolicy("latest")),
-        (True, "every_n:7", ConsolidationPolicy("every_n", 7)),
+        (True, None, parse_consolidation_frequency("each")),
+        (None, "latest", parse_consolidation_frequency("latest")),
+        (True, "every_n:7", parse_consolidation_frequency("every_n:7")),
     ],
 )
 def test_settings_round_trip_through_json_unchanged(save_consolidated, frequency, policy):

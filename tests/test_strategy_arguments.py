@@ -23,10 +23,10 @@ from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 import nemo_patch
 from nemo_patch import (
     ACCEPTED_FREQUENCIES,
-    ConsolidationPolicy,
     ConsolidationSettings,
     MegatronCheckpointIO,
     MegatronStrategy,
+    parse_consolidation_frequency,
 )
 from nemo_patch.engine.output_layout import DTYPE_NAMES
 from nemo_patch.training.io_chain import find_base_checkpoint_io
@@ -37,9 +37,12 @@ from nemo_patch.training.io_chain import find_base_checkpoint_io
     [
         ({}, None),
         ({"save_consolidated": False}, None),
-        ({"save_consolidated": True}, ConsolidationPolicy("each")),
-        ({"ckpt_consolidation_frequency": "latest"}, ConsolidationPolicy("latest")),
-        ({"save_consolidated": True, "ckpt_consolidation_frequency": "every_n:5"}, ConsolidationPolicy("every_n", 5)),
+        ({"save_consolidated": True}, parse_consolidation_frequency("each")),
+        ({"ckpt_consolidation_frequency": "latest"}, parse_consolidation_frequency("latest")),
+        (
+            {"save_consolidated": True, "ckpt_consolidation_frequency": "every_n:5"},
+            parse_consolidation_frequency("every_n:5"),
+        ),
     ],
 )
 @pytest.mark.parametrize("async_save", [True, False])
@@ -77,17 +80,17 @@ def test_user_supplied_stock_checkpoint_io_is_upgraded_with_its_settings():
     strategy = MegatronStrategy(checkpoint_io=user_io, ckpt_consolidation_frequency="every_n:3")
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     assert type(base) is MegatronCheckpointIO and base.parallel_save is False
-    assert base.consolidation_policy == ConsolidationPolicy("every_n", 3)
+    assert base.consolidation_policy == parse_consolidation_frequency("every_n:3")
     assert user_io.__class__ is NeMoMegatronCheckpointIO  # the user's object is not mutated
 
 
 def test_user_supplied_consolidating_io_keeps_its_own_policy_unless_the_strategy_sets_one():
     own = MegatronCheckpointIO(ckpt_consolidation_frequency="latest")
-    assert MegatronStrategy(checkpoint_io=own).consolidation_policy == ConsolidationPolicy("latest")
+    assert MegatronStrategy(checkpoint_io=own).consolidation_policy == parse_consolidation_frequency("latest")
     overridden = MegatronStrategy(
         checkpoint_io=MegatronCheckpointIO(ckpt_consolidation_frequency="latest"), ckpt_consolidation_frequency="each"
     )
-    assert overridden.consolidation_policy == ConsolidationPolicy("each")
+    assert overridden.consolidation_policy == parse_consolidation_frequency("each")
 
 
 def test_checkpoint_io_set_after_construction_gets_the_settings():
@@ -124,7 +127,7 @@ def test_upgrade_from_stock_io_keeps_every_setting():
     upgraded = MegatronCheckpointIO.from_checkpoint_io(stock, ConsolidationSettings.from_arguments(True))
     for name, value in vars(stock).items():
         assert getattr(upgraded, name) == value, name
-    assert upgraded.consolidation_policy == ConsolidationPolicy("each")
+    assert upgraded.consolidation_policy == parse_consolidation_frequency("each")
     assert nemo_patch.MegatronCheckpointIO is MegatronCheckpointIO
 
 
@@ -215,3 +218,14 @@ def test_settings_are_validated_once_and_handed_on_as_one_value(monkeypatch, tmp
     assert base.consolidation_settings is strategy.consolidation_settings is base.queue.settings
     assert calls == [(None, "every_n:3")]
     assert base.queue._settings_json == strategy.consolidation_settings.to_json()
+
+
+@pytest.mark.parametrize("frequency", ["best; every_n:3@10; latest", "every_n:10; each@50000"])
+def test_a_phased_frequency_round_trips_through_a_nemo_run_config(frequency):
+    import fiddle as fdl
+    import nemo_run as run
+    from nemo import lightning as nl
+
+    strategy = fdl.build(run.Config(nl.MegatronStrategy, ckpt_consolidation_frequency=frequency))
+    assert strategy.consolidation_policy == parse_consolidation_frequency(frequency)
+    assert strategy.ckpt_consolidation_frequency == frequency

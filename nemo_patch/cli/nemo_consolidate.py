@@ -18,11 +18,13 @@ Usage (also ``python -m nemo_patch``)::
 
     nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
                      [--max-shard-size 5GB] [--merge-adapters [--base-checkpoint DIR]] [--verify] [--force]
-                     [--allow-unfinished] [--quiet]
+                     [--allow-unfinished] [--best [--monitor NAME] [--mode min|max]] [--quiet]
 
 ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
-else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). Checkpoints
-written by stock NeMo 2.x, without this package, work the same.
+else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). With ``--best``,
+``<path>`` is a run's checkpoint root and its best finished checkpoint by the monitored metric is consolidated
+(:func:`nemo_patch.engine.best_checkpoint.find_best_checkpoint`). Checkpoints written by stock NeMo 2.x, without this
+package, work the same.
 
 Output goes to ``<ckpt>/consolidated`` (``--format safetensors``) or ``<ckpt>/hf`` (``--format hf``, a directory
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads), unless ``--out`` says otherwise. It is published
@@ -33,8 +35,9 @@ see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
 exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint in the ``hf``
 format whose model class has no ``hf-peft`` exporter, 13 adapters that cannot be merged (e.g. the base checkpoint is
-missing), 1 anything else). An adapter checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging
-Face PEFT directory (``hf``), or with ``--merge-adapters`` the merged model.
+missing), 14 ``--best`` for a run that recorded no monitored metric, 1 anything else). An adapter checkpoint gives
+``adapter_model.safetensors`` (``safetensors``) or a Hugging Face PEFT directory (``hf``), or with
+``--merge-adapters`` the merged model.
 
 ``--verify`` re-reads the output and compares every tensor with the checkpoint; for the ``safetensors`` format of a
 checkpoint with a NeMo ``context/`` it also checks that the output's names and shapes are those of the model the
@@ -113,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
     parser.add_argument("--allow-unfinished", action="store_true",
                         help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
+    parser.add_argument("--best", action="store_true", help="path is a run's checkpoint root: consolidate its best "
+                        "finished checkpoint by the metric NeMo's ModelCheckpoint monitored (from its state in the "
+                        "checkpoints, else from the metric in their names)")  # fmt: skip
+    parser.add_argument("--monitor", default=None, help="with --best: the metric (default: the one ModelCheckpoint "
+                        "recorded, else val_loss)")  # fmt: skip
+    parser.add_argument("--mode", choices=["min", "max"], default=None, help="with --best: whether lower or higher "
+                        "is better (default: ModelCheckpoint's, else min)")  # fmt: skip
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     return parser
 
@@ -221,6 +231,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.base_checkpoint is not None and not args.merge_adapters:
         parser.error("--base-checkpoint is only used with --merge-adapters")
+    if (args.monitor is not None or args.mode is not None) and not args.best:
+        parser.error("--monitor and --mode are only used with --best")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
@@ -235,7 +247,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     started = time.perf_counter()
     try:
-        location = locate_checkpoint(args.path, allow_unfinished=args.allow_unfinished)
+        best = None
+        if args.best:
+            from nemo_patch.engine.best_checkpoint import find_best_checkpoint
+
+            best = find_best_checkpoint(args.path, args.monitor, args.mode)
+            if not args.quiet:
+                print(f"Best checkpoint by {best.monitor} ({best.mode}): {best.checkpoint_dir.name}, "
+                      f"{best.monitor}={best.value:.6g} (from the {best.source})", file=sys.stderr)  # fmt: skip
+        location = locate_checkpoint(
+            best.checkpoint_dir if best else args.path, allow_unfinished=args.allow_unfinished
+        )
         if not location.finished:
             print(f"{PROG}: warning: {location.checkpoint_dir} is unfinished; consolidating it anyway "
                   "(--allow-unfinished): the output may be incomplete or wrong", file=sys.stderr)  # fmt: skip
@@ -247,6 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             progress=update,
             merge_adapters=args.merge_adapters,
             base_checkpoint=args.base_checkpoint,
+            best=best.record() if best else None,
         )
         if args.max_shard_size is not None:
             options["max_shard_size"] = args.max_shard_size

@@ -50,7 +50,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -257,6 +257,7 @@ def consolidate_checkpoint(
     expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
     merge_adapters: bool = False,
     base_checkpoint: Optional[Union[str, Path]] = None,
+    best: Optional[Mapping[str, Any]] = None,
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
@@ -287,6 +288,9 @@ def consolidate_checkpoint(
             (``model.safetensors``, :mod:`nemo_patch.engine.adapter_merge`) instead of ``adapter_model.safetensors``;
             no effect on a model checkpoint.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
+        best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
+            monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
+            ``ModelCheckpoint``'s).
 
     Returns:
         A :class:`ConsolidationResult`.
@@ -354,6 +358,8 @@ def consolidate_checkpoint(
             manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
         if merge is not None:
             manifest.update(merged_adapters=merge.settings)
+        if best is not None:
+            manifest.update(best=dict(best))
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
             with open(tmp_dir / name, "rb") as handle:

@@ -25,6 +25,7 @@ __all__ = [
     "ConsolidationError",
     "CorruptShardError",
     "ExportError",
+    "NoMonitoredMetricError",
     "NotACheckpointError",
     "OutputExistsError",
     "UnfinishedCheckpointError",
@@ -109,6 +110,13 @@ class AdapterMergeError(ConsolidationError):
     the message names the path, method or tensor. Nothing is written."""
 
     exit_code = 13
+
+
+class NoMonitoredMetricError(ConsolidationError):
+    """The best checkpoint of a run was asked for (``nemo-consolidate --best``), but the run recorded no monitored
+    metric: no ``ModelCheckpoint(monitor=...)`` metric in its checkpoints' state and none in their names."""
+
+    exit_code = 14
 
 
 class ExportError(ConsolidationError):

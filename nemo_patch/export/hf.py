@@ -43,7 +43,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -201,6 +201,7 @@ def export_hf_checkpoint(
     progress: Optional[ProgressCallback] = None,
     merge_adapters: bool = False,
     base_checkpoint: Optional[Union[str, Path]] = None,
+    best: Optional[Mapping[str, Any]] = None,
 ) -> ConsolidationResult:
     """Write a ``transformers``-loadable directory for a finished NeMo 2 ``torch_dist`` checkpoint.
 
@@ -220,6 +221,9 @@ def export_hf_checkpoint(
             gives a Hugging Face PEFT directory (``adapter_model.safetensors`` + ``adapter_config.json``) through
             NeMo's ``"hf-peft"`` exporter, which ``peft.PeftModel.from_pretrained`` loads onto the base model.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
+        best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
+            monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
+            ``ModelCheckpoint``'s).
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
@@ -287,6 +291,8 @@ def export_hf_checkpoint(
             manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
         if location.adapter and not peft:  # merged: as the safetensors format records it
             manifest.update(merged_adapters=lora_scale(manifest["peft"])[1])
+        if best is not None:
+            manifest.update(best=dict(best))
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
     kind = manifest["kind"]

@@ -24,6 +24,7 @@ Nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -122,6 +123,11 @@ def run_tiny_fit(
     precision: str = "32",
     peft: Optional[str] = None,
     probe_merged: bool = False,
+    validate_every: Optional[int] = None,
+    val_minimum_at: Optional[int] = None,
+    device: str = "cpu",
+    distributed_optimizer: bool = False,
+    layer_spec: str = "local",
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -173,6 +179,15 @@ def run_tiny_fit(
             far the merged models' logits are from the trained model-with-adapters' (see :func:`_probe_merged_logits`).
         precision: the trainer's ``nl.MegatronMixedPrecision`` precision, ``"32"`` (default), ``"bf16-mixed"`` or
             ``"16-mixed"``: the parameters, and so the checkpoint's weights, are in that dtype.
+        validate_every: validate (2 batches) every that many global steps, and let ``ModelCheckpoint`` save at the
+            end of each validation instead of every ``save_every`` steps; the report's ``val_loss`` maps each
+            validated global step to NeMo's logged ``val_loss``.
+        val_minimum_at: train on data that makes the validation loss go down until about this global step, then up
+            (:class:`nemo_patch.testing.tiny_gpt.TinyTokenDataModule`).
+        device: ``"cpu"`` (inside :func:`nemo_patch.testing.cpu_harness.megatron_on_cpu`) or ``"cuda"`` (GPUs, no
+            harness: ``scripts/gpu_check.py``).
+        distributed_optimizer: megatron-core's distributed optimizer (CUDA only).
+        layer_spec: ``"local"`` or ``"te"`` (Transformer Engine; CUDA only); see :func:`tiny_gpt.tiny_gpt_config`.
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -229,8 +244,18 @@ def run_tiny_fit(
         from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
         callbacks.append(PreemptionCallback())
+    from nemo_patch.testing.val_history import ValLossHistory
+
+    history = ValLossHistory()
+    callbacks.append(history)
     trainer = tiny_gpt.make_trainer(
-        strategy, max_steps=max_steps, callbacks=callbacks, devices=devices or tp * pp, precision=precision
+        strategy,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        devices=devices or tp * pp,
+        precision=precision,
+        validate_every=validate_every,
+        accelerator="gpu" if device == "cuda" else "cpu",
     )
     checkpoint_options: Dict[str, Any] = {"save_weights_only": weights_only, "save_top_k": save_top_k}
     if monitor == "step":
@@ -239,7 +264,7 @@ def run_tiny_fit(
         checkpoint_options.update(monitor=monitor, mode="min", filename=MONITORED_FILENAME.replace("METRIC", monitor))
     else:
         checkpoint_options.update(filename=CHECKPOINT_FILENAME)
-    log = tiny_gpt.make_logger(out, save_every=save_every, **checkpoint_options)
+    log = tiny_gpt.make_logger(out, save_every=None if validate_every else save_every, **checkpoint_options)
     if model_from is not None:
         from nemo.lightning import io
 
@@ -247,7 +272,8 @@ def run_tiny_fit(
         model = type(context)(context.config, optim=tiny_gpt.cpu_adam(lr, precision), tokenizer=context.tokenizer)
         restore_from = model_from
     else:
-        model = tiny_gpt.tiny_gpt_model(tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings), lr, precision)
+        config = tiny_gpt.tiny_gpt_config(tie_embeddings=tie_embeddings, layer_spec=layer_spec)
+        model = tiny_gpt.tiny_gpt_model(config, lr, precision, distributed_optimizer)
     if restore_from is not None:
         restore = nl.RestoreConfig(path=str(restore_from), load_optim_state=False)
         # As NeMo's fine-tuning recipes: start from the restore path, or resume this run's newest checkpoint.
@@ -255,9 +281,11 @@ def run_tiny_fit(
     else:
         resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
     report: Dict[str, Any] = {"strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}"}
-    with megatron_on_cpu():
+    with megatron_on_cpu() if device == "cpu" else contextlib.nullcontext():
         start = time.perf_counter()
-        data = tiny_gpt.TinyTokenDataModule(global_batch_size=2 * (devices or tp * pp) // (tp * pp))
+        data = tiny_gpt.TinyTokenDataModule(
+            global_batch_size=2 * (devices or tp * pp) // (tp * pp), val_minimum_at=val_minimum_at
+        )
         try:
             if peft is not None:
                 adapter = llm.peft.LoRA(target_modules=["linear_qkv", "linear_proj"], dim=LORA_DIM, alpha=LORA_ALPHA)
@@ -286,6 +314,9 @@ def run_tiny_fit(
     report["latest"] = latest.name if latest else None
     link = root / "LATEST"
     report["latest_target"] = os.readlink(link) if link.is_symlink() else None
+    best_link = root / "BEST"
+    report["best_target"] = os.readlink(best_link) if best_link.is_symlink() else None
+    report["val_loss"] = history.values
     report["finished_count"] = schedule.finished_count if schedule else None
     queue = getattr(base, "_queue", None)
     report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
@@ -325,12 +356,13 @@ def _probe_logits(model: Any, root: Path) -> float:
     from megatron.core.models.gpt import GPTModel as MCoreGPTModel
 
     import nemo_patch
-    from nemo_patch.testing import tiny_gpt
 
     trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
-    fresh = tiny_gpt.tiny_gpt_config().configure_model(tokenizer=None).eval()
+    parameter = next(trained.parameters())
+    fresh = model.config.configure_model(tokenizer=None).eval()
     nemo_patch.load_consolidated_into(fresh, root / "LATEST" / "consolidated")
-    batch = _probe_batch()
+    fresh = fresh.to(device=parameter.device, dtype=parameter.dtype)  # bf16 weights stay the same bits
+    batch = {key: value.to(parameter.device) for key, value in _probe_batch().items()}
     with torch.no_grad():
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         actual = fresh(batch["tokens"], batch["position_ids"], batch["attention_mask"])
@@ -431,6 +463,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--peft", choices=["lora"], default=None)
     parser.add_argument("--probe-merged", action="store_true")
     parser.add_argument("--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32")
+    parser.add_argument("--validate-every", type=int, default=None)
+    parser.add_argument("--val-minimum-at", type=int, default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--distributed-optimizer", action="store_true")
+    parser.add_argument("--layer-spec", choices=["local", "te"], default="local")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
@@ -467,6 +504,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         precision=args.precision,
         peft=args.peft,
         probe_merged=args.probe_merged,
+        validate_every=args.validate_every,
+        val_minimum_at=args.val_minimum_at,
+        device=args.device,
+        distributed_optimizer=args.distributed_optimizer,
+        layer_spec=args.layer_spec,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

@@ -33,6 +33,8 @@ __all__ = ["TinyTokenDataModule", "cpu_adam", "tiny_gpt_config", "tiny_gpt_model
 
 SEQ_LENGTH = 16
 VOCAB_SIZE = 128
+#: Micro-batches per validation in :func:`make_trainer` (``limit_val_batches``).
+VAL_BATCHES = 2
 
 
 def tiny_gpt_config(num_layers: int = 2, tie_embeddings: bool = True, layer_spec: str = "local") -> Any:
@@ -41,17 +43,18 @@ def tiny_gpt_config(num_layers: int = 2, tie_embeddings: bool = True, layer_spec
     Args:
         num_layers: number of transformer layers.
         tie_embeddings: share the input embedding with the output layer.
-        layer_spec: ``"local"`` (megatron-core's non-TE modules) is the only spec that runs without
-            Transformer Engine.
+        layer_spec: ``"local"`` (megatron-core's non-TE modules, the only spec that runs without Transformer
+            Engine) or ``"te"`` (NeMo's Transformer Engine spec; needs Transformer Engine and a GPU).
 
     Returns:
         An ``nemo.collections.llm.GPTConfig``.
     """
     from nemo.collections import llm
-    from nemo.collections.llm.gpt.model.base import local_layer_spec
+    from nemo.collections.llm.gpt.model.base import local_layer_spec, transformer_engine_layer_spec
 
-    if layer_spec != "local":
-        raise ValueError(f"Unsupported layer_spec {layer_spec!r}: only 'local' runs without Transformer Engine.")
+    specs = {"local": local_layer_spec, "te": transformer_engine_layer_spec}
+    if layer_spec not in specs:
+        raise ValueError(f"Unsupported layer_spec {layer_spec!r}: 'local' or 'te' (Transformer Engine, GPU only).")
     return llm.GPTConfig(
         num_layers=num_layers,
         hidden_size=64,
@@ -61,7 +64,7 @@ def tiny_gpt_config(num_layers: int = 2, tie_embeddings: bool = True, layer_spec
         vocab_size=VOCAB_SIZE,
         make_vocab_size_divisible_by=VOCAB_SIZE,
         share_embeddings_and_output_weights=tie_embeddings,
-        transformer_layer_spec=local_layer_spec,
+        transformer_layer_spec=specs[layer_spec],
         params_dtype=torch.float32,
         bf16=False,
         fp16=False,
@@ -89,11 +92,13 @@ CPU_CONFIG_DEFAULTS: Dict[str, Any] = dict(
 PRECISIONS = {"32": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def cpu_adam(lr: float = 1e-3, precision: str = "32") -> Any:
+def cpu_adam(lr: float = 1e-3, precision: str = "32", distributed_optimizer: bool = False) -> Any:
     """NeMo's ``MegatronOptimizerModule`` with megatron-core Adam set up to run on the CPU (``clip_grad=0``).
 
     ``precision`` is the trainer's (:data:`PRECISIONS`): with ``"bf16-mixed"``/``"16-mixed"`` the model's parameters
     are bf16/fp16 and megatron-core's mixed-precision optimizer keeps fp32 main parameters (fp16 with a loss scale).
+    ``distributed_optimizer`` turns on megatron-core's distributed optimizer, which only runs on CUDA tensors
+    (``scripts/gpu_check.py``).
     """
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
@@ -103,7 +108,7 @@ def cpu_adam(lr: float = 1e-3, precision: str = "32") -> Any:
             optimizer="adam",
             lr=lr,
             clip_grad=0.0,
-            use_distributed_optimizer=False,  # megatron-core's distributed optimizer needs CUDA tensors
+            use_distributed_optimizer=distributed_optimizer,  # needs CUDA tensors
             bf16=precision == "bf16-mixed",
             fp16=precision == "16-mixed",
             params_dtype=PRECISIONS[precision],
@@ -111,11 +116,13 @@ def cpu_adam(lr: float = 1e-3, precision: str = "32") -> Any:
     )
 
 
-def tiny_gpt_model(config: Optional[Any] = None, lr: float = 1e-3, precision: str = "32") -> Any:
+def tiny_gpt_model(
+    config: Optional[Any] = None, lr: float = 1e-3, precision: str = "32", distributed_optimizer: bool = False
+) -> Any:
     """An ``llm.GPTModel`` of :func:`tiny_gpt_config` with a Megatron Adam optimizer (:func:`cpu_adam`)."""
     from nemo.collections import llm
 
-    return llm.GPTModel(config or tiny_gpt_config(), optim=cpu_adam(lr, precision))
+    return llm.GPTModel(config or tiny_gpt_config(), optim=cpu_adam(lr, precision, distributed_optimizer))
 
 
 def causal_batch(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -149,13 +156,47 @@ class _RandomTokens(Dataset):
         return {key: value[0] for key, value in causal_batch(self.tokens[index : index + 1]).items()}
 
 
-class TinyTokenDataModule(pl.LightningDataModule):
-    """Deterministic random token sequences for the tiny GPT, served through NeMo's ``MegatronDataSampler``."""
+class _RehearsedTokens(Dataset):
+    """The first ``switch_at`` samples repeat the first ``rehearsed`` samples of ``validation``; then random tokens.
 
-    def __init__(self, num_samples: int = 4096, micro_batch_size: int = 2, global_batch_size: int = 2) -> None:
+    Training on it, a model memorises the validation samples (its validation loss falls), then forgets them (it
+    rises)."""
+
+    def __init__(self, num_samples: int, seed: int, validation: Dataset, rehearsed: int, switch_at: int) -> None:
+        self.random = _RandomTokens(num_samples, seed)
+        self.validation, self.rehearsed, self.switch_at = validation, rehearsed, switch_at
+
+    def __len__(self) -> int:
+        return len(self.random)
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        return self.validation[index % self.rehearsed] if index < self.switch_at else self.random[index]
+
+
+class TinyTokenDataModule(pl.LightningDataModule):
+    """Deterministic token sequences for the tiny GPT, served through NeMo's ``MegatronDataSampler``.
+
+    Args:
+        num_samples: training samples.
+        micro_batch_size, global_batch_size: NeMo's (samples).
+        val_minimum_at: ``None``: random tokens. A global step ``S``: up to step ``S`` the training samples are the
+            validation batches NeMo validates on (the first :data:`VAL_BATCHES` micro-batches), then random ones, so
+            the validation loss goes down until step ``S`` and up after it (megatron-core's sampler reads the
+            training samples in order, ``global_batch_size`` per step).
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 4096,
+        micro_batch_size: int = 2,
+        global_batch_size: int = 2,
+        val_minimum_at: Optional[int] = None,
+    ) -> None:
         super().__init__()
         from nemo.lightning.pytorch.plugins import MegatronDataSampler
 
+        self.val_minimum_at = val_minimum_at
+        self.validation = _RandomTokens(64, seed=4321)
         self.num_samples = num_samples
         self.seq_length = SEQ_LENGTH
         self.micro_batch_size = micro_batch_size
@@ -165,14 +206,20 @@ class TinyTokenDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_RandomTokens(self.num_samples, seed=1234), batch_size=self.micro_batch_size)
+        train: Dataset = _RandomTokens(self.num_samples, seed=1234)
+        if self.val_minimum_at is not None:
+            switch = self.val_minimum_at * self.data_sampler.global_batch_size
+            validated = VAL_BATCHES * self.micro_batch_size
+            train = _RehearsedTokens(self.num_samples, 1234, self.validation, validated, switch)
+        return DataLoader(train, batch_size=self.micro_batch_size)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(_RandomTokens(64, seed=4321), batch_size=self.micro_batch_size)
+        return DataLoader(self.validation, batch_size=self.micro_batch_size)
 
 
-def make_logger(log_dir: Path, save_every: int, name: str = "tiny_gpt", **checkpoint_kwargs: Any) -> Any:
-    """A ``NeMoLogger`` whose NeMo ``ModelCheckpoint`` saves every ``save_every`` global steps, keeping all.
+def make_logger(log_dir: Path, save_every: Optional[int], name: str = "tiny_gpt", **checkpoint_kwargs: Any) -> Any:
+    """A ``NeMoLogger`` whose NeMo ``ModelCheckpoint`` saves every ``save_every`` global steps (``None``: at the end
+    of each validation), keeping all.
 
     The final checkpoint keeps its optimizer state (``save_optim_on_train_end=True``) so that a run can be resumed
     from it and trained further.
@@ -188,21 +235,31 @@ def make_logger(log_dir: Path, save_every: int, name: str = "tiny_gpt", **checkp
 
 
 def make_trainer(
-    strategy: Any, max_steps: int, callbacks: Optional[List[Any]] = None, devices: int = 1, precision: str = "32"
+    strategy: Any,
+    max_steps: int,
+    callbacks: Optional[List[Any]] = None,
+    devices: int = 1,
+    precision: str = "32",
+    validate_every: Optional[int] = None,
+    accelerator: str = "cpu",
 ) -> Any:
-    """An ``nl.Trainer`` on the CPU (``devices`` processes, gloo): ``precision`` (default fp32; see
-    :data:`PRECISIONS`), no validation, no progress bar."""
+    """An ``nl.Trainer`` on the CPU (``devices`` processes, gloo; ``accelerator="gpu"``: GPUs, NCCL): ``precision``
+    (default fp32; see :data:`PRECISIONS`), no progress bar, and no validation, or with ``validate_every``
+    :data:`VAL_BATCHES` validation batches every that many global steps (NeMo logs ``val_loss``)."""
     from nemo import lightning as nl
 
+    validation: Dict[str, Any] = {"limit_val_batches": 0}
+    if validate_every is not None:
+        validation = {"limit_val_batches": VAL_BATCHES, "val_check_interval": validate_every}
     return nl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         max_steps=max_steps,
         strategy=strategy,
         plugins=nl.MegatronMixedPrecision(precision=precision),
         callbacks=callbacks or [],
-        limit_val_batches=0,
         num_sanity_val_steps=0,
+        **validation,
         log_every_n_steps=1,
         enable_progress_bar=False,
     )

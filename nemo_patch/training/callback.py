@@ -26,9 +26,11 @@ from typing import Any, Dict, Iterator, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from nemo_patch.engine.best_checkpoint import NOT_A_METRIC
 from nemo_patch.engine.publish import remove_stale_tmp_dirs
 from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
 from nemo_patch.training.io_chain import find_base_checkpoint_io
+from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.retention import RETAINED_DIRNAME
 
 __all__ = ["ConsolidationCallback"]
@@ -61,7 +63,7 @@ def _warn_if_top_k_drops_consolidations(checkpoint_callback: Any, io: MegatronCh
     started by then (the consolidation process still busy with an earlier one) is dropped."""
     policy = io.consolidation_policy
     save_top_k = getattr(checkpoint_callback, "save_top_k", -1)
-    if policy is None or policy.mode not in ("each", "every_n") or not 0 <= save_top_k <= 1:
+    if policy is None or not policy.consolidates_periodically or not 0 <= save_top_k <= 1:
         return
     logger.warning(
         "ModelCheckpoint(save_top_k=%d) removes each checkpoint as soon as the next one is saved: a checkpoint due "
@@ -76,6 +78,31 @@ def _warn_if_top_k_drops_consolidations(checkpoint_callback: Any, io: MegatronCh
     )
 
 
+def check_best_has_a_metric(checkpoint_callback: Any, policy: ConsolidationPolicy) -> None:
+    """A ``"best"`` cadence needs NeMo's ``ModelCheckpoint`` to monitor a metric.
+
+    Raises:
+        ValueError: ``policy`` uses ``"best"`` and there is no ``ModelCheckpoint``, or its ``monitor`` is one of
+            :data:`nemo_patch.engine.best_checkpoint.NOT_A_METRIC`; the message says what to pass.
+    """
+    if not policy.uses_best:
+        return
+    monitor = getattr(checkpoint_callback, "monitor", None)
+    if checkpoint_callback is not None and monitor not in NOT_A_METRIC:
+        return
+    what = (
+        "the trainer has no ModelCheckpoint"
+        if checkpoint_callback is None
+        else f"ModelCheckpoint(monitor={monitor!r})"
+    )
+    raise ValueError(
+        f"ckpt_consolidation_frequency={str(policy)!r} consolidates the best checkpoint by the metric NeMo's "
+        f"ModelCheckpoint monitors, but {what} monitors none: pass ModelCheckpoint(monitor='val_loss', mode='min') "
+        "(or another metric the model logs, e.g. in validation), or use a frequency without \"best\" (\"each\", "
+        "\"every_n:<k>\", \"latest\")."
+    )
+
+
 class ConsolidationCallback(Callback):
     """Consolidates finished checkpoints at the cadence of the trainer's :class:`MegatronCheckpointIO`.
 
@@ -83,10 +110,13 @@ class ConsolidationCallback(Callback):
     with its ``AsyncFinalizerCallback``), so it runs after NeMo's ``ModelCheckpoint`` and ``AsyncFinalizerCallback``
     in every hook: a save made or finalized in a hook is seen in the same hook.
 
+    * ``on_fit_start``: with a ``"best"`` cadence, check that ``ModelCheckpoint`` monitors a metric (else
+      ``ValueError``, before any training step) and hand it to the checkpoint IO.
     * ``on_train_start``: warn when ``save_top_k`` <= 1 will drop due consolidations; remove temporary output left
       by consolidation processes that were killed.
     * ``on_train_batch_end`` / ``on_validation_end``: consolidate the saves that finished and are due.
-    * ``on_train_end``: the same, then, in ``latest`` mode, consolidate the newest finished checkpoint.
+    * ``on_train_end``: the same, then, with ``latest``, consolidate the newest finished checkpoint and, with
+      ``best``, the best one (``on_exception`` too: a run ending by an exception or a preemption).
     * ``state_dict`` / ``load_state_dict``: the count of finished checkpoints, stored in each checkpoint by Lightning
       so that ``every_n`` keeps counting across a resume.
 
@@ -103,6 +133,15 @@ class ConsolidationCallback(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Remember the trainer (for :meth:`state_dict`)."""
         self._trainer = trainer
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Hand the trainer's ``ModelCheckpoint`` to the checkpoint IO; a ``"best"`` cadence without a monitored
+        metric raises ``ValueError`` here, on every rank, before any training step."""
+        io = _consolidating_io(trainer)
+        if io is None or io.consolidation_policy is None:
+            return
+        check_best_has_a_metric(trainer.checkpoint_callback, io.consolidation_policy)
+        io.checkpoint_callback = trainer.checkpoint_callback
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """On global rank 0: warn once when ``ModelCheckpoint(save_top_k=...)`` will drop due consolidations, and
@@ -149,16 +188,21 @@ class ConsolidationCallback(Callback):
             io.finish_fit()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        """``fit`` is ending by an exception: in ``latest`` mode, still queue the newest finished checkpoint (the
-        strategy's teardown then waits for it, up to its timeout)."""
+        """``fit`` is ending by an exception: with ``latest``, still queue the newest finished checkpoint, with
+        ``best`` the best one (the strategy's teardown then waits for them, up to its timeout)."""
         io = _consolidating_io(trainer)
         policy = io.consolidation_policy if io is not None else None
-        if io is not None and policy is not None and policy.consolidates_at_fit_end:
-            with _never_fails_training("queueing the end-of-fit consolidation"):
+        if io is None or policy is None:
+            return
+        with _never_fails_training("queueing the end-of-fit consolidation"):
+            if policy.consolidates_at_fit_end:
                 io.consolidate_newest()
+            if policy.uses_best and io.checkpoint_callback is not None:
+                io.consolidate_best()
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"finished_count": n, "global_step": s}`` for the checkpoint being saved, or ``{}``."""
+        """The counts of finished checkpoints for the checkpoint being saved
+        (:meth:`nemo_patch.training.schedule.ConsolidationSchedule.state_dict`), or ``{}``."""
         io = _consolidating_io(self._trainer)
         if io is None or io.consolidation is None or self._trainer is None:
             return {}

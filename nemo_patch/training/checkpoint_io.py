@@ -19,6 +19,7 @@ overlay, the CLI or ``nemo_patch.testing``.
 """
 
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
@@ -30,12 +31,12 @@ from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
 from nemo_patch.engine.checkpoint_layout import weights_written
-from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
+from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, METADATA_FILENAME
 from nemo_patch.engine.publish import link_consolidated_output
-from nemo_patch.training.latest import update_latest_pointer
+from nemo_patch.training.latest import BEST_NAME, update_latest_pointer
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.queue import ConsolidationQueue
-from nemo_patch.training.retention import prune_retained, repoint_latest, retain_output
+from nemo_patch.training.retention import prune_retained, repoint_best, repoint_latest, retain_output
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationSchedule
 from nemo_patch.training.settings import (
     CHECKPOINT_IO_ARGUMENTS,
@@ -45,9 +46,22 @@ from nemo_patch.training.settings import (
     setting_view,
 )
 
-__all__ = ["MegatronCheckpointIO"]
+__all__ = ["MegatronCheckpointIO", "best_record"]
 
 logger = logging.getLogger(__name__)
+
+_STEP_IN_NAME = re.compile(r"(?:^|-)step=([0-9]+)")
+
+
+def best_record(checkpoint_callback: Any) -> Dict[str, Any]:
+    """What ``metadata.json`` records of a best checkpoint: ``{"monitor": name, "value": float, "mode": mode}``,
+    from ``ModelCheckpoint``'s ``monitor``, ``best_model_score`` (a 0-d tensor in Lightning) and ``mode``."""
+    score = checkpoint_callback.best_model_score
+    return {
+        "monitor": checkpoint_callback.monitor,
+        "value": None if score is None else float(score),
+        "mode": checkpoint_callback.mode,
+    }
 
 
 class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
@@ -65,7 +79,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         *args: forwarded to NeMo's ``MegatronCheckpointIO``.
         save_consolidated: ``None`` (default), ``True`` or ``False``; see
             :func:`nemo_patch.training.policy.resolve_policy`.
-        ckpt_consolidation_frequency: ``None`` (default), ``"each"``, ``"latest"`` or ``"every_n:<k>"``.
+        ckpt_consolidation_frequency: ``None`` (default), ``"each"``, ``"latest"``, ``"best"``, ``"every_n:<k>"`` or
+            phases (:mod:`nemo_patch.training.policy`).
         consolidation_max_shard_size: most bytes of tensor data per output safetensors file (default 5 * 10**9).
         consolidation_max_pending: consolidation requests that may wait behind the running one (default 2).
         consolidation_format: ``"safetensors"`` (default, ``<ckpt>/consolidated``) or ``"hf"`` (``<ckpt>/hf``).
@@ -131,6 +146,9 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         self._warned_drop = False
         # NeMo may remove checkpoints from its own thread (async save): LATEST and retained/ change under this lock.
         self._pointer_lock = threading.RLock()
+        #: The trainer's ``ModelCheckpoint`` (set by the consolidation callback): its ``best_model_path`` tells which
+        #: saves are the best so far, for ``"best"`` cadences.
+        self.checkpoint_callback: Optional[Any] = None
 
     @classmethod
     def from_checkpoint_io(
@@ -165,11 +183,18 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         request = super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         if self.consolidation is not None and is_global_rank_zero():
             save = self.consolidation.register(ckpt_to_dir(path), int(checkpoint.get("global_step", -1)))
+            if self.consolidation.policy.uses_best and self._names_best(path):
+                save.best = best_record(self.checkpoint_callback)
             if request is None:
                 save.written = True
             else:
                 request.add_finalize_fn(save.mark_written)
         return request
+
+    def _names_best(self, path: _PATH) -> bool:
+        """Whether ``ModelCheckpoint.best_model_path`` names ``path`` (it is set before the save is issued)."""
+        best = getattr(self.checkpoint_callback, "best_model_path", None)
+        return bool(best) and Path(ckpt_to_dir(best)) == Path(ckpt_to_dir(path))
 
     @staticmethod
     def is_checkpoint_gone(save: CheckpointSave) -> bool:
@@ -218,18 +243,68 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             return False
         if newest.consolidated:
             self._point_latest(newest.path)
-        elif not newest.queued:
+        elif not self._in_queue(newest):
             self.queue.submit(newest)
         return True
 
+    def consolidate_best(self) -> Optional[CheckpointSave]:
+        """Make sure the run's best finished checkpoint (``ModelCheckpoint.best_model_path``) is consolidated, and
+        point ``<root>/BEST`` at it: at once when its output exists (nothing is recomputed, also for a checkpoint
+        saved before a resume), else once its consolidation, queued now, is published.
+
+        When the best checkpoint never finished or was removed, nothing else is substituted: a warning names it and
+        ``BEST`` is left as it is.
+
+        Returns:
+            The best checkpoint's save, or ``None`` (no best recorded, not finished or removed, consolidation off).
+        """
+        callback = self.checkpoint_callback
+        if self.consolidation is None:
+            return None
+        self.consolidate_finished()
+        best_path = getattr(callback, "best_model_path", None)
+        if not best_path:
+            logger.warning(
+                "No best checkpoint to consolidate: ModelCheckpoint(monitor=%r) has ranked no finished checkpoint yet",
+                getattr(callback, "monitor", None),
+            )
+            return None
+        best_dir = Path(ckpt_to_dir(best_path))
+        save = self.consolidation.finished_save(best_dir)
+        if save is None:  # saved before a resume (or never finished)
+            step = _STEP_IN_NAME.search(best_dir.name)  # NeMo's "step=N" is the global step - 1
+            save = CheckpointSave(best_dir, int(step.group(1)) + 1 if step else -1, written=True)
+        if self.is_checkpoint_gone(save):
+            logger.warning(
+                "The best checkpoint %s (%s) never finished or was removed: it is not consolidated and %s is left as "
+                "it is",
+                best_dir,
+                best_record(callback),
+                BEST_NAME,
+            )
+            return None
+        save.best = best_record(callback)
+        if save.consolidated or (save.path / self.consolidation_settings.output_dirname / METADATA_FILENAME).is_file():
+            save.consolidated = True
+            self._point_best(save.path)
+        elif not self._in_queue(save):
+            self.queue.submit(save)
+        return save
+
+    def _in_queue(self, save: CheckpointSave) -> bool:
+        return self._queue is not None and self._queue.holds(save)
+
     def finish_fit(self) -> None:
-        """End of ``fit``: queue what is due and, in ``latest`` mode, the newest checkpoint; forget saves that never
-        finished (each is logged). Does not wait: see :meth:`wait_for_consolidation`."""
+        """End of ``fit``: queue what is due, with ``latest`` the newest checkpoint and with ``best`` the best one
+        (:meth:`consolidate_best`); forget saves that never finished (each is logged). Does not wait: see
+        :meth:`wait_for_consolidation`."""
         if self.consolidation is None:
             return
         self.consolidate_finished()
         if self.consolidation.policy.consolidates_at_fit_end:
             self.consolidate_newest()
+        if self.consolidation.policy.uses_best:
+            self.consolidate_best()
         for save in self.consolidation.drop_pending():
             logger.warning(
                 "Checkpoint %s (global step %d) never finished; not consolidated.", save.path, save.global_step
@@ -285,6 +360,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                             if output == checkpoint_dir / output_name:
                                 self._outputs[step] = entry / output_name
                 self._prune_retained(root, removing=checkpoint_dir)
+                repoint_best(root, output_name, checkpoint_dir)
             except OSError:
                 logger.exception("Could not keep the consolidated output of %s before its removal", checkpoint_dir)
 
@@ -324,6 +400,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             return
         save.consolidated = True
         self._point_latest(save.path)
+        if save.best is not None:
+            self._point_best(save.path)
         if self.consolidation_settings.keep is not None:  # a new output may push a retained one out of the newest N
             with self._pointer_lock:
                 try:
@@ -351,11 +429,15 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                 else:
                     logger.exception("Could not reuse %s for the copy %s", output, copy.path)
 
-    def _point_latest(self, checkpoint_dir: Path) -> None:
+    def _point_latest(self, checkpoint_dir: Path, name: str = "LATEST") -> None:
         with self._pointer_lock:
             if self.is_checkpoint_gone(CheckpointSave(checkpoint_dir, -1)):
-                return  # being removed (its output, if any, was kept and LATEST placed then)
+                return  # being removed (its output, if any, was kept and the pointer placed then)
             try:
-                update_latest_pointer(checkpoint_dir)
+                update_latest_pointer(checkpoint_dir, name=name)
             except OSError:
-                logger.exception("Could not point LATEST at %s", checkpoint_dir)
+                logger.exception("Could not point %s at %s", name, checkpoint_dir)
+
+    def _point_best(self, checkpoint_dir: Path) -> None:
+        self._point_latest(checkpoint_dir, BEST_NAME)
+        logger.info("%s -> %s", BEST_NAME, checkpoint_dir.name)

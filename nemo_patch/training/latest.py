@@ -12,10 +12,12 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""A run's ``LATEST`` pointer, and which checkpoint a run's checkpoint root designates.
+"""A run's ``LATEST`` and ``BEST`` pointers, and which checkpoint a run's checkpoint root designates.
 
 ``<root>/LATEST`` is a relative symlink in the checkpoint root naming the newest consolidated checkpoint of the run;
-the training side replaces it atomically after each consolidation is published. :func:`locate_checkpoint` resolves a
+the training side replaces it atomically after each consolidation is published. ``<root>/BEST`` (cadences with
+``"best"``) names the consolidated checkpoint that NeMo's ``ModelCheckpoint`` ranks best by its monitored metric, and
+is kept the same way. :func:`locate_checkpoint` resolves a
 path a user gives (a checkpoint, or a run's root) to one checkpoint, following ``LATEST`` first. Standard library and
 the engine's torch-free checkpoint layout only.
 """
@@ -34,14 +36,25 @@ from nemo_patch.engine.checkpoint_layout import (
 from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
 from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
 
-__all__ = ["LATEST_NAME", "locate_checkpoint", "read_latest_pointer", "remove_latest_pointer", "update_latest_pointer"]
+__all__ = [
+    "BEST_NAME",
+    "LATEST_NAME",
+    "locate_checkpoint",
+    "read_latest_pointer",
+    "remove_latest_pointer",
+    "update_latest_pointer",
+]
 
-#: File name of the pointer in the checkpoint root.
+#: File name of the pointer to the newest consolidated checkpoint, in the checkpoint root.
 LATEST_NAME = "LATEST"
+#: File name of the pointer to the best consolidated checkpoint by the monitored metric (``"best"`` cadences).
+BEST_NAME = "BEST"
 
 
-def update_latest_pointer(checkpoint_dir: Union[str, Path], root: Optional[Union[str, Path]] = None) -> Path:
-    """Point ``<root>/LATEST`` at ``checkpoint_dir``.
+def update_latest_pointer(
+    checkpoint_dir: Union[str, Path], root: Optional[Union[str, Path]] = None, name: str = LATEST_NAME
+) -> Path:
+    """Point ``<root>/LATEST`` (or ``<root>/<name>``, e.g. :data:`BEST_NAME`) at ``checkpoint_dir``.
 
     The symlink is relative (``LATEST -> <checkpoint name>``, or ``LATEST -> retained/<name>`` for an output kept
     after its checkpoint was removed; see :mod:`nemo_patch.training.retention`) so the run directory can be moved. It
@@ -51,17 +64,18 @@ def update_latest_pointer(checkpoint_dir: Union[str, Path], root: Optional[Union
     Args:
         checkpoint_dir: the directory to point at (a checkpoint directory, or a retained entry).
         root: the checkpoint root that holds ``LATEST``; default: ``checkpoint_dir``'s parent.
+        name: the pointer's file name (:data:`LATEST_NAME` or :data:`BEST_NAME`).
 
     Returns:
-        The path of the ``LATEST`` link.
+        The path of the link.
 
     Raises:
         OSError: if the link cannot be created (e.g. a read-only directory).
     """
     checkpoint_dir = Path(checkpoint_dir)
     root = checkpoint_dir.parent if root is None else Path(root)
-    link = root / LATEST_NAME
-    tmp = root / f".{LATEST_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    link = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     os.symlink(os.path.relpath(checkpoint_dir, root), tmp)
     try:
         os.replace(tmp, link)
@@ -71,14 +85,15 @@ def update_latest_pointer(checkpoint_dir: Union[str, Path], root: Optional[Union
     return link
 
 
-def remove_latest_pointer(checkpoint_root: Union[str, Path]) -> None:
-    """Remove ``<checkpoint_root>/LATEST`` if it exists (a reader then finds no pointer, never a dangling one)."""
-    (Path(checkpoint_root) / LATEST_NAME).unlink(missing_ok=True)
+def remove_latest_pointer(checkpoint_root: Union[str, Path], name: str = LATEST_NAME) -> None:
+    """Remove ``<checkpoint_root>/LATEST`` (or ``<name>``) if it exists (a reader then finds no pointer, never a
+    dangling one)."""
+    (Path(checkpoint_root) / name).unlink(missing_ok=True)
 
 
-def read_latest_pointer(checkpoint_root: Union[str, Path]) -> Optional[Path]:
-    """The checkpoint directory ``<checkpoint_root>/LATEST`` points at, or ``None`` if there is no pointer."""
-    link = Path(checkpoint_root) / LATEST_NAME
+def read_latest_pointer(checkpoint_root: Union[str, Path], name: str = LATEST_NAME) -> Optional[Path]:
+    """The directory ``<checkpoint_root>/LATEST`` (or ``<name>``) points at, or ``None`` if there is no pointer."""
+    link = Path(checkpoint_root) / name
     if not link.is_symlink():
         return None
     return (link.parent / os.readlink(link)).resolve()

@@ -16,99 +16,192 @@
 
 This module is the single place where the user-facing ``save_consolidated`` and ``ckpt_consolidation_frequency``
 arguments are parsed and validated, once, when :class:`nemo_patch.training.settings.ConsolidationSettings` is made
-from the user's values; every other part of the package gets the parsed :class:`ConsolidationPolicy`. Standard library
-only.
+from the user's values; every other part of the package gets the parsed :class:`ConsolidationPolicy`.
 
-Accepted frequencies:
+Accepted frequencies (:data:`ACCEPTED_FREQUENCIES`): one cadence, or phases separated by ``;``.
 
 * ``"each"``: consolidate every finished checkpoint.
-* ``"latest"``: consolidate nothing during training; when ``fit`` ends, consolidate the newest finished
-  checkpoint once.
-* ``"every_n:<k>"`` with ``k`` an integer >= 1: consolidate the k-th, 2k-th, ... finished checkpoint of the
-  run (the count includes saves made before a resume).
+* ``"every_n:<k>"`` with ``k`` an integer >= 1: consolidate the k-th, 2k-th, ... finished checkpoint (of the run,
+  or of the phase; the count includes saves made before a resume).
+* ``"best"``: consolidate a finished checkpoint when it was the best so far by NeMo's ``ModelCheckpoint``
+  ``monitor``/``mode`` when it was saved (``ModelCheckpoint.best_model_path`` named it), and keep ``<root>/BEST`` on
+  the best consolidated checkpoint; when ``fit`` ends, the run's best finished checkpoint is consolidated if it is
+  not yet and ``BEST`` names it.
+* ``"latest"``: consolidate nothing during training; when ``fit`` ends, consolidate the newest finished checkpoint.
+* Phases: ``"<cadence>; <cadence>@<step>; ..."``. The first cadence applies from the start; each ``<cadence>@<step>``
+  replaces it for checkpoints saved at global step ``<step>`` or later (steps strictly increasing). ``every_n``
+  counts the checkpoints of its own phase. A final ``"; latest"`` (no ``@``) also consolidates the newest finished
+  checkpoint when ``fit`` ends. Examples: ``"every_n:10; each@50000"``, ``"best; each@90000"``,
+  ``"every_n:20; latest"``.
 
 Standard library only: never torch, NeMo or Lightning, so that ``import nemo_patch`` can import it.
 """
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import List, Literal, Optional, Tuple
 
-__all__ = ["ACCEPTED_FREQUENCIES", "ConsolidationPolicy", "parse_consolidation_frequency", "resolve_policy"]
+__all__ = [
+    "ACCEPTED_FREQUENCIES",
+    "CadencePhase",
+    "ConsolidationPolicy",
+    "parse_consolidation_frequency",
+    "resolve_policy",
+]
 
-#: Human-readable list of accepted ``ckpt_consolidation_frequency`` values, used in error messages.
-ACCEPTED_FREQUENCIES = '"each", "latest" or "every_n:<k>" with k an integer >= 1 (e.g. "every_n:5")'
+#: Human-readable grammar of ``ckpt_consolidation_frequency``, used in error messages.
+ACCEPTED_FREQUENCIES = (
+    '"each", "latest", "best" or "every_n:<k>" with k an integer >= 1 (e.g. "every_n:5"); or phases separated by '
+    '";": a first cadence, then "<cadence>@<global step>" with steps increasing, optionally ending in "latest" '
+    '(e.g. "every_n:10; each@50000", "best; each@90000", "every_n:20; latest")'
+)
 
-_EVERY_N = re.compile(r"every_n:([0-9]+)")
+Cadence = Literal["each", "every_n", "best"]
 
-Mode = Literal["each", "latest", "every_n"]
+_PHASE = re.compile(r"(each|best|every_n:([0-9]+))(?:@([0-9]+))?")
+_SEPARATOR = re.compile(r" *; *")
+
+
+@dataclass(frozen=True)
+class CadencePhase:
+    """One phase of a cadence: which finished checkpoints saved from ``start_step`` on are consolidated.
+
+    Attributes:
+        cadence: ``"each"``, ``"every_n"`` or ``"best"``.
+        every_n: the ``k`` of ``"every_n:<k>"`` (>= 1); 1 otherwise.
+        start_step: the first global step the phase applies to (0 for the first phase).
+    """
+
+    cadence: Cadence
+    every_n: int = 1
+    start_step: int = 0
+
+    def __str__(self) -> str:
+        text = f"every_n:{self.every_n}" if self.cadence == "every_n" else self.cadence
+        return f"{text}@{self.start_step}" if self.start_step else text
 
 
 @dataclass(frozen=True)
 class ConsolidationPolicy:
-    """A parsed consolidation cadence.
+    """A parsed consolidation cadence: phases in order of ``start_step``, and what happens when ``fit`` ends.
 
     Attributes:
-        mode: ``"each"``, ``"latest"`` or ``"every_n"``.
-        every_n: the ``k`` of ``"every_n:<k>"`` (>= 1); 1 for ``"each"`` and ``"latest"``.
+        phases: the phases (empty for ``"latest"``: nothing is consolidated during training); the first starts at
+            global step 0, the others at strictly increasing steps.
+        latest_at_fit_end: consolidate the newest finished checkpoint when ``fit`` ends (``"latest"``, or a phase
+            list ending in ``"; latest"``).
     """
 
-    mode: Mode
-    every_n: int = 1
+    phases: Tuple[CadencePhase, ...] = ()
+    latest_at_fit_end: bool = False
+
+    def __post_init__(self) -> None:
+        starts = [phase.start_step for phase in self.phases]
+        if starts and (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))):
+            raise ValueError(f"Phase start steps must be 0, then strictly increasing; got {starts}")
+        if not self.phases and not self.latest_at_fit_end:
+            raise ValueError("A consolidation policy needs at least one phase or latest_at_fit_end=True")
 
     def __str__(self) -> str:
-        return f"every_n:{self.every_n}" if self.mode == "every_n" else self.mode
+        return "; ".join([str(phase) for phase in self.phases] + (["latest"] if self.latest_at_fit_end else []))
 
-    def consolidates_during_training(self, save_index: int) -> bool:
-        """Whether the ``save_index``-th finished checkpoint of the run (1-based) is consolidated when saved.
+    def phase_at(self, global_step: int) -> Optional[CadencePhase]:
+        """The phase that applies to a checkpoint saved at ``global_step`` (``None`` for ``"latest"``)."""
+        current = None
+        for phase in self.phases:
+            if phase.start_step > global_step:
+                break
+            current = phase
+        return current
+
+    def is_due(self, global_step: int, index_in_phase: int, best: bool = False) -> bool:
+        """Whether a finished checkpoint is consolidated when it finishes.
 
         Args:
-            save_index: 1 for the first finished checkpoint of the run, 2 for the second, ...; saves made
+            global_step: the checkpoint's global step (selects the phase).
+            index_in_phase: 1 for the first finished checkpoint of that phase, 2 for the second, ...; saves made
                 before a resume count.
+            best: whether ``ModelCheckpoint`` named it its best checkpoint when it was saved.
 
         Returns:
-            ``True`` for ``"each"``; ``save_index % k == 0`` for ``"every_n:<k>"``; ``False`` for ``"latest"``,
-            which consolidates only when ``fit`` ends.
+            ``True`` in an ``"each"`` phase; ``index_in_phase % k == 0`` in ``"every_n:<k>"``; ``best`` in
+            ``"best"``; ``False`` for ``"latest"`` (which consolidates only when ``fit`` ends).
 
         Raises:
-            ValueError: if ``save_index`` < 1.
+            ValueError: if ``index_in_phase`` < 1.
         """
-        if save_index < 1:
-            raise ValueError(f"save_index counts finished checkpoints from 1, got {save_index}")
-        if self.mode == "each":
-            return True
-        if self.mode == "every_n":
-            return save_index % self.every_n == 0
-        return False
+        if index_in_phase < 1:
+            raise ValueError(f"index_in_phase counts finished checkpoints from 1, got {index_in_phase}")
+        phase = self.phase_at(global_step)
+        if phase is None:
+            return False
+        if phase.cadence == "every_n":
+            return index_in_phase % phase.every_n == 0
+        return best if phase.cadence == "best" else True
+
+    @property
+    def uses_best(self) -> bool:
+        """Whether a phase is ``"best"``: ``ModelCheckpoint`` must monitor a metric, and ``BEST`` is kept."""
+        return any(phase.cadence == "best" for phase in self.phases)
+
+    @property
+    def consolidates_periodically(self) -> bool:
+        """Whether a phase is ``"each"`` or ``"every_n"`` (consolidations follow the save interval)."""
+        return any(phase.cadence != "best" for phase in self.phases)
 
     @property
     def consolidates_at_fit_end(self) -> bool:
-        """Whether the newest finished checkpoint is consolidated when ``fit`` ends (``"latest"`` only)."""
-        return self.mode == "latest"
+        """Whether the newest finished checkpoint is consolidated when ``fit`` ends."""
+        return self.latest_at_fit_end
+
+
+def _invalid(value: object, why: str) -> ValueError:
+    return ValueError(f"Invalid ckpt_consolidation_frequency {value!r}: {why}; expected {ACCEPTED_FREQUENCIES}.")
 
 
 def parse_consolidation_frequency(value: object) -> ConsolidationPolicy:
-    """Parse a ``ckpt_consolidation_frequency`` value.
+    """Parse a ``ckpt_consolidation_frequency`` value (grammar in the module docstring).
 
     Args:
-        value: ``"each"``, ``"latest"`` or ``"every_n:<k>"`` (``k`` an integer >= 1, decimal digits, no sign
-            or spaces). Anything else, including non-strings, is rejected.
+        value: ``"each"``, ``"latest"``, ``"best"``, ``"every_n:<k>"`` (``k`` decimal digits, >= 1), or phases
+            ``"<cadence>; <cadence>@<step>; ...[; latest]"`` (spaces only around ``;``). Anything else, including
+            non-strings, is rejected.
 
     Returns:
-        The parsed :class:`ConsolidationPolicy`.
+        The parsed :class:`ConsolidationPolicy`; ``str()`` of it gives the value back in canonical spelling (one
+        space after each ``;``).
 
     Raises:
-        ValueError: if ``value`` is not one of the accepted forms; the message lists them.
+        ValueError: if ``value`` is not one of the accepted forms; the message says what is wrong and gives the
+            grammar.
     """
-    if isinstance(value, str):
-        if value == "each":
-            return ConsolidationPolicy(mode="each")
-        if value == "latest":
-            return ConsolidationPolicy(mode="latest")
-        match = _EVERY_N.fullmatch(value)
-        if match and int(match.group(1)) >= 1:
-            return ConsolidationPolicy(mode="every_n", every_n=int(match.group(1)))
-    raise ValueError(f"Invalid ckpt_consolidation_frequency {value!r}: expected {ACCEPTED_FREQUENCIES}.")
+    if not isinstance(value, str):
+        raise _invalid(value, "not a string")
+    items = _SEPARATOR.split(value)
+    latest = items[-1] == "latest"
+    if latest:
+        items = items[:-1]
+    phases: List[CadencePhase] = []
+    for position, item in enumerate(items):
+        match = _PHASE.fullmatch(item)
+        if item == "latest":
+            raise _invalid(value, '"latest" can only come last, without "@<step>"')
+        if match is None:
+            raise _invalid(value, f"{item!r} is not a cadence")
+        if match.group(2) is not None and int(match.group(2)) < 1:
+            raise _invalid(value, f"{item!r}: k must be >= 1")
+        step = match.group(3)
+        if position == 0 and step is not None:
+            raise _invalid(value, f'the first cadence applies from the start: drop "@{step}" from {item!r}')
+        if position > 0 and step is None:
+            raise _invalid(value, f'{item!r} needs "@<global step>" saying from when it applies')
+        start = 0 if step is None else int(step)
+        if phases and start <= phases[-1].start_step:
+            raise _invalid(value, f"phase steps must increase: {item!r} starts at or before the previous phase")
+        cadence = match.group(1).partition(":")[0]
+        every_n = int(match.group(2)) if match.group(2) is not None else 1
+        phases.append(CadencePhase(cadence, every_n, start))  # type: ignore[arg-type]
+    return ConsolidationPolicy(tuple(phases), latest)
 
 
 def resolve_policy(save_consolidated: Optional[bool], frequency: Optional[str]) -> Optional[ConsolidationPolicy]:
@@ -137,7 +230,7 @@ def resolve_policy(save_consolidated: Optional[bool], frequency: Optional[str]) 
     if not isinstance(save_consolidated, (bool, type(None))):
         raise ValueError(f"Invalid save_consolidated {save_consolidated!r}: expected None, True or False.")
     if frequency is None:
-        return ConsolidationPolicy(mode="each") if save_consolidated else None
+        return ConsolidationPolicy((CadencePhase("each"),)) if save_consolidated else None
     policy = parse_consolidation_frequency(frequency)
     if save_consolidated is False:
         raise ValueError(

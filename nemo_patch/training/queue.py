@@ -23,6 +23,7 @@ Imports the standard library, the engine's publishing helpers and the training s
 never NeMo or Lightning.
 """
 
+import json
 import logging
 import os
 import shutil
@@ -108,6 +109,11 @@ class ConsolidationQueue:
     def busy(self) -> bool:
         """Whether a consolidation is running or waiting."""
         return self._running is not None or bool(self._pending)
+
+    def holds(self, save: CheckpointSave) -> bool:
+        """Whether ``save`` is waiting or being consolidated."""
+        with self._lock:
+            return save in self._pending or (self._running is not None and self._running.save is save)
 
     def submit(self, save: CheckpointSave) -> None:
         """Queue ``save`` for consolidation and start it if nothing is running."""
@@ -201,6 +207,8 @@ class ConsolidationQueue:
 
     def _start(self, save: CheckpointSave) -> None:
         args = [sys.executable, "-m", WORKER_MODULE, str(save.path), "--global-step", str(save.global_step)]
+        if save.best is not None:
+            args += ["--best", json.dumps(save.best, sort_keys=True)]
         args += ["--settings", self._settings_json]
         env = dict(os.environ)
         for name in (

@@ -30,7 +30,9 @@ output is retained only when no other output of its global step exists, under th
 
 ``<root>/LATEST`` is moved before the checkpoint it names is removed: to the retained entry, or else to the newest
 remaining consolidated output (a checkpoint's or a retained one), or removed when none is left, each atomically and
-logged. A reader following ``LATEST`` always finds a complete output. NeMo's resume ignores ``retained/`` (it lists
+logged. A reader following ``LATEST`` always finds a complete output. ``<root>/BEST`` (``"best"`` cadences) follows
+its checkpoint's output to ``retained/``, or is removed (logged) when that output is not kept; pruning never removes
+the retained output ``BEST`` names. NeMo's resume ignores ``retained/`` (it lists
 the root's entries only one level deep and picks ``*-last``/``*-end`` checkpoints).
 
 Imports the standard library, the engine's layout and publishing helpers and the training side's ``LATEST`` only:
@@ -48,13 +50,14 @@ from typing import List, Optional
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
 from nemo_patch.engine.publish import link_output
-from nemo_patch.training.latest import LATEST_NAME, remove_latest_pointer, update_latest_pointer
+from nemo_patch.training.latest import BEST_NAME, LATEST_NAME, remove_latest_pointer, update_latest_pointer
 
 __all__ = [
     "RETAINED_DIRNAME",
     "ConsolidatedOutput",
     "consolidated_outputs",
     "prune_retained",
+    "repoint_best",
     "repoint_latest",
     "retain_output",
     "retained_name",
@@ -171,24 +174,47 @@ def prune_retained(root: Path, output_name: str, keep: Optional[int]) -> List[Pa
         keep: ``None`` removes nothing; ``N >= 0`` keeps the newest ``N`` outputs, counting those inside checkpoints.
 
     Returns:
-        The removed entries (``LATEST`` is not touched here: see :func:`repoint_latest`).
+        The removed entries (``LATEST`` is not touched here: see :func:`repoint_latest`). The entry ``BEST`` names
+        is kept whatever ``keep`` says.
     """
     if keep is None:
         return []
     removed = []
+    best = _pointer_target(root, BEST_NAME)
     for output in consolidated_outputs(root, output_name)[keep:]:
-        if output.retained:
+        if output.retained and output.entry != best:
             shutil.rmtree(output.entry, ignore_errors=True)
             removed.append(output.entry)
             logger.info("Removed retained consolidated output %s (ckpt_consolidation_keep=%d)", output.entry, keep)
     return removed
 
 
-def _latest_target(root: Path) -> Optional[Path]:
-    link = root / LATEST_NAME
+def _pointer_target(root: Path, name: str = LATEST_NAME) -> Optional[Path]:
+    link = root / name
     if not link.is_symlink():
         return None
     return Path(os.path.normpath(root / os.readlink(link)))
+
+
+def repoint_best(root: Path, output_name: str, removing: Path) -> Optional[Path]:
+    """Keep ``<root>/BEST`` off a checkpoint that is being removed: move it to the checkpoint's retained output
+    (:func:`retain_output` ran first), or remove it when that output is not kept (logged as a warning).
+
+    Returns:
+        What ``BEST`` names afterwards (``None``: no pointer).
+    """
+    target = _pointer_target(root, BEST_NAME)
+    removing = Path(os.path.normpath(removing))
+    if target != removing:
+        return target
+    entry = root / RETAINED_DIRNAME / retained_name(removing)
+    if _global_step(entry / output_name) is not None:
+        update_latest_pointer(entry, root, name=BEST_NAME)
+        logger.info("BEST moved from %s to %s (%s)", removing.name, _relative(entry, root), _why(removing))
+        return entry
+    remove_latest_pointer(root, BEST_NAME)
+    logger.warning("BEST removed: %s and its consolidated output is not kept", _why(removing))
+    return None
 
 
 def repoint_latest(root: Path, output_name: str, removing: Optional[Path] = None) -> Optional[Path]:
@@ -203,7 +229,7 @@ def repoint_latest(root: Path, output_name: str, removing: Optional[Path] = None
         What ``LATEST`` names afterwards (``None``: no pointer). Nothing changes while ``LATEST`` names a complete
         output that is not ``removing``.
     """
-    target = _latest_target(root)
+    target = _pointer_target(root)
     if target is None:
         return None
     removing = Path(os.path.normpath(removing)) if removing is not None else None

@@ -22,7 +22,13 @@ checkpoint of a step that has no other checkpoint (e.g. the final step when ``ma
 save interval) is a finished checkpoint like any other.
 
 The count is part of the Lightning checkpoint (as callback state), so it survives a resume: a run resumed after its
-3rd finished checkpoint with ``every_n:2`` consolidates its 4th.
+3rd finished checkpoint with ``every_n:2`` consolidates its 4th. With phases (``"every_n:10; each@50000"``) an
+``every_n`` phase counts the finished checkpoints saved in it, from 1, and that count is stored and restored the same
+way.
+
+``"best"`` is decided when a save is issued, from NeMo's own bookkeeping: the checkpoint IO marks a save
+(:attr:`CheckpointSave.best`) when ``ModelCheckpoint.best_model_path`` names it, which ``ModelCheckpoint`` sets
+before it calls ``trainer.save_checkpoint``.
 
 Standard library and the cadence policy only: never torch, NeMo or Lightning.
 """
@@ -50,6 +56,9 @@ class CheckpointSave:
             async request's finalize step for an async save).
         queued: ``True`` once handed to the consolidation process queue.
         consolidated: ``True`` once ``consolidated/`` was published for it.
+        best: set when ``ModelCheckpoint`` named this checkpoint its best one when it was saved (and the cadence
+            uses ``"best"``): ``{"monitor": name, "value": float, "mode": "min" | "max"}``, recorded in the output's
+            ``metadata.json``.
     """
 
     path: Path
@@ -57,10 +66,33 @@ class CheckpointSave:
     written: bool = False
     queued: bool = False
     consolidated: bool = False
+    best: Optional[Dict[str, Any]] = None
 
     def mark_written(self) -> None:
         """Finalize callback for async saves."""
         self.written = True
+
+
+@dataclass
+class _Count:
+    """Finished checkpoints counted by distinct global step: in all, and in the cadence phase of the last one."""
+
+    total: int = 0
+    last_step: Optional[int] = None
+    phase_start: Optional[int] = None
+    in_phase: int = 0
+
+    def add(self, global_step: int, policy: ConsolidationPolicy) -> bool:
+        """Count a checkpoint of ``global_step``; ``False`` (nothing counted) for a step already counted."""
+        if global_step == self.last_step:
+            return False
+        self.total += 1
+        self.last_step = global_step
+        phase = policy.phase_at(global_step)
+        start = phase.start_step if phase is not None else 0
+        self.in_phase = self.in_phase + 1 if start == self.phase_start else 1
+        self.phase_start = start
+        return True
 
 
 class ConsolidationSchedule:
@@ -73,24 +105,27 @@ class ConsolidationSchedule:
     def __init__(self, policy: ConsolidationPolicy) -> None:
         self.policy = policy
         self.pending: List[CheckpointSave] = []
-        #: Finished checkpoints of the run so far, counted by distinct global step (includes those before a resume).
-        self.finished_count = 0
+        #: Finished checkpoints of the run so far (by distinct global step, including those before a resume), and
+        #: of the current cadence phase.
+        self.finished = _Count()
+        #: The same for issued saves (what a checkpoint saved now records for a resume from it).
+        self._registered = _Count()
         #: The newest finished checkpoint (highest global step; a step's first finished copy wins over its ``-last``).
         self.newest_finished: Optional[CheckpointSave] = None
         #: Every finished save of this run (``-last`` copies included), oldest first.
         self.history: List[CheckpointSave] = []
         #: Saves that were due under the cadence but had been removed (NeMo's top-k) by the time they finished.
         self.removed_while_due: List[CheckpointSave] = []
-        self._registered_count = 0
-        self._last_registered_step: Optional[int] = None
-        self._last_finished_step: Optional[int] = None
+
+    @property
+    def finished_count(self) -> int:
+        """Finished checkpoints of the run so far, counted by distinct global step (includes those before a resume)."""
+        return self.finished.total
 
     def register(self, path: Path, global_step: int) -> CheckpointSave:
         """Record a save that the checkpoint IO has just issued (not yet finished)."""
         save = CheckpointSave(Path(path), int(global_step))
-        if save.global_step != self._last_registered_step:
-            self._registered_count += 1
-            self._last_registered_step = save.global_step
+        self._registered.add(save.global_step, self.policy)
         self.pending.append(save)
         return save
 
@@ -120,21 +155,25 @@ class ConsolidationSchedule:
             gone = is_gone(save)
             if not gone:
                 self.history.append(save)
-            if save.global_step == self._last_finished_step:
+            if not self.finished.add(save.global_step, self.policy):
                 if not gone:
                     copies.append(save)  # the -last copy of a step already counted
                 continue
-            self._last_finished_step = save.global_step
-            self.finished_count += 1
+            is_due = self.policy.is_due(save.global_step, self.finished.in_phase, save.best is not None)
             if gone:
                 logger.debug("Checkpoint %s was removed after it finished; nothing to consolidate.", save.path)
-                if self.policy.consolidates_during_training(self.finished_count):
+                if is_due:
                     self.removed_while_due.append(save)
                 continue
             self.newest_finished = save
-            if self.policy.consolidates_during_training(self.finished_count):
+            if is_due:
                 due.append(save)
         return due, copies
+
+    def finished_save(self, path: Path) -> Optional[CheckpointSave]:
+        """The finished save of this run (not a ``-last`` copy of another name) at ``path``, if any."""
+        path = Path(path)
+        return next((save for save in reversed(self.history) if save.path == path), None)
 
     def drop_pending(self) -> List[CheckpointSave]:
         """Forget saves that never finished (called when ``fit`` ends); returns them."""
@@ -145,13 +184,33 @@ class ConsolidationSchedule:
         """State to store in a checkpoint saved at ``global_step`` (called just before the save is issued).
 
         Returns:
-            ``{"finished_count": n, "global_step": s}`` where ``n`` counts this checkpoint's own step: when a run is
-            resumed from this checkpoint, every save up to it has finished.
+            ``{"finished_count": n, "global_step": s, "phase_start": p, "phase_count": m}``: ``n`` finished
+            checkpoints of the run and ``m`` of the cadence phase starting at global step ``p``, both counting this
+            checkpoint's own step: when a run is resumed from this checkpoint, every save up to it has finished.
         """
-        count = self._registered_count + (0 if global_step == self._last_registered_step else 1)
-        return {"finished_count": count, "global_step": int(global_step)}
+        count = _Count(**vars(self._registered))
+        count.add(int(global_step), self.policy)
+        return {
+            "finished_count": count.total,
+            "global_step": int(global_step),
+            "phase_start": count.phase_start,
+            "phase_count": count.in_phase,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore the count from a checkpoint the run resumes from."""
-        self.finished_count = self._registered_count = int(state["finished_count"])
-        self._last_finished_step = self._last_registered_step = int(state["global_step"])
+        """Restore the counts from a checkpoint the run resumes from.
+
+        A state without phase counts (saved by an earlier version), or whose phase is not the one this run's cadence
+        gives its global step (the cadence was changed), counts the run's finished checkpoints as the phase's when
+        the phase starts at step 0, else none.
+        """
+        step = int(state["global_step"])
+        phase = self.policy.phase_at(step)
+        start = phase.start_step if phase is not None else 0
+        if state.get("phase_start") == start:
+            in_phase = int(state["phase_count"])
+        else:
+            in_phase = int(state["finished_count"]) if start == 0 else 0
+        for count in (self.finished, self._registered):
+            count.total, count.last_step = int(state["finished_count"]), step
+            count.phase_start, count.in_phase = start, in_phase

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Union
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
-from nemo_patch.training.policy import ConsolidationPolicy, resolve_policy
+from nemo_patch.training.policy import ConsolidationPolicy, parse_consolidation_frequency, resolve_policy
 
 __all__ = [
     "ACCEPTED_FORMATS",
@@ -131,7 +131,7 @@ class ConsolidationSettings:
 
         Args:
             save_consolidated: ``None``, ``True`` or ``False`` (see :func:`nemo_patch.training.policy.resolve_policy`).
-            frequency: ``None``, ``"each"``, ``"latest"`` or ``"every_n:<k>"``.
+            frequency: ``None``, or a value :func:`nemo_patch.training.policy.parse_consolidation_frequency` accepts.
             timeout: seconds, a number > 0.
             max_shard_size: bytes as an ``int`` >= 1, or a size string such as ``"5GB"`` or ``"500MiB"``.
             max_pending: an ``int`` >= 0.
@@ -177,7 +177,7 @@ class ConsolidationSettings:
     def to_json(self) -> str:
         """The settings as one JSON object (for the consolidation process's command line)."""
         fields_ = asdict(self)
-        fields_["policy"] = None if self.policy is None else {"mode": self.policy.mode, "every_n": self.policy.every_n}
+        fields_["policy"] = None if self.policy is None else str(self.policy)
         return json.dumps(fields_, sort_keys=True)
 
     @classmethod
@@ -192,7 +192,7 @@ class ConsolidationSettings:
         if not isinstance(data, dict) or set(data) - known:
             raise ValueError(f"not nemo_patch consolidation settings: {text[:200]!r}")
         policy = data.get("policy")
-        data["policy"] = None if policy is None else ConsolidationPolicy(policy["mode"], int(policy["every_n"]))
+        data["policy"] = None if policy is None else parse_consolidation_frequency(policy)
         return cls(**data)
 
 

@@ -99,8 +99,12 @@ class MegatronStrategy(NeMoMegatronStrategy):
             frequency is given. ``True``: consolidate, at ``"each"`` unless a frequency is given.
         ckpt_consolidation_frequency: ``None`` (default), ``"each"`` (every finished checkpoint), ``"latest"`` (none
             during training; the newest finished checkpoint once when ``fit`` ends) or ``"every_n:<k>"`` (the k-th,
-            2k-th, ... finished checkpoint of the run, counted across resumes; k an integer >= 1). Giving a
-            frequency turns consolidation on.
+            2k-th, ... finished checkpoint of the run, counted across resumes; k an integer >= 1), ``"best"`` (a
+            finished checkpoint that NeMo's ``ModelCheckpoint`` ranked best by its ``monitor``/``mode`` when it was
+            saved; ``<root>/BEST`` names the best consolidated one; needs a monitored metric), or phases that change
+            the cadence at given global steps, e.g. ``"every_n:10; each@50000"``, ``"best; each@90000"``,
+            ``"every_n:20; latest"`` (grammar: :mod:`nemo_patch.training.policy`). Giving a frequency turns
+            consolidation on.
         ckpt_consolidation_timeout: how long, in seconds, the end of ``fit`` (normal or by an exception) waits for
             running and queued consolidations before giving up on them (logged). Default 1800.
         ckpt_consolidation_max_shard_size: most bytes of tensor data per output safetensors file (Hugging Face's
@@ -323,6 +327,33 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if newest is None:
             return None
         return newest.path / base.consolidation_settings.output_dirname if newest.consolidated else None
+
+    def consolidate_best_checkpoint(self, wait: bool = True) -> Optional[Path]:
+        """Consolidate the run's best finished checkpoint by ``ModelCheckpoint``'s monitored metric now (unless its
+        output exists) and point ``<root>/BEST`` at it.
+
+        What a ``"best"`` cadence does when ``fit`` ends, on demand (any cadence with consolidation on, once ``fit``
+        has started, so that the trainer's ``ModelCheckpoint`` is known). Global rank 0 only.
+
+        Args:
+            wait: wait for it (up to ``ckpt_consolidation_timeout`` seconds) before returning.
+
+        Returns:
+            The output directory once it exists, else ``None`` (no best checkpoint recorded, not finished or removed,
+            consolidation off, another rank, not waited for, timed out or failed; each is logged).
+        """
+        base = find_base_checkpoint_io(self.checkpoint_io)
+        if not isinstance(base, _consolidating_io_class()) or not self.is_global_zero:
+            return None
+        trainer = getattr(self, "trainer", None)  # NeMo's MegatronStrategy.setup keeps it
+        if base.checkpoint_callback is None and trainer is not None:
+            base.checkpoint_callback = trainer.checkpoint_callback
+        best = base.consolidate_best()
+        if best is None:
+            return None
+        if wait:
+            base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+        return best.path / base.consolidation_settings.output_dirname if best.consolidated else None
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         """NeMo's checkpoint removal (top-k), deferred while that checkpoint is being consolidated and dropping a

@@ -27,6 +27,7 @@ of ``import torch``.
 """
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -46,8 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Consolidate one checkpoint; on failure print one line (the reason) and return 1.
 
     Args:
-        argv: ``<checkpoint dir> [--global-step N] [--settings JSON]`` (``JSON`` from
-            :meth:`ConsolidationSettings.to_json`; default settings when absent).
+        argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]`` (``--best``: the checkpoint is
+            the best by the monitored metric, ``{"monitor", "value", "mode"}``, recorded in ``metadata.json``;
+            settings ``JSON`` from :meth:`ConsolidationSettings.to_json`, default settings when absent).
 
     Returns:
         The process exit code: 0 on success, 1 on a :class:`nemo_patch.engine.errors.ConsolidationError`.
@@ -55,6 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 distributed checkpoint (nemo_patch worker).")
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--global-step", type=int, default=None)
+    parser.add_argument("--best", type=json.loads, default=None)
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
     args = parser.parse_args(argv)
     settings: ConsolidationSettings = args.settings
@@ -82,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             max_shard_size=settings.max_shard_size,
             dtype=dtype,
             merge_adapters=settings.merge_adapters,
+            best=args.best,
         )
     except ConsolidationError as error:
         print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
