@@ -142,6 +142,12 @@ STRATEGY_TEARDOWN = '''        """Tearsdown the strategy"""
         if consolidating_io is not None:  # running and queued consolidations, up to the timeout
             try:
                 consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
+                from nemo.lightning.io.consolidation.training.callback import ConsolidationCallback
+
+                trainer = getattr(self, "trainer", None)  # metrics of consolidations that ended while fit was ending
+                for callback in getattr(trainer, "callbacks", None) or []:
+                    if isinstance(callback, ConsolidationCallback):
+                        callback.log_consolidation_metrics(trainer)
             except Exception as error:  # a consolidation problem never fails the run
                 logging.error(f"Waiting for checkpoint consolidation failed: {error}")
 '''

@@ -128,6 +128,7 @@ def run_tiny_fit(
     device: str = "cpu",
     distributed_optimizer: bool = False,
     layer_spec: str = "local",
+    tensorboard: bool = False,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -188,6 +189,7 @@ def run_tiny_fit(
             harness: ``scripts/gpu_check.py``).
         distributed_optimizer: megatron-core's distributed optimizer (CUDA only).
         layer_spec: ``"local"`` or ``"te"`` (Transformer Engine; CUDA only); see :func:`tiny_gpt.tiny_gpt_config`.
+        tensorboard: add a TensorBoard logger; the report's ``tensorboard_dir`` is where it wrote its events.
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -264,6 +266,7 @@ def run_tiny_fit(
         checkpoint_options.update(monitor=monitor, mode="min", filename=MONITORED_FILENAME.replace("METRIC", monitor))
     else:
         checkpoint_options.update(filename=CHECKPOINT_FILENAME)
+    checkpoint_options["tensorboard"] = tensorboard
     log = tiny_gpt.make_logger(out, save_every=None if validate_every else save_every, **checkpoint_options)
     if model_from is not None:
         from nemo.lightning import io
@@ -317,6 +320,7 @@ def run_tiny_fit(
     best_link = root / "BEST"
     report["best_target"] = os.readlink(best_link) if best_link.is_symlink() else None
     report["val_loss"] = history.values
+    report["tensorboard_dir"] = trainer.logger.log_dir if tensorboard and trainer.logger else None
     report["finished_count"] = schedule.finished_count if schedule else None
     queue = getattr(base, "_queue", None)
     report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
@@ -468,8 +472,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--layer-spec", choices=["local", "te"], default="local")
+    parser.add_argument("--tensorboard", action="store_true")
+    parser.add_argument("--info-logs", action="store_true", help="show nemo_patch's INFO log lines")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.info_logs:
+        import logging
+
+        logging.getLogger("nemo_patch").setLevel(logging.INFO)
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.WARNING)
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
     report = run_tiny_fit(
         args.out,
@@ -509,6 +521,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         device=args.device,
         distributed_optimizer=args.distributed_optimizer,
         layer_spec=args.layer_spec,
+        tensorboard=args.tensorboard,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

@@ -219,7 +219,7 @@ class TinyTokenDataModule(pl.LightningDataModule):
 
 def make_logger(log_dir: Path, save_every: Optional[int], name: str = "tiny_gpt", **checkpoint_kwargs: Any) -> Any:
     """A ``NeMoLogger`` whose NeMo ``ModelCheckpoint`` saves every ``save_every`` global steps (``None``: at the end
-    of each validation), keeping all.
+    of each validation), keeping all. ``tensorboard=True`` adds a TensorBoard logger (under ``<log_dir>/<name>/tb``).
 
     The final checkpoint keeps its optimizer state (``save_optim_on_train_end=True``) so that a run can be resumed
     from it and trained further.
@@ -230,8 +230,16 @@ def make_logger(log_dir: Path, save_every: Optional[int], name: str = "tiny_gpt"
     checkpoint_kwargs.setdefault("save_last", True)
     checkpoint_kwargs.setdefault("save_optim_on_train_end", True)
     checkpoint_kwargs.setdefault("monitor", None)
+    tensorboard = checkpoint_kwargs.pop("tensorboard", False)
     checkpoint = nl.ModelCheckpoint(every_n_train_steps=save_every, **checkpoint_kwargs)
-    return nl.NeMoLogger(log_dir=str(log_dir), name=name, ckpt=checkpoint, use_datetime_version=False)
+    board = None
+    if tensorboard:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        board = TensorBoardLogger(save_dir="tb", name=name)
+    return nl.NeMoLogger(
+        log_dir=str(log_dir), name=name, ckpt=checkpoint, use_datetime_version=False, tensorboard=board
+    )
 
 
 def make_trainer(

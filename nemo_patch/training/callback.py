@@ -120,6 +120,12 @@ class ConsolidationCallback(Callback):
     * ``state_dict`` / ``load_state_dict``: the count of finished checkpoints, stored in each checkpoint by Lightning
       so that ``every_n`` keeps counting across a resume.
 
+    Training metrics: in those hooks, and from the strategy's teardown for consolidations that end while ``fit`` is
+    ending, each newly published consolidation is logged to the trainer's loggers on global rank 0, at the global step
+    when it was reaped (:meth:`log_consolidation_metrics`): ``consolidation/seconds`` (wall seconds of the
+    consolidation process), ``consolidation/bytes_per_second`` (output bytes on disk per second) and
+    ``consolidation/skipped`` (due consolidations of the run that did not happen so far, cumulative).
+
     Args:
         trainer: the trainer it is attached to (callbacks appended during ``strategy.setup`` miss Lightning's own
             ``setup`` hook, so the strategy passes it here).
@@ -129,6 +135,8 @@ class ConsolidationCallback(Callback):
         self._trainer = trainer
         #: Seconds the training loop spent in this callback's per-step hooks (bookkeeping, starting processes).
         self.blocked_seconds = 0.0
+        self._logged_records = 0
+        self._logged_skipped = 0
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Remember the trainer (for :meth:`state_dict`)."""
@@ -168,7 +176,34 @@ class ConsolidationCallback(Callback):
         if io is not None:
             with _never_fails_training("handing finished checkpoints to the consolidation process"):
                 io.consolidate_finished()
+            with _never_fails_training("logging consolidation metrics"):
+                self.log_consolidation_metrics(trainer)
         self.blocked_seconds += time.perf_counter() - start
+
+    def log_consolidation_metrics(self, trainer: "pl.Trainer") -> None:
+        """Log the consolidations published since the last call to ``trainer.loggers`` (global rank 0), at
+        ``trainer.global_step``: one ``log_metrics`` call per consolidation, and one for ``consolidation/skipped``
+        alone when only that changed."""
+        io = _consolidating_io(trainer)
+        if io is None or not trainer.is_global_zero or not trainer.loggers:
+            return
+        new = io.consolidation_records[self._logged_records :]
+        skipped = io.skipped_count
+        metrics = [
+            {
+                "consolidation/seconds": record.seconds,
+                "consolidation/bytes_per_second": record.bytes_per_second,
+                "consolidation/skipped": float(skipped),
+            }
+            for record in new
+        ]
+        if not metrics and skipped != self._logged_skipped:
+            metrics = [{"consolidation/skipped": float(skipped)}]
+        for values in metrics:
+            for trainer_logger in trainer.loggers:
+                trainer_logger.log_metrics(values, step=trainer.global_step)
+        self._logged_records += len(new)
+        self._logged_skipped = skipped
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Consolidate saves made on validation end (``ModelCheckpoint`` with a monitored metric)."""
@@ -186,6 +221,8 @@ class ConsolidationCallback(Callback):
             finalize(blocking=True)
         with _never_fails_training("queueing the end-of-fit consolidation"):
             io.finish_fit()
+        with _never_fails_training("logging consolidation metrics"):
+            self.log_consolidation_metrics(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """``fit`` is ending by an exception: with ``latest``, still queue the newest finished checkpoint, with

@@ -21,6 +21,7 @@ overlay, the CLI or ``nemo_patch.testing``.
 import logging
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -46,11 +47,34 @@ from nemo_patch.training.settings import (
     setting_view,
 )
 
-__all__ = ["MegatronCheckpointIO", "best_record"]
+__all__ = ["ConsolidationRecord", "MegatronCheckpointIO", "best_record"]
 
 logger = logging.getLogger(__name__)
 
 _STEP_IN_NAME = re.compile(r"(?:^|-)step=([0-9]+)")
+
+
+@dataclass(frozen=True)
+class ConsolidationRecord:
+    """A published consolidation, for the training metrics (:class:`nemo_patch.training.callback.ConsolidationCallback`
+    logs them).
+
+    Attributes:
+        output_dir: the published output directory.
+        global_step: the checkpoint's global step.
+        seconds: wall seconds the consolidation process ran.
+        bytes: bytes of the output's files on disk.
+    """
+
+    output_dir: Path
+    global_step: int
+    seconds: float
+    bytes: int
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Output bytes per wall second of the consolidation process (0 when no time was measured)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
 def best_record(checkpoint_callback: Any) -> Dict[str, Any]:
@@ -149,6 +173,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         #: The trainer's ``ModelCheckpoint`` (set by the consolidation callback): its ``best_model_path`` tells which
         #: saves are the best so far, for ``"best"`` cadences.
         self.checkpoint_callback: Optional[Any] = None
+        #: One :class:`ConsolidationRecord` per published consolidation of this run, oldest first.
+        self.consolidation_records: List[ConsolidationRecord] = []
 
     @classmethod
     def from_checkpoint_io(
@@ -399,6 +425,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             )
             return
         save.consolidated = True
+        self._record(save)
         self._point_latest(save.path)
         if save.best is not None:
             self._point_best(save.path)
@@ -410,6 +437,30 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                     logger.exception("Could not prune the retained outputs in %s", save.path.parent)
         self._outputs[save.global_step] = save.path / self.consolidation_settings.output_dirname
         self._link_copies(save.global_step)
+
+    def _record(self, save: CheckpointSave) -> None:
+        """Keep a :class:`ConsolidationRecord` and log one INFO line: path, size, time and rate."""
+        output = save.path / self.consolidation_settings.output_dirname
+        try:
+            size = sum(entry.stat().st_size for entry in output.iterdir() if entry.is_file())
+        except OSError:  # removed since (NeMo's top-k); the record still counts the consolidation
+            size = 0
+        record = ConsolidationRecord(output, save.global_step, save.seconds or 0.0, size)
+        self.consolidation_records.append(record)
+        logger.info(
+            "Consolidated %s (global step %d): %.1f MB in %.1f s (%.1f MB/s)",
+            output,
+            save.global_step,
+            size / 1e6,
+            record.seconds,
+            record.bytes_per_second / 1e6,
+        )
+
+    @property
+    def skipped_count(self) -> int:
+        """Due consolidations of this run that did not happen: skipped because the queue was full, or dropped because
+        NeMo's top-k removed the checkpoint first."""
+        return len(self.dropped_by_removal) + (len(self._queue.skipped) if self._queue is not None else 0)
 
     def _link_copies(self, global_step: int) -> None:
         output = self._outputs.get(global_step)

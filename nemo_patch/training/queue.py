@@ -248,7 +248,8 @@ class ConsolidationQueue:
         if code != 0:
             _remove_tmp_dirs(running.save.path, running.process.pid)
         running.log_file.close()
-        self.completed.append((running.save.global_step, time.monotonic() - running.started, error))
+        running.save.seconds = time.monotonic() - running.started
+        self.completed.append((running.save.global_step, running.save.seconds, error))
         try:
             self._on_done(running.save, error)
         finally:

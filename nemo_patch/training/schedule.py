@@ -59,6 +59,7 @@ class CheckpointSave:
         best: set when ``ModelCheckpoint`` named this checkpoint its best one when it was saved (and the cadence
             uses ``"best"``): ``{"monitor": name, "value": float, "mode": "min" | "max"}``, recorded in the output's
             ``metadata.json``.
+        seconds: wall seconds its consolidation process ran (set when it ended).
     """
 
     path: Path
@@ -67,6 +68,7 @@ class CheckpointSave:
     queued: bool = False
     consolidated: bool = False
     best: Optional[Dict[str, Any]] = None
+    seconds: Optional[float] = None
 
     def mark_written(self) -> None:
         """Finalize callback for async saves."""

@@ -355,6 +355,17 @@ class MegatronStrategy(NeMoMegatronStrategy):
             base.wait_for_consolidation(self.ckpt_consolidation_timeout)
         return best.path / base.consolidation_settings.output_dirname if best.consolidated else None
 
+    def _log_final_consolidation_metrics(self) -> None:
+        """Log the consolidations that ended while ``fit`` was ending (after the callbacks' last hook)."""
+        from nemo_patch.training.callback import ConsolidationCallback
+
+        trainer = getattr(self, "trainer", None)
+        for callback in getattr(trainer, "callbacks", None) or []:
+            if isinstance(callback, ConsolidationCallback):
+                callback.log_consolidation_metrics(trainer)
+                for trainer_logger in trainer.loggers:  # type: ignore[union-attr]
+                    trainer_logger.save()
+
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         """NeMo's checkpoint removal (top-k), deferred while that checkpoint is being consolidated and dropping a
         queued consolidation of it, so a consolidation never reads a vanishing checkpoint."""
@@ -373,6 +384,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             base = find_base_checkpoint_io(self._checkpoint_io) if self._checkpoint_io else None
             if isinstance(base, _consolidating_io_class()):
                 base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+                self._log_final_consolidation_metrics()
         except Exception:  # a consolidation problem never fails the run; NeMo's teardown still runs
             logger.exception("Waiting for checkpoint consolidation failed; continuing teardown")
         finally:
