@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Picking a run's best checkpoint offline (``nemo-consolidate --best``) and the ``"best"`` cadence's fit-start check."""
+"""Picking a run's best checkpoint offline (``nemo-consolidate --best``), and the ``"best"`` cadence's fit-start
+check and fit-end step."""
 
 import os
 from pathlib import Path

@@ -360,10 +360,12 @@ class MegatronStrategy(NeMoMegatronStrategy):
         from nemo_patch.training.callback import ConsolidationCallback
 
         trainer = getattr(self, "trainer", None)
-        for callback in getattr(trainer, "callbacks", None) or []:
+        if trainer is None:
+            return
+        for callback in trainer.callbacks:
             if isinstance(callback, ConsolidationCallback):
                 callback.log_consolidation_metrics(trainer)
-                for trainer_logger in trainer.loggers:  # type: ignore[union-attr]
+                for trainer_logger in trainer.loggers:
                     trainer_logger.save()
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
