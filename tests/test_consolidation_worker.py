@@ -129,3 +129,48 @@ def test_a_failing_child_reports_one_line(tmp_path):
     assert done[0].startswith("ConsolidationError: ") and "is not a NeMo 2 checkpoint" in done[0]
     assert sorted(os.listdir(bad)) == []
     assert Path(bad).is_dir()
+
+
+def test_a_pre_started_process_takes_the_next_request_and_a_new_one_is_started(checkpoints):
+    done = []
+    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)))
+    queue.prestart()
+    first = queue._spare[0]
+    queue.submit(checkpoints[0])
+    assert queue._running.process is first and queue.warm_requests == 1  # no interpreter start for this request
+    second = queue._spare[0]
+    assert second is not first and second.poll() is None  # the next request's process is starting already
+    assert queue.wait(timeout=120)
+    queue.submit(checkpoints[1])
+    assert queue._running.process is second and queue.warm_requests == 2
+    assert queue.wait(timeout=120)
+    assert done == [(2, None), (4, None)]
+    assert all((save.path / "consolidated" / "model.safetensors").is_file() for save in checkpoints[:2])
+    spare = queue._spare[0]
+    queue.stop_prestarting()  # fit is ending: the waiting process is ended (it held no work), none is started again
+    assert spare.poll() is not None and queue._spare is None
+    queue.prestart()
+    assert queue._spare is None
+
+
+def test_a_pre_started_process_that_died_while_waiting_is_replaced(checkpoints):
+    done = []
+    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)))
+    queue.prestart()
+    queue._spare[0].kill()  # e.g. the out-of-memory killer, while it waited
+    queue._spare[0].wait()
+    queue.submit(checkpoints[0])
+    assert queue.warm_requests == 0 and queue.wait(timeout=120)
+    assert done == [(2, None)]
+    queue.stop_prestarting()
+
+
+def test_the_waiting_worker_exits_quietly_at_end_of_input():
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_patch.training.worker", "--wait"], input="", capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "Error" not in proc.stderr
+    usage = subprocess.run([sys.executable, "-m", "nemo_patch.training.worker"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "give either a checkpoint or --wait" in usage.stderr

@@ -103,10 +103,12 @@ class FaultInjector(Callback):
                 if self.kind == "fsize":
                     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, hard))
+                    queue._discard_spare()  # a process started now inherits the limit; the pre-started one did not
                     try:
-                        return start(save)  # the child inherits the limit
+                        return start(save)
                     finally:
                         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+                        queue._discard_spare()  # started under the limit too: the next request must not get it
                 start(save)
                 threading.Thread(target=self._kill_half_way, args=(queue, save), daemon=True).start()
 

@@ -249,7 +249,8 @@ def run_tiny_fit(
     from nemo_patch.testing.val_history import ValLossHistory
 
     history = ValLossHistory()
-    callbacks.append(history)
+    if validate_every is not None:  # the trainer's callbacks go into the checkpoint context, which NeMo unpickles
+        callbacks.append(history)
     trainer = tiny_gpt.make_trainer(
         strategy,
         max_steps=max_steps,
@@ -334,6 +335,7 @@ def run_tiny_fit(
     report["blocked_seconds"] = sum(cb.blocked_seconds for cb in callbacks)
     report["consolidation_seconds"] = sum(seconds for _, seconds, _ in queue.completed) if queue else 0.0
     report["consolidations"] = len(queue.completed) if queue else 0
+    report["warm_requests"] = queue.warm_requests if queue else 0
     report["consolidation_errors"] = [error for _, _, error in queue.completed if error] if queue else []
     report["end_wait_seconds"] = queue.waited_seconds if queue else 0.0
     report["fit_seconds"] = fit_seconds

@@ -112,8 +112,9 @@ class ConsolidationCallback(Callback):
 
     * ``on_fit_start``: with a ``"best"`` cadence, check that ``ModelCheckpoint`` monitors a metric (else
       ``ValueError``, before any training step) and hand it to the checkpoint IO.
-    * ``on_train_start``: warn when ``save_top_k`` <= 1 will drop due consolidations; remove temporary output left
-      by consolidation processes that were killed.
+    * ``on_train_start``: start the consolidation process for the first request (cadences that consolidate during
+      training; see :mod:`nemo_patch.training.queue`); warn when ``save_top_k`` <= 1 will drop due consolidations;
+      remove temporary output left by consolidation processes that were killed.
     * ``on_train_batch_end`` / ``on_validation_end``: consolidate the saves that finished and are due.
     * ``on_train_end``: the same, then, with ``latest``, consolidate the newest finished checkpoint and, with
       ``best``, the best one (``on_exception`` too: a run ending by an exception or a preemption).
@@ -159,6 +160,8 @@ class ConsolidationCallback(Callback):
         if io is None or not trainer.is_global_zero:
             return
         _warn_if_top_k_drops_consolidations(trainer.checkpoint_callback, io)
+        with _never_fails_training("pre-starting the consolidation process"):
+            io.prestart_consolidation_process()
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         if not dirpath or not Path(dirpath).is_dir():
             return

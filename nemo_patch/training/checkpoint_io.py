@@ -327,6 +327,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         if self.consolidation is None:
             return
         self.consolidate_finished()
+        if self._queue is not None:
+            self._queue.stop_prestarting()  # what is left to do gets processes of its own
         if self.consolidation.policy.consolidates_at_fit_end:
             self.consolidate_newest()
         if self.consolidation.policy.uses_best:
@@ -343,6 +345,18 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             ``True`` if none is left, ``False`` if the timeout ran out (logged; the running one is stopped).
         """
         return True if self._queue is None else self._queue.wait(timeout)
+
+    def prestart_consolidation_process(self) -> None:
+        """Start the consolidation process for the first request now (training is starting), when this cadence
+        consolidates during training; ``"latest"`` alone waits for the end of ``fit``."""
+        policy = self.consolidation_policy
+        if policy is not None and (policy.consolidates_periodically or policy.uses_best):
+            self.queue.prestart()
+
+    def close_consolidation_queue(self) -> None:
+        """End the pre-started consolidation process, if any (after :meth:`wait_for_consolidation`, at teardown)."""
+        if self._queue is not None:
+            self._queue.stop_prestarting()
 
     def remove_checkpoint_safely(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
         """Run ``remove`` for a checkpoint (NeMo's top-k removal) without racing its consolidation, keeping its

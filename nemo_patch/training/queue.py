@@ -14,10 +14,15 @@
 
 """Consolidation off the training path: one separate OS process at a time, fed by a small bounded queue.
 
-The training process (global rank 0 only) never consolidates itself. :class:`ConsolidationQueue` starts
-``python -m nemo_patch.training.worker`` (:mod:`nemo_patch.training.worker`) for one checkpoint at a time, handing it
-the run's :class:`~nemo_patch.training.settings.ConsolidationSettings` as one JSON argument. The training loop only
-ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a timeout.
+The training process (global rank 0 only) never consolidates itself. :class:`ConsolidationQueue` hands each request to
+its own ``python -m nemo_patch.training.worker --wait`` process (:mod:`nemo_patch.training.worker`), one at a time,
+with the run's :class:`~nemo_patch.training.settings.ConsolidationSettings` as one JSON argument and the request as
+one JSON line on its stdin. The process for the next request is started as soon as one is handed out
+(:meth:`ConsolidationQueue.prestart`; the strategy also starts one when training starts), so the interpreter's start
+(about 2 s, mostly ``import torch``) overlaps with training instead of delaying each consolidation, while every
+request still runs in a process of its own: a crash, a kill or a leak ends with its request. One that dies while it
+waits is replaced. The training loop only ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends,
+up to a timeout.
 
 Imports the standard library, the engine's publishing helpers and the training side's schedule and settings only:
 never NeMo or Lightning.
@@ -104,6 +109,10 @@ class ConsolidationQueue:
         self.completed: List[Tuple[int, float, Optional[str]]] = []
         #: Seconds spent inside :meth:`wait` (the end of ``fit`` waiting for consolidations).
         self.waited_seconds = 0.0
+        #: Requests handed to a process that was started before the request came (:meth:`prestart`).
+        self.warm_requests = 0
+        self._spare: Optional[Tuple[subprocess.Popen, IO[bytes]]] = None
+        self._prestarting = True
 
     @property
     def busy(self) -> bool:
@@ -205,11 +214,13 @@ class ConsolidationQueue:
         remove()
         return True
 
-    def _start(self, save: CheckpointSave) -> None:
-        args = [sys.executable, "-m", WORKER_MODULE, str(save.path), "--global-step", str(save.global_step)]
-        if save.best is not None:
-            args += ["--best", json.dumps(save.best, sort_keys=True)]
-        args += ["--settings", self._settings_json]
+    def _spawn(self) -> Tuple[subprocess.Popen, IO[bytes]]:
+        """Start a consolidation process in ``--wait`` mode: it imports what it needs, then reads one request.
+
+        Raises:
+            OSError: the process cannot be started.
+        """
+        args = [sys.executable, "-m", WORKER_MODULE, "--wait", "--settings", self._settings_json]
         env = dict(os.environ)
         for name in (
             "RANK",
@@ -221,21 +232,91 @@ class ConsolidationQueue:
             "LOCAL_WORLD_SIZE",
         ):
             env.pop(name, None)  # the child is not part of the training job's process group
-        log_file = None
+        # The child's output goes to an anonymous temporary file (not into the checkpoint directory, which may be
+        # read-only); its last line is the reason of a failure.
+        log_file = tempfile.TemporaryFile()
         try:
-            # The child's output goes to an anonymous temporary file (not into the checkpoint directory, which may be
-            # read-only); its last line is the reason of a failure.
-            log_file = tempfile.TemporaryFile()
             process = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, close_fds=True
+                args, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT, env=env, close_fds=True
             )
-        except OSError as error:
-            if log_file is not None:
-                log_file.close()
-            self._on_done(save, f"cannot start the consolidation process: {error}")
+        except OSError:
+            log_file.close()
+            raise
+        return process, log_file
+
+    def prestart(self) -> None:
+        """Start the process the next request will use, unless one is waiting already, or this queue was told to
+        stop pre-starting and no request is waiting: its start-up then overlaps with training or with the running
+        consolidation. A failure to start it is logged at debug level; the next request starts its own."""
+        if not (self._prestarting or self._pending) or (self._spare is not None and self._spare[0].poll() is None):
             return
+        self._discard_spare()  # one that exited while waiting (e.g. killed): reap it
+        try:
+            self._spare = self._spawn()
+        except OSError as error:
+            logger.debug("Could not pre-start a consolidation process: %s", error)
+
+    def stop_prestarting(self) -> None:
+        """``fit`` is ending: a process is pre-started only for requests already waiting; an idle one exits without
+        work."""
+        self._prestarting = False
+        if not self._pending:
+            self._discard_spare()
+
+    def _discard_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        process, log_file = spare
+        try:
+            process.stdin.close()  # no request will come
+            if process.poll() is None:  # still importing, or waiting: it holds nothing of value
+                process.kill()
+            process.wait()
+        finally:
+            log_file.close()
+
+    def _start(self, save: CheckpointSave) -> None:
+        request = {"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}
+        spare, self._spare = self._spare, None
+        process = log_file = None
+        if spare is not None and spare[0].poll() is None:
+            process, log_file = spare
+            try:
+                process.stdin.write((json.dumps(request) + "\n").encode())
+                process.stdin.close()
+            except OSError:  # it died between the check and the write: reap it, start another
+                process.kill()
+                process.wait()
+                log_file.close()
+                process = log_file = None
+        elif spare is not None:
+            self._spare = spare
+            self._discard_spare()  # exited while waiting (killed, out of memory): start another
+        warm = process is not None
+        if process is None:
+            try:
+                process, log_file = self._spawn()
+                process.stdin.write((json.dumps(request) + "\n").encode())
+                process.stdin.close()
+            except OSError as error:
+                if process is not None:
+                    process.kill()
+                    process.wait()
+                if log_file is not None:
+                    log_file.close()
+                self._on_done(save, f"cannot start the consolidation process: {error}")
+                return
+        self.warm_requests += warm
         self._running = _Running(save, process, log_file)
-        logger.info("Consolidating %s (global step %d) in process %d", save.path, save.global_step, process.pid)
+        logger.info(
+            "Consolidating %s (global step %d) in process %d%s",
+            save.path,
+            save.global_step,
+            process.pid,
+            " (pre-started)" if warm else "",
+        )
+        self.prestart()
 
     def _finish(self, running: _Running) -> None:
         self._running = None

@@ -386,6 +386,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             base = find_base_checkpoint_io(self._checkpoint_io) if self._checkpoint_io else None
             if isinstance(base, _consolidating_io_class()):
                 base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+                base.close_consolidation_queue()
                 self._log_final_consolidation_metrics()
         except Exception:  # a consolidation problem never fails the run; NeMo's teardown still runs
             logger.exception("Waiting for checkpoint consolidation failed; continuing teardown")

@@ -14,7 +14,12 @@
 
 """The consolidation process: ``python -m nemo_patch.training.worker <ckpt> --global-step N --settings JSON``.
 
-Started by :class:`nemo_patch.training.queue.ConsolidationQueue` for one checkpoint. It lowers its own CPU priority
+Started by :class:`nemo_patch.training.queue.ConsolidationQueue` for one checkpoint, or ahead of time with ``--wait``
+instead of a checkpoint: it then imports everything a consolidation needs and waits for its one request, a JSON line
+``{"checkpoint": path, "global_step": n, "best": {...} | null}`` on stdin (end of input: it exits 0 having done
+nothing). That is how the queue keeps the interpreter's start (about 2 s, mostly ``import torch``; more for the
+``hf`` format, which imports NeMo) off the path of each request while every consolidation still has a process of its
+own. It lowers its own CPU priority
 (:data:`WORKER_NICENESS`) before importing torch, then runs the engine
 (:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`) or, for ``output_format="hf"``, the Hugging Face export
 (:func:`nemo_patch.export.hf.export_hf_checkpoint`, which imports NeMo in this process to find the model's exporter).
@@ -47,19 +52,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Consolidate one checkpoint; on failure print one line (the reason) and return 1.
 
     Args:
-        argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]`` (``--best``: the checkpoint is
-            the best by the monitored metric, ``{"monitor", "value", "mode"}``, recorded in ``metadata.json``;
-            settings ``JSON`` from :meth:`ConsolidationSettings.to_json`, default settings when absent).
+        argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]``, or ``--wait [--settings
+            JSON]`` to read ``{"checkpoint", "global_step", "best"}`` from one stdin line. ``--best``: the checkpoint
+            is the best by the monitored metric, ``{"monitor", "value", "mode"}``, recorded in ``metadata.json``;
+            settings ``JSON`` from :meth:`ConsolidationSettings.to_json`, default settings when absent.
 
     Returns:
         The process exit code: 0 on success, 1 on a :class:`nemo_patch.engine.errors.ConsolidationError`.
     """
     parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 distributed checkpoint (nemo_patch worker).")
-    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("checkpoint", type=Path, nargs="?", default=None)
     parser.add_argument("--global-step", type=int, default=None)
     parser.add_argument("--best", type=json.loads, default=None)
+    parser.add_argument("--wait", action="store_true", help="import, then read the request from stdin")
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
     args = parser.parse_args(argv)
+    if (args.checkpoint is None) != args.wait:
+        parser.error("give either a checkpoint or --wait")
     settings: ConsolidationSettings = args.settings
     try:
         os.nice(WORKER_NICENESS)  # before torch is imported: the import is CPU time too
@@ -75,8 +84,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     consolidate: Callable[..., Any]
     if settings.output_format == "hf":
         from nemo_patch.export.hf import export_hf_checkpoint as consolidate
+
+        if args.wait:
+            _import_quietly("nemo.collections.llm")  # what finding the model's exporter imports; the slow part
     else:
         from nemo_patch.engine.consolidate import consolidate_checkpoint as consolidate
+    if args.wait:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0  # the queue no longer needs this process
+        request = json.loads(line)
+        args.checkpoint, args.global_step = Path(request["checkpoint"]), request.get("global_step")
+        args.best = request.get("best")
     try:
         dtype = None if settings.dtype is None else getattr(torch, DTYPE_NAMES[settings.dtype])
         consolidate(
@@ -91,6 +110,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _import_quietly(module: str) -> None:
+    """Import ``module`` ahead of the request; a failure is left for the request itself to report."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - reported by the consolidation that needs it
+        pass
 
 
 if __name__ == "__main__":
