@@ -28,6 +28,7 @@ Imports the standard library, the engine's publishing helpers and the training s
 never NeMo or Lightning.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -237,7 +238,13 @@ class ConsolidationQueue:
         log_file = tempfile.TemporaryFile()
         try:
             process = subprocess.Popen(
-                args, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT, env=env, close_fds=True
+                args,
+                bufsize=0,  # unbuffered stdin: the request line is written at once, and closing never flushes
+                stdin=subprocess.PIPE,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                close_fds=True,
             )
         except OSError:
             log_file.close()
@@ -269,7 +276,9 @@ class ConsolidationQueue:
             return
         process, log_file = spare
         try:
-            process.stdin.close()  # no request will come
+            with contextlib.suppress(OSError):
+                if process.stdin is not None:
+                    process.stdin.close()  # no request will come
             if process.poll() is None:  # still importing, or waiting: it holds nothing of value
                 process.kill()
             process.wait()
@@ -277,36 +286,21 @@ class ConsolidationQueue:
             log_file.close()
 
     def _start(self, save: CheckpointSave) -> None:
-        request = {"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}
+        line = json.dumps({"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}) + "\n"
         spare, self._spare = self._spare, None
-        process = log_file = None
-        if spare is not None and spare[0].poll() is None:
-            process, log_file = spare
-            try:
-                process.stdin.write((json.dumps(request) + "\n").encode())
-                process.stdin.close()
-            except OSError:  # it died between the check and the write: reap it, start another
-                process.kill()
-                process.wait()
-                log_file.close()
-                process = log_file = None
-        elif spare is not None:
+        warm = spare is not None and spare[0].poll() is None and _hand_over(spare[0], line.encode())
+        if spare is not None and not warm:
             self._spare = spare
-            self._discard_spare()  # exited while waiting (killed, out of memory): start another
-        warm = process is not None
-        if process is None:
+            self._discard_spare()  # it exited while waiting (killed, out of memory): start another
+        if spare is not None and warm:
+            process, log_file = spare
+        else:
             try:
                 process, log_file = self._spawn()
-                process.stdin.write((json.dumps(request) + "\n").encode())
-                process.stdin.close()
             except OSError as error:
-                if process is not None:
-                    process.kill()
-                    process.wait()
-                if log_file is not None:
-                    log_file.close()
                 self._on_done(save, f"cannot start the consolidation process: {error}")
                 return
+            _hand_over(process, line.encode())  # if it died at once, reaping it reports why
         self.warm_requests += warm
         self._running = _Running(save, process, log_file)
         logger.info(
@@ -347,6 +341,18 @@ class ConsolidationQueue:
             running.process.kill()
             running.process.wait()
         self._finish(running)
+
+
+def _hand_over(process: subprocess.Popen, line: bytes) -> bool:
+    """Write one request line to a waiting consolidation process and close its stdin; ``False`` if it is gone."""
+    if process.stdin is None:
+        return False
+    try:
+        process.stdin.write(line)
+        process.stdin.close()
+    except OSError:
+        return False
+    return True
 
 
 def _describe_exit(code: int) -> str:
