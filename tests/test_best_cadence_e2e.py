@@ -128,3 +128,17 @@ def test_the_phased_frequency_round_trips_through_the_checkpoint_context(best_ru
     root, _, _ = best_runs
     strategy = io.load_context(str(root / "BEST" / "context"), subpath="trainer.strategy")
     assert str(strategy.consolidation_policy) == FREQUENCY
+
+
+def test_a_preempted_run_consolidates_its_best_checkpoint_before_it_exits(tmp_path):
+    """``best`` only from step 1000 on, so nothing is consolidated during these 7 steps: the best checkpoint (step 6,
+    the lowest val_loss) is consolidated when NeMo's PreemptionCallback ends fit (SIGTERM after step 7)."""
+    options = {**OPTIONS, "frequency": "every_n:100; best@1000", "max_steps": 12, "fault": ["sigterm:7"]}
+    report = run_fit(tmp_path, **options)
+    assert report["system_exit"] == 0 and report["global_step"] == 7
+    assert report["completed_steps"] == [6]
+    assert "-step=5-" in report["best_target"]  # global step 6
+    metadata = json.loads(
+        (tmp_path / "tiny_gpt" / "checkpoints" / "BEST" / "consolidated" / "metadata.json").read_text()
+    )
+    assert metadata["best"]["value"] == pytest.approx(report["val_loss"]["6"])

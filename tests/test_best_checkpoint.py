@@ -201,3 +201,20 @@ def test_at_fit_end_a_best_already_consolidated_is_pointed_at_not_recomputed(tmp
     assert save.path == best and save.global_step == 4 and save.consolidated
     assert save.best == {"monitor": "val_loss", "value": pytest.approx(3.2), "mode": "min"}
     assert os.readlink(root / "BEST") == best.name and io._queue is None
+
+
+def test_strategy_consolidate_best_checkpoint_on_demand_points_best_without_recomputing(tmp_path):
+    from nemo_patch import MegatronStrategy
+
+    root = tmp_path / "checkpoints"
+    best = _checkpoint(root, 4, 3.2)
+    (best / "consolidated").mkdir()
+    (best / "consolidated" / "metadata.json").write_text('{"global_step": 4}')
+    strategy = MegatronStrategy(ckpt_consolidation_frequency="every_n:2")  # any cadence: on demand
+    strategy.trainer = SimpleNamespace(
+        checkpoint_callback=SimpleNamespace(
+            best_model_path=str(best), best_model_score=torch.tensor(3.2), monitor="val_loss", mode="min"
+        )
+    )
+    assert strategy.consolidate_best_checkpoint() == best / "consolidated"
+    assert os.readlink(root / "BEST") == best.name
