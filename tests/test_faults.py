@@ -217,10 +217,10 @@ def test_preempted_latest_run_consolidates_its_final_checkpoint_before_exit(tmp_
 @pytest.mark.slow
 def test_preemption_with_a_consolidation_in_flight_exits_within_the_timeout(tmp_path):
     report = run_fit(tmp_path, frequency="each", max_steps=20, save_every=1, max_pending=8, timeout=1.0,
-                     fault="sigterm:2")  # fmt: skip
+                     fault=["sigterm:2", "hold:1"])  # fmt: skip
     root = _root(tmp_path)
     assert report["system_exit"] == 0
-    # The first consolidation (a fresh Python, ~2 s to start) was still running: it was stopped at the timeout.
+    # The first consolidation was held (SIGSTOP) so that it was still running: it was stopped at the timeout.
     assert report["end_wait_seconds"] < 1.0 + 5.0 + 2.0  # the timeout + SIGTERM grace before SIGKILL + slack
     assert any("timed out" in error or "signal" in error for error in report["consolidation_errors"])
     assert _leftovers(root) == []

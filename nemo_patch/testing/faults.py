@@ -18,6 +18,8 @@ Each fault is real (a killed process, a read-only mount, a file-size limit, a si
 moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
 
 * ``kill:<n>``: SIGKILL the n-th consolidation process once it is half-way (its temporary output exists).
+* ``hold:<n>``: SIGSTOP the n-th consolidation process as soon as it has its request, so that it is still in flight
+  whenever ``fit`` ends (it only dies of the queue's SIGKILL after its SIGTERM grace).
 * ``readonly:<n>``: bind-mount the n-th consolidated checkpoint's directory read-only before its consolidation starts
   (needs root and mount permission, as on CI).
 * ``fsize:<n>``: start the n-th consolidation process with ``RLIMIT_FSIZE`` of 64 KiB: writing its output fails as on
@@ -56,8 +58,8 @@ def parse_fault(spec: str) -> Tuple[str, int]:
         ValueError: for an unknown kind or a missing number.
     """
     kind, _, number = spec.partition(":")
-    if kind not in ("kill", "readonly", "fsize", "sigterm", "die") or not number.isdigit():
-        raise ValueError(f"Invalid fault {spec!r}: expected kill|readonly|fsize|sigterm|die:<n>")
+    if kind not in ("kill", "hold", "readonly", "fsize", "sigterm", "die") or not number.isdigit():
+        raise ValueError(f"Invalid fault {spec!r}: expected kill|hold|readonly|fsize|sigterm|die:<n>")
     return kind, int(number)
 
 
@@ -87,7 +89,7 @@ class FaultInjector(Callback):
         self.started = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.kind in ("kill", "readonly", "fsize") and trainer.is_global_zero:
+        if self.kind in ("kill", "hold", "readonly", "fsize") and trainer.is_global_zero:
             queue = find_base_checkpoint_io(trainer.strategy.checkpoint_io).queue
             start = queue._start  # the moment a consolidation process is started
 
@@ -110,6 +112,9 @@ class FaultInjector(Callback):
                         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
                         queue._discard_spare()  # started under the limit too: the next request must not get it
                 start(save)
+                if self.kind == "hold":
+                    queue._running.process.send_signal(signal.SIGSTOP)
+                    return None
                 threading.Thread(target=self._kill_half_way, args=(queue, save), daemon=True).start()
 
             queue._start = faulty_start
