@@ -20,7 +20,8 @@ The messages are the string constants inside the calls that make them: exception
 users pass (``ckpt_*``, ``save_*``, ``consolidation_*``, or any ``name=`` inside a call such as
 ``ModelCheckpoint(save_top_k=...)``) and command-line options (``--name``). Each must be a parameter of
 ``MegatronStrategy`` (ours and NeMo's), ``nemo_patch.MegatronCheckpointIO``, NeMo's or Lightning's
-``ModelCheckpoint``, an option of ``nemo-consolidate``, or a parameter of one of this package's functions.
+``ModelCheckpoint``, an option of ``nemo-consolidate`` or of the consolidation process, or a parameter of one of this
+package's functions.
 """
 
 import ast
@@ -73,6 +74,7 @@ def known_arguments() -> Set[str]:
     from nemo_patch import MegatronCheckpointIO, MegatronStrategy
     from nemo_patch.cli.nemo_consolidate import build_parser
     from nemo_patch.training.strategy import NeMoMegatronStrategy
+    from nemo_patch.training.worker import build_parser as build_worker_parser
 
     known: Set[str] = set()
     for function in (
@@ -83,8 +85,9 @@ def known_arguments() -> Set[str]:
         lightning_callbacks.ModelCheckpoint.__init__,
     ):
         known |= set(inspect.signature(function).parameters)
-    for action in build_parser()._actions:
-        known |= set(action.option_strings)
+    for parser in (build_parser(), build_worker_parser()):  # nemo-consolidate's, and the consolidation process's
+        for action in parser._actions:
+            known |= set(action.option_strings)
     for path in PACKAGE.rglob("*.py"):  # and the parameters of this package's own functions (its Python API)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

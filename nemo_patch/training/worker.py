@@ -41,11 +41,22 @@ from typing import Any, Callable, List, Optional
 
 from nemo_patch.training.settings import ConsolidationSettings
 
-__all__ = ["WORKER_NICENESS", "main"]
+__all__ = ["WORKER_NICENESS", "build_parser", "main"]
 
 #: How much lower the process's CPU priority is than the training process's (``os.nice`` increment): on a busy node
 #: the training job's threads come first, and a consolidation uses the CPU time they leave.
 WORKER_NICENESS = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The consolidation process's command line (see :func:`main`)."""
+    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 distributed checkpoint (nemo_patch worker).")
+    parser.add_argument("checkpoint", type=Path, nargs="?", default=None)
+    parser.add_argument("--global-step", type=int, default=None)
+    parser.add_argument("--best", type=json.loads, default=None)
+    parser.add_argument("--wait", action="store_true", help="import, then read the request from stdin")
+    parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
+    return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -60,12 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The process exit code: 0 on success, 1 on a :class:`nemo_patch.engine.errors.ConsolidationError`.
     """
-    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 distributed checkpoint (nemo_patch worker).")
-    parser.add_argument("checkpoint", type=Path, nargs="?", default=None)
-    parser.add_argument("--global-step", type=int, default=None)
-    parser.add_argument("--best", type=json.loads, default=None)
-    parser.add_argument("--wait", action="store_true", help="import, then read the request from stdin")
-    parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
+    parser = build_parser()
     args = parser.parse_args(argv)
     if (args.checkpoint is None) != args.wait:
         parser.error("give either a checkpoint or --wait")
