@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from nemo_patch.engine.checkpoint_layout import checkpoints_newest_first, inspect_checkpoint
+from nemo_patch.engine.checkpoint_layout import checkpoint_root, checkpoints_newest_first, inspect_checkpoint
 from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
     ConsolidationError,
@@ -93,9 +93,7 @@ class BestCheckpoint:
 def _checkpoint_root(path: Path) -> Path:
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} does not exist or is not a directory")
-    if not checkpoints_newest_first(path) and (path / "checkpoints").is_dir():
-        return path / "checkpoints"
-    return path
+    return checkpoint_root(path)
 
 
 def _finished(checkpoint_dir: Path) -> bool:

@@ -52,7 +52,9 @@ __all__ = [
     "ADAPTER_METADATA",
     "UNFINISHED_SUFFIX",
     "CheckpointLocation",
+    "checkpoint_root",
     "checkpoints_newest_first",
+    "global_step_in_name",
     "inspect_checkpoint",
     "is_marked_unfinished",
     "looks_like_checkpoint",
@@ -195,6 +197,22 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
         why = "NeMo's unfinished marker is present" if is_marked_unfinished(checkpoint_dir) else f"no '{last_file}'"
         raise UnfinishedCheckpointError(f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended")
     return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend, adapter, base)
+
+
+def checkpoint_root(path: Union[str, Path]) -> Path:
+    """A run's checkpoint root: ``path`` itself, or ``path/checkpoints`` when ``path`` is the run directory (it holds
+    no checkpoint but a ``checkpoints/`` directory)."""
+    path = Path(path)
+    if not checkpoints_newest_first(path) and (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path
+
+
+def global_step_in_name(name: str) -> Optional[int]:
+    """The global step of a checkpoint from NeMo's ``step=<N>`` in its name (``N`` is the global step - 1), or
+    ``None`` when the name has none."""
+    match = _STEP.search(name)
+    return int(match.group(1)) + 1 if match else None
 
 
 def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:

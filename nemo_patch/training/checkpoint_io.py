@@ -19,7 +19,6 @@ overlay, the CLI or ``nemo_patch.testing``.
 """
 
 import logging
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
-from nemo_patch.engine.checkpoint_layout import weights_written
+from nemo_patch.engine.checkpoint_layout import global_step_in_name, weights_written
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, METADATA_FILENAME
 from nemo_patch.engine.publish import link_consolidated_output
 from nemo_patch.training.latest import BEST_NAME, update_latest_pointer
@@ -50,8 +49,6 @@ from nemo_patch.training.settings import (
 __all__ = ["ConsolidationRecord", "MegatronCheckpointIO", "best_record"]
 
 logger = logging.getLogger(__name__)
-
-_STEP_IN_NAME = re.compile(r"(?:^|-)step=([0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -298,8 +295,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         best_dir = Path(ckpt_to_dir(best_path))
         save = self.consolidation.finished_save(best_dir)
         if save is None:  # saved before a resume (or never finished)
-            step = _STEP_IN_NAME.search(best_dir.name)  # NeMo's "step=N" is the global step - 1
-            save = CheckpointSave(best_dir, int(step.group(1)) + 1 if step else -1, written=True)
+            step = global_step_in_name(best_dir.name)
+            save = CheckpointSave(best_dir, -1 if step is None else step, written=True)
         if self.is_checkpoint_gone(save):
             logger.warning(
                 "The best checkpoint %s (%s) never finished or was removed: it is not consolidated and %s is left as "

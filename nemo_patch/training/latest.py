@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 from nemo_patch.engine.checkpoint_layout import (
     CheckpointLocation,
+    checkpoint_root,
     checkpoints_newest_first,
     inspect_checkpoint,
     looks_like_checkpoint,
@@ -130,9 +131,7 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
         )
     if not path.is_dir() or looks_like_checkpoint(path):
         return inspect_checkpoint(path, allow_unfinished)
-    root = path
-    if not checkpoints_newest_first(root) and (root / "checkpoints").is_dir():
-        root = root / "checkpoints"
+    root = checkpoint_root(path)
     link = root / LATEST_NAME
     latest = link.parent / os.readlink(link) if link.is_symlink() else None  # as given: relative stays relative
     if latest is not None and latest.is_dir() and looks_like_checkpoint(latest):
