@@ -77,7 +77,7 @@ def test_metadata_json_describes_the_output(each_run):
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
         assert handle.metadata() == {"format": "pt"}
     assert meta == {
-        "format_version": 1,
+        "format_version": 2,
         "kind": "model",
         "global_step": 6,
         "source_checkpoint": "../weights",
@@ -85,9 +85,29 @@ def test_metadata_json_describes_the_output(each_run):
         "total_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
         "dtype": None,
         "vocab_size": {"padded": 128, "tokenizer": None},  # the tiny GPT trains without a tokenizer
-        "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest()}},
+        "files": {"model.safetensors": _digests_of(data)},
     }
     assert (out / meta["source_checkpoint"] / ".metadata").is_file()
+
+
+def _digests_of(data):
+    """metadata.json's entry for a safetensors file, computed here from its bytes alone."""
+    header_size = 8 + int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:header_size])
+    header.pop("__metadata__")
+    tensors = {
+        name: hashlib.sha256(data[header_size + entry["data_offsets"][0] : header_size + entry["data_offsets"][1]])
+        for name, entry in header.items()
+    }
+    tree = hashlib.sha256(hashlib.sha256(data[:header_size]).digest())
+    for name in sorted(header, key=lambda name: header[name]["data_offsets"][0]):
+        tree.update(tensors[name].digest())
+    return {
+        "size": len(data),
+        "header_sha256": hashlib.sha256(data[:header_size]).hexdigest(),
+        "tensors_sha256": {name: digest.hexdigest() for name, digest in tensors.items()},
+        "sha256_tree": tree.hexdigest(),
+    }
 
 
 def _leftovers(directory):
@@ -178,7 +198,11 @@ def test_sharded_output_matches_the_single_file(each_run, checkpoint_copy):
     meta = json.loads((out / "metadata.json").read_text())
     assert sorted(meta["files"]) == sorted(shards + ["model.safetensors.index.json"])
     for name, entry in meta["files"].items():
-        assert entry["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+        data = (out / name).read_bytes()
+        if name.endswith(".json"):
+            assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        else:
+            assert entry == _digests_of(data)
 
 
 @pytest.mark.slow

@@ -212,12 +212,12 @@ def test_a_layer_of_another_kind_has_no_output_for_that_entry():
 
 def test_the_cli_exits_11_on_a_layout_it_cannot_name(moe_checkpoint, tmp_path, capsys, monkeypatch):
     variant, checkpoint = moe_checkpoint
-    from nemo_patch.engine import consolidate as consolidate_module
+    from nemo_patch.engine import tensor_sources
 
     def refuse(metadata):
         raise UnknownLayoutError("module.x: cannot name it")
 
-    monkeypatch.setattr(consolidate_module, "plan_outputs", refuse)
+    monkeypatch.setattr(tensor_sources, "plan_outputs", refuse)
     assert main([str(checkpoint), "--out", str(tmp_path / "out")]) == 11
     assert "module.x" in capsys.readouterr().err and not (tmp_path / "out").exists()
 

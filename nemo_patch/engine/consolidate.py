@@ -38,8 +38,14 @@ a complete one.
 
 Memory: tensors are read one output tensor at a time (one layer of a stacked tensor; see
 :class:`nemo_patch.engine.dcp_reader.DCPRegionReader`) and streamed into the file
-(:func:`nemo_patch.engine.safetensors_writer.write_safetensors`), so peak memory is about the largest single output
-tensor plus the largest stored chunk, not the model size.
+(:func:`nemo_patch.engine.part_writer.write_part`), so peak memory is about the largest single output tensor plus
+the largest stored chunk, not the model size, per writer.
+
+Writers: the output files are laid out and created before any data is read, then their tensors are cut into parts
+that ``workers`` processes on this node fill at once (:mod:`nemo_patch.engine.parts`), or processes on several nodes
+(``parts_runner``: :mod:`nemo_patch.cli.distributed`, :mod:`nemo_patch.training.node_parts`). The bytes written do
+not depend on how many: each tensor lands at the same offset, and ``metadata.json`` records per-tensor digests
+(:mod:`nemo_patch.engine.digests`), which every writer computes for what it writes.
 
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core, and
 nothing outside the engine.
@@ -54,14 +60,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from nemo_patch.engine.adapter_merge import LoRAMergeSource, merged_producer, open_lora_merge
 from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
-from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
-from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError, VerificationError
+from nemo_patch.engine.digests import file_entry, json_file_entry, verify_digests
+from nemo_patch.engine.errors import ConsolidationError, OutputExistsError, VerificationError
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
@@ -70,12 +74,14 @@ from nemo_patch.engine.output_layout import (
     METADATA_FILENAME,
     MODEL_STEM,
     index_filename,
-    shard_filename,
-    single_filename,
 )
-from nemo_patch.engine.plan import OutputTensor, cast_outputs, plan_outputs, stored_spec
+from nemo_patch.engine.part_writer import split_parts
+from nemo_patch.engine.parts import PartJob, PartResult, run_parts, validate_workers
+from nemo_patch.engine.plan import OutputTensor
 from nemo_patch.engine.publish import staged_output
-from nemo_patch.engine.safetensors_writer import TensorSpec, plan_shards, write_index, write_safetensors
+from nemo_patch.engine.safetensors_writer import TensorSpec, create_files, plan_files, write_index
+from nemo_patch.engine.stage_times import StageTimes
+from nemo_patch.engine.tensor_sources import Sources, merged_reader, open_sources, tensor_producer
 from nemo_patch.engine.verify import (
     output_shapes,
     tensors_bitwise_equal,
@@ -84,7 +90,14 @@ from nemo_patch.engine.verify import (
 )
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 
-__all__ = ["ConsolidationResult", "ProgressCallback", "consolidate_checkpoint", "read_state_dict", "tensor_producer"]
+__all__ = [
+    "ConsolidationResult",
+    "PartsRunner",
+    "ProgressCallback",
+    "consolidate_checkpoint",
+    "read_state_dict",
+    "tensor_producer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +111,10 @@ class ConsolidationResult:
         tensor_count: number of tensors in ``model.safetensors`` (after splitting stacked layers).
         total_bytes: sum of the tensors' data sizes in bytes (``numel * element_size``), excluding headers.
         global_step: the global step recorded in ``metadata.json`` (``None`` if unknown).
-        files: output file name -> sha256 hex digest.
+        files: output file name -> its digest in ``metadata.json`` (``sha256_tree`` of a safetensors file, ``sha256``
+            of a JSON file; :mod:`nemo_patch.engine.digests`).
         kind: ``"model"``, or ``"adapter"`` for a PEFT adapter checkpoint's adapters.
+        stage_seconds: busy seconds per stage over every writer (:mod:`nemo_patch.engine.stage_times`).
     """
 
     output_dir: Path
@@ -108,80 +123,7 @@ class ConsolidationResult:
     global_step: Optional[int]
     files: Dict[str, str] = field(default_factory=dict)
     kind: str = "model"
-
-
-def _root_cause(error: BaseException) -> str:
-    """A one-line description of what failed inside a ``torch.distributed.checkpoint`` read."""
-    if isinstance(error, CheckpointException) and error.failures:
-        cause = next(iter(error.failures.values()))  # (exception, stack summary) per rank
-        if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
-            error = cause[0]
-    return f"{type(error).__name__}: {error}".rstrip(": ")
-
-
-def tensor_producer(
-    reader: RegionReader,
-    sources: Dict[str, OutputTensor],
-    metadata: Metadata,
-    largest: int,
-    reuse: bool = True,
-) -> Callable[[TensorSpec], torch.Tensor]:
-    """A function that reads one output tensor (by its spec's name in ``sources``) from the checkpoint.
-
-    Each tensor is read into one of two reusable byte buffers of ``largest`` bytes (the writer keeps at most one
-    tensor in flight while the next is read), so memory is not re-allocated and re-faulted for every tensor. A tensor
-    cast to another dtype is read into a third buffer in its stored dtype first. With ``reuse=False`` every tensor is
-    new memory (for callers that keep the tensors).
-
-    The function raises :class:`CorruptShardError` naming the shard file(s) when a tensor cannot be read.
-    """
-    buffers = [torch.empty(largest if reuse else 0, dtype=torch.uint8) for _ in range(2)]
-    staging: List[torch.Tensor] = []
-    turn = [0]
-
-    def produce(spec: TensorSpec) -> torch.Tensor:
-        source = sources[spec.name]
-        buffer = buffers[turn[0] % 2]
-        turn[0] += 1
-        out = (
-            buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
-            if reuse
-            else torch.empty(spec.shape, dtype=spec.dtype)
-        )
-        stored = stored_spec(metadata, source)
-        try:
-            if stored.dtype == spec.dtype:
-                return reader.read(source.key, source.index, out=out)
-            if not staging or staging[0].numel() < stored.nbytes:
-                staging[:] = [torch.empty(stored.nbytes, dtype=torch.uint8)]
-            raw = reader.read(
-                source.key, source.index, out=staging[0][: stored.nbytes].view(stored.dtype).view(stored.shape)
-            )
-            return out.copy_(raw)
-        except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
-            files = ", ".join(reader.files_of(source.key))
-            raise CorruptShardError(
-                f"Cannot read shard file(s) {files} of {reader.path} (tensor {source.key}): {_root_cause(error)}"
-            ) from error
-
-    return produce
-
-
-def _merged_reader(
-    merge: LoRAMergeSource, planned: List[OutputTensor], adapter_reader: RegionReader
-) -> Callable[[TensorSpec], torch.Tensor]:
-    """Reads a merged output tensor (base + LoRA delta, in the stored dtype), cast to the spec's dtype."""
-    stored = {output.spec.name: output for output in planned}
-    read_base = tensor_producer(merge.base_reader, stored, merge.base_metadata, 0, reuse=False)
-    merged = merged_producer(
-        read_base, lambda output: adapter_reader.read(output.key, output.index), merge.pairs, merge.scale
-    )
-
-    def read(spec: TensorSpec) -> torch.Tensor:
-        tensor = merged(stored[spec.name].spec)
-        return tensor if tensor.dtype == spec.dtype else tensor.to(spec.dtype)
-
-    return read
+    stage_seconds: Dict[str, float] = field(default_factory=dict)
 
 
 def _verify_merged(output_dir: Path, outputs: List[OutputTensor], read: Callable[[TensorSpec], torch.Tensor]) -> None:
@@ -223,25 +165,24 @@ def read_state_dict(
     Raises:
         ConsolidationError: or a subclass, as :func:`consolidate_checkpoint` raises them.
     """
-    metadata, reader = open_weights(location.weights_dir, location.backend)
-    merge = open_lora_merge(location, metadata, base_checkpoint) if merge_adapters and location.adapter else None
-    outputs = merge.base_outputs if merge is not None else plan_outputs(metadata)
-    if merge is not None:
-        produce = _merged_reader(merge, outputs, reader)
-    else:
-        produce = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, 0, reuse=False)
-    total = sum(output.spec.nbytes for output in outputs)
+    sources = open_sources(location, None, merge_adapters, base_checkpoint)
+    produce = sources.producer(reuse=False)
+    total = sum(output.spec.nbytes for output in sources.outputs)
     state, done = {}, 0
-    for output in outputs:
+    for output in sources.outputs:
         state[output.spec.name] = produce(output.spec)
         done += output.spec.nbytes
         if progress is not None:
             progress(done, total)
-    return state, (merge.base_metadata if merge is not None else metadata)
+    return state, sources.model_metadata
 
 
 #: Called during a consolidation with ``(bytes done, bytes in all)`` of tensor data, after each tensor.
 ProgressCallback = Callable[[int, int], None]
+#: Runs a consolidation's part jobs (given this process's sources of it) and returns their results in order; the
+#: default is :func:`nemo_patch.engine.parts.run_parts` on this node. A runner that spreads the parts over nodes must
+#: raise when any part fails or does not report in time.
+PartsRunner = Callable[[List[PartJob], Sources], List[PartResult]]
 
 
 def consolidate_checkpoint(
@@ -258,6 +199,9 @@ def consolidate_checkpoint(
     merge_adapters: bool = False,
     base_checkpoint: Optional[Union[str, Path]] = None,
     best: Optional[Mapping[str, Any]] = None,
+    workers: int = 1,
+    parts: Optional[int] = None,
+    parts_runner: Optional[PartsRunner] = None,
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
@@ -291,6 +235,10 @@ def consolidate_checkpoint(
         best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
             monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
             ``ModelCheckpoint``'s).
+        workers: writer processes on this node (>= 1; :func:`nemo_patch.engine.parts.default_workers` is the CLI's
+            default). The output is the same, byte for byte, whatever the number.
+        parts: how many parts the tensors are cut into (default: ``workers``); with ``parts_runner``.
+        parts_runner: runs the parts instead of ``workers`` processes on this node (several nodes).
 
     Returns:
         A :class:`ConsolidationResult`.
@@ -300,49 +248,55 @@ def consolidate_checkpoint(
             a checkpoint, unfinished, unsupported format (``zarr``, ``fsdp_dtensor``), output exists, a shard file
             that cannot be read (:class:`CorruptShardError`, naming the file), a verification mismatch, or an output
             that cannot be written. Nothing is left under ``output_dir``'s name or in a temporary directory.
-        ValueError: if ``max_shard_size`` < 1 or ``dtype`` is not a floating-point dtype.
+        ValueError: if ``max_shard_size`` < 1, ``workers`` < 1 or ``dtype`` is not a floating-point dtype.
     """
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
-    location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
-    weights_dir, ckpt_dir = location.weights_dir, location.checkpoint_dir
-    output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / CONSOLIDATED_DIRNAME
-    if output_dir.exists() and not overwrite:
-        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
-
-    metadata, reader = open_weights(weights_dir, location.backend)
-    merge = open_lora_merge(location, metadata, base_checkpoint) if merge_adapters and location.adapter else None
-    planned = merge.base_outputs if merge is not None else plan_outputs(metadata)
-    outputs = cast_outputs(planned, dtype)
+    workers = validate_workers(workers)
+    own = StageTimes()  # this process's planning; the parts report their own stages
+    with own.timed("metadata"):
+        location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
+        weights_dir, ckpt_dir = location.weights_dir, location.checkpoint_dir
+        output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / CONSOLIDATED_DIRNAME
+        if output_dir.exists() and not overwrite:
+            raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
+        sources = open_sources(location, dtype, merge_adapters, base_checkpoint)
+    outputs = sources.outputs
     if not outputs:
         raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
+    kind = "adapter" if location.adapter and sources.merge is None else "model"
+    stem = ADAPTER_STEM if kind == "adapter" else MODEL_STEM
+    total_bytes = sum(output.spec.nbytes for output in outputs)
 
     with staged_output(ckpt_dir, output_dir, overwrite, f"Consolidating {ckpt_dir}") as tmp_dir:
-        largest = max(output.spec.nbytes for output in outputs)
-        total_bytes = sum(output.spec.nbytes for output in outputs)
-        if merge is None:
-            read = tensor_producer(reader, {output.spec.name: output for output in outputs}, metadata, largest)
+        with own.timed("metadata"):
+            layout = plan_files([output.spec for output in outputs], max_shard_size, stem)
+            create_files(tmp_dir, layout)
+        jobs = [
+            PartJob(
+                str(ckpt_dir),
+                str(tmp_dir),
+                tuple(placements),
+                None if dtype is None else str(dtype).removeprefix("torch."),
+                merge_adapters and sources.merge is not None,
+                None if base_checkpoint is None else str(base_checkpoint),
+                index,
+            )
+            for index, placements in enumerate(split_parts(layout, parts or workers))
+        ]
+        if parts_runner is None:
+            report = None if progress is None else (lambda done: progress(done, total_bytes))
+            results = run_parts(jobs, sources, workers, report)
         else:
-            read = _merged_reader(merge, planned, reader)
-        done = [0]
-
-        def produce(spec: TensorSpec) -> torch.Tensor:
-            tensor = read(spec)
-            done[0] += spec.nbytes
-            if progress is not None:
-                progress(done[0], total_bytes)
-            return tensor
-
-        shards = plan_shards([output.spec for output in outputs], max_shard_size)
-        kind = "adapter" if location.adapter and merge is None else "model"
-        stem = ADAPTER_STEM if kind == "adapter" else MODEL_STEM
-        count = len(shards)
-        names = [single_filename(stem)] if count == 1 else [shard_filename(i, count, stem) for i in range(count)]
-        files = {}
-        for name, specs in zip(names, shards):
-            files[name] = write_safetensors(tmp_dir / name, specs, produce, metadata={"format": "pt"})
-        if len(shards) > 1:
-            files[index_filename(stem)] = write_index(tmp_dir / index_filename(stem), zip(names, shards))
+            results = parts_runner(jobs, sources)
+        digests: Dict[str, str] = {}
+        for result in results:
+            digests.update(result.digests)
+            own.merge(result.stage_seconds)
+        entries = {file.name: file_entry(file, digests) for file in layout}
+        if len(layout) > 1:
+            write_index(tmp_dir / index_filename(stem), ((file.name, file.specs) for file in layout))
+            entries[index_filename(stem)] = json_file_entry(tmp_dir / index_filename(stem))
         manifest = {
             "format_version": FORMAT_VERSION,
             "kind": kind,
@@ -351,24 +305,28 @@ def consolidate_checkpoint(
             "tensor_count": len(outputs),
             "total_bytes": total_bytes,
             "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-            "vocab_size": vocabulary_sizes(ckpt_dir, metadata if merge is None else merge.base_metadata),
-            "files": {name: {"sha256": digest} for name, digest in sorted(files.items())},
+            "vocab_size": vocabulary_sizes(ckpt_dir, sources.model_metadata),
+            "files": entries,
         }
         if location.adapter:
             manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
-        if merge is not None:
-            manifest.update(merged_adapters=merge.settings)
+        if sources.merge is not None:
+            manifest.update(merged_adapters=sources.merge.settings)
         if best is not None:
             manifest.update(best=dict(best))
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        for name in (METADATA_FILENAME, *(n for n in files if n.endswith(".json"))):
+        for name in (METADATA_FILENAME, *(n for n in entries if n.endswith(".json"))):
             with open(tmp_dir / name, "rb") as handle:
                 os.fsync(handle.fileno())
-        if verify and merge is not None:
-            _verify_merged(tmp_dir, outputs, _merged_reader(merge, planned, reader))
+        if verify and sources.merge is not None:
+            _verify_merged(tmp_dir, outputs, merged_reader(sources.merge, sources.planned, sources.reader))
         elif verify:
-            verify_consolidated(weights_dir, tmp_dir, metadata=metadata)
+            verify_consolidated(weights_dir, tmp_dir, metadata=sources.metadata)
             if expected_shapes is not None:
                 verify_names_and_shapes(tmp_dir, expected_shapes, "the model in the checkpoint's context")
+        if verify:
+            verify_digests(tmp_dir)
+    seconds = own.snapshot()
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
-    return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files, kind)
+    files = {name: entry.get("sha256_tree", entry.get("sha256", "")) for name, entry in entries.items()}
+    return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files, kind, seconds)

@@ -20,14 +20,17 @@ asks DCP's own planner helpers for exactly the chunk overlaps of a region (``cre
 lets ``FileSystemReader.read_data`` copy them into a destination tensor, so peak memory is one region plus the saved
 chunk being read (DCP loads a stored chunk whole, with ``torch.load(weights_only=True)``). No process group is used.
 
-Imports the standard library and torch only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
+Imports the standard library, torch and the engine's stage times only; never NeMo, Lightning or megatron-core, and
+nothing outside the engine.
 """
 
 import io
 import os
+import time
 import zipfile
+import zlib
 from pathlib import Path
-from typing import IO, Any, List, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -35,6 +38,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from nemo_patch.engine.stage_times import stage_times
 
 __all__ = ["ChecksummedFileSystemReader", "DCPRegionReader"]
 
@@ -47,6 +52,7 @@ class _RegionLoadPlanner(LoadPlanner):
         self.offsets = torch.Size(offsets)
         self.destination = destination
         self.metadata: Optional[Metadata] = None
+        self._placing = 0.0
 
     def set_up_planner(
         self, state_dict: Any, metadata: Optional[Metadata] = None, is_coordinator: bool = False
@@ -70,10 +76,12 @@ class _RegionLoadPlanner(LoadPlanner):
         raise RuntimeError(f"{read_item.dest_index.fqn} is stored as bytes, not as a tensor")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        self._placing = time.perf_counter()  # DCP copies the loaded chunk into this view, then calls commit_tensor
         return narrow_tensor_by_index(self.destination, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass  # resolve_tensor returned a view of the destination: the data is already in place
+        # resolve_tensor returned a view of the destination: the data is already in place
+        stage_times.add("placement", time.perf_counter() - self._placing)
 
 
 class _Window(io.RawIOBase):
@@ -107,37 +115,131 @@ class _Window(io.RawIOBase):
         return got
 
 
+class _CheckedWindow(_Window):
+    """A :class:`_Window` over one stored ``torch.save`` archive that checks each member's CRC-32 as it is read.
+
+    ``torch.load`` reads every member of the archive (``data.pkl``, ``data/0``, ...) with one ``readinto`` of exactly
+    the member's size; the CRC-32 is computed on those bytes right there, so the tensor data is not read a second
+    time. A member read any other way (or compressed) is checked by streaming it through ``zipfile`` in
+    :meth:`finish`.
+    """
+
+    def __init__(self, file: Any, offset: int, length: int, where: str) -> None:
+        super().__init__(file, offset, length)
+        self.where = where
+        self.pending: Dict[int, Tuple[int, int, str]] = {}  # data offset -> (size, CRC-32, member name)
+        self.unfused: List[str] = []
+        self.failed: List[str] = []
+        with zipfile.ZipFile(_Window(file, offset, length)) as archive:
+            for info in archive.infolist():
+                if info.CRC == 0 or info.file_size == 0:
+                    continue
+                if info.compress_type != zipfile.ZIP_STORED:
+                    self.unfused.append(info.filename)
+                    continue
+                local = _Window(file, offset, length)
+                local.seek(info.header_offset)
+                header = local.read(30)
+                if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                    raise zipfile.BadZipFile(f"bad local header of {info.filename}")
+                start = info.header_offset + 30 + int.from_bytes(header[26:28], "little")
+                start += int.from_bytes(header[28:30], "little")
+                self.pending[start] = (info.file_size, info.CRC, info.filename)
+
+    def readinto(self, buffer: Any) -> int:
+        start = self._pos
+        got = super().readinto(buffer)
+        member = self.pending.get(start)
+        if member is not None and member[0] == got:
+            if zlib.crc32(memoryview(buffer)[:got]) != member[1]:
+                self.failed.append(member[2])  # raised by finish(): an error raised here would reach torch.load
+            del self.pending[start]
+        return got
+
+    def finish(self) -> None:
+        """Check the members :meth:`readinto` did not see whole, by streaming them through ``zipfile``.
+
+        Raises:
+            zipfile.BadZipFile: a member's data does not match its CRC-32.
+        """
+        if self.failed:
+            raise zipfile.BadZipFile(f"Bad CRC-32 for file {self.failed[0]!r}")
+        names = set(self.unfused) | {name for _, _, name in self.pending.values()}
+        if not names:
+            return
+        with zipfile.ZipFile(_Window(self._file, self._offset, self._length)) as archive:
+            for name in sorted(names):
+                with archive.open(name) as member:  # checks the CRC-32 when the member is read to its end
+                    while member.read(1 << 20):
+                        pass
+        self.pending.clear()
+        self.unfused.clear()
+
+
 class ChecksummedFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` that checks each stored record's CRC-32 before ``torch.load`` reads it.
+    """DCP's ``FileSystemReader`` that checks the CRC-32 of every stored record ``torch.load`` reads.
 
     Every tensor chunk in a ``.distcp`` file is a ``torch.save`` zip archive, whose records carry the CRC-32 of their
     data (written by ``torch.save`` unless ``torch.serialization.config.save.compute_crc32`` was turned off; a record
     with a stored CRC of 0 is not checked). ``torch.load`` does not check it, so a flipped bit in tensor data would be
-    read silently; this reader streams each record once through ``zipfile`` (1 MiB at a time, so memory does not
-    grow) and raises instead.
+    read silently; this reader computes it on the bytes as ``torch.load`` reads them (:class:`_CheckedWindow`), and
+    :meth:`finish_checks`, after ``read_data``, checks whatever was not seen whole.
 
-    Raises (from ``read_data``):
+    Raises (from ``read_data`` or :meth:`finish_checks`):
         EOFError: the shard file is shorter than the record (truncated); the message names the file.
         zipfile.BadZipFile: a record's data does not match its CRC-32, or the archive structure is damaged; the
             message names the file and the record's byte offset.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._windows: List[_CheckedWindow] = []
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         where = f"{sinfo.relative_path}, record at byte {sinfo.offset}"
         size = os.fstat(file.fileno()).st_size
         if size < sinfo.offset + sinfo.length:
             raise EOFError(f"{where}: the file ends {sinfo.offset + sinfo.length - size} bytes early (truncated)")
+        if getattr(sinfo, "transform_descriptors", None):  # a compressed or otherwise transformed record
+            window = super()._slice_file(file, sinfo)
+            self._check_whole(file, sinfo, where)
+            return window
+        try:
+            checked = _CheckedWindow(file, sinfo.offset, sinfo.length, where)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
+            raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
+        self._windows.append(checked)
+        return cast(IO[bytes], checked)
+
+    @staticmethod
+    def _check_whole(file: Any, sinfo: Any, where: str) -> None:
         try:
             with zipfile.ZipFile(_Window(file, sinfo.offset, sinfo.length)) as archive:
                 for info in archive.infolist():
-                    if info.CRC == 0:
-                        continue
-                    with archive.open(info) as member:  # checks the CRC-32 when the member is read to its end
-                        while member.read(1 << 20):
-                            pass
+                    if info.CRC != 0:
+                        with archive.open(info) as member:
+                            while member.read(1 << 20):
+                                pass
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
             raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
-        return super()._slice_file(file, sinfo)
+
+    def finish_checks(self, discard: bool = False) -> None:
+        """Check the records of the last ``read_data`` that were not checked as they were read.
+
+        Args:
+            discard: forget them instead (the read failed anyway).
+
+        Raises:
+            zipfile.BadZipFile: naming the file and the record's byte offset.
+        """
+        windows, self._windows = self._windows, []
+        if discard:
+            return
+        for window in windows:
+            try:
+                window.finish()
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
+                raise zipfile.BadZipFile(f"{window.where}: corrupt data ({error})") from error
 
 
 class DCPRegionReader:
@@ -194,5 +296,13 @@ class DCPRegionReader:
         planner.set_up_planner({}, self.metadata, True)
         plan = self._reader.prepare_local_plan(planner.create_local_plan())
         plan = planner.finish_plan(self._reader.prepare_global_plan([plan])[0])
-        self._reader.read_data(plan, planner).wait()
+        finish = getattr(self._reader, "finish_checks", None)
+        try:
+            self._reader.read_data(plan, planner).wait()
+        except BaseException:
+            if finish is not None:
+                finish(discard=True)
+            raise
+        if finish is not None:
+            finish()
         return destination

@@ -65,7 +65,7 @@ INDEX_FILENAME = "model.safetensors.index.json"
 #: This package's description of an output (global step, source, tensor count, bytes, per-file digests).
 METADATA_FILENAME = "metadata.json"
 #: Version of the ``metadata.json`` layout.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 #: Output dtypes a user may ask for (``ckpt_consolidation_dtype``, the CLI's ``--dtype``) -> the ``torch`` dtype's

@@ -12,15 +12,17 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Write safetensors files one tensor at a time, split into shards the way Hugging Face does.
+"""The safetensors files of a consolidation: their layout, laid out before any data is read, and how they are created.
 
-The ``safetensors`` library writes a file from a dict that holds every tensor at once. To keep a consolidation's
-memory bounded by the largest single tensor, this module writes the same format incrementally: the header is built
-up front from the tensors' names, dtypes and shapes, then each tensor's bytes are appended as it is produced. The
-format (``safetensors`` specification, https://github.com/huggingface/safetensors): an 8-byte little-endian header
-length N, N bytes of JSON header (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
-offsets relative to the data section, padded with spaces to a multiple of 8), then the raw little-endian tensor
-bytes in header order. Files are read back and checked with the ``safetensors`` library in the tests.
+The ``safetensors`` library writes a file from a dict that holds every tensor at once. A consolidation instead lays
+every output file out up front from the tensors' names, dtypes and shapes (all in the checkpoint's metadata): the
+header, and so every tensor's byte range, is known before any tensor is read. :func:`create_files` writes the headers
+and allocates the files at their final size; then any number of writers, in this process, in others or on other
+nodes, fill disjoint byte ranges (:func:`nemo_patch.engine.part_writer.write_part`). The format (``safetensors``
+specification, https://github.com/huggingface/safetensors): an 8-byte little-endian header length N, N bytes of JSON
+header (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, offsets relative to the
+data section, padded with spaces to a multiple of 8), then the raw little-endian tensor bytes in header order. Files
+are read back and checked with the ``safetensors`` library in the tests.
 
 Sharding follows ``transformers``' ``save_pretrained``: files ``model-00001-of-0000N.safetensors`` of at most
 ``max_shard_size`` bytes of tensor data each (a tensor larger than that gets a file of its own), plus
@@ -35,14 +37,15 @@ import hashlib
 import json
 import os
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["TensorSpec", "plan_shards", "write_safetensors", "write_index"]
+from nemo_patch.engine.output_layout import MODEL_STEM, shard_filename, single_filename
+
+__all__ = ["OutputFile", "TensorSpec", "create_files", "encode_header", "plan_files", "plan_shards", "write_index"]
 
 _DTYPES = {
     torch.float64: "F64",
@@ -96,7 +99,13 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int) -> List[List[T
     return shards
 
 
-def _header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:
+def encode_header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:
+    """The bytes a safetensors file starts with: the 8-byte little-endian header length N, then N bytes of JSON header
+    (padded with spaces to a multiple of 8), tensors at consecutive ``data_offsets`` in the order of ``specs``.
+
+    Raises:
+        ValueError: a dtype has no safetensors encoding (the message names the tensor).
+    """
     header: Dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for spec in specs:
@@ -109,63 +118,73 @@ def _header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:
         }
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return encoded + b" " * (-len(encoded) % 8)
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
 
 
-#: Bytes per ``write`` call. One call per tensor (tens to hundreds of MB) made a whole consolidation about 20% slower
-#: than cache-sized pieces (in-process A/B on ``scripts/bench_consolidation.py``'s 2.55 GB checkpoint, 2 cores).
-_WRITE_BLOCK = 1 << 18
+@dataclass(frozen=True)
+class OutputFile:
+    """One output safetensors file, laid out before any tensor data is read.
+
+    Attributes:
+        name: the file name (``model.safetensors``, ``model-00001-of-00003.safetensors``).
+        header: the file's first bytes (:func:`encode_header`).
+        specs: its tensors, in file order.
+    """
+
+    name: str
+    header: bytes
+    specs: Tuple[TensorSpec, ...]
+
+    @property
+    def size(self) -> int:
+        """The file's size in bytes: header plus every tensor's data."""
+        return len(self.header) + sum(spec.nbytes for spec in self.specs)
+
+    def offsets(self) -> Iterator[Tuple[TensorSpec, int]]:
+        """Each tensor with the absolute byte offset of its data in the file."""
+        offset = len(self.header)
+        for spec in self.specs:
+            yield spec, offset
+            offset += spec.nbytes
 
 
-def _write_in_blocks(handle: BinaryIO, data: memoryview) -> None:
-    for start in range(0, len(data), _WRITE_BLOCK):
-        handle.write(data[start : start + _WRITE_BLOCK])
-
-
-def write_safetensors(
-    path: Path,
-    specs: Sequence[TensorSpec],
-    produce: Callable[[TensorSpec], torch.Tensor],
-    metadata: Dict[str, str],
-) -> str:
-    """Write one safetensors file, asking ``produce`` for each tensor in turn (only one is held at a time).
+def plan_files(
+    specs: Sequence[TensorSpec], max_shard_size: int, stem: str = MODEL_STEM, metadata: Optional[Dict[str, str]] = None
+) -> List[OutputFile]:
+    """The output files for ``specs`` (kept in order): one ``<stem>.safetensors`` when everything fits in
+    ``max_shard_size`` bytes of tensor data, else ``<stem>-0000i-of-0000N.safetensors`` shards (:func:`plan_shards`).
+    Every tensor's file and byte range follows from this alone, before any data is read.
 
     Args:
-        path: the file to create.
-        specs: the tensors, in file order.
-        produce: returns the tensor for a spec (any layout; it must match the spec's dtype and shape).
-        metadata: the header's ``__metadata__`` (string to string), e.g. ``{"format": "pt"}``.
-
-    Returns:
-        The sha256 hex digest of the bytes written.
+        specs: the output tensors.
+        max_shard_size: most tensor-data bytes per file (>= 1).
+        stem: :data:`~nemo_patch.engine.output_layout.MODEL_STEM` or ``ADAPTER_STEM``.
+        metadata: the headers' ``__metadata__`` (default ``{"format": "pt"}``, as ``transformers`` writes it).
 
     Raises:
-        ValueError: if a produced tensor does not match its spec, or a dtype has no safetensors encoding.
-        OSError: if the file cannot be written.
+        ValueError: ``max_shard_size`` < 1, or a dtype has no safetensors encoding.
     """
-    digest = hashlib.sha256()
-    header = _header(specs, metadata)
-    with open(path, "wb") as handle, ThreadPoolExecutor(max_workers=2, thread_name_prefix="safetensors") as pool:
-        for chunk in (struct.pack("<Q", len(header)), header):
-            handle.write(chunk)
-            digest.update(chunk)
-        # Two-stage pipeline: while one tensor's bytes are written and hashed (both release the GIL), the next one
-        # is produced. At most two tensors are alive at a time.
-        in_flight: List[Future] = []
-        for spec in specs:
-            tensor = produce(spec)
-            if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
-                raise ValueError(f"{spec.name}: produced {tensor.dtype} {tuple(tensor.shape)}, expected {spec}")
-            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-            for future in in_flight:
-                future.result()
-            in_flight = [pool.submit(_write_in_blocks, handle, data.data), pool.submit(digest.update, data.data)]
-            del tensor, data  # the futures keep the buffer alive until written and hashed
-        for future in in_flight:
-            future.result()
-        handle.flush()
-        os.fsync(handle.fileno())
-    return digest.hexdigest()
+    metadata = {"format": "pt"} if metadata is None else metadata
+    shards = plan_shards(specs, max_shard_size)
+    count = len(shards)
+    names = [single_filename(stem)] if count == 1 else [shard_filename(i, count, stem) for i in range(count)]
+    return [OutputFile(name, encode_header(group, metadata), tuple(group)) for name, group in zip(names, shards)]
+
+
+def create_files(directory: Path, files: Sequence[OutputFile]) -> None:
+    """Create each file in ``directory`` with its header written and its full size allocated; the data section reads
+    as zeros until writers fill it (:func:`nemo_patch.engine.part_writer.write_part`). Headers are fsynced.
+
+    Raises:
+        OSError: a file cannot be created.
+    """
+    for file in files:
+        with open(Path(directory) / file.name, "wb") as handle:
+            handle.write(file.header)
+            handle.truncate(file.size)
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def write_index(path: Path, shards: Iterable[Tuple[str, Sequence[TensorSpec]]]) -> str:

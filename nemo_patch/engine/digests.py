@@ -1,0 +1,144 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The integrity data ``metadata.json`` records for a consolidated output, and its check.
+
+A whole-file sha256 (what ``metadata.json`` recorded up to format version 1) is one sequential pass over every byte
+of a file: with several writers filling one file it would have to wait for all of them and then read the file again,
+serialising the work it is meant to check. Instead each writer hashes the tensors it writes, while their bytes are
+in its cache, and ``metadata.json`` records, per safetensors file (format version 2)::
+
+    "model-00001-of-00002.safetensors": {
+        "size": 4999, "header_sha256": "<sha256 of the first 8 + N bytes>",
+        "tensors_sha256": {"<name>": "<sha256 of its data bytes>", ...},
+        "sha256_tree": "<sha256 of the header's digest, then each tensor's digest, 32 raw bytes each, in file order>"}
+
+and ``{"size", "sha256"}`` for a JSON file (the index). Together these cover every byte of every file exactly once,
+so they detect what a whole-file digest detects (sha256 over sha256s is as collision-resistant as sha256), and they
+say which tensor changed. They are the same whatever the number of writers, and ``sha256_tree`` identifies a file
+as a whole. :func:`verify_digests` checks an output against them; ``--verify`` runs it besides comparing every
+tensor with the checkpoint bitwise (:func:`nemo_patch.engine.verify.verify_consolidated`), which is what makes it as
+strong as before.
+
+Standard library only.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict, Mapping, Sequence, Union
+
+from nemo_patch.engine.errors import VerificationError
+from nemo_patch.engine.output_layout import METADATA_FILENAME
+from nemo_patch.engine.safetensors_writer import OutputFile
+
+__all__ = ["file_entry", "json_file_entry", "sha256_tree", "verify_digests"]
+
+_BLOCK = 1 << 20
+
+
+def sha256_tree(header_sha256: str, tensor_sha256: Sequence[str]) -> str:
+    """sha256 of ``header_sha256`` then every tensor's digest (raw 32 bytes each, in file order), hex."""
+    digest = hashlib.sha256(bytes.fromhex(header_sha256))
+    for value in tensor_sha256:
+        digest.update(bytes.fromhex(value))
+    return digest.hexdigest()
+
+
+def file_entry(file: OutputFile, tensor_sha256: Mapping[str, str]) -> Dict[str, Any]:
+    """``metadata.json``'s entry for a safetensors file, from its layout and its writers' tensor digests.
+
+    Raises:
+        KeyError: a tensor of the file has no digest (a writer did not report it).
+    """
+    header = hashlib.sha256(file.header).hexdigest()
+    tensors = {spec.name: tensor_sha256[spec.name] for spec in file.specs}
+    return {
+        "size": file.size,
+        "header_sha256": header,
+        "tensors_sha256": tensors,
+        "sha256_tree": sha256_tree(header, [tensors[spec.name] for spec in file.specs]),
+    }
+
+
+def json_file_entry(path: Path) -> Dict[str, Any]:
+    """``metadata.json``'s entry for a small file written whole (``model.safetensors.index.json``)."""
+    data = Path(path).read_bytes()
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _sha256_of(handle: Any, offset: int, size: int) -> str:
+    digest = hashlib.sha256()
+    handle.seek(offset)
+    while size > 0:
+        block = handle.read(min(_BLOCK, size))
+        if not block:
+            break
+        digest.update(block)
+        size -= len(block)
+    return digest.hexdigest()
+
+
+def verify_digests(output_dir: Union[str, Path]) -> int:
+    """Check every file ``metadata.json`` lists against its recorded size and digests.
+
+    Args:
+        output_dir: a consolidated output directory (``safetensors`` format, format version 2).
+
+    Returns:
+        The number of tensors whose digests were checked.
+
+    Raises:
+        VerificationError: ``metadata.json`` is missing or records no digests of this kind, a file is missing or has
+            another size, or a header or tensor differs; the message names the file and the tensor.
+    """
+    output_dir = Path(output_dir)
+    try:
+        files = json.loads((output_dir / METADATA_FILENAME).read_text())["files"]
+    except (OSError, ValueError, KeyError) as error:
+        raise VerificationError(
+            f"{output_dir} has no readable {METADATA_FILENAME} with file digests: {error}"
+        ) from error
+    checked = 0
+    for name, entry in sorted(files.items()):
+        path = output_dir / name
+        if not path.is_file() or path.stat().st_size != entry.get("size"):
+            have = "missing" if not path.is_file() else f"{path.stat().st_size} bytes"
+            raise VerificationError(f"{path}: {have}, {METADATA_FILENAME} records {entry.get('size')} bytes")
+        if "sha256" in entry:
+            if json_file_entry(path)["sha256"] != entry["sha256"]:
+                raise VerificationError(f"{path} differs from the sha256 {METADATA_FILENAME} records")
+            continue
+        if "tensors_sha256" not in entry:
+            raise VerificationError(f"{path}: {METADATA_FILENAME} records no digests this version can check")
+        with open(path, "rb") as handle:
+            header_size = 8 + int.from_bytes(handle.read(8), "little")
+            if _sha256_of(handle, 0, header_size) != entry["header_sha256"]:
+                raise VerificationError(f"{path}: the header differs from the one {METADATA_FILENAME} records")
+            handle.seek(8)
+            header = json.loads(handle.read(header_size - 8))
+            if set(entry["tensors_sha256"]) != set(header) - {"__metadata__"}:
+                raise VerificationError(f"{path}: its tensors are not the ones {METADATA_FILENAME} records")
+            for tensor, recorded in entry["tensors_sha256"].items():
+                begin, end = header[tensor]["data_offsets"]
+                if _sha256_of(handle, header_size + begin, end - begin) != recorded:
+                    raise VerificationError(
+                        f"{path}: tensor {tensor} differs from the sha256 {METADATA_FILENAME} records"
+                    )
+                checked += 1
+            in_file_order = sorted(entry["tensors_sha256"], key=lambda tensor: header[tensor]["data_offsets"][0])
+        tree = sha256_tree(entry["header_sha256"], [entry["tensors_sha256"][tensor] for tensor in in_file_order])
+        if tree != entry["sha256_tree"]:
+            raise VerificationError(f"{path}: {METADATA_FILENAME}'s sha256_tree does not match its tensor digests")
+    return checked

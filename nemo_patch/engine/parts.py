@@ -1,0 +1,297 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""One consolidation written by several processes: part jobs, and a pool of writer processes on this node.
+
+A consolidation's output files are laid out and created first (:mod:`nemo_patch.engine.safetensors_writer`), then
+their tensors are cut into parts (:func:`nemo_patch.engine.part_writer.split_parts`). A :class:`PartJob` is all a
+process needs to fill one part: the checkpoint, the temporary output directory and the part's placements, plus the
+options that change what is read (dtype, merged adapters). It is plain JSON (:meth:`PartJob.to_json`), so it can be
+handed to a process on this node (:func:`run_parts`), to another node through a file
+(:mod:`nemo_patch.training.node_parts`) or over a ``torch.distributed`` group (:mod:`nemo_patch.cli.distributed`).
+Whoever runs it re-plans the outputs from the checkpoint's metadata and checks that the placements agree.
+
+Writer processes on this node are forked from the consolidating process when it can be forked safely (Linux, CUDA not
+initialised): they start in milliseconds, with torch already imported and the checkpoint's metadata already read.
+Otherwise they are spawned and import what they need. Each runs one part with one torch thread; a failure in any
+part stops the others and fails the whole consolidation with the part's own error.
+
+Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
+"""
+
+import ctypes
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.part_writer import Placement, write_part
+from nemo_patch.engine.stage_times import stage_times
+from nemo_patch.engine.tensor_sources import Sources, open_sources
+
+__all__ = ["MAX_WORKERS", "PartJob", "PartResult", "default_workers", "run_part", "run_parts", "validate_workers"]
+
+#: Most writer processes per node by default: beyond about 8, one node's storage bandwidth, not CPU, is the limit.
+MAX_WORKERS = 8
+
+
+def default_workers(share: int = 1) -> int:
+    """The default number of writer processes on this node: the CPU cores this process may use, divided by ``share``,
+    at least 1 and at most :data:`MAX_WORKERS`. The CLI uses the whole node (``share=1``); a training run leaves most
+    cores to training and its data loaders (``share=4``: 1 writer on a 2-core machine, 8 on a 32-core or larger one).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_WORKERS, cores // share))
+
+
+def validate_workers(value: object, name: str = "workers") -> int:
+    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``).
+
+    Raises:
+        ValueError: anything else; the message names ``name`` and the accepted values.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"Invalid {name} {value!r}: expected a whole number of writer processes >= 1.")
+
+
+@dataclass(frozen=True)
+class PartJob:
+    """Everything a process needs to fill one part of a consolidation's output.
+
+    Attributes:
+        checkpoint_dir: the checkpoint being consolidated.
+        directory: the temporary output directory holding the created files.
+        placements: the tensors to write and where.
+        dtype: the output's floating-point dtype as a ``torch`` attribute name (``"bfloat16"``), ``None`` as stored.
+        merge_adapters: merge a LoRA adapter checkpoint's adapters into its base model.
+        base_checkpoint: with ``merge_adapters``, the base model's checkpoint if not where NeMo recorded it.
+        index: this part's number (for messages).
+    """
+
+    checkpoint_dir: str
+    directory: str
+    placements: Tuple[Placement, ...]
+    dtype: Optional[str] = None
+    merge_adapters: bool = False
+    base_checkpoint: Optional[str] = None
+    index: int = 0
+
+    def to_json(self) -> str:
+        """The job as one JSON object."""
+        data = dict(self.__dict__, placements=[placement.to_dict() for placement in self.placements])
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PartJob":
+        """The job :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: not such a JSON object.
+        """
+        try:
+            data = json.loads(text)
+            data["placements"] = tuple(Placement(**item) for item in data["placements"])
+            return cls(**data)
+        except (TypeError, KeyError, ValueError) as error:
+            raise ValueError(f"not a nemo_patch part job: {text[:200]!r} ({error})") from error
+
+
+@dataclass
+class PartResult:
+    """What filling one part did.
+
+    Attributes:
+        digests: tensor name -> sha256 hex digest of its data bytes.
+        nbytes: tensor-data bytes written.
+        stage_seconds: busy seconds per stage (:mod:`nemo_patch.engine.stage_times`).
+    """
+
+    digests: Dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+    stage_seconds: Dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The result as one JSON object."""
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PartResult":
+        """The result :meth:`to_json` wrote."""
+        return cls(**json.loads(text))
+
+
+def _job_sources(job: PartJob) -> Sources:
+    location = inspect_checkpoint(job.checkpoint_dir, allow_unfinished=True)  # the coordinator checked it
+    dtype = None if job.dtype is None else getattr(torch, job.dtype)
+    return open_sources(location, dtype, job.merge_adapters, job.base_checkpoint)
+
+
+def run_part(
+    job: PartJob, sources: Optional[Sources] = None, progress: Callable[[int], None] = lambda nbytes: None
+) -> PartResult:
+    """Fill one part in this process.
+
+    Args:
+        job: the part.
+        sources: the consolidation's :class:`~nemo_patch.engine.tensor_sources.Sources` if this process has them
+            (else they are opened from ``job``).
+        progress: called with each tensor's bytes once written.
+
+    Raises:
+        ConsolidationError: or a subclass naming the cause (an unreadable shard file names the file).
+        OSError: the output files cannot be written.
+    """
+    before = stage_times.snapshot()
+    sources = _job_sources(job) if sources is None else sources
+    names = [placement.name for placement in job.placements]
+    specs = {output.spec.name: output.spec for output in sources.outputs}
+    digests = write_part(Path(job.directory), job.placements, specs, sources.producer(names=names), progress)
+    after = stage_times.snapshot()
+    seconds = {stage: after[stage] - before.get(stage, 0.0) for stage in after}
+    return PartResult(digests, sum(placement.nbytes for placement in job.placements), seconds)
+
+
+#: The consolidating process's sources, inherited by forked writers (spawned writers open their own).
+_INHERITED: Dict[str, Sources] = {}
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this writer when its parent dies (a killed consolidation leaves no writers behind)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _writer_main(job_json: str, connection: Any, counter: Any) -> None:
+    _die_with_parent()
+    torch.set_num_threads(1)  # one writer per core; also keeps a forked child away from the parent's thread pool
+    stage_times.reset()
+
+    def progress(nbytes: int) -> None:
+        with counter.get_lock():
+            counter.value += nbytes
+
+    try:
+        job = PartJob.from_json(job_json)
+        result = run_part(job, _INHERITED.get(job.checkpoint_dir), progress)
+        connection.send(("ok", result.to_json()))
+    except BaseException as error:  # noqa: B902 - every failure must reach the coordinator
+        try:
+            connection.send(("error", error))
+        except Exception:  # an exception that cannot be pickled
+            connection.send(("error", ConsolidationError(f"{type(error).__name__}: {error}")))
+    finally:
+        connection.close()
+
+
+def _context() -> Any:
+    if "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def _describe(process: Any) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code} without a result"
+
+
+def run_parts(
+    jobs: Sequence[PartJob],
+    sources: Sources,
+    workers: int = 1,
+    progress: Optional[Callable[[int], None]] = None,
+    poll: float = 0.2,
+) -> List[PartResult]:
+    """Fill ``jobs`` on this node: in this process when ``workers`` is 1, else one writer process per job.
+
+    Args:
+        jobs: the parts (at most ``workers`` of them when ``workers`` > 1).
+        sources: this process's :class:`~nemo_patch.engine.tensor_sources.Sources` of the consolidation.
+        workers: 1 for this process alone.
+        progress: called with the total bytes written so far, as writers report it.
+        poll: seconds between progress reports.
+
+    Returns:
+        One :class:`PartResult` per job, in order.
+
+    Raises:
+        ConsolidationError: a part failed (its own error, re-raised) or its writer died (naming the part, the process
+            and its signal or exit code); the other writers are killed first.
+        OSError: the output files cannot be written.
+    """
+    if workers == 1 or len(jobs) <= 1:
+        done = [0]
+
+        def step(nbytes: int) -> None:
+            done[0] += nbytes
+            if progress is not None:
+                progress(done[0])
+
+        return [run_part(job, sources, step) for job in jobs]
+    context = _context()
+    counter = context.Value("q", 0)
+    _INHERITED.clear()
+    if context.get_start_method() == "fork":
+        _INHERITED[jobs[0].checkpoint_dir] = sources
+    writers = []
+    try:
+        for job in jobs:
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_writer_main, args=(job.to_json(), send, counter), name=f"consolidation-part-{job.index}"
+            )
+            process.start()
+            send.close()
+            writers.append((job, process, receive))
+        results: Dict[int, PartResult] = {}
+        while len(results) < len(jobs):
+            waiting = [(i, w) for i, w in enumerate(writers) if i not in results]
+            handles = [w[2] for _, w in waiting] + [w[1].sentinel for _, w in waiting]
+            ready = multiprocessing.connection.wait(handles, poll)
+            for i, (job, process, receive) in waiting:
+                if receive in ready or process.sentinel in ready:
+                    try:
+                        status, payload = receive.recv()
+                    except EOFError:
+                        process.join()
+                        raise ConsolidationError(
+                            f"The writer process {process.pid} of part {job.index} {_describe(process)}"
+                        ) from None
+                    if status != "ok":
+                        raise payload
+                    results[i] = PartResult.from_json(payload)
+            if progress is not None:
+                progress(counter.value)
+        return [results[i] for i in range(len(jobs))]
+    finally:
+        _INHERITED.clear()
+        for _, process, receive in writers:
+            if process.is_alive():
+                process.kill()
+            process.join()
+            receive.close()
