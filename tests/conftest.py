@@ -100,10 +100,13 @@ def imported_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def each_run(tmp_path_factory) -> Dict[str, Any]:
-    """A 6-step run saving every 2 steps with ``ckpt_consolidation_frequency="each"`` (sync save)."""
+    """A 6-step run saving every 2 steps with ``ckpt_consolidation_frequency="each"`` (sync save), 2 writers."""
     out = tmp_path_factory.mktemp("each")
     # The queue bound is raised so that every save of this fast tiny run is consolidated (none skipped).
-    report = run_fit(out, frequency="each", max_steps=6, save_every=2, max_pending=8)
+    # Two writer processes per consolidation: every test of this run checks a multi-writer output.
+    report = run_fit(
+        out, frequency="each", max_steps=6, save_every=2, max_pending=8, strategy_arg=["ckpt_consolidation_workers=2"]
+    )
     report["root"] = out / "tiny_gpt" / "checkpoints"
     return report
 

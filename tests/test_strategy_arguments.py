@@ -162,6 +162,13 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_merge_adapters", 1, "True or False"),
         ("ckpt_consolidation_merge_adapters", "yes", "True or False"),
         ("ckpt_consolidation_merge_adapters", None, "True or False"),
+        ("ckpt_consolidation_workers", 0, "a whole number of writer processes >= 1"),
+        ("ckpt_consolidation_workers", 2.0, "a whole number of writer processes >= 1"),
+        ("ckpt_consolidation_workers", True, "a whole number of writer processes >= 1"),
+        ("ckpt_consolidation_workers", "4", "a whole number of writer processes >= 1"),
+        ("ckpt_consolidation_nodes", 0, "a whole number of nodes >= 1"),
+        ("ckpt_consolidation_nodes", None, "a whole number of nodes >= 1"),
+        ("ckpt_consolidation_nodes", 1.5, "a whole number of nodes >= 1"),
     ],
 )
 def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):
@@ -197,9 +204,13 @@ def test_consolidation_settings_reach_the_io():
         ckpt_consolidation_max_pending=0,
         ckpt_consolidation_dtype="bf16",
         ckpt_consolidation_merge_adapters=True,
+        ckpt_consolidation_workers=3,
+        ckpt_consolidation_nodes=2,
     )
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     assert base.consolidation_dtype == "bf16" and base.consolidation_merge_adapters is True
+    assert base.consolidation_workers == 3 and base.consolidation_nodes == 2
+    assert strategy.ckpt_consolidation_workers == 3 and strategy.ckpt_consolidation_nodes == 2
     assert strategy.ckpt_consolidation_timeout == 12.5
     assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
     assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on

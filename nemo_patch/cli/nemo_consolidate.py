@@ -18,7 +18,8 @@ Usage (also ``python -m nemo_patch``)::
 
     nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
                      [--max-shard-size 5GB] [--merge-adapters [--base-checkpoint DIR]] [--verify] [--force]
-                     [--allow-unfinished] [--best [--monitor NAME] [--mode min|max]] [--quiet]
+                     [--allow-unfinished] [--best [--monitor NAME] [--mode min|max]] [--workers N] [--quiet]
+    torchrun --nnodes N --nproc-per-node 1 ... -m nemo_patch <path> ...   (or srun; see nemo_patch.cli.distributed)
 
 ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
 else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). With ``--best``,
@@ -39,7 +40,12 @@ missing), 14 ``--best`` for a run that recorded no monitored metric, 1 anything 
 ``adapter_model.safetensors`` (``safetensors``) or a Hugging Face PEFT directory (``hf``), or with
 ``--merge-adapters`` the merged model.
 
-``--verify`` re-reads the output and compares every tensor with the checkpoint; for the ``safetensors`` format of a
+``--workers N`` writer processes fill the output files at once (default: this node's cores, at most 8;
+:mod:`nemo_patch.engine.parts`); launched by ``torchrun`` or ``srun`` on several nodes, each node runs its share
+(:mod:`nemo_patch.cli.distributed`). The output is the same, byte for byte, whatever the number of writers.
+
+``--verify`` re-reads the output and compares every tensor with the checkpoint, and checks the per-tensor digests
+``metadata.json`` records (:func:`nemo_patch.engine.digests.verify_digests`); for the ``safetensors`` format of a
 checkpoint with a NeMo ``context/`` it also checks that the output's names and shapes are those of the model the
 context describes, built on the meta device (:mod:`nemo_patch.export.context_model`; a warning says so when that
 model cannot be built here, e.g. without Transformer Engine). A mismatch exits 9 naming the first differing key.
@@ -57,13 +63,16 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.training.latest import locate_checkpoint
 from nemo_patch.training.settings import ACCEPTED_FORMATS, validate_max_shard_size
+
+if TYPE_CHECKING:
+    from nemo_patch.cli.distributed import LaunchedGroup
 
 __all__ = ["DTYPES", "main"]
 
@@ -85,6 +94,12 @@ def _size(value: str) -> int:
         return validate_max_shard_size(value, "--max-shard-size")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _workers(value: str) -> int:
+    if value.strip().isdigit() and int(value) >= 1:
+        return int(value)
+    raise argparse.ArgumentTypeError(f"Invalid --workers {value!r}: expected a whole number of processes >= 1.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "recorded, else val_loss)")  # fmt: skip
     parser.add_argument("--mode", choices=["min", "max"], default=None, help="with --best: whether lower or higher "
                         "is better (default: ModelCheckpoint's, else min)")  # fmt: skip
+    parser.add_argument("--workers", type=_workers, default=None, help="writer processes on this node (safetensors "
+                        "format; default: its cores, at most 8); under torchrun or srun, on each node")  # fmt: skip
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     return parser
 
@@ -210,15 +227,28 @@ def _context_shapes(location: "CheckpointLocation") -> Optional[Dict[str, Tuple[
         return None
 
 
+def _records_tensor_digests(output_dir: Path) -> bool:
+    """Whether an output's ``metadata.json`` has per-tensor digests (format version 2 and later)."""
+    import json
+
+    try:
+        return int(json.loads((output_dir / "metadata.json").read_text()).get("format_version", 0)) >= 2
+    except (OSError, ValueError):
+        return False
+
+
 def _verify_existing(location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float) -> int:
     """``--verify`` on an output that exists: compare it with the checkpoint (and its context's model), write
     nothing."""
+    from nemo_patch.engine.digests import verify_digests
     from nemo_patch.engine.verify import verify_consolidated, verify_names_and_shapes
 
     expected = _context_shapes(location)
     count = verify_consolidated(location.weights_dir, output_dir)
     if expected is not None:
         verify_names_and_shapes(output_dir, expected, "the model in the checkpoint's context")
+    if _records_tensor_digests(output_dir):
+        verify_digests(output_dir)
     if not quiet:
         print(f"Verified {output_dir} against {location.checkpoint_dir}: {count} tensors match "
               f"({time.perf_counter() - started:.1f} s)")  # fmt: skip
@@ -236,6 +266,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    from nemo_patch.cli.distributed import LaunchedGroup
+
+    try:
+        group = LaunchedGroup.from_environment()
+    except ConsolidationError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    if group is None:
+        return _consolidate(args, None)
+    group.init()
+    if group.rank != 0:
+        return group.serve()  # rank 0 reports the outcome, once
+    code = _consolidate(args, group)
+    group.finish(code)
+    return code
+
+
+def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> int:
+    """Consolidate as ``args`` say (on rank 0 of ``group`` when launched on several nodes); returns the exit code."""
     import torch
 
     terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar's, still the terminal under the hold-back
@@ -285,9 +334,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
         else:
             from nemo_patch.engine.consolidate import consolidate_checkpoint
+            from nemo_patch.engine.parts import default_workers
 
             if args.verify:
                 options["expected_shapes"] = _context_shapes(location)
+            options["workers"] = args.workers or default_workers()
+            if group is not None:
+                options.update(parts=group.parts(options["workers"]), parts_runner=group.run)
             result = consolidate_checkpoint(location.checkpoint_dir, args.out, **options)
     except ConsolidationError as error:
         close()
@@ -305,6 +358,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"Consolidated {location.checkpoint_dir} -> {result.output_dir}: {result.tensor_count} "
             f"{'adapter tensors' if result.kind == 'adapter' else 'tensors'}, "
             f"{_human(result.total_bytes)} in {seconds:.1f} s ({_human(rate)}/s)"
+            f"{f' by {group.world_size} nodes' if group is not None and args.format == 'safetensors' else ''}"
             f"{', verified' if args.verify else ''}"
         )
     return 0

@@ -49,7 +49,16 @@ from nemo_patch.engine.part_writer import Placement, write_part
 from nemo_patch.engine.stage_times import stage_times
 from nemo_patch.engine.tensor_sources import Sources, open_sources
 
-__all__ = ["MAX_WORKERS", "PartJob", "PartResult", "default_workers", "run_part", "run_parts", "validate_workers"]
+__all__ = [
+    "MAX_WORKERS",
+    "PartJob",
+    "PartResult",
+    "default_workers",
+    "open_job_sources",
+    "run_part",
+    "run_parts",
+    "validate_workers",
+]
 
 #: Most writer processes per node by default: beyond about 8, one node's storage bandwidth, not CPU, is the limit.
 MAX_WORKERS = 8
@@ -141,7 +150,8 @@ class PartResult:
         return cls(**json.loads(text))
 
 
-def _job_sources(job: PartJob) -> Sources:
+def open_job_sources(job: PartJob) -> Sources:
+    """The :class:`~nemo_patch.engine.tensor_sources.Sources` a part job reads from (opened from its checkpoint)."""
     location = inspect_checkpoint(job.checkpoint_dir, allow_unfinished=True)  # the coordinator checked it
     dtype = None if job.dtype is None else getattr(torch, job.dtype)
     return open_sources(location, dtype, job.merge_adapters, job.base_checkpoint)
@@ -163,7 +173,7 @@ def run_part(
         OSError: the output files cannot be written.
     """
     before = stage_times.snapshot()
-    sources = _job_sources(job) if sources is None else sources
+    sources = open_job_sources(job) if sources is None else sources
     names = [placement.name for placement in job.placements]
     specs = {output.spec.name: output.spec for output in sources.outputs}
     digests = write_part(Path(job.directory), job.placements, specs, sources.producer(names=names), progress)

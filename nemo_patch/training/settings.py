@@ -26,7 +26,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.training.policy import ConsolidationPolicy, parse_consolidation_frequency, resolve_policy
@@ -46,6 +46,8 @@ __all__ = [
     "validate_keep",
     "validate_max_pending",
     "validate_max_shard_size",
+    "WORKER_NICENESS",
+    "validate_count",
     "validate_timeout",
 ]
 
@@ -58,6 +60,10 @@ DEFAULT_MAX_PENDING = 2
 #: Default ``ckpt_consolidation_timeout``: how long the end of ``fit`` waits for consolidations, in seconds.
 DEFAULT_TIMEOUT = 1800.0
 
+#: How much lower a consolidation process's CPU priority is than the training process's (``os.nice`` increment): on a
+#: busy node the training job's threads come first, and a consolidation uses the CPU time they leave.
+WORKER_NICENESS = 10
+
 #: Setting -> the name of the argument that gives it to ``MegatronStrategy`` (used in error messages).
 STRATEGY_ARGUMENTS: Mapping[str, str] = {
     "timeout": "ckpt_consolidation_timeout",
@@ -67,6 +73,8 @@ STRATEGY_ARGUMENTS: Mapping[str, str] = {
     "keep": "ckpt_consolidation_keep",
     "dtype": "ckpt_consolidation_dtype",
     "merge_adapters": "ckpt_consolidation_merge_adapters",
+    "workers": "ckpt_consolidation_workers",
+    "nodes": "ckpt_consolidation_nodes",
 }
 #: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
 #: strategy's teardown waits).
@@ -77,6 +85,8 @@ CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
     "keep": "consolidation_keep",
     "dtype": "consolidation_dtype",
     "merge_adapters": "consolidation_merge_adapters",
+    "workers": "consolidation_workers",
+    "nodes": "consolidation_nodes",
 }
 
 
@@ -99,6 +109,11 @@ class ConsolidationSettings:
             checkpoint's. Integer and bool tensors keep theirs.
         merge_adapters: for PEFT (LoRA) adapter checkpoints, write the base model with the adapters merged instead of
             the adapters alone.
+        workers: writer processes per node for the ``safetensors`` format (>= 1); ``None`` is
+            :func:`nemo_patch.engine.parts.default_workers` with ``share=4``, a quarter of the node's cores (1 to 8),
+            decided on the node that writes.
+        nodes: how many nodes write each consolidation (>= 1; ``safetensors`` format): global rank 0 and the local
+            rank 0 of nodes 1 to ``nodes - 1`` (:mod:`nemo_patch.training.node_parts`), on a filesystem they share.
     """
 
     save_consolidated: Optional[bool] = None
@@ -111,6 +126,8 @@ class ConsolidationSettings:
     keep: Optional[int] = None
     dtype: Optional[str] = None
     merge_adapters: bool = False
+    workers: Optional[int] = None
+    nodes: int = 1
 
     @classmethod
     def from_arguments(
@@ -125,6 +142,8 @@ class ConsolidationSettings:
         keep: Optional[int] = None,
         dtype: Optional[object] = None,
         merge_adapters: bool = False,
+        workers: Optional[int] = None,
+        nodes: int = 1,
         names: Mapping[str, str] = STRATEGY_ARGUMENTS,
     ) -> "ConsolidationSettings":
         """Validate the user's values and make the settings.
@@ -140,6 +159,8 @@ class ConsolidationSettings:
             dtype: ``None``, ``"bf16"``, ``"fp16"``, ``"fp32"``, their torch names or a ``torch.dtype``
                 (:func:`nemo_patch.engine.output_layout.dtype_name`); kept as the short name.
             merge_adapters: ``True`` or ``False``.
+            workers: ``None`` or an ``int`` >= 1.
+            nodes: an ``int`` >= 1.
             names: the argument names to use in error messages (:data:`STRATEGY_ARGUMENTS` or
                 :data:`CHECKPOINT_IO_ARGUMENTS`).
 
@@ -157,6 +178,8 @@ class ConsolidationSettings:
             keep=validate_keep(keep, names["keep"]),
             dtype=validate_dtype(dtype, names["dtype"]),
             merge_adapters=validate_flag(merge_adapters, names["merge_adapters"]),
+            workers=None if workers is None else validate_count(workers, names["workers"], "writer processes"),
+            nodes=validate_count(nodes, names["nodes"], "nodes"),
         )
 
     @property
@@ -209,6 +232,17 @@ def _invalid(name: str, value: object, accepted: str) -> ValueError:
 
 def _is_int(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def validate_count(value: object, name: str, what: str) -> int:
+    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``): a number of writer processes or of nodes.
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted values.
+    """
+    if _is_int(value, 1):
+        return cast(int, value)
+    raise _invalid(name, value, f"a whole number of {what} >= 1")
 
 
 def validate_timeout(value: object, name: str = STRATEGY_ARGUMENTS["timeout"]) -> float:

@@ -37,15 +37,11 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from nemo_patch.training.settings import ConsolidationSettings
+from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
 __all__ = ["WORKER_NICENESS", "build_parser", "main"]
-
-#: How much lower the process's CPU priority is than the training process's (``os.nice`` increment): on a busy node
-#: the training job's threads come first, and a consolidation uses the CPU time they leave.
-WORKER_NICENESS = 10
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +98,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         request = json.loads(line)
         args.checkpoint, args.global_step = Path(request["checkpoint"]), request.get("global_step")
         args.best = request.get("best")
+    options: Dict[str, Any] = {}
+    if settings.output_format != "hf":  # the Hugging Face export writes through transformers, in this process
+        from nemo_patch.engine.parts import default_workers
+
+        options["workers"] = settings.workers or default_workers(share=4)
+        if settings.nodes > 1:
+            from nemo_patch.training.node_parts import FilePartsRunner
+
+            runner = FilePartsRunner(settings.nodes, options["workers"], settings.timeout)
+            options.update(parts=runner.parts(), parts_runner=runner)
     try:
         dtype = None if settings.dtype is None else getattr(torch, DTYPE_NAMES[settings.dtype])
         consolidate(
@@ -111,6 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             dtype=dtype,
             merge_adapters=settings.merge_adapters,
             best=args.best,
+            **options,
         )
     except ConsolidationError as error:
         print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
