@@ -13,29 +13,54 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Consolidation speed and memory against PyTorch's stock converter and a plain copy, on one synthetic checkpoint.
+"""Consolidation speed, scaling and memory against PyTorch's stock converter and a plain copy, on one checkpoint.
 
 1. Generates a synthetic GPT-shaped ``torch_dist`` checkpoint with megatron-core's ``dist_checkpointing.save``
    (single process, gloo): layer-stacked ``module.decoder.layers.*`` tensors saved per layer and split in TP=2-style
-   shards along their TP axis, exactly as megatron-core lays out a TP=2 run; by default about 2.4 GB of fp32 model
+   shards along their TP axis, exactly as megatron-core lays out a TP=2 run; by default about 2.55 GB of fp32 model
    weights. ``--with-optimizer`` adds Adam ``exp_avg``/``exp_avg_sq`` for every weight, as NeMo's intermediate
    checkpoints carry.
 2. Runs, each in a fresh process, on the same ``weights/`` directory:
-   - ``nemo_patch``: :func:`nemo_patch.consolidate_checkpoint` (model weights -> safetensors);
+   - ``nemo_patch, N workers``: :func:`nemo_patch.engine.consolidate.consolidate_checkpoint` (model weights ->
+     safetensors) with ``workers=N`` writer processes on this node, for every N of ``--workers-list`` (default
+     1, 2, 4) plus 1 and the CLI's default (:func:`nemo_patch.engine.parts.default_workers`), marked ``(default)``;
+     the process reports its busy seconds per stage and the peak RSS of itself and of its largest writer process;
    - ``dcp_to_torch_save``: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (what a user would reach
      for: the whole directory -> one ``torch.save`` file);
    - ``copy``: ``shutil.copytree`` of the ``weights/`` bytes (the I/O floor), and ``copy + fsync``, the same made
-     durable, since the consolidation fsyncs its output before publishing it.
-3. Prints wall seconds, MB/s of model-weight bytes, peak RSS (from ``wait4``), and the ratios.
+     durable (the durable copy floor), since the consolidation fsyncs its output before publishing it;
+   - ``start-up only``: a process that only imports the consolidation module (Python, torch,
+     ``torch.distributed.checkpoint``): the part of a consolidation's time that is not consolidation.
+
+   Each method runs ``--repeat`` times (default 3), round-robin, so that a slow spell of the machine hits every
+   method alike.
+3. Prints four tables:
+   - every method: median wall seconds with the min-max, MB/s of model-weight bytes, and the peak RSS of the largest
+     single process (for a consolidation, the larger of its own process and its largest writer process: "per
+     worker"; the writers are forked, separate processes), also as a share of the model-weight bytes;
+   - where 1 worker's time goes: busy seconds per stage (:mod:`nemo_patch.engine.stage_times`; median over the
+     runs) and the start-up, each as a share of the 1-worker wall time. Stages overlap (a writer reads the next
+     tensor while it writes the current one), so their sum can exceed the wall time;
+   - scaling: throughput (model-weight bytes / wall time) with the start-up excluded (the start-up-only median taken
+     off) and included, and the speed-up over 1 worker, for every number of workers, with the RSS of the
+     consolidating process and of its largest writer;
+   - targets, each a ratio measured in this run, with PASS or MISS: (a) 1 worker, start-up excluded, at most 2.0x
+     the durable copy floor; (b) 2 workers at least 1.6x the throughput of 1, start-up excluded; (c) peak RSS per
+     worker at most 25% of the model-weight bytes; (d) the default number of workers at least 2.5x faster than
+     ``dcp_to_torch_save`` end to end (start-up included). Next to them: the CPU cores (``os.cpu_count()`` and the
+     cores this process may use) and the durable copy floor's seconds and MB/s.
 
 The files fit in this machine's page cache, so "I/O" here is mostly memory bandwidth and CPU, as on a node with a
-warm cache. Each method runs ``--repeat`` times (default 3), round-robin; the table shows the median wall time and
-the spread. A last row, ``start-up only``, times a process that only imports the consolidation module (Python, torch,
-``torch.distributed.checkpoint``): the part of ``nemo_patch``'s time that is not consolidation.
+warm cache.
+
 Usage: .venv/bin/python scripts/bench_consolidation.py [--layers 12] [--hidden 2048] [--with-optimizer] [--repeat 3]
+[--workers-list 1,2,4]
 """
 
 import argparse
+import functools
+import json
+import math
 import os
 import shutil
 import statistics
@@ -43,8 +68,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from nemo_patch.engine.stage_times import STAGES  # standard library only: this process must not import torch
 
 GENERATE = r"""
 import os, sys, torch, torch.distributed as dist
@@ -98,10 +126,65 @@ with megatron_on_cpu():
 dist.destroy_process_group()
 """
 
-NEMO_PATCH = (
-    "import sys; from nemo_patch.engine.consolidate import consolidate_checkpoint; "
-    "consolidate_checkpoint(sys.argv[1], sys.argv[2])"
-)
+#: Starts the line on which a consolidation process reports (JSON) what :func:`run_once` cannot see from outside.
+REPORT_PREFIX = "BENCH_REPORT "
+
+# The writer processes' peak RSS comes from wait4 as multiprocessing reaps each (os.waitpid is wrapped, from just
+# before the consolidation): RUSAGE_CHILDREN's ru_maxrss would also count the helper processes that importing torch
+# starts (``ldconfig -p``), which report the RSS of the process they were started from as their own. ru_maxrss is in
+# KiB on Linux.
+CONSOLIDATE = r"""
+import json, os, resource, sys
+from nemo_patch.engine.consolidate import consolidate_checkpoint
+
+writers = []
+
+def waitpid(pid, options):
+    pid, status, usage = os.wait4(pid, options)
+    if pid:
+        writers.append(usage.ru_maxrss * 1024)
+    return pid, status
+
+os.waitpid = waitpid
+result = consolidate_checkpoint(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]))
+report = {
+    "stage_seconds": result.stage_seconds,
+    "total_bytes": result.total_bytes,
+    "tensor_count": result.tensor_count,
+    "rss_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "rss_largest_writer": max(writers, default=0),
+    "writers": len(writers),
+}
+print(sys.argv[4] + json.dumps(report), flush=True)
+"""
+# Nodes 1.. are stood in for by part watchers on this machine (the training-time protocol,
+# nemo_patch.training.node_parts), started with the consolidating process, each filling its node's parts.
+NODES = r"""
+import json, os, resource, subprocess, sys
+from pathlib import Path
+
+nodes = int(sys.argv[5])
+root = Path(sys.argv[2]).parent.parent  # watchers look for plans in <root>/*/.consolidated.tmp-*/
+command = [sys.executable, "-m", "nemo_patch.training.node_parts", str(root)]
+watchers = [subprocess.Popen(command + [str(r)], stdin=subprocess.PIPE) for r in range(1, nodes)]
+from nemo_patch.engine.consolidate import consolidate_checkpoint
+from nemo_patch.training.node_parts import FilePartsRunner
+
+runner = FilePartsRunner(nodes, int(sys.argv[3]), timeout=600)
+result = consolidate_checkpoint(sys.argv[1], sys.argv[2], parts=runner.parts(), parts_runner=runner)
+for watcher in watchers:
+    watcher.stdin.close()
+    watcher.wait()
+report = {
+    "stage_seconds": result.stage_seconds,
+    "total_bytes": result.total_bytes,
+    "tensor_count": result.tensor_count,
+    "rss_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "rss_largest_writer": 0,
+    "writers": nodes,
+}
+print(sys.argv[4] + json.dumps(report), flush=True)
+"""
 DCP = (
     "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
     "dcp_to_torch_save(sys.argv[1], sys.argv[2] + '/full.pt')"
@@ -113,100 +196,408 @@ COPY_FSYNC = (
     "for name in os.listdir(dst):\n"
     "    fd = os.open(os.path.join(dst, name), os.O_RDONLY); os.fsync(fd); os.close(fd)"
 )
+DEFAULT_WORKERS = "from nemo_patch.engine.parts import default_workers; print(default_workers())"
+
+# Row names the tables and targets look up.
+DCP_NAME, COPY_NAME, DURABLE_NAME, STARTUP_NAME = "dcp_to_torch_save", "copy", "copy + fsync", "start-up only"
+
+# Targets, as measured ratios.
+TARGET_VS_DURABLE_COPY = 2.0  # (a) 1 worker, start-up excluded, / durable copy floor: at most
+TARGET_TWO_WORKER_SPEEDUP = 1.6  # (b) 2 workers' / 1 worker's throughput, start-up excluded: at least
+TARGET_RSS_SHARE = 0.25  # (c) peak RSS per worker / model-weight bytes: at most
+TARGET_VS_DCP = 2.5  # (d) dcp_to_torch_save's / the default workers' wall time, start-up included: at least
 
 
-def timed(code, *args):
-    """Run ``code`` in a fresh interpreter; return (wall seconds, peak RSS bytes)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"failed: {code[:60]}...\n{proc.stderr.read().decode()[-3000:]}")
-    proc.stderr.close()
-    return wall, usage.ru_maxrss * 1024
+@dataclass(frozen=True)
+class Method:
+    """One row: Python code timed in a fresh interpreter.
+
+    Attributes:
+        name: the row's label.
+        code: the source, run with ``python -c``; a consolidation prints a :data:`REPORT_PREFIX` line.
+        argv: the command-line arguments, from the checkpoint directory and an empty directory for the output.
+        workers: writer processes per node, for a consolidation; ``None`` for the other methods.
+        nodes: the nodes a consolidation runs on.
+    """
+
+    name: str
+    code: str
+    argv: Callable[[Path, Path], Sequence[object]]
+    workers: Optional[int] = None
+    nodes: int = 1
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a :class:`Method`.
+
+    Attributes:
+        wall: wall seconds, from starting the interpreter to its exit.
+        rss: peak RSS in bytes of the largest single process: ``wait4``'s (the process and the children it waited
+            for), or for a consolidation the larger of ``rss_self`` and ``rss_largest_writer``.
+        rss_self: a consolidation's own process's peak RSS in bytes.
+        rss_largest_writer: a consolidation's largest writer process's peak RSS in bytes (0 with 1 worker: the
+            consolidating process writes).
+        writers: the writer processes a consolidation started.
+        stage_seconds: a consolidation's busy seconds per stage, summed over its writers.
+        total_bytes: the model-weight bytes a consolidation wrote.
+        tensor_count: the tensors a consolidation wrote.
+    """
+
+    wall: float
+    rss: int
+    rss_self: int = 0
+    rss_largest_writer: int = 0
+    writers: int = 0
+    stage_seconds: Dict[str, float] = field(default_factory=dict)
+    total_bytes: int = 0
+    tensor_count: int = 0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A method's runs, summarised.
+
+    Attributes:
+        wall: median wall seconds.
+        low: the fastest run's wall seconds.
+        high: the slowest run's wall seconds.
+        rss: the largest peak RSS of any run, in bytes (that of the largest single process).
+        rss_self: a consolidation's largest own peak RSS, in bytes.
+        rss_largest_writer: a consolidation's largest writer's peak RSS, in bytes.
+        writers: the most writer processes a run of a consolidation started.
+        stage_seconds: a consolidation's median busy seconds per stage.
+    """
+
+    wall: float
+    low: float
+    high: float
+    rss: int
+    rss_self: int
+    rss_largest_writer: int
+    writers: int
+    stage_seconds: Dict[str, float]
+
+    @classmethod
+    def of(cls, runs: Sequence[Run]) -> "Summary":
+        """The median wall time and stage seconds, and the largest RSS, of ``runs``."""
+        walls = [run.wall for run in runs]
+        stages: Dict[str, List[float]] = {}
+        for run in runs:
+            for stage, seconds in run.stage_seconds.items():
+                stages.setdefault(stage, []).append(seconds)
+        return cls(
+            statistics.median(walls),
+            min(walls),
+            max(walls),
+            max(run.rss for run in runs),
+            max(run.rss_self for run in runs),
+            max(run.rss_largest_writer for run in runs),
+            max(run.writers for run in runs),
+            {stage: statistics.median(seconds) for stage, seconds in stages.items()},
+        )
+
+
+def consolidation_label(workers: int, nodes: int = 1, default: bool = False) -> str:
+    """A consolidation row's name, e.g. ``nemo_patch, 2 workers (default)``."""
+    label = f"nemo_patch, {workers} worker{'s' if workers != 1 else ''}"
+    if nodes != 1:
+        label += f" x {nodes} nodes"
+    return label + (" (default)" if default else "")
+
+
+def consolidation_args(ckpt: Path, target: Path, workers: int) -> Tuple[Path, Path, int, str]:
+    """:data:`CONSOLIDATE`'s arguments: checkpoint, output directory, writer processes, :data:`REPORT_PREFIX`."""
+    return ckpt, target / "consolidated", workers, REPORT_PREFIX
+
+
+def nodes_args(ckpt: Path, target: Path, workers: int, nodes: int) -> Tuple[Path, Path, int, str, int]:
+    """:data:`NODES`' arguments: those of :func:`consolidation_args`, then the number of nodes."""
+    return (*consolidation_args(ckpt, target, workers), nodes)
+
+
+def weights_args(ckpt: Path, target: Path) -> Tuple[Path, Path]:
+    """The other methods' arguments: the checkpoint's ``weights/`` directory and the output directory."""
+    return ckpt / "weights", target
+
+
+def consolidation_methods(workers_list: Sequence[int], default_workers: int) -> List[Method]:
+    """The ``nemo_patch`` rows: one consolidating process on this node with each number of writer processes.
+
+    Then one row on 2 "nodes" of 1 writer each (:data:`NODES`: the second node is a part watcher process on this
+    machine, started with the consolidating process, as ``ckpt_consolidation_nodes=2`` runs it during training); it
+    prints the same :data:`REPORT_PREFIX` line as :data:`CONSOLIDATE`. On one machine it measures what the protocol
+    costs, not another node's bandwidth. The method table, the scaling table
+    and target (c) take every row with ``workers`` set; the speed-ups are over 1 worker on 1 node, and the stage
+    breakdown and targets (a), (b) and (d) use the 1-node rows.
+    """
+    rows = [
+        Method(
+            consolidation_label(n, default=n == default_workers),
+            CONSOLIDATE,
+            functools.partial(consolidation_args, workers=n),
+            workers=n,
+        )
+        for n in workers_list
+    ]
+    # 2 "nodes" of 1 writer each: the second is a part watcher process on this machine (the training-time protocol).
+    rows.append(
+        Method(consolidation_label(1, nodes=2), NODES, functools.partial(nodes_args, workers=1, nodes=2), 1, 2)
+    )
+    return rows
+
+
+def build_methods(workers_list: Sequence[int], default_workers: int) -> List[Method]:
+    """Every row, in the order each round runs them."""
+    return [
+        *consolidation_methods(workers_list, default_workers),
+        Method(DCP_NAME, DCP, weights_args),
+        Method(COPY_NAME, COPY, weights_args),
+        Method(DURABLE_NAME, COPY_FSYNC, weights_args),
+        Method(STARTUP_NAME, STARTUP, weights_args),
+    ]
+
+
+def one_node(methods: Sequence[Method], results: Mapping[str, Summary]) -> Dict[int, Summary]:
+    """The consolidation rows on one node, by their number of writer processes."""
+    return {m.workers: results[m.name] for m in methods if m.workers is not None and m.nodes == 1}
+
+
+def run_once(code: str, args: Sequence[object]) -> Run:
+    """Run ``code`` in a fresh interpreter with ``args``; its stdout and stderr go to files, not to the tables.
+
+    Raises:
+        SystemExit: the process failed (with the end of its output).
+    """
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if proc.returncode != 0:
+        sys.exit(f"failed (exit code {proc.returncode}): {code.strip()[:80]}...\n{(stdout + stderr)[-3000:]}")
+    for line in stdout.splitlines():
+        if line.startswith(REPORT_PREFIX):
+            report = json.loads(line[len(REPORT_PREFIX) :])
+            own, writer = report["rss_self"], report["rss_largest_writer"]
+            return Run(
+                wall,
+                rss=max(own, writer),
+                rss_self=own,
+                rss_largest_writer=writer,
+                writers=report["writers"],
+                stage_seconds=report["stage_seconds"],
+                total_bytes=report["total_bytes"],
+                tensor_count=report["tensor_count"],
+            )
+    return Run(wall, usage.ru_maxrss * 1024)
+
+
+def query_default_workers() -> int:
+    """:func:`nemo_patch.engine.parts.default_workers`, asked of a child process.
+
+    Not imported here: it imports torch, and a process started from one holding torch reports that process's RSS as
+    its own peak.
+    """
+    result = subprocess.run([sys.executable, "-c", DEFAULT_WORKERS], capture_output=True, text=True, check=True)
+    return int(result.stdout.split()[-1])
+
+
+def parse_workers_list(text: str) -> List[int]:
+    """``--workers-list``: whole numbers >= 1, separated by commas."""
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1 separated by commas, got {text!r}")
+    return values
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, NaN unless both are positive (a start-up-excluded time that noise made <= 0)."""
+    return numerator / denominator if numerator > 0 and denominator > 0 else math.nan
+
+
+def per_second(nbytes: int, seconds: float) -> float:
+    """MB/s, NaN for a time that is not positive."""
+    return ratio(nbytes / 1e6, seconds)
+
+
+def shown(value: float, spec: str, width: int = 0, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` and ``suffix``, or ``n/a`` if it is NaN, right-aligned in ``width``."""
+    text = f"{value:{spec}}{suffix}" if math.isfinite(value) else "n/a"
+    return f"{text:>{width}}"
+
+
+def target_line(label: str, value: float, target: float, at_least: bool, percent: bool = False, note: str = "") -> str:
+    """One target's line: the measured value, the target and PASS or MISS."""
+    measured = shown(value, ".1%", 8) if percent else shown(value, ".2f", 8, "x")
+    wanted = f"{'>=' if at_least else '<='} " + (f"{target:.0%}" if percent else f"{target:.1f}x")
+    passed = value >= target if at_least else value <= target  # False for NaN
+    return f"{label:<58}{measured}   target {wanted:<8}{'PASS' if passed else 'MISS':>6}{note}"
+
+
+def print_methods(methods: Sequence[Method], results: Mapping[str, Summary], model_bytes: int, repeat: int) -> None:
+    """The table of every method."""
+    print(f"median of {repeat} run(s) per method, round-robin, min-max in brackets")
+    columns = f"{'wall s':>9}{'(min-max)':>15}{'MB/s (model)':>14}{'peak RSS MB':>13}{'RSS / weights':>15}"
+    print(f"{'method':<34}{columns}")
+    for method in methods:
+        result = results[method.name]
+        spread = f"({result.low:.2f}-{result.high:.2f})"
+        rate = "-" if method.name == STARTUP_NAME else f"{per_second(model_bytes, result.wall):.0f}"
+        print(
+            f"{method.name:<34}{result.wall:>9.2f}{spread:>15}{rate:>14}{result.rss / 1e6:>13.0f}"
+            f"{result.rss / model_bytes:>15.1%}"
+        )
+    print(
+        "peak RSS: of the largest single process; for nemo_patch, the larger of the consolidating process's and its "
+        "largest writer process's"
+    )
+
+
+def print_stages(result: Summary, startup: float, repeat: int) -> None:
+    """Where 1 worker's time goes: the start-up and the busy seconds per stage, as shares of the wall time."""
+    print()
+    print(f"nemo_patch, 1 worker: busy seconds per stage, median of {repeat} run(s); stages overlap")
+    print(f"{'stage':<26}{'busy s':>9}{'share of wall':>15}")
+    print(f"{'start-up (' + STARTUP_NAME + ')':<26}{startup:>9.2f}{startup / result.wall:>15.1%}")
+    for stage in [*STAGES, *sorted(set(result.stage_seconds) - set(STAGES))]:
+        seconds = result.stage_seconds.get(stage, 0.0)
+        print(f"{stage:<26}{seconds:>9.2f}{seconds / result.wall:>15.1%}")
+    total = sum(result.stage_seconds.values())
+    print(f"{'sum of stages':<26}{total:>9.2f}{total / result.wall:>15.1%}")
+    print(f"{'wall':<26}{result.wall:>9.2f}{1:>15.1%}")
+
+
+def print_scaling(methods: Sequence[Method], results: Mapping[str, Summary], model_bytes: int, startup: float) -> None:
+    """Throughput with the start-up excluded and included, and the speed-up over 1 worker, per consolidation row."""
+    base = one_node(methods, results)[1]
+    print()
+    print(
+        f"scaling: model-weight bytes / wall time; start-up excluded: minus the start-up-only median, {startup:.2f} s"
+    )
+    print(
+        f"{'method':<34}{'MB/s excl.':>11}{'MB/s incl.':>11}{'speed-up excl.':>16}{'speed-up incl.':>16}"
+        f"{'writers':>9}{'own RSS MB':>12}{'writer RSS MB':>15}"
+    )
+    for method in methods:
+        if method.workers is None:
+            continue
+        result = results[method.name]
+        rates = shown(per_second(model_bytes, result.wall - startup), ".0f", 11) + shown(
+            per_second(model_bytes, result.wall), ".0f", 11
+        )
+        speedups = shown(ratio(base.wall - startup, result.wall - startup), ".2f", 16, "x") + shown(
+            ratio(base.wall, result.wall), ".2f", 16, "x"
+        )
+        writer = f"{result.rss_largest_writer / 1e6:.0f}" if result.writers else "-"
+        print(f"{method.name:<34}{rates}{speedups}{result.writers:>9}{result.rss_self / 1e6:>12.0f}{writer:>15}")
+    print("writer RSS: the peak RSS of the largest writer process; own RSS: the consolidating process's")
+
+
+def print_targets(
+    methods: Sequence[Method],
+    results: Mapping[str, Summary],
+    model_bytes: int,
+    dir_bytes: int,
+    default_workers: int,
+) -> None:
+    """The four targets, each a ratio measured in this run, with the CPU cores and the durable copy floor."""
+    startup, durable, dcp = results[STARTUP_NAME].wall, results[DURABLE_NAME].wall, results[DCP_NAME].wall
+    by_workers = one_node(methods, results)
+    one, two, default = by_workers[1], by_workers.get(2), by_workers[default_workers]
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
+    print()
+    print("targets, each a ratio measured in this run")
+    print(
+        f"CPU cores: os.cpu_count() {os.cpu_count()}, usable by this process (sched_getaffinity) {usable}; "
+        f"default_workers() {default_workers}"
+    )
+    print(
+        f"durable copy floor (copy + fsync): {durable:.2f} s, {per_second(dir_bytes, durable):.0f} MB/s of weights/ "
+        f"bytes copied ({per_second(model_bytes, durable):.0f} MB/s of model-weight bytes)"
+    )
+    label = "(a) 1 worker, start-up excluded / durable copy floor"
+    note = f"   ({one.wall - startup:.2f} s vs {durable:.2f} s)"
+    print(target_line(label, ratio(one.wall - startup, durable), TARGET_VS_DURABLE_COPY, at_least=False, note=note))
+    label = "(b) 2 workers / 1 worker throughput, start-up excluded"
+    if two is not None:
+        note = f"   ({one.wall - startup:.2f} s vs {two.wall - startup:.2f} s)"
+        speedup = ratio(one.wall - startup, two.wall - startup)
+        print(target_line(label, speedup, TARGET_TWO_WORKER_SPEEDUP, at_least=True, note=note))
+    else:
+        print(f"{label:<58}{'n/a':>8}   (2 is not in --workers-list)")
+    largest = max((m for m in methods if m.workers is not None), key=lambda m: results[m.name].rss)
+    rss = results[largest.name].rss
+    label, note = "(c) peak RSS per worker / model-weight bytes", f"   ({rss / 1e6:.0f} MB: {largest.name})"
+    print(target_line(label, rss / model_bytes, TARGET_RSS_SHARE, at_least=False, percent=True, note=note))
+    label = f"(d) dcp_to_torch_save / default workers ({default_workers}), end to end"
+    note = f"   ({dcp:.2f} s vs {default.wall:.2f} s)"
+    print(target_line(label, ratio(dcp, default.wall), TARGET_VS_DCP, at_least=True, note=note))
 
 
 def main() -> int:
+    """Generate the checkpoint, time every method round-robin, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--with-optimizer", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per method; the table shows the median")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per method; the tables show the median")
+    parser.add_argument(
+        "--workers-list",
+        type=parse_workers_list,
+        default=[1, 2, 4],
+        help="writer processes per nemo_patch row, comma-separated (default 1,2,4); 1 and default_workers() are "
+        "always added",
+    )
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where to put the ~GB of files (default: a tempdir)"
     )
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error(f"--repeat must be a whole number >= 1, got {args.repeat}")
+    default_workers = query_default_workers()
+    workers_list = sorted({1, default_workers, *args.workers_list})
+    methods = build_methods(workers_list, default_workers)
     workdir = Path(tempfile.mkdtemp(prefix="bench-consolidation-", dir=args.workdir))
     try:
         ckpt = workdir / "ckpt"
         start = time.perf_counter()
-        gen_args = (ckpt / "weights", args.layers, args.hidden, args.vocab, int(args.with_optimizer))
-        timed(GENERATE, *gen_args)
+        run_once(GENERATE, (ckpt / "weights", args.layers, args.hidden, args.vocab, int(args.with_optimizer)))
         generate_s = time.perf_counter() - start
-        methods = (
-            ("nemo_patch", NEMO_PATCH),
-            ("dcp_to_torch_save", DCP),
-            ("copy", COPY),
-            ("copy + fsync", COPY_FSYNC),
-            ("start-up only", STARTUP),
-        )
-        runs: Dict[str, List[Tuple[float, int]]] = {name: [] for name, _ in methods}
+        runs: Dict[str, List[Run]] = {method.name: [] for method in methods}
         for _ in range(args.repeat):  # round-robin, so a slow spell of the machine hits every method alike
-            for name, code in methods:
-                target = workdir / name.replace(" + ", "_")
-                target.mkdir()
+            for method in methods:
+                target = Path(tempfile.mkdtemp(prefix="out-", dir=workdir))
                 os.sync()  # every method starts with no dirty pages left over from the previous one
-                arg = ckpt if name == "nemo_patch" else ckpt / "weights"
-                runs[name].append(timed(code, arg, target / "consolidated" if name == "nemo_patch" else target))
+                runs[method.name].append(run_once(method.code, method.argv(ckpt, target)))
                 shutil.rmtree(target)
-        # Median wall time of the runs; the largest peak RSS of any run.
-        results = {name: (statistics.median(w for w, _ in r), max(m for _, m in r)) for name, r in runs.items()}
-        # Imported only now: a child forked from a parent that holds torch reports the parent's RSS as its own peak.
-        from nemo_patch.engine.dcp_metadata import read_dcp_metadata
-        from nemo_patch.engine.plan import plan_outputs
-
-        outputs = plan_outputs(read_dcp_metadata(ckpt / "weights"))
-        model_bytes = sum(o.spec.nbytes for o in outputs)
+        results = {name: Summary.of(method_runs) for name, method_runs in runs.items()}
+        first = runs[methods[0].name][0]  # a consolidation's: what it wrote
+        model_bytes, tensor_count = first.total_bytes, first.tensor_count
         dir_bytes = sum(f.stat().st_size for f in (ckpt / "weights").iterdir())
-        print(
-            f"synthetic torch_dist checkpoint: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32, "
-            f"TP=2-style shards{', with Adam state' if args.with_optimizer else ''}; generated in {generate_s:.1f} s"
-        )
-        print(
-            f"model weights {model_bytes / 1e9:.2f} GB ({len(outputs)} output tensors); "
-            f"weights/ dir {dir_bytes / 1e9:.2f} GB"
-        )
-        print(f"median of {args.repeat} run(s) per method, min-max in brackets")
-        columns = f"{'wall s':>9}{'(min-max)':>15}{'MB/s (model)':>14}{'peak RSS MB':>13}{'RSS / weights':>15}"
-        print(f"{'method':<20}{columns}")
-        for name, (wall, rss) in results.items():
-            walls = [w for w, _ in runs[name]]
-            spread = f"({min(walls):.2f}-{max(walls):.2f})"
-            rate = "-" if name == "start-up only" else f"{model_bytes / wall / 1e6:.0f}"
-            print(f"{name:<20}{wall:>9.2f}{spread:>15}{rate:>14}{rss / 1e6:>13.0f}{rss / model_bytes:>15.1%}")
-        ours, dcp = results["nemo_patch"][0], results["dcp_to_torch_save"][0]
-        copy, durable = results["copy"][0], results["copy + fsync"][0]
-        print(f"speed-up vs dcp_to_torch_save:         {dcp / ours:.2f}x (target >= 1.5x)")
-        print(
-            f"time vs copy floor:                    {ours / copy:.2f}x "
-            "(target <= 1.3x; page-cache copy, nothing on disk yet)"
-        )
-        print(
-            f"time vs durable copy floor:            {ours / durable:.2f}x "
-            "(copy + fsync; nemo_patch fsyncs before publishing)"
-        )
-        startup = results["start-up only"][0]
-        print(
-            f"time vs copy floor, start-up excluded: {(ours - startup) / copy:.2f}x "
-            f"({startup:.2f} s of interpreter and torch import)"
-        )
-        print(f"peak RSS vs weight bytes:              {results['nemo_patch'][1] / model_bytes:.1%} (target < 25%)")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    print(
+        f"synthetic torch_dist checkpoint: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32, "
+        f"TP=2-style shards{', with Adam state' if args.with_optimizer else ''}; generated in {generate_s:.1f} s"
+    )
+    print(
+        f"model weights {model_bytes / 1e9:.2f} GB ({tensor_count} output tensors); "
+        f"weights/ dir {dir_bytes / 1e9:.2f} GB"
+    )
+    startup = results[STARTUP_NAME].wall
+    print_methods(methods, results, model_bytes, args.repeat)
+    print_stages(one_node(methods, results)[1], startup, args.repeat)
+    print_scaling(methods, results, model_bytes, startup)
+    print_targets(methods, results, model_bytes, dir_bytes, default_workers)
     return 0
 
 

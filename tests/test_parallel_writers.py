@@ -85,6 +85,15 @@ def test_any_number_of_writers_writes_the_same_bytes(each_run, reference, tmp_pa
     assert verify_digests(result.output_dir) == result.tensor_count
 
 
+def test_writers_from_a_forkserver_write_the_same_bytes(each_run, reference, tmp_path, monkeypatch):
+    """A process that cannot fork safely (NeMo imported, a gloo group: ``--verify`` with a context, a torchrun rank)
+    gets its writers from a forkserver."""
+    monkeypatch.setattr(parts_module, "_fork_is_safe", lambda: False)
+    assert parts_module._context().get_start_method() == "forkserver"
+    result = consolidate_checkpoint(each_run["root"] / "LATEST", tmp_path / "out", workers=2)
+    assert _files(result.output_dir) == reference["single"]
+
+
 def test_parts_are_contiguous_disjoint_and_balanced():
     specs = [TensorSpec(f"t{i}", torch.float32, (n,)) for i, n in enumerate([10, 1000, 3, 3, 500, 500, 7, 2000])]
     files = plan_files(specs, max_shard_size=2500)
@@ -220,9 +229,9 @@ def _torchrun(nodes, *argv):
     return [(proc.wait(timeout=600), *proc.communicate()) for proc in procs]
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
-def test_torchrun_nodes_split_the_cli_work_and_write_the_same_bytes(each_run, reference, tmp_path, nodes):
-    results = _torchrun(nodes, each_run["root"] / "LATEST", "--out", tmp_path / "out", "--workers", "1")
+@pytest.mark.parametrize("nodes, workers", [(2, 1), (3, 1), (2, 2)])
+def test_torchrun_nodes_split_the_cli_work_and_write_the_same_bytes(each_run, reference, tmp_path, nodes, workers):
+    results = _torchrun(nodes, each_run["root"] / "LATEST", "--out", tmp_path / "out", "--workers", workers)
     assert [code for code, _, _ in results] == [0] * nodes, results
     assert f"by {nodes} nodes" in results[0][1]
     assert _files(tmp_path / "out") == reference["single"]

@@ -22,9 +22,11 @@ handed to a process on this node (:func:`run_parts`), to another node through a 
 (:mod:`nemo_patch.training.node_parts`) or over a ``torch.distributed`` group (:mod:`nemo_patch.cli.distributed`).
 Whoever runs it re-plans the outputs from the checkpoint's metadata and checks that the placements agree.
 
-Writer processes on this node are forked from the consolidating process when it can be forked safely (Linux, CUDA not
-initialised): they start in milliseconds, with torch already imported and the checkpoint's metadata already read.
-Otherwise they are spawned and import what they need. Each runs one part with one torch thread; a failure in any
+Writer processes on this node are forked from the consolidating process when it can be forked safely (Linux; no CUDA,
+``torch.distributed`` group, NeMo or megatron-core in it, as in a training run's consolidation process or a plain
+``nemo-consolidate``): they start in milliseconds, with torch already imported and the checkpoint's metadata already
+read. Otherwise they come from a ``forkserver`` (one fresh interpreter that imports this module once), or are
+spawned. Each runs one part with one torch thread; a failure in any
 part stops the others and fails the whole consolidation with the part's own error.
 
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
@@ -217,9 +219,34 @@ def _writer_main(job_json: str, connection: Any, counter: Any) -> None:
         connection.close()
 
 
+#: Modules whose presence means this process has state a forked child must not inherit (process groups, helper
+#: threads, allocators): NeMo's model building for ``--verify``, a ``torchrun`` rank's gloo group.
+_NOT_FORK_SAFE = ("nemo", "megatron.core", "lightning", "transformer_engine", "apex")
+
+
+def _fork_is_safe() -> bool:
+    """Whether writers may be forked from this process: Linux ``fork``, and nothing started that a child cannot
+    carry on (CUDA, a ``torch.distributed`` group, NeMo or megatron-core imported). The consolidation process of a
+    training run and a plain ``nemo-consolidate`` qualify."""
+    import torch.distributed
+
+    return (
+        "fork" in multiprocessing.get_all_start_methods()
+        and not torch.cuda.is_initialized()
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        and not any(name in sys.modules for name in _NOT_FORK_SAFE)
+    )
+
+
 def _context() -> Any:
-    if "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
+    """``fork`` where :func:`_fork_is_safe`, else ``forkserver`` (a fresh interpreter that imports this module once
+    and forks every writer from there), else ``spawn``."""
+    if _fork_is_safe():
         return multiprocessing.get_context("fork")
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+        return context
     return multiprocessing.get_context("spawn")
 
 
