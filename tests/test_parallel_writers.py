@@ -14,7 +14,7 @@
 
 """Several writers fill one consolidation: processes on one node, torchrun/srun ranks offline, nodes during training.
 
-Every test here consolidates the real checkpoint of the ``each_run`` fit (NeMo ``llm.train`` on the CPU) and compares
+The slow tests consolidate the real checkpoint of the ``each_run`` fit (NeMo ``llm.train`` on the CPU) and compare
 the files, ``metadata.json`` included, byte for byte with a one-writer consolidation of the same checkpoint.
 """
 
@@ -45,8 +45,6 @@ from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.safetensors_writer import TensorSpec, plan_files
 from nemo_patch.training.node_parts import CLOSED_MARKER, FilePartsRunner, NodePartWatcher, close_marker
 
-pytestmark = pytest.mark.slow
-
 
 def _files(directory):
     """Every output file's bytes; ``metadata.json`` without ``source_checkpoint`` (relative to where it is)."""
@@ -73,6 +71,7 @@ def reference(each_run, tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize("variant", ["single", "sharded", "bf16"])
 def test_any_number_of_writers_writes_the_same_bytes(each_run, reference, tmp_path, workers, variant):
@@ -85,6 +84,7 @@ def test_any_number_of_writers_writes_the_same_bytes(each_run, reference, tmp_pa
     assert verify_digests(result.output_dir) == result.tensor_count
 
 
+@pytest.mark.slow
 def test_writers_from_a_forkserver_write_the_same_bytes(each_run, reference, tmp_path, monkeypatch):
     """A process that cannot fork safely (NeMo imported, a gloo group: ``--verify`` with a context, a torchrun rank)
     gets its writers from a forkserver."""
@@ -132,6 +132,7 @@ def _corrupt_last_stored_chunk(checkpoint):
     return chunks[0].relative_path
 
 
+@pytest.mark.slow
 def test_a_failing_part_fails_the_whole_consolidation_and_leaves_nothing(checkpoint_copy, tmp_path):
     shard = _corrupt_last_stored_chunk(checkpoint_copy)
     with pytest.raises(CorruptShardError, match=shard):
@@ -140,6 +141,7 @@ def test_a_failing_part_fails_the_whole_consolidation_and_leaves_nothing(checkpo
     assert not multiprocessing.active_children()  # the other writers were stopped
 
 
+@pytest.mark.slow
 def test_a_killed_writer_names_its_part_and_the_others_are_stopped(checkpoint_copy, tmp_path, monkeypatch):
     real = parts_module.run_part
 
@@ -156,6 +158,7 @@ def test_a_killed_writer_names_its_part_and_the_others_are_stopped(checkpoint_co
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_verify_digests_names_a_changed_tensor_and_a_changed_header(reference, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -230,6 +233,7 @@ def _torchrun(nodes, *argv):
     return [(proc.wait(timeout=600), *proc.communicate()) for proc in procs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes, workers", [(2, 1), (3, 1), (2, 2)])
 def test_torchrun_nodes_split_the_cli_work_and_write_the_same_bytes(each_run, reference, tmp_path, nodes, workers):
     results = _torchrun(nodes, each_run["root"] / "LATEST", "--out", tmp_path / "out", "--workers", workers)
@@ -238,6 +242,7 @@ def test_torchrun_nodes_split_the_cli_work_and_write_the_same_bytes(each_run, re
     assert _files(tmp_path / "out") == reference["single"]
 
 
+@pytest.mark.slow
 def test_a_torchrun_node_whose_part_fails_fails_every_node_and_publishes_nothing(checkpoint_copy, tmp_path):
     shard = _corrupt_last_stored_chunk(checkpoint_copy)  # in the last rank's share
     results = _torchrun(2, checkpoint_copy, "--out", tmp_path / "out", "--workers", "1")
@@ -276,6 +281,7 @@ def _stop(watchers):
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_training_nodes_fill_their_parts_through_files(each_run, reference, tmp_path, nodes):
     """Global rank 0's runner and the watchers the other nodes' local rank 0 start (here: processes on this host)."""
@@ -293,6 +299,7 @@ def test_training_nodes_fill_their_parts_through_files(each_run, reference, tmp_
     assert not _leftovers(checkpoint)
 
 
+@pytest.mark.slow
 def test_a_training_node_that_never_takes_its_part_fails_the_consolidation(checkpoint_copy, tmp_path):
     runner = FilePartsRunner(2, 1, timeout=300, claim_timeout=3)
     with pytest.raises(ConsolidationError, match=r"Node\(s\) 1 of 2 did not take their part within 3 s"):
@@ -300,6 +307,7 @@ def test_a_training_node_that_never_takes_its_part_fails_the_consolidation(check
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_training_node_whose_part_fails_is_named(each_run, tmp_path):
     root = tmp_path / "checkpoints"
     checkpoint = root / "step=5"
