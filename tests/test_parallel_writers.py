@@ -351,3 +351,17 @@ def test_only_local_rank_0_of_nodes_1_to_n_minus_1_starts_a_watcher(tmp_path):
     assert process.poll() is None
     io.close_consolidation_queue()  # no close marker from global rank 0: serves out its timeout (1 s), then ends
     assert process.poll() == 0
+
+
+def test_global_rank_0_releases_the_watchers_at_teardown_even_with_nothing_consolidated(tmp_path):
+    from types import SimpleNamespace
+
+    from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
+
+    io = MegatronCheckpointIO(ckpt_consolidation_frequency="every_n:100", consolidation_nodes=2)
+    io.checkpoint_callback = SimpleNamespace(dirpath=str(tmp_path))
+    io.close_consolidation_queue()
+    assert not (tmp_path / CLOSED_MARKER).exists()  # not global rank 0
+    io.coordinates_nodes = True  # what the callback sets on global rank 0 when training starts
+    io.close_consolidation_queue()  # no consolidation ran (no queue), yet the other nodes must not wait
+    assert (tmp_path / CLOSED_MARKER).exists()

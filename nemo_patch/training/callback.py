@@ -171,6 +171,7 @@ class ConsolidationCallback(Callback):
                     timeout = getattr(trainer.strategy, "ckpt_consolidation_timeout", DEFAULT_TIMEOUT)
                     io.start_node_part_watcher(Path(dirpath), trainer.node_rank, timeout)
             return
+        io.coordinates_nodes = True  # even with nothing consolidated, its teardown releases the other nodes' watchers
         _warn_if_top_k_drops_consolidations(trainer.checkpoint_callback, io)
         with _never_fails_training("pre-starting the consolidation process"):
             io.prestart_consolidation_process()

@@ -177,6 +177,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         #: saves are the best so far, for ``"best"`` cadences.
         self.checkpoint_callback: Optional[Any] = None
         self._node_part_watcher: Optional[Any] = None  # nemo_patch.training.node_parts.NodePartWatcher
+        #: Set on global rank 0 when training starts: it coordinates the other nodes' parts and closes them at the end.
+        self.coordinates_nodes = False
         #: One :class:`ConsolidationRecord` per published consolidation of this run, oldest first.
         self.consolidation_records: List[ConsolidationRecord] = []
 
@@ -370,7 +372,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         if self._queue is not None:
             self._queue.stop_prestarting()
         root = getattr(self.checkpoint_callback, "dirpath", None)
-        if self._queue is not None and self.consolidation_settings.nodes > 1 and root and Path(root).is_dir():
+        if self.coordinates_nodes and self.consolidation_settings.nodes > 1 and root and Path(root).is_dir():
             from nemo_patch.training.node_parts import close_marker
 
             close_marker(Path(root))
