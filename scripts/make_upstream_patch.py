@@ -208,6 +208,7 @@ STRATEGY_METHODS = '''
             return None
         if wait:
             consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
+            consolidating_io.end_consolidation_process_unless_fitting()
         newest = consolidating_io.consolidation.newest_finished
         if newest is None or not newest.consolidated:
             return None
@@ -234,6 +235,7 @@ STRATEGY_METHODS = '''
             return None
         if wait:
             consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
+            consolidating_io.end_consolidation_process_unless_fitting()
         return best.path / consolidating_io.consolidation_settings.output_dirname if best.consolidated else None
 '''
 

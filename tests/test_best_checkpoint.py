@@ -218,3 +218,21 @@ def test_strategy_consolidate_best_checkpoint_on_demand_points_best_without_reco
     )
     assert strategy.consolidate_best_checkpoint() == best / "consolidated"
     assert os.readlink(root / "BEST") == best.name
+
+
+def test_an_on_demand_consolidation_outside_fit_ends_the_process_it_started(tmp_path):
+    from nemo_patch import MegatronStrategy
+    from nemo_patch.training.io_chain import find_base_checkpoint_io
+
+    root = tmp_path / "checkpoints"
+    best = _checkpoint(root, 4, 3.2)  # a bare stand-in: its consolidation fails, which is enough here
+    strategy = MegatronStrategy(ckpt_consolidation_frequency="every_n:2")
+    strategy.trainer = SimpleNamespace(
+        checkpoint_callback=SimpleNamespace(
+            best_model_path=str(best), best_model_score=torch.tensor(3.2), monitor="val_loss", mode="min"
+        )
+    )
+    assert strategy.consolidate_best_checkpoint() is None  # failed (logged)
+    queue = find_base_checkpoint_io(strategy.checkpoint_io).queue
+    assert queue.processes_started == 1 and queue.process is None  # no idle process left behind
+    assert len(queue.completed) == 1 and queue.completed[0][2].startswith("ConsolidationError: ")

@@ -56,6 +56,7 @@ def test_each_consolidates_every_finished_checkpoint(each_run):
     assert each_run["finished_count"] == 3 and each_run["skipped"] == []
     # Every request went to a process started before it came (at train start, then after each hand-out).
     assert each_run["warm_requests"] == each_run["consolidations"] == 3
+    assert each_run["processes_started"] == 1  # one consolidation process served the whole run
     assert [e["global_step"] for e in each_run["checkpoints"]] == [2, 4, 6, 6]
     log = (each_run["root"].parents[1] / "fit.log").read_text()
     assert "Traceback" not in log and "ERROR:nemo_patch" not in log  # e.g. no failed reuse for removed -last copies
@@ -127,8 +128,10 @@ def test_without_arguments_checkpoints_are_stock_nemos(tmp_path):
         assert common[0] == common[1]
 
 
-def test_the_readme_demo_with_async_save(tmp_path):
-    """The README's main job, as a user runs it, with NeMo's async save (finalization deferred to later steps)."""
+def test_the_readme_demo_with_each_and_async_save_skips_nothing(tmp_path):
+    """The README's main job, as a user runs it, with ``each`` and NeMo's async save: a checkpoint every 2 steps of a
+    tiny model (NeMo finalizes several saves at once, and the last ones only when ``fit`` ends), with the default queue
+    bound. One consolidation process serves the whole run, so none is skipped."""
     import subprocess
     import sys
 
@@ -136,21 +139,22 @@ def test_the_readme_demo_with_async_save(tmp_path):
 
     demo = [sys.executable, str(REPO / "scripts" / "demo_consolidation_cadence.py"), "--out", str(tmp_path)]
     proc = subprocess.run(
-        demo + ["--frequency", "every_n:2", "--max-steps", "10", "--save-every", "2", "--async-save"],
+        demo + ["--frequency", "each", "--max-steps", "10", "--save-every", "2", "--async-save"],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "Skipped" not in proc.stdout and "skipping checkpoint" not in proc.stderr
     table = proc.stdout[proc.stdout.index("checkpoint  ") :].splitlines()
     rows = {line.split()[0]: line.split() for line in table[2:] if line.strip()}
-    consolidated = sorted(name for name, row in rows.items() if "yes" in row)
-    assert consolidated == [_name(4), _name(8)]
-    assert "<-" in rows[_name(8)] and "never finished" not in proc.stderr
+    steps = (2, 4, 6, 8, 10)
+    assert sorted(rows) == sorted([_name(step) for step in steps] + [_name(10, last=True)])
+    assert all("yes" in row for row in rows.values())
+    assert "<-" in rows[_name(10)] and "never finished" not in proc.stderr
     assert "Traceback" not in proc.stderr and "ERROR:nemo_patch" not in proc.stderr
     root = tmp_path / "tiny_gpt" / "checkpoints"
-    assert (
-        sorted(p.name for p in root.iterdir() if (p / "consolidated").is_dir() and not p.is_symlink()) == consolidated
-    )
-    assert os.readlink(root / "LATEST") == _name(8)
+    published = sorted(p.name for p in root.iterdir() if (p / "consolidated").is_dir() and not p.is_symlink())
+    assert published == sorted([_name(step) for step in steps] + [_name(10, last=True)])
+    assert os.readlink(root / "LATEST") == _name(10)

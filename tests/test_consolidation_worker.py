@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,10 @@ def test_runs_one_child_at_a_time_and_skips_the_oldest_waiting_request(checkpoin
     queue = ConsolidationQueue(
         lambda save, error: done.append((save.global_step, error)), ConsolidationSettings(max_pending=1)
     )
+    queue.start_process()  # the bound applies once the process is ready (its start is not falling behind)
+    deadline = time.monotonic() + 120
+    while not queue.process_ready and time.monotonic() < deadline:
+        time.sleep(0.05)
     with caplog.at_level(logging.WARNING, logger="nemo_patch.training.queue"):
         for save in checkpoints:
             queue.submit(save)
@@ -131,46 +136,56 @@ def test_a_failing_child_reports_one_line(tmp_path):
     assert Path(bad).is_dir()
 
 
-def test_a_pre_started_process_takes_the_next_request_and_a_new_one_is_started(checkpoints):
+def test_one_process_serves_every_request_of_the_run(checkpoints):
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)))
-    queue.prestart()
-    first = queue._spare[0]
+    queue.start_process()  # what the strategy does when training starts
+    first = queue.process
     queue.submit(checkpoints[0])
     assert queue._running.process is first and queue.warm_requests == 1  # no interpreter start for this request
-    second = queue._spare[0]
-    assert second is not first and second.poll() is None  # the next request's process is starting already
     assert queue.wait(timeout=120)
     queue.submit(checkpoints[1])
-    assert queue._running.process is second and queue.warm_requests == 2
+    queue.submit(checkpoints[2])
     assert queue.wait(timeout=120)
-    assert done == [(2, None), (4, None)]
-    assert all((save.path / "consolidated" / "model.safetensors").is_file() for save in checkpoints[:2])
-    spare = queue._spare[0]
-    queue.stop_prestarting()  # fit is ending: the waiting process is ended (it held no work), none is started again
-    assert spare.poll() is not None and queue._spare is None
-    queue.prestart()
-    assert queue._spare is None
+    assert done == [(2, None), (4, None), (6, None)]
+    assert queue.process is first and queue.processes_started == 1 and queue.warm_requests == 3
+    assert all((save.path / "consolidated" / "model.safetensors").is_file() for save in checkpoints)
+    queue.close()  # teardown: the idle process ends at the end of its input
+    assert first.returncode == 0 and queue.process is None
 
 
-def test_a_pre_started_process_that_died_while_waiting_is_replaced(checkpoints):
+def test_a_process_that_died_while_idle_is_replaced(checkpoints):
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)))
-    queue.prestart()
-    queue._spare[0].kill()  # e.g. the out-of-memory killer, while it waited
-    queue._spare[0].wait()
+    queue.start_process()
+    idle = queue.process
+    idle.kill()  # e.g. the out-of-memory killer, between two requests
+    idle.wait()
     queue.submit(checkpoints[0])
     assert queue.warm_requests == 0 and queue.wait(timeout=120)
-    assert done == [(2, None)]
-    queue.stop_prestarting()
+    assert done == [(2, None)] and queue.processes_started == 2
+    queue.close()
 
 
-def test_the_waiting_worker_exits_quietly_at_end_of_input():
+def test_a_failed_request_leaves_the_process_serving_the_next(checkpoints, tmp_path):
+    bad = tmp_path / "not-a-checkpoint"
+    bad.mkdir()
+    done = []
+    queue = ConsolidationQueue(lambda save, error: done.append((save.global_step, error)))
+    queue.submit(CheckpointSave(bad, 1, written=True))
+    queue.submit(checkpoints[0])
+    assert queue.wait(timeout=120)
+    assert done[0][1].startswith("ConsolidationError: ") and done[1] == (2, None)
+    assert queue.processes_started == 1 and sorted(os.listdir(bad)) == []
+    queue.close()
+
+
+def test_the_serving_worker_exits_quietly_at_end_of_input():
     import subprocess
 
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_patch.training.worker", "--wait"], input="", capture_output=True, text=True
+        [sys.executable, "-m", "nemo_patch.training.worker", "--serve"], input="", capture_output=True, text=True
     )
-    assert proc.returncode == 0 and "Error" not in proc.stderr
+    assert proc.returncode == 0 and proc.stdout == '{"ready": true}\n' and "Error" not in proc.stderr
     usage = subprocess.run([sys.executable, "-m", "nemo_patch.training.worker"], capture_output=True, text=True)
-    assert usage.returncode == 2 and "give either a checkpoint or --wait" in usage.stderr
+    assert usage.returncode == 2 and "give either a checkpoint or --serve" in usage.stderr

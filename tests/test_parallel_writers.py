@@ -183,6 +183,16 @@ def test_verify_digests_names_a_changed_tensor_and_a_changed_header(reference, t
         verify_digests(out)
 
 
+def test_shares_are_consecutive_and_equal_or_refused():
+    from nemo_patch.engine.parts import split_shares
+
+    assert split_shares(list(range(6)), 3) == [[0, 1], [2, 3], [4, 5]]
+    assert split_shares(list(range(4)), 1) == [[0, 1, 2, 3]]
+    for jobs, count in ((list(range(5)), 2), (list(range(2)), 0)):
+        with pytest.raises(ValueError, match="cannot be split into"):
+            split_shares(jobs, count)
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
 def test_workers_must_be_a_whole_number_of_processes(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -199,9 +209,11 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _torchrun(nodes, *argv):
-    """``torchrun --nnodes N --nproc-per-node 1 --node-rank r`` for each r, as separate launches (one per "node")."""
-    port, env = _free_port(), {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+def _torchrun(nodes, *argv, module="nemo_patch", timeout=600):
+    """``torchrun --nnodes N --nproc-per-node 1 --node-rank r -m <module>`` for each r, as separate launches (one per
+    "node")."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NEMO_PATCH_DISABLE")}
     procs = [
         subprocess.Popen(
             [
@@ -219,7 +231,7 @@ def _torchrun(nodes, *argv):
                 "--master-port",
                 str(port),
                 "-m",
-                "nemo_patch",
+                module,
                 *map(str, argv),
             ],
             stdout=subprocess.PIPE,
@@ -230,7 +242,7 @@ def _torchrun(nodes, *argv):
         )  # fmt: skip
         for rank in range(nodes)
     ]
-    return [(proc.wait(timeout=600), *proc.communicate()) for proc in procs]
+    return [(proc.wait(timeout=timeout), *proc.communicate()) for proc in procs]
 
 
 @pytest.mark.slow
@@ -297,6 +309,44 @@ def test_training_nodes_fill_their_parts_through_files(each_run, reference, tmp_
         _stop(watchers)
     assert _files(result.output_dir) == reference["single"]
     assert not _leftovers(checkpoint)
+
+
+@pytest.mark.slow
+def test_a_two_node_nemo_fit_consolidates_each_checkpoint_with_both_nodes(tmp_path):
+    """A real NeMo fit on 2 "nodes" (two torchrun launches on this host, one process each, gloo, DP=2) with
+    ``ckpt_consolidation_nodes=2``: node 1's local rank 0 runs the part watcher, and global rank 0 publishes each
+    consolidation only once node 1 has filled its part (it fails after ``CLAIM_TIMEOUT`` otherwise). Each output is
+    bitwise the one a single process writes from the same checkpoint."""
+    out = tmp_path / "run"
+    out.mkdir()
+    args = [
+        "--out",
+        out,
+        "--json",
+        out / "report.json",
+        "--frequency",
+        "each",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+    ]
+    args += ["--max-pending", "8", "--num-nodes", "2", "--strategy-arg", "ckpt_consolidation_nodes=2"]
+    args += ["--strategy-arg", "ckpt_consolidation_workers=1"]
+    results = _torchrun(2, *args, module="nemo_patch.testing.fit_run", timeout=900)
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    report = json.loads((out / "report.json").read_text())
+    assert report["completed_steps"] == [2, 4] and report["consolidation_errors"] == []
+    root = out / "tiny_gpt" / "checkpoints"
+    for entry in report["checkpoints"]:
+        checkpoint = root / entry["name"]
+        if checkpoint.name.endswith("-last"):
+            continue
+        alone = tmp_path / "alone" / checkpoint.name
+        consolidate_checkpoint(checkpoint, alone, global_step=entry["global_step"], workers=1)
+        assert _files(checkpoint / "consolidated") == _files(alone)
+        assert not _leftovers(checkpoint)
+    assert (root / CLOSED_MARKER).exists()  # global rank 0 released node 1's watcher at teardown
 
 
 @pytest.mark.slow

@@ -30,12 +30,12 @@ Imports torch and the engine; never NeMo, Lightning or megatron-core.
 
 import datetime
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.parts import PartJob, PartResult, open_job_sources, run_parts
+from nemo_patch.engine.parts import PartJob, PartResult, open_job_sources, run_parts, split_shares
 from nemo_patch.engine.tensor_sources import Sources
 
 __all__ = ["LaunchedGroup"]
@@ -100,10 +100,6 @@ class LaunchedGroup:
         """How many parts the consolidation is cut into: ``workers`` per rank."""
         return self.world_size * workers
 
-    def _shares(self, jobs: Sequence[PartJob]) -> List[List[PartJob]]:
-        per_rank = len(jobs) // self.world_size
-        return [list(jobs[r * per_rank : (r + 1) * per_rank]) for r in range(self.world_size)]
-
     def run(self, jobs: List[PartJob], sources: Sources) -> List[PartResult]:
         """Rank 0's :data:`~nemo_patch.engine.consolidate.PartsRunner`: send each rank its jobs, fill rank 0's, and
         gather every rank's results.
@@ -111,7 +107,7 @@ class LaunchedGroup:
         Raises:
             ConsolidationError: a part failed (its own error; another rank's names the rank).
         """
-        shares = self._shares(jobs)
+        shares = split_shares(jobs, self.world_size)
         dist.broadcast_object_list([("jobs", [[job.to_json() for job in share] for share in shares])], src=0)
         self._planned = True
         own_error: Optional[BaseException] = None

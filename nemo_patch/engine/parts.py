@@ -59,6 +59,7 @@ __all__ = [
     "open_job_sources",
     "run_part",
     "run_parts",
+    "split_shares",
     "validate_workers",
 ]
 
@@ -73,6 +74,19 @@ def default_workers(share: int = 1) -> int:
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(MAX_WORKERS, cores // share))
+
+
+def split_shares(jobs: Sequence["PartJob"], count: int) -> List[List["PartJob"]]:
+    """Cut the parts of one consolidation into ``count`` consecutive shares of equal length, one per node or launched
+    rank: share ``r`` holds parts ``r * k`` to ``r * k + k - 1``, ``k = len(jobs) // count``.
+
+    Raises:
+        ValueError: ``count`` < 1, or ``len(jobs)`` is not a multiple of it (the parts were not cut per share).
+    """
+    if count < 1 or len(jobs) % count:
+        raise ValueError(f"{len(jobs)} parts cannot be split into {count} equal shares")
+    per_share = len(jobs) // count
+    return [list(jobs[rank * per_share : (rank + 1) * per_share]) for rank in range(count)]
 
 
 def validate_workers(value: object, name: str = "workers") -> int:

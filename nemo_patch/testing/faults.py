@@ -17,13 +17,13 @@
 Each fault is real (a killed process, a read-only mount, a file-size limit, a signal); this module only picks the
 moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
 
-* ``kill:<n>``: SIGKILL the n-th consolidation process once it is half-way (its temporary output exists).
-* ``hold:<n>``: SIGSTOP the n-th consolidation process as soon as it has its request, so that it is still in flight
+* ``kill:<n>``: SIGKILL the consolidation process once the n-th request is half-way (its temporary output exists).
+* ``hold:<n>``: SIGSTOP the consolidation process as soon as it has the n-th request, so that it is still in flight
   whenever ``fit`` ends (it only dies of the queue's SIGKILL after its SIGTERM grace).
 * ``readonly:<n>``: bind-mount the n-th consolidated checkpoint's directory read-only before its consolidation starts
   (needs root and mount permission, as on CI).
-* ``fsize:<n>``: start the n-th consolidation process with ``RLIMIT_FSIZE`` of 64 KiB: writing its output fails as on
-  a full disk (``EFBIG``; Python ignores ``SIGXFSZ``).
+* ``fsize:<n>``: serve the n-th request in a consolidation process started with ``RLIMIT_FSIZE`` of 64 KiB (and
+  retired after it): writing its output fails as on a full disk (``EFBIG``; Python ignores ``SIGXFSZ``).
 * ``sigterm:<step>``: send SIGTERM to the training process at the end of that global step (NeMo's
   ``PreemptionCallback`` is added to the trainer for it).
 * ``die:<step>``: at the start of the step after ``<step>`` (its async save issued, not finalized), SIGKILL this
@@ -91,7 +91,7 @@ class FaultInjector(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.kind in ("kill", "hold", "readonly", "fsize") and trainer.is_global_zero:
             queue = find_base_checkpoint_io(trainer.strategy.checkpoint_io).queue
-            start = queue._start  # the moment a consolidation process is started
+            start = queue._start  # the moment a request is handed to the consolidation process
 
             def faulty_start(save: Any) -> None:
                 self.started += 1
@@ -105,12 +105,12 @@ class FaultInjector(Callback):
                 if self.kind == "fsize":
                     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, hard))
-                    queue._discard_spare()  # a process started now inherits the limit; the pre-started one did not
+                    queue.retire_process()  # a process started now inherits the limit; the running one did not
                     try:
                         return start(save)
                     finally:
                         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-                        queue._discard_spare()  # started under the limit too: the next request must not get it
+                        queue.retire_process()  # started under the limit: the next request must not get it
                 start(save)
                 if self.kind == "hold":
                     queue._running.process.send_signal(signal.SIGSTOP)

@@ -108,6 +108,7 @@ def run_tiny_fit(
     tie_embeddings: bool = True,
     restore_from: Optional[Path] = None,
     devices: Optional[int] = None,
+    num_nodes: int = 1,
     weights_only: bool = False,
     model_from: Optional[Path] = None,
     output_format: Optional[str] = None,
@@ -152,6 +153,8 @@ def run_tiny_fit(
         restore_from: a checkpoint to load the model weights from (NeMo's ``RestoreConfig``, resharded to this run's
             TP/PP layout; optimizer state is not loaded).
         devices: CPU processes (default ``tp * pp``; more gives data parallelism).
+        num_nodes: the trainer's ``num_nodes``; above 1 each "node" is a process launched on its own (``torchrun
+            --nnodes N --node-rank r``), all on this host, sharing ``out``.
         weights_only: ``ModelCheckpoint(save_weights_only=True)``: checkpoints without optimizer state.
         model_from: fine-tune the model of this NeMo checkpoint instead of the tiny GPT: its class, config and
             tokenizer from ``context/``, its weights through ``RestoreConfig`` (e.g. an imported Hugging Face Llama).
@@ -256,6 +259,7 @@ def run_tiny_fit(
         max_steps=max_steps,
         callbacks=callbacks,
         devices=devices or tp * pp,
+        num_nodes=num_nodes,
         precision=precision,
         validate_every=validate_every,
         accelerator="gpu" if device == "cuda" else "cpu",
@@ -288,7 +292,7 @@ def run_tiny_fit(
     with megatron_on_cpu() if device == "cpu" else contextlib.nullcontext():
         start = time.perf_counter()
         data = tiny_gpt.TinyTokenDataModule(
-            global_batch_size=2 * (devices or tp * pp) // (tp * pp), val_minimum_at=val_minimum_at
+            global_batch_size=2 * (devices or tp * pp) * num_nodes // (tp * pp), val_minimum_at=val_minimum_at
         )
         try:
             if peft is not None:
@@ -336,6 +340,7 @@ def run_tiny_fit(
     report["consolidation_seconds"] = sum(seconds for _, seconds, _ in queue.completed) if queue else 0.0
     report["consolidations"] = len(queue.completed) if queue else 0
     report["warm_requests"] = queue.warm_requests if queue else 0
+    report["processes_started"] = queue.processes_started if queue else 0
     report["consolidation_errors"] = [error for _, _, error in queue.completed if error] if queue else []
     report["end_wait_seconds"] = queue.waited_seconds if queue else 0.0
     report["fit_seconds"] = fit_seconds
@@ -454,6 +459,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--untied-embeddings", action="store_true")
     parser.add_argument("--restore-from", type=Path, default=None)
     parser.add_argument("--devices", type=int, default=None)
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--weights-only", action="store_true")
     parser.add_argument("--model-from", type=Path, default=None)
     parser.add_argument("--format", default=None)
@@ -503,6 +509,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         tie_embeddings=not args.untied_embeddings,
         restore_from=args.restore_from,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         weights_only=args.weights_only,
         model_from=args.model_from,
         output_format=args.format,

@@ -248,12 +248,14 @@ def make_trainer(
     callbacks: Optional[List[Any]] = None,
     devices: int = 1,
     precision: str = "32",
+    num_nodes: int = 1,
     validate_every: Optional[int] = None,
     accelerator: str = "cpu",
 ) -> Any:
-    """An ``nl.Trainer`` on the CPU (``devices`` processes, gloo; ``accelerator="gpu"``: GPUs, NCCL): ``precision``
-    (default fp32; see :data:`PRECISIONS`), no progress bar, and no validation, or with ``validate_every``
-    :data:`VAL_BATCHES` validation batches every that many global steps (NeMo logs ``val_loss``)."""
+    """An ``nl.Trainer`` on the CPU (``devices`` processes per node on ``num_nodes`` nodes, gloo;
+    ``accelerator="gpu"``: GPUs, NCCL): ``precision`` (default fp32; see :data:`PRECISIONS`), no progress bar, and no
+    validation, or with ``validate_every`` :data:`VAL_BATCHES` validation batches every that many global steps (NeMo
+    logs ``val_loss``)."""
     from nemo import lightning as nl
 
     validation: Dict[str, Any] = {"limit_val_batches": 0}
@@ -262,6 +264,7 @@ def make_trainer(
     return nl.Trainer(
         accelerator=accelerator,
         devices=devices,
+        num_nodes=num_nodes,
         max_steps=max_steps,
         strategy=strategy,
         plugins=nl.MegatronMixedPrecision(precision=precision),

@@ -141,8 +141,17 @@ class ConsolidationCallback(Callback):
         self._logged_skipped = 0
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        """Remember the trainer (for :meth:`state_dict`)."""
+        """Remember the trainer (for :meth:`state_dict`); for ``fit``, on global rank 0, start the run's consolidation
+        process now, so that its start-up (``import torch``, seconds) overlaps with the model's set-up rather than
+        with the first training steps (only for a cadence that consolidates during training)."""
         self._trainer = trainer
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        with _never_fails_training("starting the consolidation process"):
+            io = _consolidating_io(trainer)
+            if io is not None:
+                io.fitting = True
+                io.start_consolidation_process()
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Hand the trainer's ``ModelCheckpoint`` to the checkpoint IO; a ``"best"`` cadence without a monitored
@@ -173,8 +182,8 @@ class ConsolidationCallback(Callback):
             return
         io.coordinates_nodes = True  # even with nothing consolidated, its teardown releases the other nodes' watchers
         _warn_if_top_k_drops_consolidations(trainer.checkpoint_callback, io)
-        with _never_fails_training("pre-starting the consolidation process"):
-            io.prestart_consolidation_process()
+        with _never_fails_training("starting the consolidation process"):
+            io.start_consolidation_process()  # unless setup() did; one that died since is replaced
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         if not dirpath or not Path(dirpath).is_dir():
             return

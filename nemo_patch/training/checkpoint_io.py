@@ -179,6 +179,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         self._node_part_watcher: Optional[Any] = None  # nemo_patch.training.node_parts.NodePartWatcher
         #: Set on global rank 0 when training starts: it coordinates the other nodes' parts and closes them at the end.
         self.coordinates_nodes = False
+        #: Set while a ``fit`` runs (from its set-up to the strategy's teardown), on global rank 0.
+        self.fitting = False
         #: One :class:`ConsolidationRecord` per published consolidation of this run, oldest first.
         self.consolidation_records: List[ConsolidationRecord] = []
 
@@ -246,9 +248,14 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             )
         return self._queue
 
-    def consolidate_finished(self) -> None:
+    def consolidate_finished(self, bounded: bool = True) -> None:
         """Hand the saves that finished since the last call and are due under the cadence to the consolidation
-        process, and reap/start consolidation processes. Returns at once (called from the training loop)."""
+        process, and reap/start consolidations. Returns at once (called from the training loop).
+
+        Args:
+            bounded: apply the queue's ``max_pending`` bound to them (while training runs); ``False`` when ``fit``
+                ends (see :meth:`finish_fit`).
+        """
         if self._node_part_watcher is not None:
             self._node_part_watcher.ensure_running()
         if self.consolidation is None:
@@ -258,7 +265,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         for save in self.consolidation.removed_while_due[removed_before:]:
             self._on_dropped(save)
         for save in due:
-            self.queue.submit(save)
+            self.queue.submit(save, bounded=bounded)
         for copy in copies:
             self._copies.setdefault(copy.global_step, []).append(copy)
             self._link_copies(copy.global_step)
@@ -333,12 +340,15 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     def finish_fit(self) -> None:
         """End of ``fit``: queue what is due, with ``latest`` the newest checkpoint and with ``best`` the best one
         (:meth:`consolidate_best`); forget saves that never finished (each is logged). Does not wait: see
-        :meth:`wait_for_consolidation`."""
+        :meth:`wait_for_consolidation`.
+
+        The saves that finish now are all queued, whatever ``max_pending``: with async save NeMo finalizes every
+        outstanding save when ``fit`` ends, often several at once, and such a burst is not a cadence the
+        consolidation cannot keep up with; the end-of-``fit`` wait (``ckpt_consolidation_timeout``) bounds them.
+        """
         if self.consolidation is None:
             return
-        self.consolidate_finished()
-        if self._queue is not None:
-            self._queue.stop_prestarting()  # what is left to do gets processes of its own
+        self.consolidate_finished(bounded=False)
         if self.consolidation.policy.consolidates_at_fit_end:
             self.consolidate_newest()
         if self.consolidation.policy.uses_best:
@@ -356,21 +366,22 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         """
         return True if self._queue is None else self._queue.wait(timeout)
 
-    def prestart_consolidation_process(self) -> None:
-        """Start the consolidation process for the first request now (training is starting), when this cadence
-        consolidates during training; ``"latest"`` alone waits for the end of ``fit``."""
+    def start_consolidation_process(self) -> None:
+        """Start the run's consolidation process now (training is starting), when this cadence consolidates during
+        training, so that its start-up overlaps with training; ``"latest"`` alone waits for the end of ``fit``."""
         policy = self.consolidation_policy
         if policy is not None and (policy.consolidates_periodically or policy.uses_best):
-            self.queue.prestart()
+            self.queue.start_process()
 
     def close_consolidation_queue(self) -> None:
-        """End the pre-started consolidation process, if any (after :meth:`wait_for_consolidation`, at teardown).
+        """End the run's consolidation process, if any (after :meth:`wait_for_consolidation`, at teardown).
 
         With ``consolidation_nodes`` > 1: global rank 0 tells the other nodes' part watchers that its consolidations
         are over; a node's watcher serves until then (up to ``timeout``), then ends.
         """
+        self.fitting = False
         if self._queue is not None:
-            self._queue.stop_prestarting()
+            self._queue.close()
         root = getattr(self.checkpoint_callback, "dirpath", None)
         if self.coordinates_nodes and self.consolidation_settings.nodes > 1 and root and Path(root).is_dir():
             from nemo_patch.training.node_parts import close_marker
@@ -379,6 +390,12 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         if self._node_part_watcher is not None:
             watcher, self._node_part_watcher = self._node_part_watcher, None
             watcher.stop()
+
+    def end_consolidation_process_unless_fitting(self) -> None:
+        """After an on-demand consolidation was waited for outside ``fit``: end the consolidation process it started
+        (inside ``fit`` it keeps serving the run until teardown)."""
+        if not self.fitting and self._queue is not None and not self._queue.busy:
+            self._queue.close()
 
     def start_node_part_watcher(self, root: Path, node_rank: int, timeout: float) -> bool:
         """On local rank 0 of node ``node_rank``: with ``consolidation_nodes`` > ``node_rank`` >= 1 (``safetensors``

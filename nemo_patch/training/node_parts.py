@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.parts import PartJob, PartResult, open_job_sources, run_parts
+from nemo_patch.engine.parts import PartJob, PartResult, open_job_sources, run_parts, split_shares
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.tensor_sources import Sources
 from nemo_patch.training.settings import WORKER_NICENESS
@@ -112,8 +112,7 @@ class FilePartsRunner:
             ConsolidationError: a node's part failed (its error, naming the node), or a node did not claim or report
                 in time.
         """
-        per_node = len(jobs) // self.nodes
-        shares = {rank: jobs[rank * per_node : (rank + 1) * per_node] for rank in range(self.nodes)}
+        shares = dict(enumerate(split_shares(jobs, self.nodes)))
         directory = Path(jobs[0].directory) / PARTS_DIRNAME
         directory.mkdir()
         started = time.monotonic()

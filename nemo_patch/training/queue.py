@@ -12,17 +12,26 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Consolidation off the training path: one separate OS process at a time, fed by a small bounded queue.
+"""Consolidation off the training path: one long-lived process per run, fed by a small bounded queue.
 
-The training process (global rank 0 only) never consolidates itself. :class:`ConsolidationQueue` hands each request to
-its own ``python -m nemo_patch.training.worker --wait`` process (:mod:`nemo_patch.training.worker`), one at a time,
-with the run's :class:`~nemo_patch.training.settings.ConsolidationSettings` as one JSON argument and the request as
-one JSON line on its stdin. The process for the next request is started as soon as one is handed out
-(:meth:`ConsolidationQueue.prestart`; the strategy also starts one when training starts), so the interpreter's start
-(about 2 s, mostly ``import torch``) overlaps with training instead of delaying each consolidation, while every
-request still runs in a process of its own: a crash, a kill or a leak ends with its request. One that dies while it
-waits is replaced. The training loop only ever polls (``Popen.poll``, microseconds); it waits only when ``fit`` ends,
-up to a timeout.
+The training process (global rank 0 only) never consolidates itself. :class:`ConsolidationQueue` hands its requests,
+one at a time, to one ``python -m nemo_patch.training.worker --serve`` process (:mod:`nemo_patch.training.worker`)
+that lives for the whole run: started when training starts (:meth:`ConsolidationQueue.start_process`; the strategy's
+callback does so for the cadences that consolidate during training) or by the first request, and ended at teardown
+(:meth:`ConsolidationQueue.close`). The interpreter's start (2-5 s, mostly ``import torch``) is therefore paid once
+per run, not once per checkpoint.
+
+The protocol is one JSON line per request on the process's stdin, ``{"checkpoint", "global_step", "best"}``, and on
+its stdout one line ``{"ready": true}`` once it has imported what it needs, then one JSON line per ended request,
+``{"error": null | "<one-line reason>"}``; everything else the process prints goes to an anonymous temporary file.
+Requests that arrive before the process is ready are not skipped for the queue bound: they wait for a start that is
+paid once per run, not for consolidations that cannot keep up.
+
+A process that dies (killed, out of memory, an unexpected exception) fails the request it was serving with the reason
+(``killed by signal SIGKILL``, or its last line of output), its temporary output is removed, and the next request
+starts a new process. The training loop only ever polls (a
+non-blocking read of the result pipe and ``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a
+timeout, after which the process is terminated.
 
 Imports the standard library, the engine's publishing helpers and the training side's schedule and settings only:
 never NeMo or Lightning.
@@ -55,21 +64,130 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "nemo_patch.training.worker"
 _POLL_SECONDS = 0.05
 _TERMINATE_GRACE_SECONDS = 5.0
+#: Seconds an idle process gets to exit by itself once its stdin is closed, before it is killed.
+_CLOSE_GRACE_SECONDS = 10.0
+#: Environment of the training job's process group, which the consolidation process is not part of.
+_PROCESS_GROUP_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 #: Called when a request ends: ``(save, error)`` with ``error`` ``None`` on success, else a one-line reason.
 DoneCallback = Callable[[CheckpointSave, Optional[str]], None]
 
 
-class _Running:
-    def __init__(self, save: CheckpointSave, process: subprocess.Popen, log_file: IO[bytes]) -> None:
-        self.save = save
+class _Process:
+    """The run's consolidation process: its request pipe (stdin), result pipe (stdout) and log file (stderr)."""
+
+    def __init__(self, process: subprocess.Popen, log_file: IO[bytes]) -> None:
         self.process = process
         self.log_file = log_file
+        self.retire = False  # end it once the request it serves has ended
+        self.ready = False  # it has imported what it needs and serves requests
+        self._received = b""
+        assert process.stdout is not None
+        os.set_blocking(process.stdout.fileno(), False)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def send(self, line: bytes) -> bool:
+        """Write one request line; ``False`` if the process is gone."""
+        if self.process.stdin is None or not self.alive:
+            return False
+        try:
+            self.process.stdin.write(line)
+        except OSError:
+            return False
+        return True
+
+    def result(self) -> Optional[Tuple[Optional[str]]]:
+        """The next result line as ``(error,)``, or ``None`` while none has arrived (never blocks); notes the
+        ``ready`` line on the way."""
+        assert self.process.stdout is not None
+        while True:
+            while b"\n" not in self._received:
+                try:
+                    chunk = os.read(self.process.stdout.fileno(), 65536)
+                except BlockingIOError:
+                    return None
+                if not chunk:  # end of file: the process is gone
+                    return None
+                self._received += chunk
+            line, self._received = self._received.split(b"\n", 1)
+            try:
+                message = json.loads(line)
+                if message.get("ready") is True:
+                    self.ready = True
+                    continue
+                error = message["error"]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return (f"unreadable result line from the consolidation process: {line[:200]!r}",)
+            return (None if error is None else str(error),)
+
+    def last_line(self) -> Optional[str]:
+        """The last non-empty line the process printed; read only once it has exited (the file offset is shared)."""
+        try:
+            self.log_file.seek(0)
+            text = self.log_file.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else None
+
+    def terminate(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period; waits for the exit."""
+        self.process.terminate()
+        try:
+            self.process.wait(_TERMINATE_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def close(self) -> None:
+        """End the process: close its stdin (an idle one exits at once), kill it if it is still there after
+        :data:`_CLOSE_GRACE_SECONDS`, and close the pipes and the log file."""
+        try:
+            with contextlib.suppress(OSError):
+                if self.process.stdin is not None:
+                    self.process.stdin.close()
+            try:
+                self.process.wait(_CLOSE_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        finally:
+            if self.process.stdout is not None:
+                self.process.stdout.close()
+            self.log_file.close()
+
+    def death_reason(self) -> str:
+        """Why the (ended) process ended, in one line."""
+        code = self.process.wait()
+        if code < 0:  # killed by a signal: whatever it printed last is not the reason
+            return f"consolidation process was killed by {_describe_exit(code)}"
+        return self.last_line() or f"consolidation process exited with {_describe_exit(code)}"
+
+
+class _Running:
+    def __init__(self, save: CheckpointSave, server: _Process) -> None:
+        self.save = save
+        self.server = server
         self.started = time.monotonic()
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.server.process
 
 
 class ConsolidationQueue:
-    """Runs consolidations in a child process, one at a time, first come first served.
+    """Runs consolidations in the run's consolidation process, one at a time, first come first served.
 
     Not thread-safe for :meth:`submit`/:meth:`poll` (the training loop calls them); :meth:`remove_checkpoint` may be
     called from NeMo's async checkpoint-removal thread and takes a lock.
@@ -78,7 +196,7 @@ class ConsolidationQueue:
         on_done: called in the training process, from :meth:`poll` or :meth:`wait`, when a request ends.
         settings: the run's settings. ``max_pending`` requests may wait behind the running one; when a new request
             would exceed it, the oldest waiting request is skipped and logged (the first time with a warning, then at
-            debug level). The whole value is handed to each consolidation process (its format and shard size).
+            debug level). The whole value is handed to the consolidation process (its format and shard size).
         on_dropped: called (in the caller's thread) for a waiting request dropped because :meth:`remove_checkpoint`
             removes its checkpoint.
 
@@ -101,36 +219,58 @@ class ConsolidationQueue:
         self._settings_json = settings.to_json()  # serialised once, for every process this queue starts
         self._pending: Deque[CheckpointSave] = deque()
         self._running: Optional[_Running] = None
+        self._server: Optional[_Process] = None
         self._deferred_removals: List[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._warned_skip = False
         #: Checkpoints whose request was skipped because the queue was full.
         self.skipped: List[CheckpointSave] = []
-        #: ``(global step, wall seconds of the consolidation process, error or None)`` per ended request.
+        #: ``(global step, wall seconds of the consolidation, error or None)`` per ended request.
         self.completed: List[Tuple[int, float, Optional[str]]] = []
         #: Seconds spent inside :meth:`wait` (the end of ``fit`` waiting for consolidations).
         self.waited_seconds = 0.0
-        #: Requests handed to a process that was started before the request came (:meth:`prestart`).
+        #: Requests handed to a consolidation process that was running already (no interpreter start for them).
         self.warm_requests = 0
-        self._spare: Optional[Tuple[subprocess.Popen, IO[bytes]]] = None
-        self._prestarting = True
+        #: Consolidation processes started so far (1 in a run where none died).
+        self.processes_started = 0
 
     @property
     def busy(self) -> bool:
         """Whether a consolidation is running or waiting."""
         return self._running is not None or bool(self._pending)
 
+    @property
+    def process(self) -> Optional[subprocess.Popen]:
+        """The consolidation process, while one is alive (serving a request or idle)."""
+        return self._server.process if self._server is not None and self._server.alive else None
+
+    @property
+    def process_ready(self) -> bool:
+        """Whether the consolidation process has said it is ready (imported what it needs); never blocks."""
+        server = self._server
+        if server is not None and not server.ready and self._running is None:
+            server.result()  # idle: only its ready line can come
+        return server is not None and server.ready
+
     def holds(self, save: CheckpointSave) -> bool:
         """Whether ``save`` is waiting or being consolidated."""
         with self._lock:
             return save in self._pending or (self._running is not None and self._running.save is save)
 
-    def submit(self, save: CheckpointSave) -> None:
-        """Queue ``save`` for consolidation and start it if nothing is running."""
+    def submit(self, save: CheckpointSave, bounded: bool = True) -> None:
+        """Queue ``save`` for consolidation and start it if nothing is running.
+
+        Args:
+            save: the finished checkpoint.
+            bounded: apply ``max_pending`` (skip the oldest waiting requests beyond it), which happens only once the
+                consolidation process is ready (its start-up is not a consolidation falling behind). ``False`` queues
+                ``save`` without skipping anything (the requests made when ``fit`` ends).
+        """
         save.queued = True
+        bounded = bounded and self.process_ready
         with self._lock:
             self._pending.append(save)
-            while len(self._pending) > self._max_pending + (0 if self._running else 1):
+            while bounded and len(self._pending) > self._max_pending + (0 if self._running else 1):
                 skipped = self._pending.popleft()
                 self.skipped.append(skipped)
                 log = logger.debug if self._warned_skip else logger.warning
@@ -145,10 +285,14 @@ class ConsolidationQueue:
         self.poll()
 
     def poll(self) -> None:
-        """Reap a finished child and start the next request; returns at once."""
+        """Reap an ended request and hand the next one to the consolidation process; returns at once."""
         running = self._running
-        if running is not None and running.process.poll() is not None:
-            self._finish(running)
+        if running is not None:
+            result = running.server.result()
+            if result is None and not running.server.alive:
+                result = running.server.result() or (running.server.death_reason(),)  # it may have answered first
+            if result is not None:
+                self._finish(running, result[0])
         if self._running is None:
             with self._lock:
                 save = self._pending.popleft() if self._pending else None
@@ -159,7 +303,7 @@ class ConsolidationQueue:
         """Wait until all running and queued consolidations have ended, at most ``timeout`` seconds.
 
         Returns:
-            ``True`` if everything ended; ``False`` if the timeout ran out, in which case the running child is
+            ``True`` if everything ended; ``False`` if the timeout ran out, in which case the consolidation process is
             terminated (its temporary output removed) and waiting requests are dropped; both are logged.
         """
         start = time.monotonic()
@@ -185,16 +329,15 @@ class ConsolidationQueue:
             len(dropped),
             ", ".join(str(save.path) for save in dropped) or "none",
         )
-        if running is not None:
-            self._terminate(running)
+        self._stop_running()
         return False
 
     def remove_checkpoint(self, checkpoint_dir: Path, remove: Callable[[], None]) -> bool:
         """Remove a checkpoint without racing its consolidation (used for NeMo's top-k removal).
 
         A waiting request for it is dropped (reported to ``on_dropped``) and ``remove`` runs now; if it is being
-        consolidated, ``remove`` runs as soon as its child has ended (so the child never reads a vanishing checkpoint
-        and never leaves a half-made ``consolidated/`` behind).
+        consolidated, ``remove`` runs as soon as that request has ended (so the consolidation never reads a vanishing
+        checkpoint and never leaves a half-made ``consolidated/`` behind).
 
         Returns:
             ``True`` if ``remove`` ran now, ``False`` if it was deferred.
@@ -215,114 +358,97 @@ class ConsolidationQueue:
         remove()
         return True
 
-    def _spawn(self) -> Tuple[subprocess.Popen, IO[bytes]]:
-        """Start a consolidation process in ``--wait`` mode: it imports what it needs, then reads one request.
+    def start_process(self) -> None:
+        """Start the consolidation process now unless one is alive, so that its start-up overlaps with training.
+        A failure to start it is logged at debug level; the first request then starts its own."""
+        if self.process is not None:
+            return
+        self._discard_server()  # one that exited while idle (e.g. killed): reap it
+        try:
+            self._server = self._spawn()
+        except OSError as error:
+            logger.debug("Could not start the consolidation process: %s", error)
+
+    def retire_process(self) -> None:
+        """End the consolidation process once it is idle: now if it is, else when its current request has ended. The
+        next request starts a new one (with this process's limits as they are then)."""
+        if self._running is not None and self._running.server is self._server:
+            self._running.server.retire = True
+        else:
+            self._discard_server()
+
+    def close(self) -> None:
+        """End the consolidation process (at teardown, after :meth:`wait`); a request still running is stopped and
+        reported as failed. A later request starts a new process."""
+        self._stop_running()
+        self._discard_server()
+
+    def _stop_running(self) -> None:
+        running = self._running
+        if running is not None:
+            running.server.terminate()
+            self._finish(running, running.server.death_reason())
+
+    def _spawn(self) -> _Process:
+        """Start a consolidation process in ``--serve`` mode: it imports what it needs, then serves requests.
 
         Raises:
             OSError: the process cannot be started.
         """
-        args = [sys.executable, "-m", WORKER_MODULE, "--wait", "--settings", self._settings_json]
-        env = dict(os.environ)
-        for name in (
-            "RANK",
-            "LOCAL_RANK",
-            "WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "GROUP_RANK",
-            "LOCAL_WORLD_SIZE",
-        ):
-            env.pop(name, None)  # the child is not part of the training job's process group
-        # The child's output goes to an anonymous temporary file (not into the checkpoint directory, which may be
-        # read-only); its last line is the reason of a failure.
+        args = [sys.executable, "-m", WORKER_MODULE, "--serve", "--settings", self._settings_json]
+        env = {name: value for name, value in os.environ.items() if name not in _PROCESS_GROUP_VARIABLES}
+        # Its output goes to an anonymous temporary file (not into the checkpoint directory, which may be read-only);
+        # its last line is the reason of a failure that ended the process.
         log_file = tempfile.TemporaryFile()
         try:
             process = subprocess.Popen(
                 args,
-                bufsize=0,  # unbuffered stdin: the request line is written at once, and closing never flushes
+                bufsize=0,  # unbuffered pipes: each request line is written at once
                 stdin=subprocess.PIPE,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
                 env=env,
                 close_fds=True,
             )
         except OSError:
             log_file.close()
             raise
-        return process, log_file
+        self.processes_started += 1
+        return _Process(process, log_file)
 
-    def prestart(self) -> None:
-        """Start the process the next request will use, unless one is waiting already, or this queue was told to
-        stop pre-starting and no request is waiting: its start-up then overlaps with training or with the running
-        consolidation. A failure to start it is logged at debug level; the next request starts its own."""
-        if not (self._prestarting or self._pending) or (self._spare is not None and self._spare[0].poll() is None):
-            return
-        self._discard_spare()  # one that exited while waiting (e.g. killed): reap it
-        try:
-            self._spare = self._spawn()
-        except OSError as error:
-            logger.debug("Could not pre-start a consolidation process: %s", error)
-
-    def stop_prestarting(self) -> None:
-        """``fit`` is ending: a process is pre-started only for requests already waiting; an idle one exits without
-        work."""
-        self._prestarting = False
-        if not self._pending:
-            self._discard_spare()
-
-    def _discard_spare(self) -> None:
-        spare, self._spare = self._spare, None
-        if spare is None:
-            return
-        process, log_file = spare
-        try:
-            with contextlib.suppress(OSError):
-                if process.stdin is not None:
-                    process.stdin.close()  # no request will come
-            if process.poll() is None:  # still importing, or waiting: it holds nothing of value
-                process.kill()
-            process.wait()
-        finally:
-            log_file.close()
+    def _discard_server(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
 
     def _start(self, save: CheckpointSave) -> None:
         line = json.dumps({"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}) + "\n"
-        spare, self._spare = self._spare, None
-        warm = spare is not None and spare[0].poll() is None and _hand_over(spare[0], line.encode())
-        if spare is not None and not warm:
-            self._spare = spare
-            self._discard_spare()  # it exited while waiting (killed, out of memory): start another
-        if spare is not None and warm:
-            process, log_file = spare
-        else:
+        warm = self._server is not None and self._server.send(line.encode())
+        if not warm:
+            self._discard_server()  # it ended while idle (killed, out of memory, an unexpected error)
             try:
-                process, log_file = self._spawn()
+                self._server = self._spawn()
             except OSError as error:
                 self._on_done(save, f"cannot start the consolidation process: {error}")
                 return
-            _hand_over(process, line.encode())  # if it died at once, reaping it reports why
+            self._server.send(line.encode())  # if it died at once, reaping it reports why
+        assert self._server is not None
         self.warm_requests += warm
-        self._running = _Running(save, process, log_file)
+        self._running = _Running(save, self._server)
         logger.info(
             "Consolidating %s (global step %d) in process %d%s",
             save.path,
             save.global_step,
-            process.pid,
-            " (pre-started)" if warm else "",
+            self._server.process.pid,
+            "" if warm else " (started for it)",
         )
-        self.prestart()
 
-    def _finish(self, running: _Running) -> None:
+    def _finish(self, running: _Running, error: Optional[str]) -> None:
         self._running = None
-        code = running.process.returncode
-        error = None
-        if code < 0:  # killed by a signal: whatever it printed last is not the reason
-            error = f"consolidation process was killed by {_describe_exit(code)}"
-        elif code != 0:
-            error = _last_line(running.log_file) or f"consolidation process exited with {_describe_exit(code)}"
-        if code != 0:
+        if error is not None:  # the engine removes its own temporary output; a killed process cannot
             _remove_tmp_dirs(running.save.path, running.process.pid)
-        running.log_file.close()
+        if running.server is self._server and (running.server.retire or not running.server.alive):
+            self._discard_server()
         running.save.seconds = time.monotonic() - running.started
         self.completed.append((running.save.global_step, running.save.seconds, error))
         try:
@@ -332,27 +458,6 @@ class ConsolidationQueue:
                 removals, self._deferred_removals = self._deferred_removals, []
             for remove in removals:
                 remove()
-
-    def _terminate(self, running: _Running) -> None:
-        running.process.terminate()
-        try:
-            running.process.wait(_TERMINATE_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            running.process.kill()
-            running.process.wait()
-        self._finish(running)
-
-
-def _hand_over(process: subprocess.Popen, line: bytes) -> bool:
-    """Write one request line to a waiting consolidation process and close its stdin; ``False`` if it is gone."""
-    if process.stdin is None:
-        return False
-    try:
-        process.stdin.write(line)
-        process.stdin.close()
-    except OSError:
-        return False
-    return True
 
 
 def _describe_exit(code: int) -> str:
@@ -364,17 +469,7 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _last_line(log_file: IO[bytes]) -> Optional[str]:
-    try:
-        log_file.seek(0)
-        text = log_file.read().decode(errors="replace")
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-    except OSError:
-        return None
-    return lines[-1] if lines else None
-
-
 def _remove_tmp_dirs(parent: Path, pid: int) -> None:
-    """Remove temporary output left by a child that died (their names carry the child's pid)."""
+    """Remove temporary output left by a consolidation that failed or died (their names carry the process's pid)."""
     for path in tmp_dirs_of(parent, pid):
         shutil.rmtree(path, ignore_errors=True)

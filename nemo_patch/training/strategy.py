@@ -110,9 +110,10 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_max_shard_size: most bytes of tensor data per output safetensors file (Hugging Face's
             sharding; default 5 * 10**9): an int, or a size string as ``save_pretrained`` takes it (``"5GB"``,
             ``"500MiB"``).
-        ckpt_consolidation_max_pending: how many consolidation requests may wait behind the running one (default 2).
-            When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
-            consolidation never builds an unbounded backlog.
+        ckpt_consolidation_max_pending: how many consolidation requests may wait behind the running one while training
+            runs (default 2). When one more arrives, the oldest waiting request is skipped (logged), so a cadence
+            faster than consolidation never builds an unbounded backlog. Saves that finish when fit ends are all
+            queued (the end-of-fit wait bounds them).
         ckpt_consolidation_format: ``"safetensors"`` (default): ``<ckpt>/consolidated/`` with this package's layout
             (megatron-core names, any model); ``"hf"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory
             written through NeMo's registered exporter for the model class (e.g. Llama); see
@@ -335,6 +336,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             return None
         if wait:
             base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+            base.end_consolidation_process_unless_fitting()
         newest = base.consolidation.newest_finished if base.consolidation is not None else None
         if newest is None:
             return None
@@ -365,6 +367,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             return None
         if wait:
             base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+            base.end_consolidation_process_unless_fitting()
         return best.path / base.consolidation_settings.output_dirname if best.consolidated else None
 
     def _log_final_consolidation_metrics(self) -> None:

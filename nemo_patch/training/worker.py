@@ -12,15 +12,23 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The consolidation process: ``python -m nemo_patch.training.worker <ckpt> --global-step N --settings JSON``.
+"""The consolidation process: ``python -m nemo_patch.training.worker --serve --settings JSON``.
 
-Started by :class:`nemo_patch.training.queue.ConsolidationQueue` for one checkpoint, or ahead of time with ``--wait``
-instead of a checkpoint: it then imports everything a consolidation needs and waits for its one request, a JSON line
-``{"checkpoint": path, "global_step": n, "best": {...} | null}`` on stdin (end of input: it exits 0 having done
-nothing). That is how the queue keeps the interpreter's start (about 2 s, mostly ``import torch``; more for the
-``hf`` format, which imports NeMo) off the path of each request while every consolidation still has a process of its
-own. It lowers its own CPU priority
-(:data:`WORKER_NICENESS`) before importing torch, then runs the engine
+Started once per run by :class:`nemo_patch.training.queue.ConsolidationQueue`, it imports everything a consolidation
+needs, writes ``{"ready": true}`` on stdout, then serves requests until its stdin ends: one JSON line per request on
+stdin, ``{"checkpoint": path, "global_step": n, "best": {...} | null}``, and one JSON line per ended request on
+stdout, ``{"error": null | "<one-line reason>"}``. Anything else printed (by this process, torch or the engine) goes to
+stderr: fd 1 is redirected to fd 2 before anything is imported, and the result lines go to a private copy of the
+original stdout. So the interpreter's start (2-5 s, mostly ``import torch``; more for the ``hf`` format, which
+imports NeMo) is paid once per run instead of once per checkpoint. ``python -m nemo_patch.training.worker <ckpt>
+--global-step N`` consolidates one checkpoint and exits (0, or 1 with the reason on stderr).
+
+A request that fails with a :class:`~nemo_patch.engine.errors.ConsolidationError` is answered with its reason and the
+process serves the next one; any other exception is answered too, then ends the process (exit 1, traceback on
+stderr), and the queue starts a fresh one for the next request.
+
+It imports at the CPU priority it was started with, so that it is ready by the first finished checkpoint (a start
+paid once per run), then lowers its priority (:data:`WORKER_NICENESS`) for the consolidations, and runs the engine
 (:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`) or, for ``output_format="hf"``, the Hugging Face export
 (:func:`nemo_patch.export.hf.export_hf_checkpoint`, which imports NeMo in this process to find the model's exporter).
 It reads only files and uses no ``torch.distributed`` process group or collective (a consolidation calling a
@@ -37,7 +45,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Optional
 
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
@@ -46,83 +54,113 @@ __all__ = ["WORKER_NICENESS", "build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The consolidation process's command line (see :func:`main`)."""
-    parser = argparse.ArgumentParser(description="Consolidate one NeMo 2 distributed checkpoint (nemo_patch worker).")
+    parser = argparse.ArgumentParser(description="Consolidate NeMo 2 distributed checkpoints (nemo_patch worker).")
     parser.add_argument("checkpoint", type=Path, nargs="?", default=None)
     parser.add_argument("--global-step", type=int, default=None)
     parser.add_argument("--best", type=json.loads, default=None)
-    parser.add_argument("--wait", action="store_true", help="import, then read the request from stdin")
+    parser.add_argument("--serve", action="store_true", help="import, then serve JSON requests from stdin")
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Consolidate one checkpoint; on failure print one line (the reason) and return 1.
+    """Consolidate one checkpoint, or serve requests (``--serve``) until the end of stdin.
 
     Args:
-        argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]``, or ``--wait [--settings
-            JSON]`` to read ``{"checkpoint", "global_step", "best"}`` from one stdin line. ``--best``: the checkpoint
+        argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]``, or ``--serve [--settings
+            JSON]`` to read ``{"checkpoint", "global_step", "best"}`` lines from stdin. ``--best``: the checkpoint
             is the best by the monitored metric, ``{"monitor", "value", "mode"}``, recorded in ``metadata.json``;
             settings ``JSON`` from :meth:`ConsolidationSettings.to_json`, default settings when absent.
 
     Returns:
-        The process exit code: 0 on success, 1 on a :class:`nemo_patch.engine.errors.ConsolidationError`.
+        The process exit code. One checkpoint: 0 on success, 1 on a
+        :class:`nemo_patch.engine.errors.ConsolidationError` (its reason printed on stderr). ``--serve``: 0 at the
+        end of stdin; an exception other than ``ConsolidationError`` propagates after its result line is written.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.checkpoint is None) != args.wait:
-        parser.error("give either a checkpoint or --wait")
+    if (args.checkpoint is None) != args.serve:
+        parser.error("give either a checkpoint or --serve")
+    results: Optional[IO[str]] = None
+    if args.serve:  # fd 1 carries result lines only: a private copy of it for them, stderr for everything else
+        sys.stdout.flush()
+        results = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
     settings: ConsolidationSettings = args.settings
-    try:
-        os.nice(WORKER_NICENESS)  # before torch is imported: the import is CPU time too
-    except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
-        pass
     # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    consolidate = _consolidator(settings, preload=args.serve)
+    try:
+        os.nice(WORKER_NICENESS)  # the consolidations yield to the training job's threads
+    except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
+        pass
+    if results is None:
+        error = consolidate(args.checkpoint, args.global_step, args.best)
+        if error is not None:
+            print(error, file=sys.stderr, flush=True)
+        return 0 if error is None else 1
+    results.write(json.dumps({"ready": True}) + "\n")
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return 0  # end of input: the run is over
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        try:
+            error = consolidate(Path(request["checkpoint"]), request.get("global_step"), request.get("best"))
+        except BaseException as unexpected:  # answered, then raised: the process ends, the next request gets a new one
+            results.write(json.dumps({"error": f"{type(unexpected).__name__}: {unexpected}"}) + "\n")
+            raise
+        results.write(json.dumps({"error": error}) + "\n")
+
+
+def _consolidator(
+    settings: ConsolidationSettings, preload: bool
+) -> Callable[[Path, Optional[int], Optional[Dict[str, Any]]], Optional[str]]:
+    """Import what consolidating with ``settings`` needs; return ``consolidate(checkpoint, global_step, best)``,
+    which returns ``None`` or the one-line reason of a :class:`~nemo_patch.engine.errors.ConsolidationError`."""
     import torch
 
     from nemo_patch.engine.errors import ConsolidationError
     from nemo_patch.engine.output_layout import DTYPE_NAMES
 
-    consolidate: Callable[..., Any]
+    run: Callable[..., Any]
     if settings.output_format == "hf":
-        from nemo_patch.export.hf import export_hf_checkpoint as consolidate
+        from nemo_patch.export.hf import export_hf_checkpoint as run
 
-        if args.wait:
+        if preload:
             _import_quietly("nemo.collections.llm")  # what finding the model's exporter imports; the slow part
     else:
-        from nemo_patch.engine.consolidate import consolidate_checkpoint as consolidate
-    if args.wait:
-        line = sys.stdin.readline()
-        if not line.strip():
-            return 0  # the queue no longer needs this process
-        request = json.loads(line)
-        args.checkpoint, args.global_step = Path(request["checkpoint"]), request.get("global_step")
-        args.best = request.get("best")
-    options: Dict[str, Any] = {}
-    if settings.output_format != "hf":  # the Hugging Face export writes through transformers, in this process
-        from nemo_patch.engine.parts import default_workers
+        from nemo_patch.engine.consolidate import consolidate_checkpoint as run
+    dtype = None if settings.dtype is None else getattr(torch, DTYPE_NAMES[settings.dtype])
 
-        options["workers"] = settings.workers or default_workers(share=4)
-        if settings.nodes > 1:
-            from nemo_patch.training.node_parts import FilePartsRunner
+    def consolidate(checkpoint: Path, global_step: Optional[int], best: Optional[Dict[str, Any]]) -> Optional[str]:
+        options: Dict[str, Any] = {}
+        if settings.output_format != "hf":  # the Hugging Face export writes through transformers, in this process
+            from nemo_patch.engine.parts import default_workers
 
-            runner = FilePartsRunner(settings.nodes, options["workers"], settings.timeout)
-            options.update(parts=runner.parts(), parts_runner=runner)
-    try:
-        dtype = None if settings.dtype is None else getattr(torch, DTYPE_NAMES[settings.dtype])
-        consolidate(
-            args.checkpoint,
-            global_step=args.global_step,
-            max_shard_size=settings.max_shard_size,
-            dtype=dtype,
-            merge_adapters=settings.merge_adapters,
-            best=args.best,
-            **options,
-        )
-    except ConsolidationError as error:
-        print(f"ConsolidationError: {error}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+            options["workers"] = settings.workers or default_workers(share=4)
+            if settings.nodes > 1:
+                from nemo_patch.training.node_parts import FilePartsRunner
+
+                runner = FilePartsRunner(settings.nodes, options["workers"], settings.timeout)
+                options.update(parts=runner.parts(), parts_runner=runner)
+        try:
+            run(
+                checkpoint,
+                global_step=global_step,
+                max_shard_size=settings.max_shard_size,
+                dtype=dtype,
+                merge_adapters=settings.merge_adapters,
+                best=best,
+                **options,
+            )
+        except ConsolidationError as error:
+            return f"ConsolidationError: {error}"
+        return None
+
+    return consolidate
 
 
 def _import_quietly(module: str) -> None:
