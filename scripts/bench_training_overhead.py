@@ -20,13 +20,14 @@ Trains the tiny NeMo GPT on the CPU (same steps, same save interval) with consol
 table:
 
 - fit s: wall time of ``llm.train`` (the end-of-fit wait for consolidations included);
-- blocked s: time the training loop spent inside the consolidation callback's per-step hooks (bookkeeping and
-  starting the consolidation process; the consolidation itself runs in that separate process);
+- blocked s: time the training loop spent inside the consolidation callback's per-step hooks (bookkeeping, handing a
+  request line to the run's consolidation process and polling its result pipe; the consolidation itself runs in that
+  separate process);
 - end wait s: time the end of ``fit`` waited for running and queued consolidations;
-- consol. s: wall time of the consolidation processes, summed; n: how many ran.
+- consol. s: wall time of the consolidations, summed (from hand-out to reaped result); n: how many ran.
 
-Targets: blocked time under 1% of the consolidation time for "each" (the consolidation process is started ahead of
-each request, so the loop only hands it a line); "latest" within noise of "off" until the end of fit (fit minus end
+Targets: blocked time under 1% of the consolidation time for "each" (one consolidation process serves the run, so the
+loop only hands it a line and reads one back); "latest" within noise of "off" until the end of fit (fit minus end
 wait). The number of writers changes the consolidation's time, not the loop's.
 
 Usage: .venv/bin/python scripts/bench_training_overhead.py [--max-steps 40] [--save-every 4]
