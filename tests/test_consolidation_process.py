@@ -18,6 +18,7 @@ Quick: no training run; each test starts a real consolidation process (``import 
 """
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -108,3 +109,12 @@ def test_requests_made_while_the_process_starts_are_not_skipped(tmp_path):
     assert not queue.skipped  # (the previous test shows the bound at work once the process is ready)
     assert queue.wait(timeout=120) and done == [1, 2, 3] and queue.process_ready
     queue.close()
+
+
+def test_closing_a_process_that_is_still_importing_kills_it_at_once():
+    """A run that ends before its consolidation process is ready (a short fit) does not wait for ``import torch``."""
+    queue = ConsolidationQueue(lambda save, error: None)
+    queue.start_process()
+    starting = queue.process
+    queue.close()
+    assert starting.returncode == -signal.SIGKILL and queue.process is None

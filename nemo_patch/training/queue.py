@@ -151,9 +151,14 @@ class _Process:
             self.process.wait()
 
     def close(self) -> None:
-        """End the process: close its stdin (an idle one exits at once), kill it if it is still there after
-        :data:`_CLOSE_GRACE_SECONDS`, and close the pipes and the log file."""
+        """End the idle process: close its stdin (a ready one exits at once), kill it if it is still there after
+        :data:`_CLOSE_GRACE_SECONDS` or at once if it is still importing (nothing in it is of value), and close the
+        pipes and the log file."""
         try:
+            if self.alive and not self.ready:
+                self.result()  # idle: only its ready line can come
+                if not self.ready:
+                    self.process.kill()
             with contextlib.suppress(OSError):
                 if self.process.stdin is not None:
                     self.process.stdin.close()
