@@ -18,6 +18,7 @@ Quick: no training run; each test starts a real consolidation process (``import 
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -80,20 +81,26 @@ def _wait_ready(queue):
     assert queue.process_ready
 
 
-def test_the_bound_skips_the_oldest_waiting_requests_but_not_the_ones_made_when_fit_ends(tmp_path):
+def test_the_bound_skips_the_oldest_waiting_requests_but_not_bursts_or_the_ones_made_when_fit_ends(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append(save.global_step), ConsolidationSettings(max_pending=1))
     queue.start_process()
     _wait_ready(queue)
-    saves = [CheckpointSave(empty, step, written=True) for step in (1, 2, 3, 4)]
-    for save in saves:  # while training: 1 runs, 2 and 3 are skipped as newer ones arrive, 4 waits
-        queue.submit(save)
-    assert [save.global_step for save in queue.skipped] == [2, 3]
-    for step in (5, 6, 7):  # finished when fit ends (NeMo finalizing outstanding async saves): all queued
-        queue.submit(CheckpointSave(empty, step, written=True), bounded=False)
-    assert queue.wait(timeout=120) and done == [1, 4, 5, 6, 7] and len(queue.skipped) == 2
+    os.kill(queue.process.pid, signal.SIGSTOP)  # request 1 stays in flight however fast it would be
+    try:
+        for step in (1, 2, 3, 4):  # one at a time, while training: 2 and 3 are skipped as newer ones arrive
+            queue.submit(CheckpointSave(empty, step, written=True))
+        assert [save.global_step for save in queue.skipped] == [2, 3]
+        queue.submit_all([CheckpointSave(empty, step, written=True) for step in (5, 6, 7)])  # finished together
+        assert [save.global_step for save in queue.skipped] == [2, 3, 4]  # the burst is kept whole; 4 is older
+        # finished when fit ends (NeMo finalizing outstanding async saves): all queued
+        queue.submit_all([CheckpointSave(empty, step, written=True) for step in (8, 9)], bounded=False)
+        assert len(queue.skipped) == 3
+    finally:
+        os.kill(queue.process.pid, signal.SIGCONT)
+    assert queue.wait(timeout=120) and done == [1, 5, 6, 7, 8, 9]
     queue.close()
 
 

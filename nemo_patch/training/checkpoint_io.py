@@ -264,8 +264,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         due, copies = self.consolidation.collect_finished(self.is_checkpoint_gone)
         for save in self.consolidation.removed_while_due[removed_before:]:
             self._on_dropped(save)
-        for save in due:
-            self.queue.submit(save, bounded=bounded)
+        if due:
+            self.queue.submit_all(due, bounded=bounded)  # finished together: a burst is kept whole
         for copy in copies:
             self._copies.setdefault(copy.global_step, []).append(copy)
             self._link_copies(copy.global_step)

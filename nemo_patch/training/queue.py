@@ -50,7 +50,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO, Callable, Deque, List, Optional, Tuple
+from typing import IO, Callable, Deque, List, Optional, Sequence, Tuple
 
 from nemo_patch.engine.publish import tmp_dirs_of
 from nemo_patch.training.schedule import CheckpointSave
@@ -263,25 +263,36 @@ class ConsolidationQueue:
             return save in self._pending or (self._running is not None and self._running.save is save)
 
     def submit(self, save: CheckpointSave, bounded: bool = True) -> None:
-        """Queue ``save`` for consolidation and start it if nothing is running.
+        """Queue ``save`` for consolidation and start it if nothing is running (see :meth:`submit_all`)."""
+        self.submit_all([save], bounded)
+
+    def submit_all(self, saves: Sequence[CheckpointSave], bounded: bool = True) -> None:
+        """Queue saves that finished together (in one NeMo finalization) and start the first if nothing is running.
 
         Args:
-            save: the finished checkpoint.
-            bounded: apply ``max_pending`` (skip the oldest waiting requests beyond it), which happens only once the
-                consolidation process is ready (its start-up is not a consolidation falling behind). ``False`` queues
-                ``save`` without skipping anything (the requests made when ``fit`` ends).
+            saves: the finished checkpoints, oldest first.
+            bounded: apply the bound: the oldest waiting requests are skipped while more than ``max_pending``, or than
+                ``len(saves)`` if that is larger, wait behind the running one. Saves that finish together are never
+                skipped on arrival (NeMo's async save finalizes in bursts; a burst is not consolidation falling
+                behind), only when later ones arrive. The bound applies only once the consolidation process is ready
+                (its start-up is not falling behind either). ``False`` queues ``saves`` without skipping anything
+                (the requests made when ``fit`` ends).
         """
-        save.queued = True
+        if not saves:
+            return
+        for save in saves:
+            save.queued = True
         bounded = bounded and self.process_ready
+        limit = max(self._max_pending, len(saves))
         with self._lock:
-            self._pending.append(save)
-            while bounded and len(self._pending) > self._max_pending + (0 if self._running else 1):
+            self._pending.extend(saves)
+            while bounded and len(self._pending) > limit + (0 if self._running else 1):
                 skipped = self._pending.popleft()
                 self.skipped.append(skipped)
                 log = logger.debug if self._warned_skip else logger.warning
                 log(
                     "Consolidation queue full (1 running, %d waiting): skipping checkpoint %s (global step %d)%s",
-                    self._max_pending,
+                    limit,
                     skipped.path,
                     skipped.global_step,
                     "" if self._warned_skip else "; further skips are logged at debug level",
