@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow
 
 def test_consolidation_metrics_reach_tensorboard_and_the_log(tmp_path):
     report = run_fit(
-        tmp_path, frequency="each", max_steps=6, save_every=1, max_pending=0, tensorboard=True, info_logs=True
-    )
+        tmp_path, frequency="each", max_steps=6, save_every=1, max_pending=0, tensorboard=True, info_logs=True,
+        fault="pause:1",  # the first consolidation is held until training ends: later saves are skipped meanwhile
+    )  # fmt: skip
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(report["tensorboard_dir"])

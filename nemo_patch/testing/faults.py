@@ -20,6 +20,8 @@ moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
 * ``kill:<n>``: SIGKILL the consolidation process once the n-th request is half-way (its temporary output exists).
 * ``hold:<n>``: SIGSTOP the consolidation process as soon as it has the n-th request, so that it is still in flight
   whenever ``fit`` ends (it only dies of the queue's SIGKILL after its SIGTERM grace).
+* ``pause:<n>``: as ``hold``, but SIGCONT when training ends: the consolidations due meanwhile meet a busy process
+  (deterministic skips with a small ``max_pending``), and the n-th still completes.
 * ``readonly:<n>``: bind-mount the n-th consolidated checkpoint's directory read-only before its consolidation starts
   (needs root and mount permission, as on CI).
 * ``fsize:<n>``: serve the n-th request in a consolidation process started with ``RLIMIT_FSIZE`` of 64 KiB (and
@@ -58,8 +60,8 @@ def parse_fault(spec: str) -> Tuple[str, int]:
         ValueError: for an unknown kind or a missing number.
     """
     kind, _, number = spec.partition(":")
-    if kind not in ("kill", "hold", "readonly", "fsize", "sigterm", "die") or not number.isdigit():
-        raise ValueError(f"Invalid fault {spec!r}: expected kill|hold|readonly|fsize|sigterm|die:<n>")
+    if kind not in ("kill", "hold", "pause", "readonly", "fsize", "sigterm", "die") or not number.isdigit():
+        raise ValueError(f"Invalid fault {spec!r}: expected kill|hold|pause|readonly|fsize|sigterm|die:<n>")
     return kind, int(number)
 
 
@@ -87,10 +89,16 @@ class FaultInjector(Callback):
         self.kind, self.number = parse_fault(spec)
         self.mounts: List[Path] = []
         self.started = 0
+        self.paused: Any = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.kind in ("kill", "hold", "readonly", "fsize") and trainer.is_global_zero:
+        if self.kind in ("kill", "hold", "pause", "readonly", "fsize") and trainer.is_global_zero:
             queue = find_base_checkpoint_io(trainer.strategy.checkpoint_io).queue
+            if self.kind == "pause":  # the requests made while it is paused must meet a ready, busy process
+                queue.start_process()
+                deadline = time.monotonic() + 300
+                while not queue.process_ready and time.monotonic() < deadline:
+                    time.sleep(0.05)
             start = queue._start  # the moment a request is handed to the consolidation process
 
             def faulty_start(save: Any) -> None:
@@ -112,7 +120,8 @@ class FaultInjector(Callback):
                         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
                         queue.retire_process()  # started under the limit: the next request must not get it
                 start(save)
-                if self.kind == "hold":
+                if self.kind in ("hold", "pause"):
+                    self.paused = queue._running.process
                     queue._running.process.send_signal(signal.SIGSTOP)
                     return None
                 threading.Thread(target=self._kill_half_way, args=(queue, save), daemon=True).start()
@@ -128,6 +137,10 @@ class FaultInjector(Callback):
                 running.process.send_signal(signal.SIGKILL)
                 return
             time.sleep(0.001)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.kind == "pause" and self.paused is not None and self.paused.poll() is None:
+            self.paused.send_signal(signal.SIGCONT)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.kind == "die" and trainer.global_step == self.number:

@@ -271,28 +271,32 @@ class ConsolidationQueue:
 
         Args:
             saves: the finished checkpoints, oldest first.
-            bounded: apply the bound: the oldest waiting requests are skipped while more than ``max_pending``, or than
-                ``len(saves)`` if that is larger, wait behind the running one. Saves that finish together are never
-                skipped on arrival (NeMo's async save finalizes in bursts; a burst is not consolidation falling
-                behind), only when later ones arrive. The bound applies only once the consolidation process is ready
-                (its start-up is not falling behind either). ``False`` queues ``saves`` without skipping anything
-                (the requests made when ``fit`` ends).
+            bounded: apply the bound: the oldest waiting requests are skipped while more than ``max_pending`` wait
+                behind the running one, but not those of ``saves`` when there are several: saves that finish
+                together are never skipped on arrival (NeMo's async save finalizes in bursts; a burst is not
+                consolidation falling behind), only when later ones arrive. The bound applies only once the
+                consolidation process is ready (its start-up is not falling behind either). ``False`` queues
+                ``saves`` without skipping anything (the requests made when ``fit`` ends).
         """
         if not saves:
             return
         for save in saves:
             save.queued = True
         bounded = bounded and self.process_ready
-        limit = max(self._max_pending, len(saves))
+        burst = {id(save) for save in saves} if len(saves) > 1 else set()
         with self._lock:
             self._pending.extend(saves)
-            while bounded and len(self._pending) > limit + (0 if self._running else 1):
+            while (
+                bounded
+                and len(self._pending) > self._max_pending + (0 if self._running else 1)
+                and id(self._pending[0]) not in burst
+            ):
                 skipped = self._pending.popleft()
                 self.skipped.append(skipped)
                 log = logger.debug if self._warned_skip else logger.warning
                 log(
                     "Consolidation queue full (1 running, %d waiting): skipping checkpoint %s (global step %d)%s",
-                    limit,
+                    self._max_pending,
                     skipped.path,
                     skipped.global_step,
                     "" if self._warned_skip else "; further skips are logged at debug level",

@@ -91,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     consolidate = _consolidator(settings, preload=args.serve)
     try:
-        os.nice(WORKER_NICENESS)  # the consolidations yield to the training job's threads
+        os.nice(_niceness())  # the consolidations yield to the training job's threads
     except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
         pass
     if results is None:
@@ -161,6 +161,13 @@ def _consolidator(
         return None
 
     return consolidate
+
+
+def _niceness() -> int:
+    """:data:`WORKER_NICENESS`, or ``NEMO_PATCH_WORKER_NICENESS`` (an int from 0 to 19) when set: e.g. 0 where the
+    consolidation should not yield to the node's other processes."""
+    value = os.environ.get("NEMO_PATCH_WORKER_NICENESS", "")
+    return int(value) if value.strip().isdigit() and int(value) <= 19 else WORKER_NICENESS
 
 
 def _import_quietly(module: str) -> None:
