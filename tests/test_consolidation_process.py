@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import CheckpointSave
 from nemo_patch.training.settings import ConsolidationSettings
@@ -31,13 +33,19 @@ from nemo_patch.training.settings import ConsolidationSettings
 WORKER = [sys.executable, "-m", "nemo_patch.training.worker", "--serve"]
 
 
+@pytest.fixture()
+def empty(tmp_path):
+    """A directory that is not a checkpoint: its consolidation fails at once with a ``ConsolidationError``."""
+    path = tmp_path / "empty"
+    path.mkdir()
+    return path
+
+
 def _request(path, step=1):
     return json.dumps({"checkpoint": str(path), "global_step": step, "best": None}) + "\n"
 
 
-def test_each_request_gets_one_result_line_and_nothing_else_reaches_stdout(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
+def test_each_request_gets_one_result_line_and_nothing_else_reaches_stdout(empty, tmp_path):
     proc = subprocess.run(WORKER, input=_request(empty) + "\n" + _request(tmp_path / "missing", 2),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -56,9 +64,7 @@ def test_an_unexpected_error_is_answered_then_ends_the_process(tmp_path):
     assert "Traceback" in proc.stderr  # the second request was never read: the queue gives it a new process
 
 
-def test_the_queue_restarts_a_process_that_died_and_names_the_cause(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
+def test_the_queue_restarts_a_process_that_died_and_names_the_cause(empty):
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append(error))
     queue.submit(CheckpointSave(empty, 1, written=True))
@@ -81,9 +87,7 @@ def _wait_ready(queue):
     assert queue.process_ready
 
 
-def test_the_bound_skips_the_oldest_waiting_requests_but_not_bursts_or_the_ones_made_when_fit_ends(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
+def test_the_bound_skips_the_oldest_waiting_requests_but_not_bursts_or_the_ones_made_when_fit_ends(empty):
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append(save.global_step), ConsolidationSettings(max_pending=1))
     queue.start_process()
@@ -104,10 +108,8 @@ def test_the_bound_skips_the_oldest_waiting_requests_but_not_bursts_or_the_ones_
     queue.close()
 
 
-def test_requests_made_while_the_process_starts_are_not_skipped(tmp_path):
+def test_requests_made_while_the_process_starts_are_not_skipped(empty):
     """Its start is paid once per run: requests that arrive meanwhile all wait; the bound applies once it is ready."""
-    empty = tmp_path / "empty"
-    empty.mkdir()
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append(save.global_step), ConsolidationSettings(max_pending=0))
     queue.start_process()
