@@ -135,6 +135,9 @@ REPORT_PREFIX = "BENCH_REPORT "
 # KiB on Linux.
 CONSOLIDATE = r"""
 import json, os, resource, sys
+from nemo_patch.engine.huge_pages import prefer_huge_pages
+
+prefer_huge_pages()  # as nemo-consolidate and the run's consolidation process do, before torch is imported
 from nemo_patch.engine.consolidate import consolidate_checkpoint
 
 writers = []
@@ -162,7 +165,9 @@ print(sys.argv[4] + json.dumps(report), flush=True)
 NODES = r"""
 import json, os, resource, subprocess, sys
 from pathlib import Path
+from nemo_patch.engine.huge_pages import prefer_huge_pages
 
+prefer_huge_pages()  # as the run's consolidation process does; the watchers inherit it, as they get it in a run
 nodes = int(sys.argv[5])
 root = Path(sys.argv[2]).parent.parent  # watchers look for plans in <root>/*/.consolidated.tmp-*/
 command = [sys.executable, "-m", "nemo_patch.training.node_parts", str(root)]

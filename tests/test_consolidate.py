@@ -14,13 +14,13 @@
 
 """The consolidation engine on real checkpoints written by a NeMo fit (see the ``each_run`` fixture)."""
 
-import hashlib
 import json
 import os
 import re
 
 import pytest
 import torch
+from blake3 import blake3
 from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -96,17 +96,17 @@ def _digests_of(data):
     header = json.loads(data[8:header_size])
     header.pop("__metadata__")
     tensors = {
-        name: hashlib.sha256(data[header_size + entry["data_offsets"][0] : header_size + entry["data_offsets"][1]])
+        name: blake3(data[header_size + entry["data_offsets"][0] : header_size + entry["data_offsets"][1]])
         for name, entry in header.items()
     }
-    tree = hashlib.sha256(hashlib.sha256(data[:header_size]).digest())
+    tree = blake3(blake3(data[:header_size]).digest())
     for name in sorted(header, key=lambda name: header[name]["data_offsets"][0]):
         tree.update(tensors[name].digest())
     return {
         "size": len(data),
-        "header_sha256": hashlib.sha256(data[:header_size]).hexdigest(),
-        "tensors_sha256": {name: digest.hexdigest() for name, digest in tensors.items()},
-        "sha256_tree": tree.hexdigest(),
+        "header_blake3": blake3(data[:header_size]).hexdigest(),
+        "tensors_blake3": {name: digest.hexdigest() for name, digest in tensors.items()},
+        "blake3_tree": tree.hexdigest(),
     }
 
 
@@ -200,7 +200,7 @@ def test_sharded_output_matches_the_single_file(each_run, checkpoint_copy):
     for name, entry in meta["files"].items():
         data = (out / name).read_bytes()
         if name.endswith(".json"):
-            assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            assert entry == {"size": len(data), "blake3": blake3(data).hexdigest()}
         else:
             assert entry == _digests_of(data)
 

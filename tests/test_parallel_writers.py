@@ -166,8 +166,8 @@ def test_verify_digests_names_a_changed_tensor_and_a_changed_header(reference, t
         (out / name).write_bytes(data)
     assert verify_digests(out) > 0
     meta = json.loads((out / "metadata.json").read_text())
-    name, entry = next((n, e) for n, e in meta["files"].items() if "tensors_sha256" in e)
-    tensor = sorted(entry["tensors_sha256"])[0]
+    name, entry = next((n, e) for n, e in meta["files"].items() if "tensors_blake3" in e)
+    tensor = sorted(entry["tensors_blake3"])[0]
     with open(out / name, "rb") as handle:
         header_size = 8 + int.from_bytes(handle.read(8), "little")
         begin = json.loads(handle.read(header_size - 8))[tensor]["data_offsets"][0]

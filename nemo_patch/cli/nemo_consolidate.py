@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Text
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.huge_pages import prefer_huge_pages
 from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.training.latest import locate_checkpoint
 from nemo_patch.training.settings import ACCEPTED_FORMATS, validate_max_shard_size
@@ -266,6 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    prefer_huge_pages()  # before torch is imported: this process exists to consolidate
     from nemo_patch.cli.distributed import LaunchedGroup
 
     try:

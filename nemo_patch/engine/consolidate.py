@@ -111,7 +111,7 @@ class ConsolidationResult:
         tensor_count: number of tensors in ``model.safetensors`` (after splitting stacked layers).
         total_bytes: sum of the tensors' data sizes in bytes (``numel * element_size``), excluding headers.
         global_step: the global step recorded in ``metadata.json`` (``None`` if unknown).
-        files: output file name -> its digest in ``metadata.json`` (``sha256_tree`` of a safetensors file, ``sha256``
+        files: output file name -> its digest in ``metadata.json`` (``blake3_tree`` of a safetensors file, ``blake3``
             of a JSON file; :mod:`nemo_patch.engine.digests`).
         kind: ``"model"``, or ``"adapter"`` for a PEFT adapter checkpoint's adapters.
         stage_seconds: busy seconds per stage over every writer (:mod:`nemo_patch.engine.stage_times`).
@@ -328,5 +328,5 @@ def consolidate_checkpoint(
             verify_digests(tmp_dir)
     seconds = own.snapshot()
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
-    files = {name: entry.get("sha256_tree", entry.get("sha256", "")) for name, entry in entries.items()}
+    files = {name: entry.get("blake3_tree", entry.get("blake3", "")) for name, entry in entries.items()}
     return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files, kind, seconds)

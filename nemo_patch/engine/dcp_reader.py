@@ -20,15 +20,18 @@ asks DCP's own planner helpers for exactly the chunk overlaps of a region (``cre
 lets ``FileSystemReader.read_data`` copy them into a destination tensor, so peak memory is one region plus the saved
 chunk being read (DCP loads a stored chunk whole, with ``torch.load(weights_only=True)``). No process group is used.
 
-Imports the standard library, torch and the engine's stage times only; never NeMo, Lightning or megatron-core, and
-nothing outside the engine.
+The CRC-32 of the stored records is computed with ``zlib-ng`` (the zip format's CRC-32, the same value as
+``zlib.crc32``): about 30 GB/s with the CPU's carry-less multiply, against 4 GB/s for Debian 12's system zlib, which
+made the check about 40% of the read stage.
+
+Imports the standard library, torch, ``zlib-ng`` and the engine's stage times only; never NeMo, Lightning or
+megatron-core, and nothing outside the engine.
 """
 
 import io
 import os
 import time
 import zipfile
-import zlib
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from zlib_ng.zlib_ng import crc32
 
 from nemo_patch.engine.stage_times import stage_times
 
@@ -151,7 +155,7 @@ class _CheckedWindow(_Window):
         got = super().readinto(buffer)
         member = self.pending.get(start)
         if member is not None and member[0] == got:
-            if zlib.crc32(memoryview(buffer)[:got]) != member[1]:
+            if crc32(memoryview(buffer)[:got]) != member[1]:
                 self.failed.append(member[2])  # raised by finish(): an error raised here would reach torch.load
             del self.pending[start]
         return got

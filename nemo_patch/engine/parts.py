@@ -147,7 +147,7 @@ class PartResult:
     """What filling one part did.
 
     Attributes:
-        digests: tensor name -> sha256 hex digest of its data bytes.
+        digests: tensor name -> BLAKE3 hex digest of its data bytes.
         nbytes: tensor-data bytes written.
         stage_seconds: busy seconds per stage (:mod:`nemo_patch.engine.stage_times`).
     """

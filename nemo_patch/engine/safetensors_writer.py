@@ -33,7 +33,6 @@ Sharding follows ``transformers``' ``save_pretrained``: files ``model-00001-of-0
 Imports the standard library and torch only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
-import hashlib
 import json
 import os
 import struct
@@ -187,8 +186,8 @@ def create_files(directory: Path, files: Sequence[OutputFile]) -> None:
             os.fsync(handle.fileno())
 
 
-def write_index(path: Path, shards: Iterable[Tuple[str, Sequence[TensorSpec]]]) -> str:
-    """Write ``model.safetensors.index.json`` for ``(filename, specs)`` shards; returns its sha256 hex digest."""
+def write_index(path: Path, shards: Iterable[Tuple[str, Sequence[TensorSpec]]]) -> None:
+    """Write ``model.safetensors.index.json`` for ``(filename, specs)`` shards (Hugging Face's sharded layout)."""
     shards = list(shards)
     index = {
         "metadata": {"total_size": sum(spec.nbytes for _, specs in shards for spec in specs)},
@@ -196,4 +195,3 @@ def write_index(path: Path, shards: Iterable[Tuple[str, Sequence[TensorSpec]]]) 
     }
     data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
     path.write_bytes(data)
-    return hashlib.sha256(data).hexdigest()

@@ -16,10 +16,11 @@
 
 Stages (:data:`STAGES`): ``metadata`` (read the checkpoint's metadata, plan the outputs, lay out and create the
 files), ``read_crc`` (load stored records and check their CRC-32), ``placement`` (copy each loaded chunk into its
-place in the output tensor, casting if asked), ``hashing`` (sha256 of each output tensor), ``write`` (copy the bytes
-into the output files) and ``fsync`` (make them durable). Stages overlap: a writer reads the next tensor while it
-writes and hashes the current one, and several writers run at once, so the sum is more than the wall time; the
-largest stage is the bottleneck. ``scripts/bench_consolidation.py`` prints them.
+place in the output tensor, casting if asked), ``hashing`` (BLAKE3 of each output tensor), ``write`` (copy the bytes
+into the output files) and ``fsync`` (make them durable: the ``fdatasync`` calls that run beside the writes, then the
+final ``fsync``). Stages overlap: a writer reads the next tensor while it writes, hashes and syncs the current one,
+and several writers run at once, so the sum is more than the wall time; the largest stage is the bottleneck.
+``scripts/bench_consolidation.py`` prints them.
 
 Standard library only.
 """

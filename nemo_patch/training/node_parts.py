@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.huge_pages import with_huge_pages
 from nemo_patch.engine.parts import PartJob, PartResult, open_job_sources, run_parts, split_shares
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.tensor_sources import Sources
@@ -225,7 +226,7 @@ class NodePartWatcher:
             logger.warning("The consolidation part watcher of node %d exited (%s); starting another",
                            self.node_rank, self._process.returncode)  # fmt: skip
         command = [sys.executable, "-m", "nemo_patch.training.node_parts", str(self.root), str(self.node_rank)]
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE)
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, env=with_huge_pages(os.environ))
 
     def _closed(self) -> bool:
         marker = self.root / CLOSED_MARKER

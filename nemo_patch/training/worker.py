@@ -47,6 +47,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, List, Optional
 
+from nemo_patch.engine.huge_pages import prefer_huge_pages
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
 __all__ = ["WORKER_NICENESS", "build_parser", "main"]
@@ -89,6 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings: ConsolidationSettings = args.settings
     # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    prefer_huge_pages()  # before torch is imported: this process exists to consolidate
     consolidate = _consolidator(settings, preload=args.serve)
     try:
         os.nice(_niceness())  # the consolidations yield to the training job's threads
