@@ -22,7 +22,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python"
   exit 0
 fi
 
-echo "setup_env: creating $venv with $("$python" --version 2>&1) (about 2-3 minutes the first time)"
+echo "setup_env: creating $venv with $("$python" --version 2>&1) (about 2-4 minutes the first time)"
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # torch first, pinned, so that no resolver step can reach for a multi-GB CUDA build.

@@ -33,6 +33,7 @@ from nemo_patch.training.retention import (
     prune_retained,
     repoint_latest,
     retain_output,
+    retained_name,
 )
 
 
@@ -74,6 +75,23 @@ def test_a_last_copy_is_retained_once_under_its_steps_name(tmp_path):
     assert retain_output(own, "consolidated") is not None
     assert retain_output(last, "consolidated") is None  # same step, already retained
     assert sorted(p.name for p in (tmp_path / RETAINED_DIRNAME).iterdir()) == [own.name]
+
+
+@pytest.mark.parametrize("own", ["with its output", "without an output", "being removed", "absent"])
+def test_a_last_copy_is_retained_only_when_no_other_output_of_its_step_exists(tmp_path, own):
+    if own != "absent":
+        checkpoint = _checkpoint(tmp_path, 8, consolidated=own != "without an output")
+        if own == "being removed":
+            _removing(checkpoint)
+    last = _checkpoint(tmp_path, 8, last=True)
+    _checkpoint(tmp_path, 6)  # another step's output changes nothing
+    _removing(last)
+    entry = retain_output(last, "consolidated")
+    if own == "with its output":
+        assert entry is None and not (tmp_path / RETAINED_DIRNAME).exists()  # its own output is retained later
+    else:
+        assert entry == tmp_path / RETAINED_DIRNAME / retained_name(last)
+        assert json.loads((entry / "consolidated" / "metadata.json").read_text())["retained_from"] == last.name
 
 
 def test_nothing_to_retain_without_a_complete_output(tmp_path):

@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "
         "11 a layout that cannot be named safely, 12 an adapter checkpoint whose model class has no hf-peft "
-        "exporter, 13 adapters that cannot be merged (e.g. base checkpoint missing), 1 other.",
+        "exporter, 13 adapters that cannot be merged (e.g. base checkpoint missing), 14 --best for a run that "
+        "recorded no monitored metric, 1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "

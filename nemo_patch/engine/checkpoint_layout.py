@@ -163,7 +163,8 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
     if _is_consolidated_output(path):
         raise NotACheckpointError(
             f"{path} is a consolidated output (nemo_patch's metadata.json and safetensors files), not a distributed "
-            "checkpoint: give the checkpoint directory that holds it"
+            "checkpoint: give the checkpoint directory that holds it (for one written elsewhere with --out, "
+            "check it with: nemo-consolidate <checkpoint> --verify --out <this directory>)"
         )
     if (path / "weights").is_dir():
         checkpoint_dir, weights_dir = path, path / "weights"

@@ -140,8 +140,10 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
         output_name: ``consolidated`` or ``hf``.
 
     Returns:
-        The retained entry ``<root>/retained/<name>``, or ``None`` if the checkpoint holds no complete output or an
-        entry of that name exists already (a step's ``-last`` copy whose own checkpoint's output was retained).
+        The retained entry ``<root>/retained/<name>``, or ``None`` if the checkpoint holds no complete output, an
+        entry of that name exists already (a step's ``-last`` copy whose own checkpoint's output was retained), or the
+        checkpoint is a ``-last`` copy and another complete output of its global step exists (its own checkpoint's,
+        which NeMo keeps for now and which is retained when it is removed).
 
     Raises:
         OSError: the files cannot be linked or copied (nothing is left behind).
@@ -155,6 +157,11 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     entry = checkpoint_dir.parent / RETAINED_DIRNAME / retained_name(checkpoint_dir)
     if (entry / output_name).exists():
         return None
+    if checkpoint_dir.name.endswith(_LAST_SUFFIX):
+        step = _global_step(source)
+        others = consolidated_outputs(checkpoint_dir.parent, output_name)
+        if any(other.global_step == step and other.entry != checkpoint_dir for other in others):
+            return None
     entry.mkdir(parents=True, exist_ok=True)
     metadata["retained_from"] = checkpoint_dir.name
     if isinstance(metadata.get("source_checkpoint"), str):  # still names the removed checkpoint's weights
