@@ -36,7 +36,7 @@ same 256-bit output and 128-bit collision resistance, and it hashes about 4.9 GB
 1.8 GB/s with the CPU's SHA extensions (AMD EPYC, 256 MiB buffer); with sha256, hashing took 29% of a writer's busy
 seconds. Every digest is 64 lowercase hex characters, the value ``b3sum`` gives for the same bytes.
 
-Standard library and ``blake3`` only.
+Imports the standard library, ``blake3`` and the engine's errors and output layout only.
 """
 
 import json
