@@ -25,6 +25,7 @@ Example:
 """
 
 import argparse
+import logging
 import re
 import sys
 import time
@@ -92,6 +93,13 @@ def main() -> int:
         help="ckpt_consolidation_keep: consolidated outputs kept when top-k removes their checkpoints (default: all)",
     )
     args = parser.parse_args()
+    # nemo_patch's own INFO lines (one per published consolidation), on stderr in logging's default format.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    package_logger = logging.getLogger("nemo_patch")
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
+    package_logger.propagate = False
 
     from nemo_patch.testing.fit_run import run_tiny_fit
     from nemo_patch.training.policy import parse_consolidation_frequency
