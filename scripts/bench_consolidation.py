@@ -375,11 +375,6 @@ def consolidation_methods(workers_list: Sequence[int], default_workers: int) -> 
     return rows
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on (``sched_getaffinity``; ``os.cpu_count()`` where that is missing)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def build_methods(workers_list: Sequence[int], default_workers: int) -> List[Method]:
     """Every row, in the order each round runs them."""
     return [
@@ -570,7 +565,7 @@ def print_targets(
     startup, durable, dcp = results[STARTUP_NAME].wall, results[DURABLE_NAME].wall, results[DCP_NAME].wall
     by_workers = one_node(methods, results)
     one, two, default = by_workers[1], by_workers.get(2), by_workers[default_workers]
-    usable = usable_cores()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     print()
     print("targets, each a ratio measured in this run")
     print(

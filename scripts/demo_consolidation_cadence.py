@@ -93,7 +93,7 @@ def main() -> int:
         help="ckpt_consolidation_keep: consolidated outputs kept when top-k removes their checkpoints (default: all)",
     )
     args = parser.parse_args()
-    # nemo_patch's own INFO lines (one per published consolidation), on stderr in logging's default format.
+    # nemo_patch's own INFO lines (a consolidation started, one published), on stderr in logging's default format.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
     package_logger = logging.getLogger("nemo_patch")

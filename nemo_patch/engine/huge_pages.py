@@ -38,7 +38,7 @@ from typing import Dict, Mapping
 
 __all__ = ["THP_VARIABLE", "prefer_huge_pages", "with_huge_pages"]
 
-#: torch's switch for 2 MiB-aligned, ``MADV_HUGEPAGE`` CPU allocations of 2 MiB or more (c10 ``alloc_cpu``).
+#: torch's switch for ``MADV_HUGEPAGE`` on CPU allocations of 2 MiB or more (c10 ``alloc_cpu``).
 THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
 
