@@ -35,7 +35,6 @@ any other ``sharded_backend``.
 Standard library only (no torch); never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from nemo_patch.engine.errors import (
     UnfinishedCheckpointError,
     UnsupportedFormatError,
 )
+from nemo_patch.engine.safe_files import read_json_file
 
 __all__ = [
     "ADAPTER_METADATA",
@@ -105,7 +105,7 @@ def sharded_backend(weights_dir: Path) -> str:
     file, ``"zarr"`` when Zarr array directories are there (a zarr save that never finished), else ``"torch_dist"``
     (a plain DCP directory)."""
     try:
-        config = json.loads((weights_dir / "metadata.json").read_text())
+        config = read_json_file(weights_dir / "metadata.json")
     except (OSError, ValueError):
         try:
             is_zarr = any((entry / ".zarray").is_file() for entry in weights_dir.iterdir() if entry.is_dir())
@@ -118,7 +118,7 @@ def sharded_backend(weights_dir: Path) -> str:
 def _is_consolidated_output(path: Path) -> bool:
     """Whether ``path`` is an output this package wrote (``metadata.json`` with its ``format_version``)."""
     try:
-        return "format_version" in json.loads((path / "metadata.json").read_text()) and not (path / "weights").exists()
+        return "format_version" in read_json_file(path / "metadata.json") and not (path / "weights").exists()
     except (OSError, ValueError, TypeError):
         return False
 
@@ -189,7 +189,7 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
     adapter, base = (weights_dir / ADAPTER_METADATA).is_file(), None
     if adapter:
         try:
-            base = json.loads((weights_dir / ADAPTER_METADATA).read_text()).get("model_ckpt_path")
+            base = read_json_file(weights_dir / ADAPTER_METADATA).get("model_ckpt_path")
         except (OSError, ValueError, AttributeError):
             base = None
     last_file = "metadata.json" if backend == "zarr" else ".metadata"

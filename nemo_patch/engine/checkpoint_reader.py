@@ -33,6 +33,8 @@ from nemo_patch.engine.checkpoint_layout import sharded_backend
 from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 from nemo_patch.engine.dcp_reader import DCPRegionReader
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
+from nemo_patch.engine.layout_checks import check_dcp_layout
+from nemo_patch.engine.plan import model_tensor_keys
 from nemo_patch.engine.zarr_reader import ZarrRegionReader, read_zarr_metadata
 
 __all__ = ["RegionReader", "open_weights"]
@@ -66,7 +68,10 @@ def open_weights(
         ``(metadata, reader)``.
 
     Raises:
-        CorruptShardError: the metadata cannot be read (``.metadata`` truncated or corrupt, a ``.zarray`` unreadable).
+        CorruptShardError: the metadata cannot be read (``.metadata`` truncated, corrupt or holding values of the
+            wrong types, a ``.zarray`` unreadable), or the model entries' chunks do not tile their tensors or name
+            shard files that are missing, outside ``weights/``, not regular files or too short
+            (:func:`nemo_patch.engine.layout_checks.check_dcp_layout`).
         UnsupportedFormatError: a zarr array this package cannot read safely, or zarr/ml_dtypes not installed.
         ConsolidationError: any other backend.
     """
@@ -77,12 +82,13 @@ def open_weights(
         return metadata, ZarrRegionReader(weights_dir, metadata)
     if backend != "torch_dist":
         raise ConsolidationError(f"{weights_dir}: cannot read a '{backend}' checkpoint")
-    if metadata is not None:
-        return metadata, DCPRegionReader(weights_dir, metadata)
-    try:
-        metadata = read_dcp_metadata(weights_dir)
-    except Exception as error:  # OSError, pickle.UnpicklingError, EOFError
-        raise CorruptShardError(
-            f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: {error}"
-        ) from error
-    return metadata, DCPRegionReader(weights_dir, metadata)
+    if metadata is None:
+        try:
+            metadata = read_dcp_metadata(weights_dir)
+        except Exception as error:  # OSError, pickle.UnpicklingError, EOFError
+            raise CorruptShardError(
+                f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: "
+                f"{error}"
+            ) from error
+    files = check_dcp_layout(weights_dir, metadata, model_tensor_keys(metadata))
+    return metadata, DCPRegionReader(weights_dir, metadata, files=files)

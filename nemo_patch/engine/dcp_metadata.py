@@ -12,33 +12,71 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Read a ``torch.distributed.checkpoint`` ``.metadata`` file without running arbitrary code.
+"""Read a ``torch.distributed.checkpoint`` ``.metadata`` file without running code, and check what it declares.
 
 The DCP ``.metadata`` file is a pickle: PyTorch's ``FileSystemReader.read_metadata`` unpickles it with no
-restrictions, and megatron-core writes its own ``MCoreMetadata`` subclass into it, so reading it that way imports (and
-runs) megatron-core. :func:`read_dcp_metadata` unpickles it with an allowlist: PyTorch's DCP metadata classes,
-``torch.Size``, dtypes and layouts, and local stand-ins for megatron-core's ``MCoreMetadata``/``MCoreSavePlan`` (plain
-dataclasses with the same fields). Any other global in the file is refused with ``pickle.UnpicklingError``.
+restrictions (any callable named in the file runs), and megatron-core writes its own ``MCoreMetadata`` subclass into
+it, so reading it that way also imports megatron-core. :func:`read_dcp_metadata` unpickles it with an exact allowlist:
+a table from ``(module, name)`` to the one object that name may resolve to (:data:`_ALLOWED`): the DCP metadata
+dataclasses and enums, ``torch.Size``, each ``torch.dtype`` and ``torch.layout`` by name, torch's layout helper, local
+stand-ins for megatron-core's ``MCoreMetadata``/``MCoreSavePlan`` (plain dataclasses with the same fields), and four
+builtin containers. Nothing is looked up by attribute: a name outside the table (a module object, ``__builtins__``,
+a function of an allowed module) is refused with ``pickle.UnpicklingError``. The objects in the table are data
+holders; calling one (``REDUCE``) or rebuilding one (``BUILD``) runs no code of the file's choosing.
+
+Why not torch's own hardened unpickler (``torch._weights_only_unpickler``, behind ``torch.load(weights_only=True)``):
+it implements pickle protocol 2 only, and DCP writes ``.metadata`` with ``pickle.dump``'s default protocol (4 or 5:
+``FRAME``, ``STACK_GLOBAL``, ``MEMOIZE``), which it rejects (``Unsupported operand 149``). The stored tensors
+themselves are read with ``torch.load(weights_only=True)`` (:mod:`nemo_patch.engine.dcp_reader`).
+
+An unpickled file can still hold wrong values of the right classes (``size="abc"``, ``chunks=None``, an integer key);
+:func:`validate_metadata` checks every field the engine reads, so such a file fails as corrupt metadata naming the
+entry, not with a traceback later.
 
 Imports the standard library and torch only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
+import io
 import pickle
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint import planner as dcp_planner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
-__all__ = ["read_dcp_metadata"]
+from nemo_patch.engine.safe_files import read_regular_file
+
+__all__ = ["InvalidMetadataError", "read_dcp_metadata", "validate_metadata"]
 
 _METADATA_FILE = ".metadata"
 _MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
+#: The most bytes a ``.metadata`` file may have (a large MoE model's is tens of MB; the bound keeps a
+#: crafted file from growing memory without end).
+MAX_METADATA_BYTES = 512 << 20
+
+
+class InvalidMetadataError(pickle.UnpicklingError):
+    """The ``.metadata`` file unpickled, but what it declares is not valid DCP metadata; the message names the
+    entry."""
 
 
 @dataclass
@@ -55,34 +93,124 @@ class MCoreSavePlan(SavePlan):
     mcore_data: Optional[Dict[str, Dict[str, Any]]] = None
 
 
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": dcp_metadata,
-    "torch.distributed.checkpoint.filesystem": dcp_filesystem,
-    "torch.distributed.checkpoint.planner": dcp_planner,
-}
-_STANDINS = {(_MCORE_MODULE, "MCoreMetadata"): MCoreMetadata, (_MCORE_MODULE, "MCoreSavePlan"): MCoreSavePlan}
-_BUILTINS = {"set", "frozenset", "slice", "complex"}
+def _allowed() -> Dict[Tuple[str, str], Any]:
+    table: Dict[Tuple[str, str], Any] = {}
+    metadata_classes: Tuple[type, ...] = (Metadata, MetadataIndex, StorageMeta, TensorProperties,
+                                          TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+                                          _MEM_FORMAT_ENCODING)  # fmt: skip
+    for cls in metadata_classes:
+        table[("torch.distributed.checkpoint.metadata", cls.__name__)] = cls
+    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    planner_classes: Tuple[type, ...] = (SavePlan, WriteItem, WriteItemType, TensorWriteData, BytesIOWriteData)
+    for cls in planner_classes:
+        table[("torch.distributed.checkpoint.planner", cls.__name__)] = cls
+    table[(_MCORE_MODULE, "MCoreMetadata")] = MCoreMetadata
+    table[(_MCORE_MODULE, "MCoreSavePlan")] = MCoreSavePlan
+    table[("torch", "Size")] = torch.Size
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, (torch.dtype, torch.layout)):
+            table[("torch", name)] = value
+    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    table[("collections", "OrderedDict")] = OrderedDict
+    for builtin in (set, frozenset, slice, complex):
+        table[("builtins", builtin.__name__)] = builtin
+    return table
+
+
+#: ``(module, name)`` -> the object a ``.metadata`` pickle may name: nothing else resolves.
+_ALLOWED = _allowed()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _STANDINS:
-            return _STANDINS[(module, name)]
-        if module in _ALLOWED and hasattr(_ALLOWED[module], name):
-            return getattr(_ALLOWED[module], name)
-        if module == "torch" and (
-            name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+        try:
+            return _ALLOWED[(module, name)]
+        except (KeyError, TypeError):
+            raise pickle.UnpicklingError(
+                f"refusing to load {module}.{name} from DCP metadata: not a metadata type"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("DCP metadata holds a persistent id; refusing it")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_size(value: Any, what: str, ndim: Optional[int] = None) -> None:
+    if not isinstance(value, torch.Size) or not all(_is_int(n) and n >= 0 for n in value):
+        raise InvalidMetadataError(f"{what} is {value!r}, not a torch.Size of non-negative integers")
+    if ndim is not None and len(value) != ndim:
+        raise InvalidMetadataError(f"{what} has {len(value)} dimensions, the tensor {ndim}")
+
+
+def validate_metadata(metadata: Any) -> Metadata:
+    """Check that unpickled DCP metadata holds what the engine reads, with the right types.
+
+    Checked: ``state_dict_metadata`` is a dict from ``str`` keys to ``TensorStorageMetadata`` (``properties`` with a
+    ``torch.dtype``; ``size`` a ``torch.Size`` of non-negative ints; ``chunks`` a list of ``ChunkStorageMetadata``
+    whose ``offsets`` and ``sizes`` are ``torch.Size`` of the tensor's rank) or ``BytesStorageMetadata``; and
+    ``storage_data`` (when present) a dict from ``MetadataIndex`` (``fqn`` a ``str``, ``offset`` a ``torch.Size`` or
+    ``None``) to ``_StorageInfo`` (``relative_path`` a ``str``, ``offset`` and ``length`` non-negative ints). Whether
+    the chunks tile their tensor and where the files are is checked later (:mod:`nemo_patch.engine.layout_checks`).
+
+    Args:
+        metadata: what the ``.metadata`` file unpickled to.
+
+    Returns:
+        ``metadata``, unchanged.
+
+    Raises:
+        InvalidMetadataError: naming the first entry and field that is wrong.
+    """
+    if not isinstance(metadata, Metadata):
+        raise InvalidMetadataError(f"DCP metadata holds a {type(metadata).__name__}, not a Metadata")
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise InvalidMetadataError(f"state_dict_metadata is a {type(entries).__name__}, not a dict")
+    for key, item in entries.items():
+        if not isinstance(key, str):
+            raise InvalidMetadataError(f"state_dict_metadata has a key {key!r} that is not a string")
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise InvalidMetadataError(f"entry {key}: a {type(item).__name__}, not tensor or bytes metadata")
+        if not isinstance(item.properties, TensorProperties) or not isinstance(item.properties.dtype, torch.dtype):
+            raise InvalidMetadataError(f"entry {key}: properties {item.properties!r} name no torch dtype")
+        _check_size(item.size, f"entry {key}: size")
+        if not isinstance(item.chunks, list):
+            raise InvalidMetadataError(f"entry {key}: chunks is {type(item.chunks).__name__}, not a list")
+        for number, chunk in enumerate(item.chunks):
+            if not isinstance(chunk, ChunkStorageMetadata):
+                raise InvalidMetadataError(f"entry {key}: chunk {number} is a {type(chunk).__name__}")
+            _check_size(chunk.offsets, f"entry {key}: chunk {number} offsets", len(item.size))
+            _check_size(chunk.sizes, f"entry {key}: chunk {number} sizes", len(item.size))
+    storage = metadata.storage_data
+    if storage is None:
+        return metadata
+    if not isinstance(storage, dict):
+        raise InvalidMetadataError(f"storage_data is a {type(storage).__name__}, not a dict")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise InvalidMetadataError(f"storage_data has a key {index!r} that is not a MetadataIndex")
+        if index.offset is not None:
+            _check_size(index.offset, f"storage_data[{index.fqn}]: offset")
+        if not isinstance(info, _StorageInfo):
+            raise InvalidMetadataError(f"storage_data[{index.fqn}] is a {type(info).__name__}, not a _StorageInfo")
+        if not isinstance(info.relative_path, str) or not all(
+            _is_int(n) and n >= 0 for n in (info.offset, info.length)
         ):
-            return getattr(torch, name)
-        if module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout
-        if module == "collections" and name == "OrderedDict" or module == "builtins" and name in _BUILTINS:
-            return pickle.Unpickler.find_class(self, module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata: not a metadata type")
+            raise InvalidMetadataError(
+                f"storage_data[{index.fqn}]: relative_path {info.relative_path!r}, offset {info.offset!r}, length "
+                f"{info.length!r}: expected a file name and non-negative byte counts"
+            )
+    return metadata
 
 
 def read_dcp_metadata(dcp_dir: Path) -> Metadata:
-    """Read ``<dcp_dir>/.metadata`` with the allowlist described in the module docstring.
+    """Read ``<dcp_dir>/.metadata`` with torch's hardened unpickler (module docstring) and check it.
 
     Args:
         dcp_dir: a ``torch.distributed.checkpoint`` directory (NeMo's ``<ckpt>/weights``).
@@ -91,14 +219,15 @@ def read_dcp_metadata(dcp_dir: Path) -> Metadata:
         The DCP ``Metadata`` (megatron-core's ``MCoreMetadata`` comes back as this module's stand-in subclass).
 
     Raises:
-        OSError: if the file cannot be read.
-        pickle.UnpicklingError: if the file names a global outside the allowlist, or is truncated or corrupt.
+        OSError: if the file cannot be read, is not a regular file, or is larger than :data:`MAX_METADATA_BYTES`.
+        pickle.UnpicklingError: if the file names a global outside the allowlist, or is truncated or corrupt;
+            :class:`InvalidMetadataError` (a subclass) if it unpickles to values of the wrong types.
     """
-    with open(Path(dcp_dir) / _METADATA_FILE, "rb") as handle:
-        try:
-            metadata = _MetadataUnpickler(handle).load()
-        except (EOFError, ValueError, TypeError, AttributeError) as error:
-            raise pickle.UnpicklingError(f"corrupt DCP metadata: {type(error).__name__}: {error}") from error
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"DCP metadata holds a {type(metadata).__name__}, not a Metadata")
-    return metadata
+    data = read_regular_file(Path(dcp_dir) / _METADATA_FILE, MAX_METADATA_BYTES)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception as error:  # EOFError, ValueError, TypeError, RuntimeError, ... from a damaged file
+        raise pickle.UnpicklingError(f"corrupt DCP metadata: {type(error).__name__}: {error}") from error
+    return validate_metadata(metadata)

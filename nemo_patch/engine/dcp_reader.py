@@ -16,76 +16,46 @@
 
 ``torch.distributed.checkpoint.load`` reads whole tensors into a state dict. Consolidating a large checkpoint needs
 less: one output tensor at a time, i.e. one layer of megatron-core's layer-stacked ``[L, ...]`` tensors. This module
-asks DCP's own planner helpers for exactly the chunk overlaps of a region (``create_read_items_for_chunk_list``) and
-lets ``FileSystemReader.read_data`` copy them into a destination tensor, so peak memory is one region plus the saved
-chunk being read (DCP loads a stored chunk whole, with ``torch.load(weights_only=True)``). No process group is used.
+asks DCP's own planner helper for exactly the chunk overlaps of a region (``create_read_items_for_chunk_list``) and
+copies them into a destination tensor, so peak memory is one region plus the stored chunk being read (a stored chunk
+is loaded whole, with ``torch.load(weights_only=True)``). No process group is used.
 
-The CRC-32 of the stored records is computed with ``zlib-ng`` (the zip format's CRC-32, the same value as
-``zlib.crc32``): about 30 GB/s with the CPU's carry-less multiply, against 4 GB/s for Debian 12's system zlib, which
-made the check about 40% of the read stage.
+The read loop is this module's own, not ``FileSystemReader.read_data``, because a checkpoint is not trusted:
 
-Imports the standard library, torch, ``zlib-ng`` and the engine's stage times only; never NeMo, Lightning or
-megatron-core, and nothing outside the engine.
+* files are opened only by the paths :func:`nemo_patch.engine.layout_checks.check_dcp_layout` checked (a plain name,
+  inside ``weights/``, a regular file, the record inside it), never by joining what the metadata says;
+* each stored record must hold a tensor of exactly the dtype the metadata declares and the shape of its chunk (DCP
+  would narrow a larger one and cast another dtype silently);
+* the chunks read must cover the region exactly (they are proven not to overlap first), so no byte of the
+  destination is left as it was allocated;
+* the CRC-32 of the stored records is checked on the bytes ``torch.load`` reads (:class:`_CheckedWindow`).
+
+The CRC-32 is computed with ``zlib-ng`` (the zip format's CRC-32, the same value as ``zlib.crc32``): about 30 GB/s
+with the CPU's carry-less multiply, against 4 GB/s for Debian 12's system zlib, which made the check about 40% of the
+read stage.
+
+Imports the standard library, torch, ``zlib-ng`` and the engine only; never NeMo, Lightning or megatron-core.
 """
 
 import io
-import os
+import math
 import time
 import zipfile
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import IO, Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from zlib_ng.zlib_ng import crc32
 
+from nemo_patch.engine.layout_checks import check_dcp_layout
+from nemo_patch.engine.safe_files import open_regular
 from nemo_patch.engine.stage_times import stage_times
 
-__all__ = ["ChecksummedFileSystemReader", "DCPRegionReader"]
-
-
-class _RegionLoadPlanner(LoadPlanner):
-    """Loads one rectangular region of one tensor into a given destination tensor."""
-
-    def __init__(self, key: str, offsets: Sequence[int], destination: torch.Tensor) -> None:
-        self.key = key
-        self.offsets = torch.Size(offsets)
-        self.destination = destination
-        self.metadata: Optional[Metadata] = None
-        self._placing = 0.0
-
-    def set_up_planner(
-        self, state_dict: Any, metadata: Optional[Metadata] = None, is_coordinator: bool = False
-    ) -> None:
-        self.metadata = metadata
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None, "set_up_planner() first"
-        item = self.metadata.state_dict_metadata[self.key]
-        assert isinstance(item, TensorStorageMetadata), f"{self.key} is not a tensor entry"
-        region = ChunkStorageMetadata(offsets=self.offsets, sizes=self.destination.shape)
-        return LoadPlan(create_read_items_for_chunk_list(self.key, item, [region]))
-
-    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
-        return global_plan
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return central_plan
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        raise RuntimeError(f"{read_item.dest_index.fqn} is stored as bytes, not as a tensor")
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        self._placing = time.perf_counter()  # DCP copies the loaded chunk into this view, then calls commit_tensor
-        return narrow_tensor_by_index(self.destination, read_item.dest_offsets, read_item.lengths)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        # resolve_tensor returned a view of the destination: the data is already in place
-        stage_times.add("placement", time.perf_counter() - self._placing)
+__all__ = ["DCPRegionReader"]
 
 
 class _Window(io.RawIOBase):
@@ -180,70 +150,14 @@ class _CheckedWindow(_Window):
         self.unfused.clear()
 
 
-class ChecksummedFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` that checks the CRC-32 of every stored record ``torch.load`` reads.
-
-    Every tensor chunk in a ``.distcp`` file is a ``torch.save`` zip archive, whose records carry the CRC-32 of their
-    data (written by ``torch.save`` unless ``torch.serialization.config.save.compute_crc32`` was turned off; a record
-    with a stored CRC of 0 is not checked). ``torch.load`` does not check it, so a flipped bit in tensor data would be
-    read silently; this reader computes it on the bytes as ``torch.load`` reads them (:class:`_CheckedWindow`), and
-    :meth:`finish_checks`, after ``read_data``, checks whatever was not seen whole.
-
-    Raises (from ``read_data`` or :meth:`finish_checks`):
-        EOFError: the shard file is shorter than the record (truncated); the message names the file.
-        zipfile.BadZipFile: a record's data does not match its CRC-32, or the archive structure is damaged; the
-            message names the file and the record's byte offset.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._windows: List[_CheckedWindow] = []
-
-    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        where = f"{sinfo.relative_path}, record at byte {sinfo.offset}"
-        size = os.fstat(file.fileno()).st_size
-        if size < sinfo.offset + sinfo.length:
-            raise EOFError(f"{where}: the file ends {sinfo.offset + sinfo.length - size} bytes early (truncated)")
-        if getattr(sinfo, "transform_descriptors", None):  # a compressed or otherwise transformed record
-            window = super()._slice_file(file, sinfo)
-            self._check_whole(file, sinfo, where)
-            return window
-        try:
-            checked = _CheckedWindow(file, sinfo.offset, sinfo.length, where)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
-            raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
-        self._windows.append(checked)
-        return cast(IO[bytes], checked)
-
-    @staticmethod
-    def _check_whole(file: Any, sinfo: Any, where: str) -> None:
-        try:
-            with zipfile.ZipFile(_Window(file, sinfo.offset, sinfo.length)) as archive:
-                for info in archive.infolist():
-                    if info.CRC != 0:
-                        with archive.open(info) as member:
-                            while member.read(1 << 20):
-                                pass
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
-            raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
-
-    def finish_checks(self, discard: bool = False) -> None:
-        """Check the records of the last ``read_data`` that were not checked as they were read.
-
-        Args:
-            discard: forget them instead (the read failed anyway).
-
-        Raises:
-            zipfile.BadZipFile: naming the file and the record's byte offset.
-        """
-        windows, self._windows = self._windows, []
-        if discard:
-            return
-        for window in windows:
-            try:
-                window.finish()
-            except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
-                raise zipfile.BadZipFile(f"{window.where}: corrupt data ({error})") from error
+def _slice(file: Any, offset: int, length: int, where: str, checked: bool) -> Union[_Window, _CheckedWindow]:
+    """A window on one stored record of an open shard file (checking its CRC-32 as it is read when ``checked``)."""
+    if not checked:
+        return _Window(file, offset, length)
+    try:
+        return _CheckedWindow(file, offset, length, where)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
+        raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
 
 
 class DCPRegionReader:
@@ -251,20 +165,58 @@ class DCPRegionReader:
 
     Args:
         path: the DCP directory (NeMo's ``<ckpt>/weights``).
-        metadata: its already-read ``.metadata`` (``FileSystemReader.read_metadata()``), to avoid unpickling it twice.
-        verify_checksums: check the CRC-32 of every stored record read (:class:`ChecksummedFileSystemReader`), so
-            a corrupted shard file fails instead of yielding wrong tensors. Costs one extra pass over the bytes read.
+        metadata: its already-read, validated ``.metadata`` (:func:`nemo_patch.engine.dcp_metadata.read_dcp_metadata`).
+        verify_checksums: check the CRC-32 of every stored record read, so a corrupted shard file fails instead of
+            yielding wrong tensors. Costs one extra pass over the bytes read (at memory speed).
+        files: the shard files :func:`nemo_patch.engine.layout_checks.check_dcp_layout` already checked; a key read
+            for the first time is checked here otherwise.
     """
 
-    def __init__(self, path: Path, metadata: Metadata, verify_checksums: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        metadata: Metadata,
+        verify_checksums: bool = True,
+        files: Optional[Dict[str, Tuple[Path, int]]] = None,
+    ) -> None:
         self.path = Path(path)
         self.metadata = metadata
-        self._reader = ChecksummedFileSystemReader(str(path)) if verify_checksums else FileSystemReader(str(path))
-        self._reader.set_up_storage_reader(metadata, is_coordinator=True)
+        self.verify_checksums = verify_checksums
+        self._files: Dict[str, Tuple[Path, int]] = dict(files or {})
+        self._checked: set = set()
+        self._chunk_sizes: Dict[str, Dict[Tuple[int, ...], Tuple[int, ...]]] = {}
 
     def files_of(self, key: str) -> List[str]:
         """Names of the shard files that hold chunks of ``key``."""
-        return sorted({info.relative_path for index, info in self.metadata.storage_data.items() if index.fqn == key})
+        storage = self.metadata.storage_data or {}
+        return sorted({str(info.relative_path) for index, info in storage.items() if index.fqn == key})
+
+    def _prepare(self, key: str, item: TensorStorageMetadata) -> None:
+        if key in self._checked:
+            return
+        self._files.update(check_dcp_layout(self.path, self.metadata, [key]))
+        self._chunk_sizes[key] = {tuple(chunk.offsets): tuple(chunk.sizes) for chunk in item.chunks}
+        self._checked.add(key)
+
+    def _load_record(self, stream: Any, key: str, item: TensorStorageMetadata, request: ReadItem) -> torch.Tensor:
+        info = self.metadata.storage_data[request.storage_index]
+        where = f"{info.relative_path}, record at byte {info.offset}"
+        window = _slice(stream, info.offset, info.length, where, self.verify_checksums)
+        tensor = torch.load(cast(IO[bytes], window), map_location="cpu", weights_only=True)
+        if isinstance(window, _CheckedWindow):
+            try:
+                window.finish()
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
+                raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
+        sizes = self._chunk_sizes[key][tuple(request.storage_index.offset or ())]
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{where}: holds a {type(tensor).__name__}, not the tensor chunk of {key}")
+        if tensor.dtype != item.properties.dtype or tuple(tensor.shape) != sizes:
+            raise ValueError(
+                f"{where}: holds a {tensor.dtype} tensor of shape {list(tensor.shape)}; the metadata declares this "
+                f"chunk of {key} as {item.properties.dtype} {list(sizes)}"
+            )
+        return tensor
 
     def read(
         self, key: str, index: Union[None, int, Tuple[int, ...]] = None, out: Optional[torch.Tensor] = None
@@ -279,34 +231,46 @@ class DCPRegionReader:
                 a new one is allocated when ``None``.
 
         Returns:
-            A new CPU tensor of shape ``size[len(index):]``, in the stored dtype.
+            A new CPU tensor of shape ``size[len(index):]``, in the stored dtype; every element was read from a
+            stored chunk.
 
         Raises:
             KeyError: if ``key`` is not a tensor entry.
-            Exception: whatever ``torch.distributed.checkpoint`` raises for an unreadable shard
-                (``CheckpointException`` derives from ``BaseException``).
+            ValueError: ``out`` has the wrong shape or dtype; a stored record holds another dtype or shape than its
+                chunk declares; the chunks do not cover the region.
+            CorruptShardError: the layout or a shard file fails the checks of
+                :func:`nemo_patch.engine.layout_checks.check_dcp_layout`.
+            zipfile.BadZipFile: a record's data does not match its CRC-32 (naming the file and the record's offset).
+            EOFError, RuntimeError, pickle.UnpicklingError: ``torch.load`` cannot read a record.
         """
-        item = self.metadata.state_dict_metadata[key]
+        item = self.metadata.state_dict_metadata.get(key)
         if not isinstance(item, TensorStorageMetadata):
             raise KeyError(f"{key} is not a tensor entry of {self.path}")
+        self._prepare(key, item)
         size = list(item.size)
         leading = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        if len(leading) > len(size) or any(not 0 <= i < n for i, n in zip(leading, size)):
+            raise KeyError(f"{key}{list(leading)} is outside its size {size}")
         shape = size[len(leading) :]
         destination = torch.empty(shape, dtype=item.properties.dtype) if out is None else out
         if tuple(destination.shape) != tuple(shape) or destination.dtype != item.properties.dtype:
             raise ValueError(f"out is {destination.dtype} {tuple(destination.shape)}; {key} needs {shape}")
         region = destination.reshape([1] * len(leading) + shape)  # a view: the read lands in ``destination``
-        planner = _RegionLoadPlanner(key, list(leading) + [0] * len(shape), region)
-        planner.set_up_planner({}, self.metadata, True)
-        plan = self._reader.prepare_local_plan(planner.create_local_plan())
-        plan = planner.finish_plan(self._reader.prepare_global_plan([plan])[0])
-        finish = getattr(self._reader, "finish_checks", None)
-        try:
-            self._reader.read_data(plan, planner).wait()
-        except BaseException:
-            if finish is not None:
-                finish(discard=True)
-            raise
-        if finish is not None:
-            finish()
+        wanted = ChunkStorageMetadata(offsets=torch.Size(list(leading) + [0] * len(shape)), sizes=region.shape)
+        requests = create_read_items_for_chunk_list(key, item, [wanted])
+        covered = sum(math.prod(request.lengths) for request in requests)
+        if covered != region.numel():
+            raise ValueError(f"the stored chunks of {key} cover {covered} of the {region.numel()} elements read")
+        by_file: Dict[str, List[ReadItem]] = {}
+        for request in requests:
+            by_file.setdefault(self.metadata.storage_data[request.storage_index].relative_path, []).append(request)
+        for name, in_file in by_file.items():
+            in_file.sort(key=lambda request: self.metadata.storage_data[request.storage_index].offset)
+            with open_regular(self._files[name][0]) as stream:
+                for request in in_file:
+                    tensor = self._load_record(stream, key, item, request)
+                    start = time.perf_counter()
+                    target = narrow_tensor_by_index(region, request.dest_offsets, request.lengths)
+                    target.copy_(narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths))
+                    stage_times.add("placement", time.perf_counter() - start)
         return destination

@@ -22,7 +22,8 @@ unless a cast is asked for), with ``module.`` dropped:
 
 * layer-stacked entries are split per layer: ``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
   ``decoder.layers.<i>.mlp.linear_fc1.weight`` ``[...]``; a layer index that no chunk covers (a layer of another kind,
-  e.g. a dense layer among MoE layers) has no output;
+  e.g. a dense layer among MoE layers) has no output (the indices come from the chunks, never from the declared size
+  alone: at most :data:`MAX_OUTPUTS_PER_ENTRY` per entry);
 * expert-stacked entries of MoE layers (``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP`` all save
   ``<...>.mlp.experts.experts.<linear>.<param>`` with the expert axis first, after any layer axis) are split per
   expert, named as ``SequentialMLP``'s ``state_dict`` names them:
@@ -35,10 +36,12 @@ unless a cast is asked for), with ``module.`` dropped:
 
 Anything the plan does not understand fails, naming the key, instead of giving a misnamed or partly filled output: an
 expert entry without its expert axis, an ``experts.experts`` name left after planning, or an output tensor that the
-stored chunks cover only in part. Output tensors are in natural name order (``layers.2`` before ``layers.10``).
+stored chunks cover only in part (the chunks are first proven to lie inside their tensor without overlapping, by
+:func:`nemo_patch.engine.layout_checks.check_chunk_tiling`, so the count of covered elements is exact). Output
+tensors are in natural name order (``layers.2`` before ``layers.10``).
 
-Imports torch and the engine's safetensors writer and errors only; never NeMo, Lightning or megatron-core, and nothing
-outside the engine.
+Imports torch and the engine's safetensors writer, layout checks and errors only; never NeMo, Lightning or
+megatron-core, and nothing outside the engine.
 """
 
 import itertools
@@ -51,6 +54,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from nemo_patch.engine.errors import UnknownLayoutError
+from nemo_patch.engine.layout_checks import check_chunk_tiling
 from nemo_patch.engine.safetensors_writer import TensorSpec
 
 __all__ = [
@@ -160,6 +164,28 @@ class OutputTensor:
         return self.key + (f"[{', '.join(map(str, self.index))}]" if self.index else "")
 
 
+#: The most output tensors one checkpoint entry may split into (layers x experts); a larger count is a crafted size.
+MAX_OUTPUTS_PER_ENTRY = 1 << 20
+
+
+def _leading_indices(key: str, item: TensorStorageMetadata, axes: int) -> List[Tuple[int, ...]]:
+    """The indices into the first ``axes`` dimensions that at least one stored chunk covers, in order.
+
+    Taken from the chunks, never from the declared size alone, so a size that declares 10^9 layers costs nothing
+    unless the checkpoint holds their bytes (:mod:`nemo_patch.engine.layout_checks`)."""
+    if axes == 0:
+        return [()]
+    found: set = set()
+    for chunk in item.chunks:
+        ranges = [range(offset, offset + size) for offset, size in zip(chunk.offsets[:axes], chunk.sizes[:axes])]
+        if math.prod(len(r) for r in ranges) + len(found) > MAX_OUTPUTS_PER_ENTRY:
+            raise UnknownLayoutError(
+                f"{key}: shape {list(item.size)} splits into more than {MAX_OUTPUTS_PER_ENTRY} output tensors"
+            )
+        found.update(itertools.product(*ranges))
+    return sorted(found)
+
+
 def _outputs_of(key: str, item: TensorStorageMetadata) -> List[OutputTensor]:
     dtype, size = item.properties.dtype, tuple(item.size)
     stacked, experts = _is_stacked(key), _has_experts(key)
@@ -169,19 +195,24 @@ def _outputs_of(key: str, item: TensorStorageMetadata) -> List[OutputTensor]:
             f"{key}: shape {list(size)} lacks the {'layer and expert' if axes == 2 else 'stacked'} axis its name says "
             "it has; cannot name its tensors"
         )
+    check_chunk_tiling(key, size, item.chunks)
+    indices = _leading_indices(key, item, axes)
+    if not stacked and len(indices) != math.prod(size[:axes]):
+        present = set(indices)
+        missing = next(i for i in itertools.product(*(range(n) for n in size[:axes])) if i not in present)
+        raise UnknownLayoutError(f"{key}{list(missing)}: no stored chunk holds any of it; refusing a missing tensor")
     outputs = []
-    for index in itertools.product(*(range(n) for n in size[:axes])):
-        layer = index[0] if stacked else None
-        expert = index[-1] if experts else None
-        region = math.prod(size[axes:])
+    region = math.prod(size[axes:])
+    for index in indices:
+        # chunks are proven inside bounds and not overlapping (layout_checks), so this count is exact
         covered = _covered(item, index)
-        if covered == 0 and stacked:
-            continue  # a layer of another kind (e.g. dense among MoE layers): this entry has nothing for it
         if covered != region:
             raise UnknownLayoutError(
                 f"{key}{list(index) if index else ''}: the stored chunks cover {covered} of its {region} elements; "
                 "refusing to write a partly filled tensor"
             )
+        layer = index[0] if stacked else None
+        expert = index[-1] if experts else None
         name = consolidated_key(key, layer, expert)
         outputs.append(OutputTensor(TensorSpec(name, dtype, size[axes:]), key, tuple(index)))
     return outputs
@@ -213,6 +244,7 @@ def plan_outputs(metadata: Metadata) -> List[OutputTensor]:
 
     Raises:
         UnknownLayoutError: an entry whose layout is not understood (see the module docstring); names the key.
+        CorruptShardError: an entry whose chunks stick out of it or overlap; names the key and the chunk.
     """
     outputs = []
     for key in model_tensor_keys(metadata):

@@ -42,7 +42,11 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_patch.engine.errors import UnknownLayoutError
 from nemo_patch.engine.output_layout import MODEL_STEM, shard_filename, single_filename
+
+#: The largest header the ``safetensors`` library reads (its ``MAX_HEADER_SIZE``).
+MAX_HEADER_BYTES = 100_000_000
 
 __all__ = ["OutputFile", "TensorSpec", "create_files", "encode_header", "plan_files", "plan_shards", "write_index"]
 
@@ -104,6 +108,8 @@ def encode_header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> byte
 
     Raises:
         ValueError: a dtype has no safetensors encoding (the message names the tensor).
+        UnknownLayoutError: the header would be larger than :data:`MAX_HEADER_BYTES`, which the ``safetensors``
+            library refuses to read (e.g. a checkpoint with very many tensors or very long names).
     """
     header: Dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -118,6 +124,11 @@ def encode_header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> byte
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
+    if len(encoded) > MAX_HEADER_BYTES:
+        raise UnknownLayoutError(
+            f"the safetensors header of {len(specs)} tensors would be {len(encoded)} bytes; the safetensors library "
+            f"reads at most {MAX_HEADER_BYTES} (first tensor {specs[0].name[:80]!r})"
+        )
     return struct.pack("<Q", len(encoded)) + encoded
 
 

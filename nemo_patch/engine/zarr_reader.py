@@ -38,8 +38,9 @@ Lightning or megatron-core, and nothing outside the engine.
 """
 
 import itertools
-import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from nemo_patch.engine.errors import CorruptShardError, UnsupportedFormatError
+from nemo_patch.engine.safe_files import UnsafeFileError, read_json_file
 
 __all__ = ["ZARR_DTYPES", "ZarrRegionReader", "read_zarr_metadata"]
 
@@ -85,6 +87,11 @@ class _Array:
     def chunk_nbytes(self) -> int:
         return math.prod(self.chunks) * torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def chunk_count(self) -> int:
+        """How many chunk files the array's shape needs."""
+        return math.prod(math.ceil(size / chunk) for size, chunk in zip(self.shape, self.chunks))
+
     def chunk_file(self, index: Tuple[int, ...]) -> Path:
         return self.path / (self.separator.join(str(i) for i in index) if index else "0")
 
@@ -100,7 +107,11 @@ def _parse_array(key: str, path: Path) -> _Array:
     """The ``.zarray`` of one array, checked field by field."""
     where = f"zarr array {key} ({path / _ARRAY_FILE})"
     try:
-        meta = json.loads((path / _ARRAY_FILE).read_text())
+        if path.is_symlink():
+            raise UnsafeFileError(f"{path} is a symlink; an array directory must lie in weights/ itself")
+        meta = read_json_file(path / _ARRAY_FILE)
+        if not isinstance(meta, dict):
+            raise ValueError(f"a {type(meta).__name__}, not a JSON object")
     except (OSError, ValueError) as error:
         raise CorruptShardError(f"Cannot read {where}: {type(error).__name__}: {error}") from error
     expected: Dict[str, Any] = {"zarr_format": 2, "compressor": None, "filters": None, "order": "C"}
@@ -115,15 +126,30 @@ def _parse_array(key: str, path: Path) -> _Array:
         raise UnsupportedFormatError(f"{where}: dtype {meta.get('dtype')!r}; readable: {', '.join(ZARR_DTYPES)}")
     separator = meta.get("dimension_separator") or "."
     shape, chunks = tuple(meta.get("shape") or ()), tuple(meta.get("chunks") or ())
-    if separator not in (".", "/") or len(shape) != len(chunks) or not all(isinstance(n, int) for n in shape + chunks):
+    if (
+        separator not in (".", "/")
+        or len(shape) != len(chunks)
+        or not all(type(n) is int and n >= 0 for n in shape)
+        or not all(type(n) is int and n >= 1 for n in chunks)
+    ):
         raise UnsupportedFormatError(f"{where}: shape {shape}, chunks {chunks}, separator {separator!r}")
-    return _Array(key, path, shape, chunks, dtype, separator)
+    array = _Array(key, path, shape, chunks, dtype, separator)
+    try:
+        files = sum(1 for _ in path.rglob("*")) if separator == "/" else len(os.listdir(path))
+    except OSError as error:
+        raise CorruptShardError(f"Cannot list {where}: {error}") from error
+    if array.chunk_count > files:
+        raise CorruptShardError(
+            f"{where}: shape {list(shape)} in chunks of {list(chunks)} needs {array.chunk_count} chunk files; the "
+            f"directory holds {files} files"
+        )
+    return array
 
 
 def _arrays(weights_dir: Path) -> Dict[str, _Array]:
     arrays = {}
     for path in sorted(weights_dir.iterdir()):
-        if path.is_dir() and path.suffix != ".sync" and (path / _ARRAY_FILE).is_file():
+        if path.is_dir() and path.suffix != ".sync" and (path / _ARRAY_FILE).exists():
             arrays[path.name] = _parse_array(path.name, path)
     return arrays
 
@@ -204,11 +230,14 @@ class ZarrRegionReader:
         for chunk in array.chunk_indices(leading):
             file = array.chunk_file(chunk)
             try:
-                size = file.stat().st_size
+                status = file.lstat()
             except FileNotFoundError:
                 raise CorruptShardError(
                     f"{file}: chunk file missing (the save did not finish, or the file was lost)"
                 ) from None
+            if not stat.S_ISREG(status.st_mode):
+                raise CorruptShardError(f"{file}: not a regular file (a symlink, FIFO or device); refusing to read it")
+            size = status.st_size
             if size != array.chunk_nbytes:
                 what = "truncated" if size < array.chunk_nbytes else "longer than its chunk"
                 raise CorruptShardError(f"{file}: {size} bytes, the chunk needs {array.chunk_nbytes} ({what})")

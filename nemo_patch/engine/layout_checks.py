@@ -1,0 +1,176 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""Prove, from a ``torch_dist`` checkpoint's metadata and file sizes alone, that reading it fills every output byte.
+
+Before any tensor is read or any output is allocated, :func:`check_dcp_layout` checks every model tensor entry
+(``module.*``) of the DCP metadata:
+
+* **tiling**: each chunk lies inside the tensor's declared size, no two chunks overlap, and no chunk repeats; the
+  coverage of each output tensor is then counted exactly by :mod:`nemo_patch.engine.plan` (a hole fails there, naming
+  the tensor). With overlapping or out-of-bounds chunks, adding up volumes would hide a hole, and the output would hold
+  whatever memory the hole had;
+* **storage**: each chunk has its storage record (``storage_data[MetadataIndex(key, offsets)]``); the record names a
+  plain file of ``weights/`` (one path component, no ``..``, not absolute), which resolves inside ``weights/``
+  (symlinks followed) and is a regular file; the record lies inside that file, holds at least the chunk's bytes
+  (``torch.save`` stores tensor data uncompressed), and carries no storage transform (compression: megatron-core never writes it, and
+  its output size could not be bounded). So the bytes a plan allocates are bounded by the bytes the checkpoint holds.
+
+What each stored record actually holds (its dtype and shape) is checked when it is read
+(:class:`nemo_patch.engine.dcp_reader.DCPRegionReader`).
+
+Imports the standard library, torch and the engine's errors and safe file access only; never NeMo, Lightning or
+megatron-core.
+"""
+
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Dict, Iterable, Sequence, Tuple
+
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+from nemo_patch.engine.errors import CorruptShardError
+from nemo_patch.engine.safe_files import UnsafeFileError, resolve_inside
+
+__all__ = ["check_chunk_tiling", "check_dcp_layout", "check_shard_name", "shard_file"]
+
+
+def _describe(chunk: ChunkStorageMetadata) -> str:
+    return f"offsets {list(chunk.offsets)} sizes {list(chunk.sizes)}"
+
+
+def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    return all(
+        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+    ) and all(n > 0 for n in (*a.sizes, *b.sizes))
+
+
+def check_chunk_tiling(key: str, size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> None:
+    """Check that ``chunks`` lie inside a tensor of ``size`` and that no two of them overlap.
+
+    Overlap is found with a sweep along the dimension with the most distinct chunk offsets: chunks are sorted by their
+    start there, and each is compared only with those whose interval along that dimension it meets.
+
+    Args:
+        key: the tensor's key (for messages).
+        size: its global shape.
+        chunks: its stored chunks.
+
+    Raises:
+        CorruptShardError: naming ``key`` and the first chunk that sticks out of the tensor, or the first pair that
+            overlaps (a repeated chunk included).
+    """
+    for chunk in chunks:
+        if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size):
+            raise CorruptShardError(f"{key}: chunk {_describe(chunk)} does not have the tensor's {len(size)} dims")
+        if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, size)):
+            raise CorruptShardError(f"{key}: chunk {_describe(chunk)} lies outside the tensor's size {list(size)}")
+    if len(chunks) < 2 or not size:
+        if len(chunks) > 1:
+            raise CorruptShardError(f"{key}: a scalar stored as {len(chunks)} chunks")
+        return
+    axis = max(range(len(size)), key=lambda dim: len({chunk.offsets[dim] for chunk in chunks}))
+    ordered = sorted(chunks, key=lambda chunk: (chunk.offsets[axis], tuple(chunk.offsets)))
+    for position, chunk in enumerate(ordered):
+        end = chunk.offsets[axis] + chunk.sizes[axis]
+        for other in ordered[position + 1 :]:
+            if other.offsets[axis] >= end:
+                break
+            if _overlap(chunk, other) or tuple(chunk.offsets) == tuple(other.offsets):
+                raise CorruptShardError(
+                    f"{key}: chunks {_describe(chunk)} and {_describe(other)} overlap; refusing a layout in which "
+                    "a part of the tensor is stored twice or not at all"
+                )
+
+
+def check_shard_name(name: str) -> None:
+    """Check that a storage record's ``relative_path`` is a plain file name of ``weights/``.
+
+    Raises:
+        CorruptShardError: it is empty, absolute, has more than one path component, or is ``.``/``..``.
+    """
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        raise CorruptShardError(f"the metadata names the shard file {name!r}: not a plain file name in weights/")
+
+
+def shard_file(weights_dir: Path, name: str) -> Tuple[Path, int]:
+    """The resolved path and size of the shard file a storage record names.
+
+    Raises:
+        CorruptShardError: a name that is not a plain file name, that leads outside ``weights_dir``, that is missing,
+            or that is not a regular file (a FIFO, device, directory); the message names it.
+    """
+    check_shard_name(name)
+    try:
+        path = resolve_inside(weights_dir, name)
+        status = path.stat()
+    except UnsafeFileError as error:
+        raise CorruptShardError(f"shard file {name}: {error}") from None
+    except OSError as error:
+        raise CorruptShardError(f"shard file {Path(weights_dir) / name}: {error.strerror}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise CorruptShardError(f"shard file {Path(weights_dir) / name} is not a regular file")
+    return path, status.st_size
+
+
+def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str]) -> Dict[str, Tuple[Path, int]]:
+    """Check the tiling and the storage of every chunk of ``keys`` (see the module docstring).
+
+    Args:
+        weights_dir: the DCP directory.
+        metadata: its validated metadata (:func:`nemo_patch.engine.dcp_metadata.validate_metadata`).
+        keys: the tensor entries that will be read.
+
+    Returns:
+        Each shard file the chunks' records name -> ``(its resolved path, its size in bytes)``
+        (:func:`shard_file`), for the reader to open files by their checked paths only.
+
+    Raises:
+        CorruptShardError: naming the tensor and the first bad chunk or record, or the file.
+    """
+    files: Dict[str, Tuple[Path, int]] = {}
+    storage = metadata.storage_data or {}
+    for key in keys:
+        item = metadata.state_dict_metadata[key]
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        check_chunk_tiling(key, item.size, item.chunks)
+        element = item.properties.dtype.itemsize
+        for chunk in item.chunks:
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise CorruptShardError(f"{key}: chunk {_describe(chunk)} has no storage record in the metadata")
+            if getattr(info, "transform_descriptors", None):
+                raise CorruptShardError(
+                    f"{key}: chunk {_describe(chunk)} is stored with transforms {list(info.transform_descriptors)} "
+                    "(compression); megatron-core writes none, and their size cannot be checked"
+                )
+            if info.relative_path not in files:
+                files[info.relative_path] = shard_file(weights_dir, info.relative_path)
+            _, file_size = files[info.relative_path]
+            needed = math.prod(chunk.sizes) * element
+            if info.offset + info.length > file_size:
+                raise CorruptShardError(
+                    f"{key}: chunk {_describe(chunk)}: its record ends at byte {info.offset + info.length} of "
+                    f"{info.relative_path}, which has {file_size} bytes (truncated)"
+                )
+            if info.length < needed:
+                raise CorruptShardError(
+                    f"{key}: chunk {_describe(chunk)} declares {needed} bytes of data; its record in "
+                    f"{info.relative_path} has {info.length}"
+                )
+    return files
