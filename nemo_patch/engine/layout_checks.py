@@ -25,8 +25,9 @@ Before any tensor is read or any output is allocated, :func:`check_dcp_layout` c
 * **storage**: each chunk has its storage record (``storage_data[MetadataIndex(key, offsets)]``); the record names a
   plain file of ``weights/`` (one path component, no ``..``, not absolute), which resolves inside ``weights/``
   (symlinks followed) and is a regular file; the record lies inside that file, holds at least the chunk's bytes
-  (``torch.save`` stores tensor data uncompressed), and carries no storage transform (compression: megatron-core never writes it, and
-  its output size could not be bounded). So the bytes a plan allocates are bounded by the bytes the checkpoint holds.
+  (``torch.save`` stores tensor data uncompressed), and carries no storage transform (compression: megatron-core
+  never writes it, and its output size could not be bounded). So the bytes a plan allocates are bounded by the bytes
+  the checkpoint holds.
 
 What each stored record actually holds (its dtype and shape) is checked when it is read
 (:class:`nemo_patch.engine.dcp_reader.DCPRegionReader`).
