@@ -17,7 +17,8 @@
 Reading the DCP metadata and shards (:mod:`.dcp_metadata`, :mod:`.dcp_reader`), finding and checking a checkpoint on
 disk (:mod:`.checkpoint_layout`), naming and planning the output tensors (:mod:`.plan`, :mod:`.output_layout`),
 writing safetensors (:mod:`.safetensors_writer`), publishing atomically (:mod:`.publish`), the whole consolidation
-(:mod:`.consolidate`), checking it (:mod:`.verify`), loading it back (:mod:`.load`) and the errors (:mod:`.errors`).
+(:mod:`.consolidate`), checking it (:mod:`.verify`), reading an output's single file or shards through their index
+(:mod:`.output_files`), loading it back (:mod:`.load`) and the errors (:mod:`.errors`).
 
 Imports the standard library, torch and safetensors only: never NeMo, Lightning or megatron-core, and nothing from
 the training side, the overlay, the export or the CLI (the import-linter contracts in ``setup.cfg``). This

@@ -36,7 +36,12 @@ same 256-bit output and 128-bit collision resistance, and it hashes about 4.9 GB
 1.8 GB/s with the CPU's SHA extensions (AMD EPYC, 256 MiB buffer); with sha256, hashing took 29% of a writer's busy
 seconds. Every digest is 64 lowercase hex characters, the value ``b3sum`` gives for the same bytes.
 
-Imports the standard library, ``blake3`` and the engine's errors and output layout only.
+:func:`verify_digests` also checks that every weights file of the output (the single file, or the index and the
+shards it names, read through :func:`nemo_patch.engine.output_files.output_weight_map`) is among the files
+``metadata.json`` records, so that nothing a loader reads goes unchecked.
+
+Imports the standard library, ``blake3``, and the engine's errors, output layout, output files and safetensors file
+layout only.
 """
 
 import json
@@ -46,7 +51,14 @@ from typing import Any, Dict, Mapping, Sequence, Union
 from blake3 import blake3
 
 from nemo_patch.engine.errors import VerificationError
-from nemo_patch.engine.output_layout import METADATA_FILENAME
+from nemo_patch.engine.output_files import is_plain_filename, output_weight_map
+from nemo_patch.engine.output_layout import (
+    ADAPTER_STEM,
+    METADATA_FILENAME,
+    MODEL_STEM,
+    index_filename,
+    single_filename,
+)
 from nemo_patch.engine.safetensors_writer import OutputFile
 
 __all__ = ["blake3_tree", "file_entry", "json_file_entry", "verify_digests"]
@@ -106,8 +118,10 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
         The number of tensors whose digests were checked.
 
     Raises:
-        VerificationError: ``metadata.json`` is missing or records no digests of this kind, a file is missing or has
-            another size, or a header or tensor differs; the message names the file and the tensor.
+        VerificationError: ``metadata.json`` is missing or records no digests of this kind, it names a file outside
+            ``output_dir`` (not a plain file name), a weights file of the output or its index is not among the files
+            it records, the output's index is malformed or contradicts its files, a file is missing or has another
+            size, or a header or tensor differs; the message names the file and the tensor.
     """
     output_dir = Path(output_dir)
     try:
@@ -116,6 +130,26 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
         raise VerificationError(
             f"{output_dir} has no readable {METADATA_FILENAME} with file digests: {error}"
         ) from error
+    if not isinstance(files, dict):
+        raise VerificationError(f"{output_dir / METADATA_FILENAME}: \"files\" is not an object")
+    for name in files:
+        if not is_plain_filename(name):
+            raise VerificationError(
+                f"{output_dir / METADATA_FILENAME} records {name!r}, which is not a plain file name in {output_dir}"
+            )
+    stems = (MODEL_STEM, ADAPTER_STEM)
+    entry_points = [
+        n for stem in stems for n in (single_filename(stem), index_filename(stem)) if (output_dir / n).is_file()
+    ]
+    if entry_points:  # else every weights file metadata.json records is missing, which the loop below reports
+        try:
+            weights = set(output_weight_map(output_dir, stems=stems).values())
+        except (OSError, ValueError) as error:  # FileNotFoundError, InvalidOutputError
+            raise VerificationError(f"Cannot read the weights files of {output_dir}: {error}") from error
+        for name in sorted((weights | set(entry_points)) - set(files)):
+            raise VerificationError(
+                f"{output_dir / name} is part of the output, but {METADATA_FILENAME} records no digest of it"
+            )
     checked = 0
     for name, entry in sorted(files.items()):
         path = output_dir / name

@@ -12,7 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Load a consolidated ``model.safetensors`` back into a megatron-core model with TP=1 and PP=1.
+"""Load a consolidated output back into a megatron-core model with TP=1 and PP=1.
+
+The output's weights are ``model.safetensors`` or, above the shard size, ``model-0000i-of-0000N.safetensors`` shards
+plus ``model.safetensors.index.json``; both are read, the shards through their index, which is checked against the
+files first (:func:`nemo_patch.engine.output_files.output_weight_map`).
 
 Consolidated names are the distributed checkpoint's canonical keys, which megatron-core derives from a module's
 ``state_dict`` names by applying each ``TransformerLayer``'s ``submodules_config.sharded_state_dict_keys_map`` (the
@@ -25,8 +29,8 @@ Experts: the output names every expert as ``SequentialMLP`` does,
 (``TEGroupedMLP``, whose ``GroupedLinear`` holds one parameter per expert, ``<...>.mlp.experts.linear_fc1.weight<e>``)
 is mapped to those names too, so it loads the same file.
 
-Imports torch and safetensors only; never NeMo, Lightning or megatron-core, and nothing outside the engine (a NeMo
-model is taken as any ``torch.nn.Module``).
+Imports torch, safetensors and the engine's output files and layout only; never NeMo, Lightning or megatron-core, and
+nothing outside the engine (a NeMo model is taken as any ``torch.nn.Module``).
 """
 
 import re
@@ -36,7 +40,8 @@ from typing import Dict, Union
 import torch
 from safetensors.torch import load_file
 
-from nemo_patch.engine.output_layout import SINGLE_FILENAME as SAFETENSORS_FILENAME
+from nemo_patch.engine.output_files import output_weight_map, read_index_weight_map, read_output_tensors
+from nemo_patch.engine.output_layout import INDEX_FILENAME
 
 __all__ = ["canonical_key_map", "load_consolidated_into", "load_consolidated_state_dict"]
 
@@ -56,22 +61,33 @@ def _expert_name(key: str) -> str:
 
 
 def load_consolidated_state_dict(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
-    """Read a consolidated checkpoint.
+    """Read a consolidated checkpoint, single-file or sharded.
 
     Args:
-        path: a ``consolidated/`` directory or the ``model.safetensors`` file in it.
+        path: a consolidated output directory (``consolidated/``, holding ``model.safetensors`` or shards plus
+            ``model.safetensors.index.json``), its ``model.safetensors.index.json`` (every shard it names is read), or
+            one ``.safetensors`` file (read alone).
 
     Returns:
-        Consolidated name -> CPU tensor, in the dtypes they were trained in.
+        Consolidated name -> CPU tensor, with the shapes and dtypes stored in the output (the training dtypes, or the
+        ``dtype`` the output was written in, e.g. ``torch.bfloat16``).
 
     Raises:
-        FileNotFoundError: if no ``model.safetensors`` is found at ``path``.
+        FileNotFoundError: ``path`` holds neither ``model.safetensors`` nor ``model.safetensors.index.json``, or a
+            shard the index names is missing.
+        nemo_patch.engine.output_files.InvalidOutputError: (a ``ValueError``) the directory holds both a single file
+            and an index, or the index is malformed or contradicts its shards: it names a path instead of a plain
+            file name in the directory, names a tensor twice, or a shard holds a tensor the index does not map to it
+            or lacks one it does (the message names the tensor and the files).
     """
     path = Path(path)
-    file = path / SAFETENSORS_FILENAME if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"No consolidated {SAFETENSORS_FILENAME} at {path}")
-    return load_file(str(file))
+    if path.is_dir():
+        return read_output_tensors(path, output_weight_map(path))
+    if path.is_file() and path.name.endswith(".index.json"):
+        return read_output_tensors(path.parent, read_index_weight_map(path))
+    if path.is_file():
+        return load_file(str(path))
+    raise FileNotFoundError(f"No consolidated model.safetensors or {INDEX_FILENAME} at {path}")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -124,9 +140,11 @@ def load_consolidated_into(model: torch.nn.Module, path: Union[str, Path]) -> No
     Args:
         model: a megatron-core model of either layer spec (local or Transformer Engine), or a NeMo
             ``LightningModule`` wrapping one in ``.module``, with the architecture the checkpoint was trained with.
-        path: a ``consolidated/`` directory or its ``model.safetensors`` file.
+        path: a consolidated output directory (``model.safetensors`` or shards plus ``model.safetensors.index.json``),
+            or one of the paths :func:`load_consolidated_state_dict` takes.
 
     Raises:
+        FileNotFoundError, nemo_patch.engine.output_files.InvalidOutputError: as :func:`load_consolidated_state_dict`.
         KeyError: if a model weight has no tensor in the file or the file holds a tensor the model does not have;
             the message lists them. ``_extra_state`` entries are not weights and are not required.
         RuntimeError: if a shape does not match (from ``torch.nn.Module.load_state_dict``).

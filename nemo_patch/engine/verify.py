@@ -18,7 +18,6 @@ Imports torch, safetensors and the rest of the engine only; never NeMo, Lightnin
 the engine.
 """
 
-import json
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple, Union
 
@@ -29,29 +28,25 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.checkpoint_reader import open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
-from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM, index_filename, single_filename
+from nemo_patch.engine.output_files import output_weight_map
+from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM
 from nemo_patch.engine.plan import plan_outputs
 
 __all__ = ["output_shapes", "tensors_bitwise_equal", "verify_consolidated", "verify_names_and_shapes"]
 
 
 def _weight_map(output_dir: Path) -> Dict[str, str]:
-    """Tensor name -> file of a model or adapter output (its index, else its single file)."""
-    for stem in (MODEL_STEM, ADAPTER_STEM):
-        index = output_dir / index_filename(stem)
-        if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
-    single = next((name for name in map(single_filename, (MODEL_STEM, ADAPTER_STEM)) if (output_dir / name).is_file()),
-                  single_filename())  # fmt: skip
-    with safe_open(str(output_dir / single), framework="pt") as handle:
-        return {name: single for name in handle.keys()}
+    """Tensor name -> file of a model or adapter output (its index, else its single file), checked against the files
+    (:func:`nemo_patch.engine.output_files.output_weight_map`)."""
+    return output_weight_map(output_dir, stems=(MODEL_STEM, ADAPTER_STEM))
 
 
 def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:
     """Name -> shape of every tensor in a consolidated output, from the safetensors headers (no tensor data read).
 
     Raises:
-        VerificationError: an output file cannot be read.
+        VerificationError: an output file cannot be read, or the output's index is malformed or contradicts its files
+            (:func:`nemo_patch.engine.output_files.output_weight_map`).
     """
     output_dir = Path(output_dir)
     shapes: Dict[str, Tuple[int, ...]] = {}
@@ -116,8 +111,9 @@ def verify_consolidated(
 
     Raises:
         CorruptShardError: a shard file of the checkpoint cannot be read (the message names it).
-        VerificationError: a tensor differs, is missing from the output or from the checkpoint, or an output file
-            cannot be read; the message names the tensor and the output file.
+        VerificationError: a tensor differs, is missing from the output or from the checkpoint, an output file
+            cannot be read, or the output's index is malformed or contradicts its files; the message names the tensor
+            and the output file.
     """
     weights_dir, output_dir = Path(weights_dir), Path(output_dir)
     metadata, reader = open_weights(weights_dir, metadata=metadata)

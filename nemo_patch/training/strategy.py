@@ -87,7 +87,8 @@ def _io_chain_names(checkpoint_io: Any) -> List[str]:
 class MegatronStrategy(NeMoMegatronStrategy):
     """NeMo's ``MegatronStrategy`` plus a choice of when finished checkpoints are consolidated.
 
-    A consolidated checkpoint is ``<ckpt>/consolidated/model.safetensors`` (the full, unsharded model weights) plus
+    A consolidated checkpoint is ``<ckpt>/consolidated/model.safetensors`` (the full, unsharded model weights; above
+    the shard size, ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``) plus
     ``metadata.json``, next to the distributed checkpoint; ``<checkpoint root>/LATEST`` names the newest one. See
     :mod:`nemo_patch.engine.consolidate`. All consolidation settings are validated here, once, into
     :attr:`consolidation_settings` (a frozen :class:`~nemo_patch.training.settings.ConsolidationSettings`), which the
