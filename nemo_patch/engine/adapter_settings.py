@@ -27,11 +27,13 @@ NeMo's PEFT callback saves adapter-only checkpoints (``weights/adapter_metadata.
 :func:`peft_settings` reads that block with PyYAML (installed with NeMo; without it, or without the file, the settings
 are unknown: ``None``). Only plain values are kept; NeMo's own objects (``_call_`` entries) are left out.
 
-Standard library (and PyYAML when present) only.
+Standard library (and PyYAML when present) and the engine's bounded file reads only.
 """
 
 from pathlib import Path
 from typing import Any, Dict, Optional
+
+from nemo_patch.engine.safe_files import MAX_JSON_BYTES, read_regular_file
 
 __all__ = ["MODEL_YAML", "peft_settings"]
 
@@ -46,7 +48,7 @@ def peft_settings(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
     try:
         import yaml
 
-        data = yaml.safe_load((Path(checkpoint_dir) / MODEL_YAML).read_text())
+        data = yaml.safe_load(read_regular_file(Path(checkpoint_dir) / MODEL_YAML, MAX_JSON_BYTES).decode("utf-8"))
         transform = data.get("model_transform")
     except Exception:  # no PyYAML, no file, not YAML, not a mapping: unknown, not an error
         return None

@@ -32,6 +32,7 @@ Imports the standard library, and torch when reading ``common.pt``; never NeMo o
 """
 
 import logging
+import os
 import pathlib
 import re
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from nemo_patch.engine.errors import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
+from nemo_patch.engine.safe_files import open_regular
 
 __all__ = [
     "NOT_A_METRIC",
@@ -56,6 +58,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+#: The largest ``common.pt`` read for the monitored metric (megatron-core's holds a few MB of non-tensor state).
+MAX_COMMON_BYTES = 1 << 30
 
 #: ``ModelCheckpoint(monitor=...)`` values that rank checkpoints by time, not by a metric.
 NOT_A_METRIC = (None, "step", "epoch")
@@ -118,8 +122,13 @@ def read_checkpoint_callback_state(checkpoint_dir: Path) -> Optional[Tuple[Dict[
 
     common = checkpoint_dir / "weights" / "common.pt"
     try:
-        with torch.serialization.safe_globals([pathlib.PosixPath, pathlib.WindowsPath]):
-            payload = torch.load(common, map_location="cpu", weights_only=True)
+        with (
+            open_regular(common) as handle,
+            torch.serialization.safe_globals([pathlib.PosixPath, pathlib.WindowsPath]),
+        ):
+            if os.fstat(handle.fileno()).st_size > MAX_COMMON_BYTES:
+                raise OSError(f"{common} is larger than {MAX_COMMON_BYTES} bytes")
+            payload = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as error:  # missing, or needs a class we do not unpickle: fall back to the names
         logger.debug("Not reading %s: %s", common, error)
         return None

@@ -26,14 +26,15 @@ read from files only:
   or a list of ``[token, score]`` for Unigram, plus ``added_tokens`` with their ids) gives the number of distinct
   token ids. Any other tokenizer (SentencePiece ``.model``, none at all) gives ``None``: unknown, never a guess.
 
-Standard library and the engine's metadata types only.
+Standard library, the engine's metadata types and its bounded file reads only.
 """
 
-import json
 from pathlib import Path
 from typing import Dict, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from nemo_patch.engine.safe_files import read_json_file
 
 __all__ = ["TOKENIZER_JSON", "padded_vocab_size", "tokenizer_vocab_size", "vocabulary_sizes"]
 
@@ -57,7 +58,7 @@ def tokenizer_vocab_size(checkpoint_dir: Path) -> Optional[int]:
     there is none or it is not a ``tokenizer.json`` this function can read (it never raises for those)."""
     path = Path(checkpoint_dir) / TOKENIZER_JSON
     try:
-        data = json.loads(path.read_text())
+        data = read_json_file(path)
         vocab = data["model"]["vocab"]
         if isinstance(vocab, dict):
             ids = {int(token_id) for token_id in vocab.values()}
