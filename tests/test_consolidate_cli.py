@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import main
-from nemo_patch.engine.publish import TMP_PREFIX
+from nemo_patch.engine.publish import TMP_LOCK_NAME, TMP_PREFIX
 from nemo_patch.training import latest
 from nemo_patch.training.latest import locate_checkpoint, update_latest_pointer
 
@@ -126,6 +126,7 @@ def test_stale_temporary_output_of_a_killed_process_is_removed(checkpoint_copy, 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = checkpoint_copy / f"{TMP_PREFIX}{int(dead.stdout)}-0123456789ab@{os.uname().nodename}"
     (stale / "x").mkdir(parents=True)
+    (stale / TMP_LOCK_NAME).touch()  # its lock, which no process holds any more
     code, _, err = _cli(capsys, checkpoint_copy)
     assert code == 0, err
     assert not stale.exists() and _leftovers(checkpoint_copy) == []

@@ -32,7 +32,7 @@ import pytest
 from conftest import REPO, run_fit
 
 from nemo_patch.cli.nemo_consolidate import main
-from nemo_patch.engine.publish import TMP_PREFIX
+from nemo_patch.engine.publish import TMP_LOCK_NAME, TMP_PREFIX
 from nemo_patch.training.latest import LATEST_NAME, update_latest_pointer
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.retention import RETAINED_DIRNAME
@@ -193,6 +193,7 @@ def test_a_save_that_never_finished_is_never_consolidated(tmp_path, capsys):
     # A stale temporary directory of a killed consolidation process: removed when the strategy starts again.
     stale = root / "tiny_gpt--step=1-consumed_samples=4.0" / f"{TMP_PREFIX}{_dead_pid()}-0123456789ab@{os.uname()[1]}"
     stale.mkdir()
+    (stale / TMP_LOCK_NAME).touch()  # its lock, which no process holds any more
     report = run_fit(tmp_path, frequency="latest", max_steps=6, save_every=2)  # resumes from global step 2
     assert not stale.exists()
     assert report["latest"] is not None and report["latest"] != unfinished.name

@@ -29,7 +29,10 @@ package, work the same.
 
 Output goes to ``<ckpt>/consolidated`` (``--format safetensors``) or ``<ckpt>/hf`` (``--format hf``, a directory
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads), unless ``--out`` says otherwise. It is published
-atomically: on any failure nothing is left under the output name or in a temporary directory.
+atomically: on any failure nothing is left under the output name or in a temporary directory. ``--force`` replaces
+only a previous output of this command or an empty directory; an ``--out`` that is the checkpoint, its root or a
+directory above them, or on or inside its ``weights/`` or ``context/`` (symbolic links resolved), or that holds
+anything else, exits 7 before anything is written (:mod:`nemo_patch.engine.output_target`).
 
 Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr:
 see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
@@ -69,6 +72,7 @@ from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
 from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
+from nemo_patch.engine.output_target import check_output_target
 from nemo_patch.training.latest import locate_checkpoint
 from nemo_patch.training.settings import ACCEPTED_FORMATS, validate_max_shard_size
 
@@ -130,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "one resolved against the current directory)")  # fmt: skip
     parser.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
                         "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
-    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+    parser.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
+                        "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
     parser.add_argument("--allow-unfinished", action="store_true",
                         help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
     parser.add_argument("--best", action="store_true", help="path is a run's checkpoint root: consolidate its best "
@@ -326,7 +331,11 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
         if args.max_shard_size is not None:
             options["max_shard_size"] = args.max_shard_size
         default_out = location.checkpoint_dir / OUTPUT_DIRNAMES[args.format]
-        if args.verify and not args.force and args.format == "safetensors" and (args.out or default_out).is_dir():
+        verify_only = (
+            args.verify and not args.force and args.format == "safetensors" and (args.out or default_out).is_dir()
+        )
+        check_output_target(location.checkpoint_dir, args.out or default_out, args.force, read_only=verify_only)
+        if verify_only:
             code = _verify_existing(location, args.out or default_out, args.quiet, started)
             close()
             return code

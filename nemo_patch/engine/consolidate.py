@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.digests import file_entry, json_file_entry, verify_digests
-from nemo_patch.engine.errors import ConsolidationError, OutputExistsError, VerificationError
+from nemo_patch.engine.errors import ConsolidationError, VerificationError
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
@@ -75,6 +75,7 @@ from nemo_patch.engine.output_layout import (
     MODEL_STEM,
     index_filename,
 )
+from nemo_patch.engine.output_target import check_output_target
 from nemo_patch.engine.part_writer import split_parts
 from nemo_patch.engine.parts import PartJob, PartResult, run_parts, validate_workers
 from nemo_patch.engine.plan import OutputTensor
@@ -220,7 +221,9 @@ def consolidate_checkpoint(
             single ``model.safetensors`` is written when everything fits, else shards plus an index.
         dtype: cast floating-point tensors to this dtype (``None`` keeps the stored dtypes).
         overwrite: replace an existing output atomically (the strategy's behaviour); if ``False`` an existing output
-            raises :class:`OutputExistsError` before any work.
+            raises :class:`OutputExistsError` before any work. Only a previous output or an empty directory is ever
+            replaced, and ``output_dir`` may not be the checkpoint, a directory above it, or in its ``weights/`` or
+            ``context/`` (:func:`nemo_patch.engine.output_target.check_output_target`).
         verify: re-read the written files and compare every tensor with the checkpoint before publishing
             (:func:`nemo_patch.engine.verify.verify_consolidated`).
         allow_unfinished: consolidate even if NeMo's unfinished marker is present (the CLI's explicit override).
@@ -258,8 +261,7 @@ def consolidate_checkpoint(
         location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
         weights_dir, ckpt_dir = location.weights_dir, location.checkpoint_dir
         output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / CONSOLIDATED_DIRNAME
-        if output_dir.exists() and not overwrite:
-            raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
+        check_output_target(ckpt_dir, output_dir, overwrite)
         sources = open_sources(location, dtype, merge_adapters, base_checkpoint)
     outputs = sources.outputs
     if not outputs:

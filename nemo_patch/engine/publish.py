@@ -15,32 +15,52 @@
 """Publish a consolidation's output all at once, and clean up what a killed one left behind.
 
 Output is written into a hidden temporary directory next to its final place, ``<parent>/.consolidated.tmp-<pid>-<id>@
-<host>``, and renamed to its final name when complete (``os.replace`` of a directory is atomic on POSIX filesystems),
-so a reader sees either no output directory or a complete one (:func:`staged_output` wraps a whole consolidation in
-that). A process killed half-way (SIGKILL, node failure)
-leaves its temporary directory; :func:`remove_stale_tmp_dirs` removes those whose process is gone, which the strategy
-does when a fit starts and the CLI does before it consolidates a checkpoint.
+<host>``, and renamed to its final name when complete (a rename of a directory is atomic on POSIX filesystems), so a
+reader sees either no output directory or a complete one (:func:`staged_output` wraps a whole consolidation in that).
+An existing output is replaced only when :func:`nemo_patch.engine.output_target.is_replaceable_output` allows it (a
+previous output of this package or an empty directory), by exchanging the two names atomically where the filesystem
+can (:func:`publish_dir`).
 
-Imports the standard library, torch (for DCP's exception type) and the engine's errors and names only; never NeMo,
-Lightning or megatron-core, and nothing outside the engine.
+Liveness: the process that creates a temporary directory (:func:`make_tmp_dir`) creates ``.nemo-patch.lock``
+(:data:`TMP_LOCK_NAME`) in it and holds an exclusive ``flock`` on it for the directory's whole life (writer processes
+forked later share it); the file is unlinked just before the directory is published, the lock released just after.
+A process killed half-way (SIGKILL, node failure) leaves its temporary directory with a lock nobody holds;
+:func:`remove_stale_tmp_dirs` removes exactly those -- whose lock it can take -- which the strategy does when a fit
+starts and the CLI does before it consolidates a checkpoint. No process id or host name decides that a run is dead
+(they mislead across PID namespaces; they only ever keep an entry: one named for another host or for ``keep_pid``),
+except for a directory without a lock file (written by an older version, or by a process killed before it made the
+file): that one is removed only when it is older than :data:`LOCKLESS_STALE_SECONDS` (15 minutes, by its modification
+time) and, as before, its name names this host and a process that does not run here.
+
+Imports the standard library, torch (for DCP's exception type) and the engine's errors, names and output rules
+(:mod:`nemo_patch.engine.output_target`) only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
 import contextlib
+import ctypes
+import errno
+import fcntl
+import functools
 import logging
 import os
 import re
 import shutil
 import socket
+import threading
+import time
 import uuid
 from pathlib import Path
-from typing import Iterator, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.errors import ConsolidationError, OutputExistsError
 from nemo_patch.engine.output_layout import CONSOLIDATED_DIRNAME
+from nemo_patch.engine.output_target import describe_entry, is_replaceable_output
 
 __all__ = [
+    "LOCKLESS_STALE_SECONDS",
+    "TMP_LOCK_NAME",
     "TMP_PREFIX",
     "fsync_dir",
     "link_consolidated_output",
@@ -48,6 +68,7 @@ __all__ = [
     "make_tmp_dir",
     "publish_dir",
     "remove_stale_tmp_dirs",
+    "remove_tmp_dir",
     "staged_output",
     "tmp_dirs_of",
 ]
@@ -57,6 +78,18 @@ logger = logging.getLogger(__name__)
 #: Prefix of temporary output directories; they are never visible under the final name.
 TMP_PREFIX = ".consolidated.tmp-"
 _TMP_NAME = re.compile(r"^\.consolidated\.tmp-(?:[a-z]+-)?(?P<pid>\d+)-[0-9a-f]+(?:@(?P<host>.*))?$")
+#: The lock file in a temporary directory; its creator holds ``flock(LOCK_EX)`` on it while the directory is in use.
+TMP_LOCK_NAME = ".nemo-patch.lock"
+#: Age (seconds since the last change of its entries) after which a temporary directory without a lock file is stale.
+LOCKLESS_STALE_SECONDS = 15 * 60
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+_held: Dict[str, int] = {}  # temporary directory -> the descriptor holding its lock
+_held_guard = threading.Lock()
 
 
 def _host() -> str:
@@ -78,39 +111,142 @@ def tmp_name(kind: str = "") -> str:
 
 
 def make_tmp_dir(parent: Path, kind: str = "") -> Path:
-    """Create a hidden, uniquely named directory in ``parent`` (permissions follow the umask).
+    """Create a hidden, uniquely named directory in ``parent`` (permissions follow the umask), holding its lock.
+
+    The lock (``flock(LOCK_EX)`` on :data:`TMP_LOCK_NAME` in it) is held by this process until the directory is
+    published (:func:`publish_dir`) or removed (:func:`remove_tmp_dir`); while it is held, no
+    :func:`remove_stale_tmp_dirs` removes the directory. Where the filesystem has no ``flock`` the lock file is not
+    kept, and the directory is protected as one without a lock file is.
 
     Raises:
         OSError: if ``parent`` cannot be written.
     """
     path = Path(parent) / tmp_name(kind)
     path.mkdir()
+    lock = path / TMP_LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        logger.debug("No lock file in %s: %s", path, error)
+        return path
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:  # no flock on this filesystem: a lock file nobody holds would read as stale
+        os.close(fd)
+        lock.unlink(missing_ok=True)
+        logger.debug("Cannot lock %s (%s); it is protected by its age instead", lock, error)
+        return path
+    with _held_guard:
+        _held[str(path)] = fd
     return path
 
 
+def _release(path: Path) -> None:
+    """Close the descriptor holding ``path``'s lock (never ``LOCK_UN``: a forked writer may share it)."""
+    with _held_guard:
+        fd = _held.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_tmp_dir(path: Path) -> None:
+    """Remove a temporary directory of :func:`make_tmp_dir` and its contents, then release its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    _release(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_renameat2() -> Any:
+    """libc's ``renameat2`` (glibc 2.28 and later), or ``None``."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _renameat2(source: Path, target: Path, flags: int) -> bool:
+    """``renameat2(AT_FDCWD, source, AT_FDCWD, target, flags)``; ``False`` where libc, the kernel or the filesystem
+    lacks it or the flag (no symbol, ``ENOSYS``, ``EINVAL``, ``EOPNOTSUPP``), so the caller falls back.
+
+    Raises:
+        OSError: any other failure, with its errno.
+    """
+    function = _libc_renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(source), None, str(target))
+
+
 def publish_dir(tmp_dir: Path, output_dir: Path, overwrite: bool = True) -> None:
-    """Rename ``tmp_dir`` to ``output_dir``.
+    """Rename ``tmp_dir`` to ``output_dir``, then release ``tmp_dir``'s lock.
+
+    An existing ``output_dir`` is replaced only when it is a previous output of this package or an empty directory
+    (:func:`nemo_patch.engine.output_target.is_replaceable_output`). Where ``renameat2`` with ``RENAME_EXCHANGE``
+    works (Linux 3.15 and later on ext4, XFS, Btrfs, tmpfs, ...), the two names are exchanged in one atomic step, so
+    ``output_dir`` always names a complete output, the old one until the exchange and the new one after; the old one,
+    now under ``tmp_dir``'s name, is then removed. Where it does not (no such libc symbol, or ``ENOSYS``, ``EINVAL``
+    or ``EOPNOTSUPP``: other kernels, NFS, some FUSE filesystems), the old output is first moved into a temporary
+    directory next to it and the new one renamed into place: between those two renames (microseconds) nothing is
+    under ``output_dir``'s name, and if the second rename fails the old output is moved back. A killed process leaves
+    the old output in that temporary directory, which :func:`remove_stale_tmp_dirs` removes later.
 
     Args:
-        tmp_dir: the complete output, in the same directory as ``output_dir``.
-        output_dir: the final name. An existing one is moved aside first, then removed, so there is no moment where
-            neither the old nor the new output is complete under that name.
+        tmp_dir: the complete output, in the same directory as ``output_dir`` (from :func:`make_tmp_dir`).
+        output_dir: the final name.
         overwrite: if ``False``, an existing ``output_dir`` raises :class:`FileExistsError` instead.
 
     Raises:
-        FileExistsError: ``output_dir`` exists and ``overwrite`` is ``False``.
+        FileExistsError: ``output_dir`` exists and ``overwrite`` is ``False``, or it is something this function does
+            not replace (the message says what is there).
         OSError: if the rename fails.
     """
+    tmp_dir, output_dir = Path(tmp_dir), Path(output_dir)
+    exists = os.path.lexists(output_dir)
+    if exists and not overwrite:
+        raise FileExistsError(f"{output_dir} exists")
+    if exists and not is_replaceable_output(output_dir):
+        raise FileExistsError(
+            f"{output_dir}: it is {describe_entry(output_dir)}; only a previous output or an empty directory is "
+            "replaced"
+        )
+    (tmp_dir / TMP_LOCK_NAME).unlink(missing_ok=True)  # not part of the output; the lock stays held until published
     old = None
-    if output_dir.exists():
-        if not overwrite:
-            raise FileExistsError(f"{output_dir} exists")
+    if not exists:
+        if overwrite or not _renameat2(tmp_dir, output_dir, _RENAME_NOREPLACE):
+            os.replace(tmp_dir, output_dir)
+    elif _renameat2(tmp_dir, output_dir, _RENAME_EXCHANGE):
+        old = tmp_dir  # now holds the previous output
+    else:
         old = make_tmp_dir(output_dir.parent, "old-")
-        os.replace(output_dir, old / output_dir.name)
-    os.replace(tmp_dir, output_dir)
+        try:
+            os.replace(output_dir, old / output_dir.name)
+        except BaseException:
+            remove_tmp_dir(old)
+            raise
+        try:
+            os.replace(tmp_dir, output_dir)
+        except BaseException:
+            try:
+                os.replace(old / output_dir.name, output_dir)
+            except OSError:
+                logger.error("Could not put the previous %s back; it is in %s", output_dir, old / output_dir.name)
+                (old / TMP_LOCK_NAME).unlink(missing_ok=True)  # kept for LOCKLESS_STALE_SECONDS at least
+                _release(old)
+                raise
+            remove_tmp_dir(old)
+            raise
     fsync_dir(output_dir.parent)
+    _release(tmp_dir)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tmp_dir(old)
 
 
 def tmp_dirs_of(parent: Path, pid: int) -> List[Path]:
@@ -133,11 +269,72 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[Path]:
-    """Remove temporary output in ``parent`` left by processes of this host that no longer run.
+def _lockless_stale(path: Path, pid: int) -> bool:
+    """A temporary entry without a lock file: stale when unchanged for :data:`LOCKLESS_STALE_SECONDS` and its process
+    does not run here."""
+    try:
+        age = time.time() - os.lstat(path).st_mtime
+    except OSError:
+        return False
+    return age >= LOCKLESS_STALE_SECONDS and not _alive(pid)
 
-    Entries made on another host are left alone (their process cannot be checked from here); entries of ``keep_pid``
-    and of live processes are kept.
+
+def _open_lock(lock: Path) -> Optional[int]:
+    """A descriptor of ``lock``; ``-1`` when there is no such file, ``None`` when it cannot be opened."""
+    for flags in (os.O_RDWR, os.O_RDONLY):  # write access, for filesystems that emulate flock with fcntl locks
+        try:
+            return os.open(lock, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return -1
+        except PermissionError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _remove_if_stale(path: Path, pid: int) -> Optional[str]:
+    """Remove ``path`` if no process uses it; returns why it was stale, or ``None`` if it was kept."""
+    if path.is_symlink() or not path.is_dir():
+        if not _lockless_stale(path, pid):
+            return None
+        path.unlink(missing_ok=True)
+        return "an old entry of a process that no longer runs"
+    lock = path / TMP_LOCK_NAME
+    fd = _open_lock(lock)
+    if fd is None:
+        return None
+    if fd == -1:
+        if not _lockless_stale(path, pid):
+            return None
+        shutil.rmtree(path, ignore_errors=True)
+        return f"without a lock file, unchanged for {LOCKLESS_STALE_SECONDS // 60} minutes, process {pid} gone"
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: in use (or locks do not work here: kept, as unknown)
+            return None
+        try:
+            opened, current = os.fstat(fd), os.stat(lock, follow_symlinks=False)
+        except OSError:  # unlinked meanwhile: being published
+            return None
+        if (opened.st_dev, opened.st_ino) != (current.st_dev, current.st_ino):
+            return None
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return "its lock is held by no process"
+
+
+def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[Path]:
+    """Remove temporary output in ``parent`` that no running process uses.
+
+    A temporary directory is removed when its lock (:data:`TMP_LOCK_NAME`) can be taken at once, i.e. no process holds
+    it: its creator, or a writer process that inherited the lock, is gone. A directory without a lock file is removed
+    only when unchanged for :data:`LOCKLESS_STALE_SECONDS` and its name names a process that does not run here.
+    Entries made on another host are left alone (a filesystem's locks may not be seen across hosts), and so are the
+    entries of ``keep_pid`` (on NFS, ``flock`` is emulated with ``fcntl`` locks, which do not exclude the process
+    that holds them).
 
     Args:
         parent: a checkpoint directory (the parent of ``consolidated/``).
@@ -157,15 +354,12 @@ def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[
         if match is None or match.group("host") not in (None, _host()):
             continue
         pid = int(match.group("pid"))
-        if pid == keep_pid or _alive(pid):
+        if pid == keep_pid:
             continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        if not path.exists():
+        why = _remove_if_stale(path, pid)
+        if why is not None and not os.path.lexists(path):
             removed.append(path)
-            logger.info("Removed %s, left by consolidation process %d that no longer runs", path, pid)
+            logger.info("Removed %s, temporary output of a consolidation that no longer runs (%s)", path, why)
     return removed
 
 
@@ -180,7 +374,8 @@ def staged_output(
     Args:
         checkpoint_dir: the checkpoint being consolidated.
         output_dir: the final output directory.
-        overwrite: replace an existing ``output_dir`` (atomically) instead of raising :class:`OutputExistsError`.
+        overwrite: replace an existing ``output_dir`` (only a previous output or an empty directory; as
+            :func:`publish_dir` does) instead of raising :class:`OutputExistsError`.
         failure: how a failure message starts, e.g. ``"Consolidating <ckpt>"``.
         kind: a tag in the temporary name (``"hf-"``).
 
@@ -188,7 +383,9 @@ def staged_output(
         ConsolidationError: the output cannot be written (``OSError`` naming the directory), or any other error of the
             block, wrapped as ``"<failure> failed: <type>: <message>"``; a :class:`ConsolidationError` of the block
             passes unchanged.
-        OutputExistsError: ``output_dir`` appeared meanwhile and ``overwrite`` is ``False``.
+        OutputExistsError: ``output_dir`` appeared meanwhile and ``overwrite`` is ``False``, or what is there is
+            neither a previous output nor an empty directory (callers check that first:
+            :func:`nemo_patch.engine.output_target.check_output_target`).
     """
     try:
         output_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -203,16 +400,18 @@ def staged_output(
         yield tmp_dir
         publish_dir(tmp_dir, output_dir, overwrite=overwrite)
     except ConsolidationError:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        remove_tmp_dir(tmp_dir)
         raise
     except FileExistsError as error:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        remove_tmp_dir(tmp_dir)
+        if overwrite:  # something appeared there meanwhile that is not replaced
+            raise OutputExistsError(f"Refusing to publish over {error}") from error
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
     except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        remove_tmp_dir(tmp_dir)
         raise ConsolidationError(f"{failure} failed: {type(error).__name__}: {error}") from error
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        remove_tmp_dir(tmp_dir)
         raise
 
 
@@ -222,7 +421,8 @@ def link_output(
     """Publish ``output_dir`` with the same files as ``source_output``, without recomputing them.
 
     Files are hard-linked where the filesystem allows and copied otherwise, into a staging directory next to
-    ``output_dir`` that is then renamed into place (an existing ``output_dir`` is replaced atomically).
+    ``output_dir`` that is then renamed into place (an existing ``output_dir`` is replaced as :func:`publish_dir`
+    does: only a previous output or an empty directory).
 
     Args:
         source_output: an existing output directory.
@@ -233,7 +433,8 @@ def link_output(
         ``output_dir``.
 
     Raises:
-        OSError: if the files cannot be linked, copied or written (nothing is left behind).
+        OSError: if the files cannot be linked, copied or written (nothing is left behind); ``FileExistsError`` if
+            ``output_dir`` is something else than a previous output or an empty directory.
     """
     source_output, output_dir = Path(source_output), Path(output_dir)
     replace_files = dict(replace_files or {})
@@ -253,7 +454,7 @@ def link_output(
                 shutil.copy2(source, target)
         publish_dir(tmp_dir, output_dir)
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        remove_tmp_dir(tmp_dir)
         raise
     return output_dir
 

@@ -61,6 +61,7 @@ from nemo_patch.engine.errors import (
     VerificationError,
 )
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
+from nemo_patch.engine.output_target import check_output_target
 from nemo_patch.engine.plan import LAYER_PREFIX
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import tensors_bitwise_equal
@@ -242,6 +243,7 @@ def export_hf_checkpoint(
     ckpt_dir, weights_dir = location.checkpoint_dir, location.weights_dir
     peft = location.adapter and not merge_adapters
     output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / HF_DIRNAME
+    check_output_target(ckpt_dir, output_dir, overwrite)  # never the checkpoint, nor anything not a previous output
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
     model, exporter = _exporter_for(ckpt_dir, peft)

@@ -1,0 +1,132 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Where a consolidation may publish its output, and what an overwrite may replace: nothing of the user's is lost.
+
+An output directory is published by renaming a complete temporary directory over its name
+(:mod:`nemo_patch.engine.publish`); with ``overwrite`` (the CLI's ``--force``, the strategy's consolidations) whatever
+is under that name goes. :func:`check_output_target` says, before anything is read or written, whether that is safe:
+
+* Where: never the checkpoint directory itself, its root (the directory holding the checkpoints) or any directory
+  above it, nor ``weights/`` or ``context/`` of the checkpoint or anything inside them. Paths are compared resolved
+  (symbolic links followed), so an alias of the checkpoint (``LATEST``, a link of the user's) is refused too.
+  ``<ckpt>/consolidated`` and ``<ckpt>/hf`` (the defaults) and any other path inside the checkpoint are allowed.
+* What: an existing entry under the output name is replaced only when it is a previous output of this package (a
+  directory whose ``metadata.json`` records a ``format_version``, as both the ``safetensors`` format and the Hugging
+  Face export write it, and which holds no ``weights/``) or an empty directory. A file, a symbolic link, or a
+  directory holding anything else is refused, naming what is there.
+
+Both refusals raise :class:`nemo_patch.engine.errors.OutputExistsError` (exit code 7 of ``nemo-consolidate``).
+
+Imports the standard library and the engine's checkpoint layout and errors only (no torch), so the CLI checks its
+``--out`` before importing torch.
+"""
+
+import os
+from pathlib import Path
+from typing import List, Union
+
+from nemo_patch.engine.checkpoint_layout import _is_consolidated_output
+from nemo_patch.engine.errors import OutputExistsError
+
+__all__ = ["check_output_target", "describe_entry", "is_replaceable_output"]
+
+#: The checkpoint's subdirectories that no output may be on or inside.
+PROTECTED_SUBDIRS = ("weights", "context")
+
+
+def _resolved(path: Union[str, Path]) -> Path:
+    """``path`` absolute, with every symbolic link of its existing part followed."""
+    return Path(os.path.realpath(os.path.abspath(path)))
+
+
+def is_replaceable_output(path: Union[str, Path]) -> bool:
+    """Whether an overwrite may replace what is at ``path``: nothing, an empty directory, or a previous output of this
+    package (``metadata.json`` with ``format_version``, no ``weights/``). A symbolic link never is."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return True
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        with os.scandir(path) as entries:
+            if next(entries, None) is None:
+                return True
+    except OSError:
+        return False
+    return _is_consolidated_output(path)
+
+
+def describe_entry(path: Union[str, Path], limit: int = 3) -> str:
+    """What is at ``path``, in a few words, for an error message."""
+    path = Path(path)
+    if path.is_symlink():
+        return f"a symbolic link to {os.readlink(path)}"
+    if not path.is_dir():
+        return "a file" if path.exists() else "nothing"
+    try:
+        names: List[str] = sorted(os.listdir(path))
+    except OSError as error:
+        return f"a directory that cannot be listed ({error.strerror})"
+    shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    return f"a directory that is not an output of nemo_patch (it holds {shown})"
+
+
+def check_output_target(
+    checkpoint_dir: Union[str, Path], output_dir: Union[str, Path], overwrite: bool, read_only: bool = False
+) -> None:
+    """Refuse an output directory whose publication would destroy the checkpoint or anything of the user's.
+
+    Called before anything is read or written: by :func:`nemo_patch.engine.consolidate.consolidate_checkpoint`, the
+    Hugging Face export and ``nemo-consolidate``.
+
+    Args:
+        checkpoint_dir: the checkpoint directory (``<ckpt>``, holding ``weights/``; for a bare DCP directory, the
+            directory itself).
+        output_dir: where the output is to be published.
+        overwrite: an existing output is to be replaced (``--force``); if ``False``, any existing entry is refused.
+        read_only: the output is only read (``--verify`` of an existing output): only where it is is checked.
+
+    Raises:
+        OutputExistsError: ``output_dir`` is the checkpoint, its root or a directory above them, or on or inside its
+            ``weights/`` or ``context/`` (symbolic links resolved); or something is there and ``overwrite`` is
+            ``False``; or what is there is neither a previous output nor an empty directory. The message names the
+            resolved paths and what is there.
+    """
+    checkpoint, target = _resolved(checkpoint_dir), _resolved(output_dir)
+    shown = f"{output_dir}" if str(output_dir) == str(target) else f"{output_dir} (resolved: {target})"
+    elsewhere = f"the default is {checkpoint / 'consolidated'}, or hf/ for --format hf"
+    if checkpoint == target or checkpoint.is_relative_to(target):
+        what = "the checkpoint itself" if checkpoint == target else "a directory holding the checkpoint"
+        raise OutputExistsError(
+            f"Refusing to write the output to {shown}: it is {what} ({checkpoint}), which publishing would replace; "
+            f"choose another output directory ({elsewhere})"
+        )
+    for name in PROTECTED_SUBDIRS:
+        protected = checkpoint / name
+        if target.is_relative_to(protected):
+            raise OutputExistsError(
+                f"Refusing to write the output to {shown}: it is on or inside the checkpoint's {name}/ ({protected}); "
+                f"choose another output directory ({elsewhere})"
+            )
+    if read_only or not os.path.lexists(output_dir):
+        return
+    replaceable = is_replaceable_output(output_dir)
+    if replaceable and not overwrite:
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
+    if not replaceable:
+        raise OutputExistsError(
+            f"Refusing to replace {shown}: it is {describe_entry(output_dir)}; only a previous output of "
+            "nemo-consolidate or an empty directory is replaced (--force), so choose another output directory"
+        )
