@@ -19,7 +19,8 @@ Usage (also ``python -m nemo_patch``)::
     nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
                      [--max-shard-size 5GB] [--merge-adapters [--base-checkpoint DIR]] [--verify] [--force]
                      [--allow-unfinished] [--best [--monitor NAME] [--mode min|max]] [--workers N] [--quiet]
-    torchrun --nnodes N --nproc-per-node 1 ... -m nemo_patch <path> ...   (or srun; see nemo_patch.cli.distributed)
+    torchrun --nnodes N --nproc-per-node 1 ... -m nemo_patch <path> ... [--timeout SECONDS]
+                     (or srun; see nemo_patch.cli.distributed)
 
 ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
 else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). With ``--best``,
@@ -39,9 +40,10 @@ see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 
 6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
 exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint in the ``hf``
 format whose model class has no ``hf-peft`` exporter, 13 adapters that cannot be merged (e.g. the base checkpoint is
-missing), 14 ``--best`` for a run that recorded no monitored metric, 1 anything else). An adapter checkpoint gives
-``adapter_model.safetensors`` (``safetensors``) or a Hugging Face PEFT directory (``hf``), or with
-``--merge-adapters`` the merged model.
+missing), 14 ``--best`` for a run that recorded no monitored metric, 15 a peer process of a multi-process run
+(``torchrun``/``srun``) that failed (killed, crashed), froze past ``--timeout`` or was launched with different
+arguments, 1 anything else). An adapter checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging
+Face PEFT directory (``hf``), or with ``--merge-adapters`` the merged model.
 
 ``--workers N`` writer processes fill the output files at once (default: this node's cores, at most 8;
 :mod:`nemo_patch.engine.parts`); launched by ``torchrun`` or ``srun`` on several nodes, each node runs its share
@@ -107,6 +109,16 @@ def _workers(value: str) -> int:
     raise argparse.ArgumentTypeError(f"Invalid --workers {value!r}: expected a whole number of processes >= 1.")
 
 
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if 0 < seconds < float("inf"):
+        return seconds
+    raise argparse.ArgumentTypeError(f"Invalid --timeout {value!r}: expected a number of seconds > 0.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``nemo-consolidate``."""
     parser = argparse.ArgumentParser(
@@ -117,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "
         "11 a layout that cannot be named safely, 12 an adapter checkpoint whose model class has no hf-peft "
         "exporter, 13 adapters that cannot be merged (e.g. base checkpoint missing), 14 --best for a run that "
-        "recorded no monitored metric, 1 other.",
+        "recorded no monitored metric, 15 a torchrun/srun peer process that failed, froze past --timeout or was "
+        "launched with different arguments, 1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "
@@ -147,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "is better (default: ModelCheckpoint's, else min)")  # fmt: skip
     parser.add_argument("--workers", type=_workers, default=None, help="writer processes on this node (safetensors "
                         "format; default: its cores, at most 8); under torchrun or srun, on each node")  # fmt: skip
+    parser.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", help="under torchrun or srun: "
+                        "how long a rank waits for another's next message before the run ends with exit code 15 "
+                        "(default: 3600; a rank waits for the others' parts once its own is written, so this must "
+                        "cover how much longer a slower node takes over its share of a large model, and rank 0's "
+                        "planning, --verify and publishing)")  # fmt: skip
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     return parser
 
@@ -277,15 +295,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     from nemo_patch.cli.distributed import LaunchedGroup
 
     try:
-        group = LaunchedGroup.from_environment()
+        group = LaunchedGroup.from_environment(args.timeout)
+        if group is not None:
+            group.join(vars(args))  # every rank's arguments compared with rank 0's, before any work
+            if group.rank != 0:
+                return group.serve()  # rank 0 reports the outcome, once; every rank reports a lost peer
     except ConsolidationError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return error.exit_code
     if group is None:
         return _consolidate(args, None)
-    group.init()
-    if group.rank != 0:
-        return group.serve()  # rank 0 reports the outcome, once
     code = _consolidate(args, group)
     group.finish(code)
     return code
@@ -336,10 +355,14 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
         )
         check_output_target(location.checkpoint_dir, args.out or default_out, args.force, read_only=verify_only)
         if verify_only:
+            if group is not None:
+                group.release()  # rank 0 verifies alone: the other ranks exit 0
             code = _verify_existing(location, args.out or default_out, args.quiet, started)
             close()
             return code
         if args.format == "hf":
+            if group is not None:
+                group.release()  # rank 0 exports alone: the other ranks exit 0
             from nemo_patch.export.hf import export_hf_checkpoint
 
             with _nemo_output_held_back():

@@ -28,6 +28,7 @@ __all__ = [
     "NoMonitoredMetricError",
     "NotACheckpointError",
     "OutputExistsError",
+    "PeerError",
     "UnfinishedCheckpointError",
     "UnknownLayoutError",
     "AdapterCheckpointError",
@@ -117,6 +118,14 @@ class NoMonitoredMetricError(ConsolidationError):
     metric: no ``ModelCheckpoint(monitor=...)`` metric in its checkpoints' state and none in their names."""
 
     exit_code = 14
+
+
+class PeerError(ConsolidationError):
+    """A peer process of a multi-process run (``torchrun``/``srun``, :mod:`nemo_patch.cli.distributed`) left the run
+    (killed, crashed), did not answer within ``--timeout`` (frozen, hung), or was launched with different arguments;
+    the message names the rank(s). Rank 0 publishes nothing unless every rank reported its part written."""
+
+    exit_code = 15
 
 
 class ExportError(ConsolidationError):
