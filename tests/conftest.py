@@ -117,3 +117,17 @@ def checkpoint_copy(each_run, tmp_path) -> Path:
     copy = tmp_path / "ckpt"
     shutil.copytree(each_run["root"] / "LATEST", copy, ignore=shutil.ignore_patterns("consolidated"))
     return copy
+
+
+@pytest.fixture(scope="session")
+def tp2_checkpoint(tmp_path_factory) -> Path:
+    """A finished checkpoint of a 2-step TP=2 fit (2 processes: each attention and MLP weight stored as several
+    chunks), and its reference output (``nemo-consolidate``) in ``<run>/reference/``."""
+    from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
+
+    out = tmp_path_factory.mktemp("tp2")
+    report = run_fit(out, tp=2, devices=2, max_steps=2, save_every=2)
+    root = Path(report.get("root") or out / "tiny_gpt" / "checkpoints")
+    checkpoint = next(path for path in sorted(root.iterdir()) if (path / "weights").is_dir())
+    assert nemo_consolidate([str(checkpoint), "--out", str(out / "reference"), "--quiet", "--workers", "1"]) == 0
+    return checkpoint

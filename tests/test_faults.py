@@ -74,19 +74,28 @@ def _mount_permitted() -> bool:
 # --- 1. the consolidation process is killed with SIGKILL half-way ---------------------------------------------------
 
 
-def _hold_with_a_fifo(checkpoint: Path, spare: Path):
-    """Put a FIFO in place of a shard file: a consolidation blocks on it half-way (its temporary output exists) for
-    sure. Returns the function that puts the real shard file back."""
-    shard = checkpoint / "weights" / "__0_1.distcp"
-    saved = spare / shard.name
-    shutil.move(shard, saved)
-    os.mkfifo(shard)
-
-    def restore() -> None:
-        shard.unlink()
-        shutil.move(saved, shard)
-
-    return restore
+def _hold_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Make each consolidation process started from now on block in its first tensor read, half-way (its temporary
+    output exists by then), until it is killed: a ``sitecustomize`` module on ``PYTHONPATH`` replaces
+    ``DCPRegionReader.read`` in those processes only (a FIFO in place of a shard no longer blocks: the engine refuses
+    anything but a regular file). Returns the function that lets later processes read again."""
+    site = tmp_path / "hold-reads"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "import time\n"
+        "if os.environ.get('NEMO_PATCH_TEST_HOLD_READS') == '1':\n"
+        "    from nemo_patch.engine import dcp_reader\n"
+        "\n"
+        "    def _held(self, *args, **kwargs):\n"
+        "        while True:\n"
+        "            time.sleep(1)\n"
+        "\n"
+        "    dcp_reader.DCPRegionReader.read = _held\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("NEMO_PATCH_TEST_HOLD_READS", "1")
+    return lambda: monkeypatch.delenv("NEMO_PATCH_TEST_HOLD_READS")
 
 
 @pytest.mark.slow
@@ -104,9 +113,11 @@ def test_killed_consolidation_leaves_nothing_and_training_carries_on(tmp_path, c
 
 
 @pytest.mark.slow
-def test_half_written_output_of_a_killed_process_is_removed_by_the_next_cli_run(checkpoint_copy, tmp_path):
-    """A FIFO in place of a shard file holds the process half-way (its temporary output exists) for sure."""
-    restore = _hold_with_a_fifo(checkpoint_copy, tmp_path)
+def test_half_written_output_of_a_killed_process_is_removed_by_the_next_cli_run(
+    checkpoint_copy, tmp_path, monkeypatch
+):
+    """The process is held in its first read, half-way (its temporary output exists), for sure."""
+    restore = _hold_reads(tmp_path, monkeypatch)
     cli = subprocess.Popen([sys.executable, "-m", "nemo_patch", str(checkpoint_copy)], cwd=REPO)
     deadline = time.monotonic() + 120
     while not list(checkpoint_copy.glob(f"{TMP_PREFIX}{cli.pid}-*")) and time.monotonic() < deadline:
@@ -122,8 +133,10 @@ def test_half_written_output_of_a_killed_process_is_removed_by_the_next_cli_run(
 
 
 @pytest.mark.slow
-def test_queue_reports_a_killed_child_and_consolidates_the_same_checkpoint_later(checkpoint_copy, tmp_path):
-    restore = _hold_with_a_fifo(checkpoint_copy, tmp_path)
+def test_queue_reports_a_killed_child_and_consolidates_the_same_checkpoint_later(
+    checkpoint_copy, tmp_path, monkeypatch
+):
+    restore = _hold_reads(tmp_path, monkeypatch)
     done = []
     queue = ConsolidationQueue(lambda save, error: done.append(error))
     save = CheckpointSave(checkpoint_copy, 6, written=True)

@@ -138,7 +138,7 @@ def test_a_missing_base_checkpoint_exits_13_naming_it_and_writes_nothing(lora_ru
     (copy / "weights" / "adapter_metadata.json").write_text(json.dumps({"model_ckpt_path": str(tmp_path / "gone")}))
     for output_format in ("safetensors", "hf"):
         out = tmp_path / output_format
-        code = main([str(copy), "--merge-adapters", "--format", output_format, "--out", str(out)])
+        code = main([str(copy), "--merge-adapters", "--format", output_format, "--trust-context", "--out", str(out)])
         err = capsys.readouterr().err
         assert code == 13 and f"base checkpoint {tmp_path / 'gone'}" in err and "does not exist" in err, err
         assert "--base-checkpoint" in err and not out.exists() and not list(tmp_path.glob(".*tmp*"))

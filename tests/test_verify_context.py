@@ -35,27 +35,31 @@ def llama_copy(imported_llama, tmp_path):
 
 
 def test_the_context_model_is_built_on_the_meta_device_with_consolidated_names(llama_copy):
-    shapes = context_model_shapes(llama_copy)
+    shapes = context_model_shapes(llama_copy, trust_context=True)
     assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (256, 64)  # gated: 2 x ffn_hidden_size
     assert shapes["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"] == (64,)  # the canonical name
     assert shapes["embedding.word_embeddings.weight"] == (128, 64)
 
 
 def test_an_output_that_does_not_match_the_context_exits_9_naming_the_key(llama_copy, tmp_path, capsys):
-    assert main([str(llama_copy), "--verify", "--quiet"]) == 0  # matches: names, shapes and every tensor
+    assert (
+        main([str(llama_copy), "--verify", "--trust-context", "--quiet"]) == 0
+    )  # matches: names, shapes and every tensor
     io_json = llama_copy / "context" / "io.json"
     assert FFN in io_json.read_text()
     io_json.write_text(io_json.read_text().replace(FFN, FFN.replace("128", "96")))
     capsys.readouterr()
 
-    code = main([str(llama_copy), "--verify", "--out", str(tmp_path / "new")])  # a new consolidation
+    code = main(
+        [str(llama_copy), "--verify", "--trust-context", "--out", str(tmp_path / "new")]
+    )  # a new consolidation
     err = capsys.readouterr().err
     assert code == 9, err
     assert "first differing key decoder.layers.0.mlp.linear_fc1.weight is shape [256, 64] in the output and " in err
     assert "shape [192, 64] in the model" in err
     assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".*tmp*"))  # nothing published
 
-    code = main([str(llama_copy), "--verify"])  # the existing output, checked in place
+    code = main([str(llama_copy), "--verify", "--trust-context"])  # the existing output, checked in place
     assert code == 9 and "first differing key decoder.layers.0.mlp.linear_fc1.weight" in capsys.readouterr().err
 
 
@@ -63,7 +67,7 @@ def test_a_context_that_cannot_be_built_is_reported_and_the_tensors_still_compar
     shutil.rmtree(llama_copy / "context")
     (llama_copy / "context").mkdir()
     (llama_copy / "context" / "io.json").write_text("{}")
-    assert main([str(llama_copy), "--verify", "--quiet"]) == 0
+    assert main([str(llama_copy), "--verify", "--trust-context", "--quiet"]) == 0
     assert "warning: names and shapes not compared with the checkpoint's context: Cannot read the model" in (
         capsys.readouterr().err
     )

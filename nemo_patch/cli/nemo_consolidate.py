@@ -42,7 +42,8 @@ exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT a
 format whose model class has no ``hf-peft`` exporter, 13 adapters that cannot be merged (e.g. the base checkpoint is
 missing), 14 ``--best`` for a run that recorded no monitored metric, 15 a peer process of a multi-process run
 (``torchrun``/``srun``) that failed (killed, crashed), froze past ``--timeout`` or was launched with different
-arguments, 1 anything else). An adapter checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging
+arguments, 16 a ``context/`` that names code outside NeMo's packages (``--format hf`` without ``--trust-context``),
+1 anything else). An adapter checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging
 Face PEFT directory (``hf``), or with ``--merge-adapters`` the merged model.
 
 ``--workers N`` writer processes fill the output files at once (default: this node's cores, at most 8;
@@ -130,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "11 a layout that cannot be named safely, 12 an adapter checkpoint whose model class has no hf-peft "
         "exporter, 13 adapters that cannot be merged (e.g. base checkpoint missing), 14 --best for a run that "
         "recorded no monitored metric, 15 a torchrun/srun peer process that failed, froze past --timeout or was "
-        "launched with different arguments, 1 other.",
+        "launched with different arguments, 16 a context/ naming code outside NeMo's packages (see --trust-context), "
+        "1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "
@@ -149,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
                         "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
+    parser.add_argument("--trust-context", action="store_true", help="load the checkpoint's context/ even if it names "
+                        "code outside NeMo, megatron-core, torch, transformers and Lightning (that code is imported "
+                        "and run): only for checkpoints whose writer you trust")  # fmt: skip
     parser.add_argument("--allow-unfinished", action="store_true",
                         help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
     parser.add_argument("--best", action="store_true", help="path is a run's checkpoint root: consolidate its best "
@@ -236,7 +241,7 @@ def _human(size: float) -> str:
     return f"{size:.1f} GB"
 
 
-def _context_shapes(location: "CheckpointLocation") -> Optional[Dict[str, Tuple[int, ...]]]:
+def _context_shapes(location: "CheckpointLocation", trust: bool) -> Optional[Dict[str, Tuple[int, ...]]]:
     """The names and shapes of the model in the checkpoint's ``context/`` (``--verify``), or ``None`` with a warning
     on stderr when there is no context or the model cannot be built here (the tensor comparison still runs)."""
     if location.adapter or not (location.checkpoint_dir / "context").is_dir():  # adapters are not the context's model
@@ -245,7 +250,7 @@ def _context_shapes(location: "CheckpointLocation") -> Optional[Dict[str, Tuple[
 
     try:
         with _nemo_output_held_back(), _stdout_dropped():  # NeMo logs its model building on stdout
-            return context_model_shapes(location.checkpoint_dir)
+            return context_model_shapes(location.checkpoint_dir, trust_context=trust)
     except ConsolidationError as error:
         print(f"{PROG}: warning: names and shapes not compared with the checkpoint's context: {error}",
               file=sys.stderr)  # fmt: skip
@@ -262,13 +267,15 @@ def _records_tensor_digests(output_dir: Path) -> bool:
         return False
 
 
-def _verify_existing(location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float) -> int:
+def _verify_existing(
+    location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float, trust: bool
+) -> int:
     """``--verify`` on an output that exists: compare it with the checkpoint (and its context's model), write
     nothing."""
     from nemo_patch.engine.digests import verify_digests
     from nemo_patch.engine.verify import verify_consolidated, verify_names_and_shapes
 
-    expected = _context_shapes(location)
+    expected = _context_shapes(location, trust)
     count = verify_consolidated(location.weights_dir, output_dir)
     if expected is not None:
         verify_names_and_shapes(output_dir, expected, "the model in the checkpoint's context")
@@ -357,13 +364,16 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
         if verify_only:
             if group is not None:
                 group.release()  # rank 0 verifies alone: the other ranks exit 0
-            code = _verify_existing(location, args.out or default_out, args.quiet, started)
+            code = _verify_existing(location, args.out or default_out, args.quiet, started, args.trust_context)
             close()
             return code
         if args.format == "hf":
             if group is not None:
                 group.release()  # rank 0 exports alone: the other ranks exit 0
+            from nemo_patch.export.context_trust import check_context_trusted
             from nemo_patch.export.hf import export_hf_checkpoint
+
+            check_context_trusted(location.checkpoint_dir / "context", args.trust_context)
 
             with _nemo_output_held_back():
                 result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
@@ -372,7 +382,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             from nemo_patch.engine.parts import default_workers
 
             if args.verify:
-                options["expected_shapes"] = _context_shapes(location)
+                options["expected_shapes"] = _context_shapes(location, args.trust_context)
             options["workers"] = args.workers or default_workers()
             if group is not None:
                 options.update(parts=group.parts(options["workers"]), parts_runner=group.run)
@@ -385,6 +395,11 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
         close()
         print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as error:  # noqa: BLE001 - a bug, not bad input: still one line and the documented exit code 1
+        close()
+        print(f"{PROG}: error: unexpected {type(error).__name__}: {error} (nothing was written; please report this "
+              "with the command line)", file=sys.stderr)  # fmt: skip
+        return 1
     close()
     seconds = time.perf_counter() - started
     if not args.quiet:

@@ -34,6 +34,7 @@ __all__ = [
     "AdapterCheckpointError",
     "AdapterMergeError",
     "UnsupportedFormatError",
+    "UntrustedContextError",
     "VerificationError",
 ]
 
@@ -126,6 +127,14 @@ class PeerError(ConsolidationError):
     the message names the rank(s). Rank 0 publishes nothing unless every rank reported its part written."""
 
     exit_code = 15
+
+
+class UntrustedContextError(ConsolidationError):
+    """The checkpoint's NeMo ``context/`` names code outside the packages a NeMo model comes from (NeMo, megatron-core,
+    torch, transformers, Lightning), which loading it would import and run; the message names it. Refused unless the
+    user trusts the checkpoint (``--trust-context``)."""
+
+    exit_code = 16
 
 
 class ExportError(ConsolidationError):

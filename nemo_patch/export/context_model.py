@@ -32,6 +32,7 @@ import torch
 
 from nemo_patch.engine.errors import ExportError
 from nemo_patch.engine.load import canonical_key_map
+from nemo_patch.export.context_trust import check_context_trusted
 
 __all__ = ["context_model_shapes"]
 
@@ -52,11 +53,13 @@ _SINGLE_RANK = {
 }
 
 
-def context_model_shapes(checkpoint_dir: Path) -> Dict[str, Tuple[int, ...]]:
+def context_model_shapes(checkpoint_dir: Path, trust_context: bool = False) -> Dict[str, Tuple[int, ...]]:
     """Consolidated name -> shape of every weight of the TP=1 model described by ``<checkpoint_dir>/context``.
 
     Args:
         checkpoint_dir: a NeMo 2 checkpoint directory holding ``context/``.
+        trust_context: build whatever ``context/io.json`` names; by default a context that names code outside NeMo's
+            packages is refused before NeMo reads it (:func:`nemo_patch.export.context_trust.check_context_trusted`).
 
     Returns:
         Name -> shape (a tuple of ints); ``_extra_state`` entries are not weights and are left out.
@@ -65,7 +68,9 @@ def context_model_shapes(checkpoint_dir: Path) -> Dict[str, Tuple[int, ...]]:
         ExportError: NeMo is not importable, the context cannot be read, a process group is already initialised in
             this process, or the model cannot be built here (e.g. its layer spec needs Transformer Engine); the
             message says which.
+        UntrustedContextError: the context names code outside NeMo's packages and ``trust_context`` is ``False``.
     """
+    check_context_trusted(Path(checkpoint_dir) / "context", trust_context)
     try:
         import torch.distributed as dist
         from megatron.core import parallel_state

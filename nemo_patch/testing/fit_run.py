@@ -399,9 +399,9 @@ def _probe_merged_logits(model: Any, checkpoint: Path, out: Path) -> Dict[str, f
     base = inspect_checkpoint(checkpoint).adapter_base
     for args in (
         [str(checkpoint), "--merge-adapters", "--out", str(out / "safetensors")],
-        [str(checkpoint), "--merge-adapters", "--format", "hf", "--out", str(out / "hf")],
-        [str(checkpoint), "--format", "hf", "--out", str(out / "peft")],
-        [str(base), "--format", "hf", "--out", str(out / "base-hf")],
+        [str(checkpoint), "--merge-adapters", "--format", "hf", "--trust-context", "--out", str(out / "hf")],
+        [str(checkpoint), "--format", "hf", "--trust-context", "--out", str(out / "peft")],
+        [str(base), "--format", "hf", "--trust-context", "--out", str(out / "base-hf")],
     ):
         if nemo_consolidate([*args, "--quiet", "--verify"]) != 0:
             raise RuntimeError(f"nemo-consolidate {' '.join(args)} failed")

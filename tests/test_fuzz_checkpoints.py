@@ -1,0 +1,236 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""Property-based fuzzing of ``nemo-consolidate`` over a real checkpoint that something has damaged or crafted.
+
+Hypothesis draws one to three mutations of a real TP=2 checkpoint of a NeMo fit (the ``tp2_checkpoint`` fixture):
+fields of the DCP metadata (tensor sizes, chunk offsets and sizes, dropped and repeated
+chunks, dtypes, storage records' offsets, lengths and paths), the kinds of its files (a shard replaced by a FIFO, a
+directory, a symlink out of ``weights/`` or to ``/dev/zero``, a truncated or bit-flipped shard, a truncated
+``.metadata``), and megatron-core's ``metadata.json``. For every example it asserts:
+
+* the exit code is a documented one (:mod:`nemo_patch.engine.errors`) and a failure prints exactly one line;
+* nothing is published unless the run succeeded, and what is published equals the reference output tensor for tensor
+  (no mutation drawn here can make a different output valid: chunks move without their storage records, record
+  offsets move by a few bytes, paths are hostile);
+* no file outside the output directory changed, no temporary directory is left;
+* no code ran: an audit hook (``sys.addaudithook``) active during the run fails on process creation (``os.system``,
+  ``subprocess.Popen``, ``os.exec*``, ``os.posix_spawn``, ``os.fork``), on ``exec``/``compile`` of source, and on the
+  import of any module that was not already imported by an undamaged run.
+
+The quick profile (CI) draws ``NEMO_PATCH_FUZZ_EXAMPLES`` examples, 40 by default (about a minute here); a long run is
+``NEMO_PATCH_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_checkpoints.py``.
+"""
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from test_untrusted_checkpoints import DOCUMENTED_EXIT_CODES, reference, tree_state, write_metadata
+
+from nemo_patch.cli.nemo_consolidate import main as consolidate_main
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.plan import model_tensor_keys
+
+EXAMPLES = int(os.environ.get("NEMO_PATCH_FUZZ_EXAMPLES", "40"))
+FORBIDDEN_EVENTS = ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "exec",
+                    "compile", "ctypes.dlopen")  # fmt: skip
+HOSTILE_PATHS = ["../../outside.distcp", "/etc/passwd", "a/../../b", "..", ".", "", "missing.distcp", "\0x"]
+
+
+class _Guard:
+    """An audit hook, installed once per process, that records forbidden events while :attr:`active`."""
+
+    active = False
+    known_modules: set = set()
+    events: List[str] = []
+
+    @classmethod
+    def hook(cls, event: str, args: Tuple[Any, ...]) -> None:
+        if not cls.active:
+            return
+        if event.startswith(FORBIDDEN_EVENTS):
+            cls.events.append(f"{event} {args!r:.200}")
+        elif event == "import" and args and args[0] not in sys.modules and args[0] not in cls.known_modules:
+            cls.events.append(f"import {args[0]}")
+
+
+sys.addaudithook(_Guard.hook)
+
+
+def _mutate_metadata(weights: Path, change: Callable[[Any, List[str]], None]) -> None:
+    metadata = read_dcp_metadata(weights)
+    change(metadata, model_tensor_keys(metadata))
+    write_metadata(weights.parent, metadata)
+
+
+def _pick(items: List[Any], n: int) -> Any:
+    return items[n % len(items)]
+
+
+def apply(checkpoint: Path, outside: Path, kind: str, n: int, delta: int) -> None:
+    """Apply one mutation to ``checkpoint`` (``n`` and ``delta`` choose where and how much)."""
+    weights = checkpoint / "weights"
+    shards = sorted(weights.glob("*.distcp"))
+
+    def chunk_field(field: str) -> Callable[[Any, List[str]], None]:
+        def change(metadata: Any, keys: List[str]) -> None:
+            item = metadata.state_dict_metadata[_pick(keys, n)]
+            chunk = _pick(item.chunks, n // 7)
+            values = list(getattr(chunk, field))
+            dim = (n // 3) % len(values)
+            values[dim] = max(0, values[dim] + (delta or 1))
+            setattr(chunk, field, torch.Size(values))
+
+        return change
+
+    def tensor_size(metadata: Any, keys: List[str]) -> None:
+        item = metadata.state_dict_metadata[_pick(keys, n)]
+        values = list(item.size)
+        dim = (n // 3) % len(values)
+        values[dim] = max(0, values[dim] + (delta or 1))
+        item.size = torch.Size(values)
+
+    def chunk_list(metadata: Any, keys: List[str]) -> None:
+        chunks = metadata.state_dict_metadata[_pick(keys, n)].chunks
+        if delta % 2:
+            chunks.append(_pick(chunks, n // 7))
+        elif len(chunks) > 0:
+            del chunks[(n // 7) % len(chunks)]
+
+    def dtype(metadata: Any, keys: List[str]) -> None:
+        wrong = [torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8]
+        metadata.state_dict_metadata[_pick(keys, n)].properties.dtype = _pick(wrong, delta)
+
+    def record(field: str) -> Callable[[Any, List[str]], None]:
+        def change(metadata: Any, keys: List[str]) -> None:
+            key = _pick(keys, n)
+            info = _pick([i for index, i in metadata.storage_data.items() if index.fqn == key], n // 7)
+            if field == "relative_path":
+                info.relative_path = _pick(HOSTILE_PATHS, delta)
+            else:
+                setattr(info, field, max(0, getattr(info, field) + (delta or 1)))
+
+        return change
+
+    metadata_changes = {
+        "chunk_offsets": chunk_field("offsets"),
+        "chunk_sizes": chunk_field("sizes"),
+        "tensor_size": tensor_size,
+        "chunk_list": chunk_list,
+        "dtype": dtype,
+        "record_offset": record("offset"),
+        "record_length": record("length"),
+        "record_path": record("relative_path"),
+    }
+    if kind in metadata_changes:
+        _mutate_metadata(weights, metadata_changes[kind])
+        return
+    shard = _pick(shards, n)
+    if kind == "shard_kind":
+        shutil.copy(shard, outside)
+        shard.unlink()
+        choice = delta % 4
+        if choice == 0:
+            os.mkfifo(shard)
+        elif choice == 1:
+            shard.mkdir()
+        elif choice == 2:
+            shard.symlink_to(outside)
+        else:
+            shard.symlink_to("/dev/zero")
+    elif kind == "shard_bytes":
+        data = bytearray(shard.read_bytes())
+        if delta % 2:
+            del data[(n * 131) % len(data) :]  # truncated
+        else:
+            data[(n * 131) % len(data)] ^= 1 << (delta % 8)  # one bit flipped
+        shard.write_bytes(bytes(data))
+    elif kind == "metadata_truncated":
+        data = (weights / ".metadata").read_bytes()
+        (weights / ".metadata").write_bytes(data[: (n * 17) % len(data)])
+    elif kind == "megatron_json":
+        side = weights / "metadata.json"
+        side.unlink()
+        choice = delta % 3
+        if choice == 0:
+            os.mkfifo(side)
+        elif choice == 1:
+            side.write_text('{"sharded_backend": ')
+        else:
+            side.symlink_to("/dev/zero")
+
+
+KINDS = ["chunk_offsets", "chunk_sizes", "tensor_size", "chunk_list", "dtype", "record_offset", "record_length",
+         "record_path", "shard_kind", "shard_bytes", "metadata_truncated", "megatron_json"]  # fmt: skip
+MUTATIONS = st.lists(
+    st.tuples(st.sampled_from(KINDS), st.integers(0, 10**6), st.integers(-3, 3)), min_size=1, max_size=3
+)
+
+
+def _run(args: List[str]) -> Tuple[int, List[str]]:
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = consolidate_main(args + ["--quiet", "--workers", "1"])
+    return code, [line for line in stderr.getvalue().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def warmed(tp2_checkpoint) -> Dict[str, torch.Tensor]:
+    """The reference output; one undamaged run first, so that every module a run needs is already imported."""
+    with tempfile.TemporaryDirectory() as scratch:
+        assert _run([str(tp2_checkpoint), "--out", str(Path(scratch) / "out")])[0] == 0
+    _Guard.known_modules = set(sys.modules)
+    return reference(tp2_checkpoint)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(mutations=MUTATIONS)
+def test_damaged_checkpoints_fail_cleanly_or_give_the_reference_output(tp2_checkpoint, warmed, mutations):
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        checkpoint = root / "ckpts" / tp2_checkpoint.name
+        shutil.copytree(tp2_checkpoint, checkpoint, ignore=shutil.ignore_patterns("consolidated"))
+        outside = root / "outside.distcp"
+        for kind, n, delta in mutations:
+            apply(checkpoint, outside, kind, n, delta)
+        output = root / "out"
+        before = tree_state(root, output)
+        _Guard.events, _Guard.active = [], True
+        try:
+            code, lines = _run([str(checkpoint), "--out", str(output)])
+        finally:
+            _Guard.active = False
+        assert _Guard.events == [], f"code ran during the consolidation: {_Guard.events}"
+        assert code in DOCUMENTED_EXIT_CODES, (code, lines)
+        assert tree_state(root, output) == before, "a file outside the output changed"
+        assert not [p for p in root.rglob(".consolidated*")], "a temporary directory was left"
+        if code != 0:
+            assert len(lines) == 1 and lines[0].startswith("nemo-consolidate: error: "), lines
+            assert not output.exists()
+            return
+        got = load_file(str(output / "model.safetensors"))
+        assert got.keys() == warmed.keys(), mutations
+        assert all(torch.equal(got[name], warmed[name]) for name in warmed), mutations

@@ -1,0 +1,360 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""Checkpoints nobody here wrote: crafted metadata, damaged layouts, hostile paths and file kinds, a hostile context.
+
+Every test starts from a real TP=2 checkpoint of a NeMo fit (``tp2_checkpoint``: each attention and MLP weight is
+stored as several chunks) and damages a private copy of it. What the consolidation must do with each: exit with a
+documented code and one line on stderr, publish nothing, change no file outside its output, run no code.
+"""
+
+import contextlib
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from conftest import REPO
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+
+from nemo_patch.cli.nemo_consolidate import main as consolidate_main
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.errors import ConsolidationError
+
+QKV = "module.decoder.layers.self_attention.linear_qkv.weight"
+DOCUMENTED_EXIT_CODES = {0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}
+
+
+@pytest.fixture()
+def victim(tp2_checkpoint, tmp_path) -> Path:
+    """A private copy of the TP=2 checkpoint, with a file beside it that nothing may touch."""
+    copy = tmp_path / "ckpts" / tp2_checkpoint.name
+    shutil.copytree(tp2_checkpoint, copy, ignore=shutil.ignore_patterns("consolidated"))
+    (tmp_path / "secret.txt").write_text("not a tensor\n" * 1000)
+    return copy
+
+
+def reference(tp2_checkpoint: Path) -> Dict[str, torch.Tensor]:
+    return load_file(str(tp2_checkpoint.parents[2] / "reference" / "model.safetensors"))
+
+
+def tree_state(root: Path, skip: Path) -> Dict[str, Tuple[str, bytes]]:
+    """Every entry under ``root`` except ``skip``: kind and content (a link's target, a file's bytes)."""
+    state = {}
+    for path in sorted(root.rglob("*")):
+        if path == skip or skip in path.parents:
+            continue
+        if path.is_symlink():
+            state[str(path)] = ("link", os.readlink(path).encode())
+        elif path.is_file():
+            state[str(path)] = ("file", path.read_bytes())
+        else:
+            state[str(path)] = ("other", b"")
+    return state
+
+
+def run_cli(args: List[str], timeout: float = 120) -> Tuple[int, List[str]]:
+    """``nemo-consolidate`` in-process with a deadline; returns (exit code, stderr lines)."""
+    stderr = io.StringIO()
+    result: List[int] = []
+
+    def target() -> None:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            result.append(consolidate_main(args + ["--quiet", "--workers", "1"]))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"nemo-consolidate {args} still runs after {timeout} s (a hang)"
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip() and "pynvml" not in line]
+    return result[0], lines
+
+
+def write_metadata(checkpoint: Path, metadata) -> None:
+    """Write ``metadata`` as torch's own ``Metadata`` (the stand-in for megatron-core's class pickles by its name)."""
+    fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    plain = Metadata(**{name: getattr(metadata, name) for name in fields})
+    (checkpoint / "weights" / ".metadata").write_bytes(pickle.dumps(plain))
+
+
+def assert_refused(checkpoint: Path, code: int, expected_code: int, lines: List[str], *words: str) -> None:
+    assert code == expected_code, lines
+    assert len(lines) == 1 and lines[0].startswith("nemo-consolidate: error: "), lines
+    for word in words:
+        assert word in lines[0], lines
+    assert not (checkpoint / "consolidated").exists()
+    assert not [p for p in checkpoint.iterdir() if p.name.startswith(".consolidated")]
+
+
+# --- 1. code execution through the metadata -------------------------------------------------------------------------
+
+# Names that an attribute lookup on an allowed module would reach; none of them is a metadata type.
+REACHABLE_NAMES = [
+    ("torch.distributed.checkpoint.metadata", "os"),
+    ("torch.distributed.checkpoint.filesystem", "os"),
+    ("torch.distributed.checkpoint.filesystem", "pickle"),
+    ("torch.distributed.checkpoint.planner", "abc"),
+    ("torch.distributed.checkpoint.metadata", "__builtins__"),
+    ("torch", "load"),
+    ("torch", "_C"),
+    ("torch.serialization", "load"),
+    ("builtins", "eval"),
+    ("builtins", "getattr"),
+    ("collections", "namedtuple"),
+    ("posix", "system"),
+]
+
+
+@pytest.mark.parametrize("module,name", REACHABLE_NAMES)
+def test_metadata_naming_anything_but_a_metadata_type_is_refused(tmp_path, module, name):
+    (tmp_path / ".metadata").write_bytes(f"c{module}\n{name}\n.".encode())  # protocol-0 GLOBAL, then STOP
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+        read_dcp_metadata(tmp_path)
+
+
+def test_a_crafted_metadata_runs_no_command_and_exits_8(victim, tmp_path):
+    marker = tmp_path / "pwned"
+    # eval reached through an allowed module's globals, as the attack did: module.__builtins__['eval'](code)
+    payload = (
+        b"ctorch.distributed.checkpoint.metadata\n__builtins__\n"
+        + b"(S'eval'\ntR"  # never reached: the first GLOBAL is refused
+        + f"(S'__import__(\"os\").system(\"touch {marker}\")'\ntR.".encode()
+    )
+    (victim / "weights" / ".metadata").write_bytes(payload)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, ".metadata", "refusing to load")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda m: setattr(m.state_dict_metadata[QKV], "size", "abc"), id="size-a-string"),
+        pytest.param(lambda m: setattr(m.state_dict_metadata[QKV], "chunks", None), id="chunks-none"),
+        pytest.param(lambda m: m.state_dict_metadata.update({7: m.state_dict_metadata[QKV]}), id="integer-key"),
+        pytest.param(lambda m: setattr(m.state_dict_metadata[QKV].properties, "dtype", "float32"), id="dtype-string"),
+        pytest.param(lambda m: setattr(m, "storage_data", [1, 2]), id="storage-a-list"),
+        pytest.param(
+            lambda m: setattr(next(iter(m.storage_data.values())), "offset", -5), id="negative-storage-offset"
+        ),
+    ],
+)
+def test_metadata_of_the_right_classes_with_wrong_types_exits_8(victim, damage):
+    metadata = read_dcp_metadata(victim / "weights")
+    damage(metadata)
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, ".metadata")
+
+
+# --- 4. layouts: chunks must tile their tensor, records must hold what their chunk declares --------------------------
+
+
+def _chunks(metadata, key=QKV) -> list:
+    return metadata.state_dict_metadata[key].chunks
+
+
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        (lambda m: _chunks(m).append(_chunks(m)[0]), ["overlap"]),  # a repeated chunk
+        (lambda m: _chunks(m).__setitem__(1, ChunkStorageMetadata(_chunks(m)[0].offsets, _chunks(m)[1].sizes)), [
+            "overlap"]),  # two chunks at one place, a hole elsewhere: volumes still add up
+        (lambda m: _chunks(m).__setitem__(0, ChunkStorageMetadata(
+            torch.Size([0, 150, 0]), _chunks(m)[0].sizes)), ["outside"]),  # sticks out of the tensor
+        (lambda m: setattr(m.state_dict_metadata[QKV], "size", torch.Size([2, 192, 65])), ["cover"]),  # a hole
+    ],
+)  # fmt: skip
+def test_chunks_that_do_not_tile_their_tensor_are_refused_naming_it(victim, damage, words):
+    metadata = read_dcp_metadata(victim / "weights")
+    damage(metadata)
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert code in (8, 11), lines
+    assert_refused(victim, code, code, lines, QKV, *words)
+
+
+def test_a_layer_whose_chunks_are_all_missing_is_refused_not_left_out(victim):
+    norm = "module.decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    metadata = read_dcp_metadata(victim / "weights")
+    chunks = metadata.state_dict_metadata[norm].chunks
+    chunks[:] = [chunk for chunk in chunks if chunk.offsets[0] != 1]  # layer 1 of the stack: no chunk left
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 11, lines, norm, "layer 1")
+
+
+def test_a_record_holding_another_dtype_or_shape_than_declared_exits_8(victim):
+    metadata = read_dcp_metadata(victim / "weights")
+    item = metadata.state_dict_metadata[QKV]
+    item.properties.dtype = torch.float16  # half the bytes: the size bound passes, the record check must not
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, QKV, "torch.float32", "torch.float16")
+
+    metadata = read_dcp_metadata(victim / "weights")
+    metadata.state_dict_metadata[QKV].properties.dtype = torch.float32
+    item = metadata.state_dict_metadata[QKV]  # narrower: each stored [1, 96, 64] record declared as [1, 96, 32]
+    item.size = torch.Size([*item.size[:-1], 32])
+    for chunk in item.chunks:
+        chunk.sizes = torch.Size([*chunk.sizes[:-1], 32])
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, QKV, "[1, 96, 64]", "[1, 96, 32]")
+
+
+# --- 5 and 6. paths, file kinds and sizes ---------------------------------------------------------------------------
+
+
+def _retarget(metadata, name: str) -> None:
+    for index, info in metadata.storage_data.items():
+        if index.fqn == QKV:
+            info.relative_path = name
+
+
+@pytest.mark.parametrize("name", ["../../secret.txt", "/etc/passwd", "sub/__0_0.distcp", "..", "", "missing.distcp"])
+def test_storage_records_naming_files_outside_weights_are_refused(victim, name):
+    metadata = read_dcp_metadata(victim / "weights")
+    _retarget(metadata, name)
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines)
+
+
+def _shard_of_qkv(victim: Path) -> Path:
+    metadata = read_dcp_metadata(victim / "weights")
+    return victim / "weights" / metadata.storage_data[MetadataIndex(QKV, _chunks(metadata)[0].offsets)].relative_path
+
+
+@pytest.mark.parametrize("kind", ["symlink-out", "fifo", "directory", "dev-zero"])
+def test_shard_files_that_are_not_regular_files_inside_weights_are_refused_without_hanging(victim, tmp_path, kind):
+    shard = _shard_of_qkv(victim)
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(shard, outside)
+    shard.unlink()
+    if kind == "symlink-out":
+        shard.symlink_to(outside)  # the same bytes, but not in weights/
+    elif kind == "fifo":
+        os.mkfifo(shard)
+    elif kind == "directory":
+        shard.mkdir()
+    else:
+        shard.symlink_to("/dev/zero")
+    code, lines = run_cli([str(victim)], timeout=60)
+    assert_refused(victim, code, 8, lines, shard.name)
+
+
+def test_a_symlinked_checkpoint_directory_still_works(victim, tmp_path, tp2_checkpoint):
+    link = tmp_path / "link-to-checkpoint"
+    link.symlink_to(victim)
+    code, lines = run_cli([str(link), "--out", str(tmp_path / "out")])
+    assert code == 0, lines
+    got, want = load_file(str(tmp_path / "out" / "model.safetensors")), reference(tp2_checkpoint)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_side_files_that_are_fifos_or_endless_do_not_hang_or_grow_memory(victim, kind):
+    side = victim / "weights" / "metadata.json"
+    side.unlink()
+    if kind == "fifo":
+        os.mkfifo(side)
+    else:
+        side.symlink_to("/dev/zero")
+    code, lines = run_cli([str(victim)], timeout=60)
+    # without a readable megatron-core metadata.json the checkpoint is read as plain torch_dist DCP: that is fine
+    assert code in DOCUMENTED_EXIT_CODES and (code == 0 or len(lines) == 1), lines
+
+
+def test_declared_sizes_beyond_the_bytes_held_are_refused_before_allocating(victim):
+    metadata = read_dcp_metadata(victim / "weights")
+    item = metadata.state_dict_metadata[QKV]
+    item.size = torch.Size([2, 192 * 10**9, 64])  # about 100 TB
+    item.chunks = [ChunkStorageMetadata(torch.Size([0, 0, 0]), torch.Size([2, 192 * 10**9, 64]))]
+    for index, info in list(metadata.storage_data.items()):
+        if index.fqn == QKV:
+            del metadata.storage_data[index]
+    first = next(
+        info for index, info in read_dcp_metadata(victim / "weights").storage_data.items() if index.fqn == QKV
+    )
+    metadata.storage_data[MetadataIndex(QKV, torch.Size([0, 0, 0]))] = first
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, QKV, "declares")
+
+
+def test_a_stacked_entry_declaring_a_billion_layers_costs_nothing(victim, tp2_checkpoint, tmp_path):
+    metadata = read_dcp_metadata(victim / "weights")
+    metadata.state_dict_metadata[QKV].size = torch.Size([10**9, 192, 64])
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim), "--out", str(tmp_path / "out")])
+    assert code == 0, lines  # layers no chunk covers have no output (as for dense layers among MoE layers)
+    got, want = load_file(str(tmp_path / "out" / "model.safetensors")), reference(tp2_checkpoint)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_output_header_safetensors_cannot_read_is_refused_before_publishing(tmp_path):
+    from nemo_patch.engine.errors import UnknownLayoutError
+    from nemo_patch.engine.safetensors_writer import TensorSpec, encode_header
+
+    specs = [TensorSpec(f"module.{i:05d}." + "x" * 5000, torch.float32, (1,)) for i in range(20000)]
+    with pytest.raises(UnknownLayoutError, match="safetensors library reads at most 100000000"):
+        encode_header(specs, {"format": "pt"})
+
+
+# --- 2. the context --------------------------------------------------------------------------------------------------
+
+
+def _hostile_context(victim: Path, marker: Path) -> None:
+    io_json = victim / "context" / "io.json"
+    text = io_json.read_text()
+    text = text.replace(
+        '{"type": "pyref", "module": "builtins", "name": "tuple"}',
+        '{"type": "pyref", "module": "subprocess", "name": "getoutput"}',
+        1,
+    )
+    io_json.write_text(text.replace("tiny_gpt", f"touch {marker}", 1))
+
+
+def test_a_context_naming_code_outside_nemo_is_never_imported_without_trust(victim, tmp_path):
+    from nemo_patch.export.context_trust import check_context_trusted, context_references
+
+    marker = tmp_path / "ran"
+    assert all(module.split(".")[0] in {"builtins", "fiddle", "megatron", "nemo", "torch"}
+               for module, _ in context_references(victim / "context"))  # fmt: skip
+    _hostile_context(victim, marker)
+    with pytest.raises(ConsolidationError, match="subprocess.getoutput"):
+        check_context_trusted(victim / "context")
+    check_context_trusted(victim / "context", trust=True)  # the opt-in
+
+    # --format hf refuses it (exit 16) before NeMo reads the context; --verify still compares the tensors
+    code, lines = run_cli([str(victim), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert code == 16 and len(lines) == 1 and "--trust-context" in lines[0], lines
+    assert not (tmp_path / "hf").exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_patch", str(victim), "--verify", "--out", str(tmp_path / "v"), "--workers", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "subprocess.getoutput" in proc.stderr and "verified" in proc.stdout
+    assert not marker.exists()
