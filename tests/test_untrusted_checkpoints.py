@@ -201,7 +201,7 @@ def test_a_layer_whose_chunks_are_all_missing_is_refused_not_left_out(victim):
     chunks[:] = [chunk for chunk in chunks if chunk.offsets[0] != 1]  # layer 1 of the stack: no chunk left
     write_metadata(victim, metadata)
     code, lines = run_cli([str(victim)])
-    assert_refused(victim, code, 11, lines, norm, "layer 1")
+    assert_refused(victim, code, 8, lines, norm, "belongs to no chunk")
 
 
 def test_a_record_holding_another_dtype_or_shape_than_declared_exits_8(victim):

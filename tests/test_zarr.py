@@ -155,3 +155,32 @@ def test_a_zarr_save_that_never_finished_is_refused(zarr_copy, tmp_path):
     with pytest.raises(UnfinishedCheckpointError, match="no 'metadata.json'"):
         consolidate_checkpoint(zarr_copy, tmp_path / "out")
     assert main([str(zarr_copy), "--out", str(tmp_path / "cli")]) == 5
+
+
+@pytest.mark.parametrize("kind", ["symlink-to-secret", "fifo", "symlinked-array"])
+def test_zarr_chunks_and_arrays_that_are_not_regular_files_inside_weights_are_refused(zarr_copy, tmp_path, kind):
+    chunk = _qkv(zarr_copy) / "0.0.0"
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"password" * (chunk.stat().st_size // 8 + 1))
+    secret.write_bytes(secret.read_bytes()[: chunk.stat().st_size])  # exactly the chunk's size: only its kind is wrong
+    if kind == "symlinked-array":
+        moved = tmp_path / "elsewhere"
+        shutil.move(_qkv(zarr_copy), moved)
+        _qkv(zarr_copy).symlink_to(moved)
+    else:
+        chunk.unlink()
+        chunk.symlink_to(secret) if kind == "symlink-to-secret" else os.mkfifo(chunk)
+    with pytest.raises(CorruptShardError) as info:
+        consolidate_checkpoint(zarr_copy, tmp_path / "out")
+    assert "linear_qkv" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_zarr_shape_beyond_its_chunk_files_is_refused_before_planning(zarr_copy, tmp_path):
+    meta_file = _qkv(zarr_copy) / ".zarray"
+    meta = json.loads(meta_file.read_text())
+    meta["shape"] = [10**15] + meta["shape"][1:]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CorruptShardError, match="chunk files; the directory holds"):
+        consolidate_checkpoint(zarr_copy, tmp_path / "out")
+    assert main([str(zarr_copy), "--out", str(tmp_path / "cli")]) == 8

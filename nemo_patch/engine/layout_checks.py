@@ -22,7 +22,9 @@ Before any tensor is read or any output is allocated, :func:`check_dcp_layout` c
   coverage of each output tensor is then counted exactly by :mod:`nemo_patch.engine.plan` (a hole fails there, naming
   the tensor). With overlapping or out-of-bounds chunks, adding up volumes would hide a hole, and the output would hold
   whatever memory the hole had;
-* **storage**: each chunk has its storage record (``storage_data[MetadataIndex(key, offsets)]``); the record names a
+* **storage**: each chunk has its storage record (``storage_data[MetadataIndex(key, offsets)]``), and each stored
+  record of the key has its chunk (a chunk taken out of the metadata would otherwise silently drop a layer: a layer no
+  chunk covers has no output, as for the layers of another kind in a heterogeneous or MoE model); the record names a
   plain file of ``weights/`` (one path component, no ``..``, not absolute), which resolves inside ``weights/``
   (symlinks followed) and is a regular file; the record lies inside that file, holds at least the chunk's bytes
   (``torch.save`` stores tensor data uncompressed), and carries no storage transform (compression: megatron-core
@@ -40,7 +42,7 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Dict, Iterable, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
@@ -145,11 +147,22 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
     """
     files: Dict[str, Tuple[Path, int]] = {}
     storage = metadata.storage_data or {}
-    for key in keys:
+    wanted = set(keys)
+    records: Dict[str, List[Tuple[int, ...]]] = {}
+    for index in storage:
+        if index.fqn in wanted:
+            records.setdefault(index.fqn, []).append(tuple(index.offset or ()))
+    for key in wanted:
         item = metadata.state_dict_metadata[key]
         if not isinstance(item, TensorStorageMetadata):
             continue
         check_chunk_tiling(key, item.size, item.chunks)
+        orphans = set(records.get(key, ())) - {tuple(chunk.offsets) for chunk in item.chunks}
+        if orphans:
+            raise CorruptShardError(
+                f"{key}: a stored record at offsets {list(min(orphans))} belongs to no chunk of the metadata (a chunk "
+                "was removed from it); refusing an output with that part left out"
+            )
         element = item.properties.dtype.itemsize
         for chunk in item.chunks:
             info = storage.get(MetadataIndex(key, chunk.offsets))

@@ -23,9 +23,9 @@ unless a cast is asked for), with ``module.`` dropped:
 * layer-stacked entries are split per layer: ``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
   ``decoder.layers.<i>.mlp.linear_fc1.weight`` ``[...]``; a layer index that no chunk covers (a layer of another kind,
   e.g. a dense layer among MoE layers) has no output (the indices come from the chunks, never from the declared size
-  alone: at most :data:`MAX_OUTPUTS_PER_ENTRY` per entry); a layer that lacks entries another layer of the same stack
-  has, and nothing in their place, is damage and fails (layers of different kinds differ both ways), and so does a
-  layer with only some of its experts stored;
+  alone: at most :data:`MAX_OUTPUTS_PER_ENTRY` per entry; a chunk removed from the metadata while its stored record
+  stays is found by :func:`nemo_patch.engine.layout_checks.check_dcp_layout`); a layer with only some of its experts
+  stored fails;
 * expert-stacked entries of MoE layers (``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP`` all save
   ``<...>.mlp.experts.experts.<linear>.<param>`` with the expert axis first, after any layer axis) are split per
   expert, named as ``SequentialMLP``'s ``state_dict`` names them:
@@ -250,36 +250,6 @@ def _moe_pre_mlp_norms(outputs: List[OutputTensor]) -> List[OutputTensor]:
     return renamed
 
 
-def _check_layer_kinds(outputs: List[OutputTensor]) -> None:
-    """A layer that lacks some of the stacked entries another layer of the same stack has is damage, not a kind.
-
-    A layer index no chunk of a stacked entry covers has no output from that entry (the dense layers among MoE layers
-    have no experts, the MoE layers no ``linear_fc1``). Layers of different kinds differ both ways, so the set of
-    stacked entries covering a layer (its signature) is never a strict subset of another layer's: when it is, chunks
-    are missing (a dropped chunk would otherwise silently drop a tensor from the output).
-
-    Raises:
-        UnknownLayoutError: naming the layer and the entries it lacks.
-    """
-    signatures: Dict[Tuple[str, int], set] = {}
-    for output in outputs:
-        match = _STACKED_LAYERS.match(output.key[len(_MODEL_PREFIX) :])
-        if match is not None:
-            signatures.setdefault((match.group("head"), output.index[0]), set()).add(output.key)
-    kinds: Dict[str, Dict[frozenset, int]] = {}
-    for (head, layer), keys in sorted(signatures.items()):
-        kinds.setdefault(head, {}).setdefault(frozenset(keys), layer)
-    for head, by_signature in kinds.items():
-        for signature, layer in by_signature.items():
-            for other, other_layer in by_signature.items():
-                if signature < other:
-                    missing = sorted(other - signature)
-                    raise UnknownLayoutError(
-                        f"{missing[0]}: layer {layer} of {head} has no stored chunk of it while layer {other_layer} "
-                        f"has ({len(missing)} such entries); refusing an output with tensors missing"
-                    )
-
-
 def plan_outputs(metadata: Metadata) -> List[OutputTensor]:
     """Every output tensor of a checkpoint with its source, in natural name order, dtypes as stored.
 
@@ -290,7 +260,6 @@ def plan_outputs(metadata: Metadata) -> List[OutputTensor]:
     outputs = []
     for key in model_tensor_keys(metadata):
         outputs += _outputs_of(key, cast(TensorStorageMetadata, metadata.state_dict_metadata[key]))
-    _check_layer_kinds(outputs)
     outputs = _moe_pre_mlp_norms(outputs)
     for output in outputs:
         if ".experts.experts." in f".{output.spec.name}.":
