@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from nemo_patch.engine.checkpoint_layout import global_step_in_name
+
 
 def _size(num_bytes: float) -> str:
     """Decimal units, as ``nemo-consolidate`` prints them."""
@@ -47,6 +49,8 @@ def format_table(report: dict) -> str:
     natural = lambda entry: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", entry["name"])]  # noqa: E731
     for entry in sorted(report["checkpoints"], key=natural):
         step = entry["global_step"]
+        if step is None and not report.get("resumed_from"):  # saved by this run, which consolidated none of it
+            step = global_step_in_name(entry["name"])
         rows.append(
             (
                 entry["name"] + ("   <- LATEST" if entry["name"] == report["latest"] else ""),
@@ -105,11 +109,17 @@ def main() -> int:
     from nemo_patch.training.policy import parse_consolidation_frequency
 
     frequency = None if args.frequency == "off" else args.frequency
+    demo_takes = 'the demo takes "each", "latest", "every_n:<k>", phases of those (e.g. "every_n:4; each@6"), or "off"'
     if frequency is not None:
         try:
-            parse_consolidation_frequency(frequency)
+            policy = parse_consolidation_frequency(frequency)
         except ValueError as error:
-            parser.error(f"{error} Or \"off\".")
+            parser.error(f"{str(error).split('; expected ')[0]}; {demo_takes}")
+        if any(phase.cadence == "best" for phase in policy.phases):
+            parser.error(
+                f"--frequency {frequency!r}: \"best\" needs ModelCheckpoint(monitor=...) on a validation metric, "
+                f"which this demo does not compute; {demo_takes}"
+            )
     start = time.perf_counter()
     report = run_tiny_fit(
         args.out,
@@ -132,7 +142,7 @@ def main() -> int:
     )
     print(f"checkpoints in {args.out / 'tiny_gpt' / 'checkpoints'}:")
     print(format_table(report))
-    if any(entry["global_step"] is None for entry in report["checkpoints"]):
+    if report.get("resumed_from") and any(entry["global_step"] is None for entry in report["checkpoints"]):
         print("global step '-': saved before this run (resumed); the every_n count carried on from the checkpoint.")
     if report["retained"]:
         print("consolidated outputs kept after NeMo's top-k removed their checkpoints (retained/):")

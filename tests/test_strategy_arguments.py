@@ -69,6 +69,44 @@ def test_bad_frequency_raises_at_construction(cls, frequency):
     assert ACCEPTED_FREQUENCIES in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "frequency, why",
+    [
+        ("latest;", 'an empty cadence at the end: a stray ";"'),
+        ("each;;latest", 'an empty cadence between two cadences: a stray ";"'),
+        ("off", "consolidation is turned off with ckpt_consolidation_frequency=None (the default)"),
+        ("none", "consolidation is turned off with ckpt_consolidation_frequency=None (the default)"),
+        ("Latest", "'Latest' is not a cadence: cadences are lower case ('latest')"),
+        ("each; EVERY_N:2@10", "'EVERY_N:2@10' is not a cadence: cadences are lower case ('every_n:2@10')"),
+    ],
+)
+def test_frequency_messages_say_what_is_wrong_with_the_value(frequency, why):
+    with pytest.raises(ValueError) as info:
+        parse_consolidation_frequency(frequency)
+    assert f"Invalid ckpt_consolidation_frequency {frequency!r}: {why};" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name, closest",
+    [
+        ("ckpt_consolidaton_frequency", "ckpt_consolidation_frequency"),
+        ("ckpt_consolidation_frequencies", "ckpt_consolidation_frequency"),
+        ("ckpt_consolidation_worker", "ckpt_consolidation_workers"),
+        ("consolidation_frequency", "ckpt_consolidation_frequency"),
+        ("save_consolidate", "save_consolidated"),
+    ],
+)
+def test_a_misspelt_consolidation_argument_raises_naming_the_closest(name, closest):
+    with pytest.raises(TypeError) as info:
+        MegatronStrategy(**{name: "latest"})
+    assert f"unexpected keyword argument {name!r}; did you mean {closest!r}?" in str(info.value)
+
+
+def test_nemo_own_arguments_still_pass_through():
+    strategy = MegatronStrategy(ckpt_async_save=False, ckpt_load_strictness="log_all", tensor_model_parallel_size=1)
+    assert strategy.consolidation_settings.policy is None
+
+
 @pytest.mark.parametrize("cls", [MegatronStrategy, MegatronCheckpointIO])
 def test_false_with_frequency_raises_naming_both(cls):
     with pytest.raises(ValueError, match=r"save_consolidated=False contradicts ckpt_consolidation_frequency='latest'"):
@@ -166,9 +204,6 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_workers", 2.0, "a whole number of writer processes >= 1"),
         ("ckpt_consolidation_workers", True, "a whole number of writer processes >= 1"),
         ("ckpt_consolidation_workers", "4", "a whole number of writer processes >= 1"),
-        ("ckpt_consolidation_nodes", 0, "a whole number of nodes >= 1"),
-        ("ckpt_consolidation_nodes", None, "a whole number of nodes >= 1"),
-        ("ckpt_consolidation_nodes", 1.5, "a whole number of nodes >= 1"),
     ],
 )
 def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):
@@ -205,12 +240,10 @@ def test_consolidation_settings_reach_the_io():
         ckpt_consolidation_dtype="bf16",
         ckpt_consolidation_merge_adapters=True,
         ckpt_consolidation_workers=3,
-        ckpt_consolidation_nodes=2,
     )
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     assert base.consolidation_dtype == "bf16" and base.consolidation_merge_adapters is True
-    assert base.consolidation_workers == 3 and base.consolidation_nodes == 2
-    assert strategy.ckpt_consolidation_workers == 3 and strategy.ckpt_consolidation_nodes == 2
+    assert base.consolidation_workers == 3 and strategy.ckpt_consolidation_workers == 3
     assert strategy.ckpt_consolidation_timeout == 12.5
     assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
     assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on

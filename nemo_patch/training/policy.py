@@ -60,6 +60,8 @@ Cadence = Literal["each", "every_n", "best"]
 
 _PHASE = re.compile(r"(each|best|every_n:([0-9]+))(?:@([0-9]+))?")
 _SEPARATOR = re.compile(r" *; *")
+#: Values people try for "no consolidation"; the message says how it is really turned off.
+_OFF_WORDS = frozenset({"off", "none", "no", "never", "false", "disable", "disabled", "0", ""})
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,12 @@ def parse_consolidation_frequency(value: object) -> ConsolidationPolicy:
     """
     if not isinstance(value, str):
         raise _invalid(value, "not a string")
+    if value.strip().lower() in _OFF_WORDS:
+        raise _invalid(value, "consolidation is turned off with ckpt_consolidation_frequency=None (the default)")
     items = _SEPARATOR.split(value)
+    if "" in items:
+        where = "at the end" if items[-1] == "" else "at the start" if items[0] == "" else "between two cadences"
+        raise _invalid(value, f'an empty cadence {where}: a stray ";"')
     latest = items[-1] == "latest"
     if latest:
         items = items[:-1]
@@ -186,6 +193,8 @@ def parse_consolidation_frequency(value: object) -> ConsolidationPolicy:
         match = _PHASE.fullmatch(item)
         if item == "latest":
             raise _invalid(value, '"latest" can only come last, without "@<step>"')
+        if match is None and (item.lower() == "latest" or _PHASE.fullmatch(item.lower()) is not None):
+            raise _invalid(value, f"{item!r} is not a cadence: cadences are lower case ({item.lower()!r})")
         if match is None:
             raise _invalid(value, f"{item!r} is not a cadence")
         if match.group(2) is not None and int(match.group(2)) < 1:

@@ -18,7 +18,9 @@ Imports NeMo and Lightning. Does not apply the overlay itself: :mod:`nemo_patch.
 NeMo's public name once this module has been executed.
 """
 
+import difflib
 import importlib
+import inspect
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type, Union
@@ -82,6 +84,28 @@ def _io_chain_names(checkpoint_io: Any) -> List[str]:
         names.append(f"{type(checkpoint_io).__module__}.{type(checkpoint_io).__qualname__}")
         checkpoint_io = getattr(checkpoint_io, "_checkpoint_io", None)
     return names
+
+
+def _refuse_misspelt_arguments(kwargs: Dict[str, Any]) -> None:
+    """NeMo's ``MegatronStrategy`` passes keyword arguments it does not know on to Lightning, which ignores some, so a
+    misspelt ``ckpt_consolidaton_frequency=`` would silently leave consolidation off. A keyword that looks like one of
+    ours (starts with ``ckpt_consolid`` or ``consolidat``, or is close to one) and is not NeMo's raises instead.
+
+    Raises:
+        TypeError: naming the keyword and the closest of this strategy's arguments.
+    """
+    ours = ["save_consolidated", *_OWN_ARGS.values()]
+    nemo = set(inspect.signature(NeMoMegatronStrategy.__init__).parameters)
+    for name in kwargs:
+        if name in nemo:
+            continue
+        close = difflib.get_close_matches(name, ours, n=1, cutoff=0.8)
+        if close or name.startswith(("ckpt_consolid", "consolidat", "save_consol")):
+            closest = close[0] if close else difflib.get_close_matches(name, ours, n=1, cutoff=0.0)[0]
+            raise TypeError(
+                f"MegatronStrategy got an unexpected keyword argument {name!r}; did you mean {closest!r}? "
+                f"(consolidation arguments: {', '.join(ours)})"
+            )
 
 
 class MegatronStrategy(NeMoMegatronStrategy):
@@ -170,6 +194,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
+        _refuse_misspelt_arguments(kwargs)
         self.consolidation_settings = ConsolidationSettings.from_arguments(
             save_consolidated,
             ckpt_consolidation_frequency,
