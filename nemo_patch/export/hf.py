@@ -15,12 +15,20 @@
 """Export a NeMo 2 ``torch_dist`` checkpoint as a Hugging Face model directory, with NeMo's own registered exporter.
 
 The model class is read from the checkpoint's ``context/`` (NeMo's ``io.load_context``); its exporter is the one NeMo
-registered for ``"hf"`` (``io.model_exporter(<class>, "hf")``, e.g. ``HFLlamaExporter`` for ``LlamaModel``). NeMo's
-exporters normally load the checkpoint into a model on a GPU (``nemo_load``); here the weights come from this
-package's consolidation engine instead (files only, CPU, no process group), and the exporter's own ``convert_state``
-and ``init`` do the name and layout mapping, so the output is exactly what NeMo's exporter would write:
-``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards plus ``model.safetensors.index.json``),
-the tokenizer files when the context has a Hugging Face tokenizer, and this package's ``metadata.json``.
+registered for ``"hf"`` (``io.model_exporter(<class>, "hf")``, e.g. ``HFLlamaExporter`` for ``LlamaModel``;
+``"hf-peft"`` for an adapter checkpoint). The exporter's own ``apply`` runs, so whatever it sets on itself
+(``trust_remote_code``, ``peft_obj``, ...) and passes to its ``init``, ``convert_state`` and ``save_pretrained`` is
+NeMo's; only what needs a GPU or a trainer is replaced (:class:`_OfflineExport`): ``nemo_load``, which would load the
+checkpoint into a model, returns the weights from this package's consolidation engine instead (files only, CPU, no
+process group), and the model is saved as safetensors of ``max_shard_size``. The output is what NeMo's exporter would
+write: ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards plus
+``model.safetensors.index.json``), the tokenizer files when the context has a Hugging Face tokenizer, and this
+package's ``metadata.json``.
+
+Every tensor written is one the exporter assigned: a tied output embedding is re-tied to the converted input
+embedding before saving (so ``save_pretrained`` leaves it out, as for any tied model), and a tensor that still lies in
+storage the exporter's ``init`` allocated fails the export with :class:`ExportError` naming it. Two exports of one
+checkpoint are byte-identical. An exporter that fails raises :class:`ExportError` (exit code 10) with NeMo's message.
 
 Layer-norm names (the one place both namings are handled): NeMo's Llama exporter maps the Transformer Engine
 spec's fused names ``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight`` and
@@ -37,13 +45,15 @@ Imports torch and the engine at module level; NeMo only inside the functions tha
 nemo_patch.export.hf`` imports no NeMo); never the training side, the overlay, the CLI or ``nemo_patch.testing``.
 """
 
+import copy
+import functools
 import inspect
 import json
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,6 +62,7 @@ from nemo_patch.engine.adapter_merge import lora_scale
 from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, read_state_dict
+from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 from nemo_patch.engine.errors import (
     AdapterCheckpointError,
     ConsolidationError,
@@ -127,19 +138,213 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Di
     }
 
 
-def _init_target(exporter: Any, dtype: torch.dtype) -> Any:
-    """The exporter's empty ``transformers`` model in ``dtype``: NeMo's exporters differ in whether ``init`` takes the
-    dtype (``HFLlamaExporter.init(dtype)``) or not (``HFMixtralExporter.init()``, which builds the config's default,
-    fp32); the latter is cast."""
-    if len(inspect.signature(exporter.init).parameters) >= 1:
-        return exporter.init(dtype)
-    return exporter.init().to(dtype)
+def _storage(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage (views of one storage share it)."""
+    return tensor.untyped_storage().data_ptr()
 
 
-def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Any:
-    """NeMo's registered ``"hf"`` exporter (``"hf-peft"`` with ``peft``) for the model class in
-    ``<checkpoint_dir>/context``; the PEFT exporter is given the context's PEFT object (``model_transform``), as NeMo's
-    own ``apply`` does."""
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+class _StateSource:
+    """What NeMo's exporters get from ``nemo_load`` here, in place of the loaded NeMo model: the consolidated state
+    dict and the model's config (as NeMo's ``_ModelState``), and what some exporters' ``apply`` read of a model
+    besides: ``dtype``, ``to(dtype)`` (which returns the source, as a module's does) and ``module.<path>`` (the
+    state's tensor ``<path>``)."""
+
+    def __init__(self, state_dict: Dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
+        self._state_dict = state_dict
+        self.config = config
+        self.dtype = dtype
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return self._state_dict
+
+    def to(self, dtype: torch.dtype) -> "_StateSource":
+        self._state_dict = cast_floating(self._state_dict, dtype)
+        self.dtype = dtype
+        return self
+
+    @property
+    def module(self) -> "_StateView":
+        return _StateView(self._state_dict, "")
+
+
+class _StateView:
+    """Attribute access to a state dict's tensors by their dotted names: ``view.embedding.word_embeddings.weight``."""
+
+    def __init__(self, state_dict: Dict[str, torch.Tensor], prefix: str) -> None:
+        self._state_dict, self._prefix = state_dict, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        key = f"{self._prefix}{name}"
+        if key in self._state_dict:
+            return self._state_dict[key]
+        if any(other.startswith(f"{key}.") for other in self._state_dict):
+            return _StateView(self._state_dict, f"{key}.")
+        raise AttributeError(f"The checkpoint has no tensor {key} or {key}.*")
+
+
+class _TokenizerSaving:
+    """An exporter's ``tokenizer`` whose ``save_pretrained`` logs a warning instead of raising (NeMo's Llama exporter
+    does so; here every exporter does): a model whose context has no Hugging Face tokenizer still exports. Anything
+    else is the tokenizer's own (a ``tokenizer`` attribute is wrapped the same way: NeMo's wrapper holds the Hugging
+    Face one there)."""
+
+    def __init__(self, get: Callable[[], Any], output_dir: Path) -> None:
+        self._get, self._output_dir = get, output_dir
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "save_pretrained":
+            return self._save
+        if name == "tokenizer":
+            return _TokenizerSaving(lambda: self._get().tokenizer, self._output_dir)
+        return getattr(self._get(), name)
+
+    def _save(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            self._get().save_pretrained(*args, **kwargs)
+        except Exception as error:
+            logger.warning("No Hugging Face tokenizer saved with %s: %s", self._output_dir, error)
+
+
+class _OfflineExport:
+    """Mixed in before NeMo's registered exporter class so that the exporter's own ``apply`` runs offline: whatever
+    ``apply`` sets on the exporter (``trust_remote_code``, ``peft_obj``, ...) and whatever it passes to ``init``,
+    ``convert_state`` and ``save_pretrained`` is NeMo's, and only these are replaced:
+
+    - ``nemo_load`` returns a :class:`_StateSource` of the consolidated checkpoint (read by this package's engine on
+      the first call, in the export's dtype) instead of building the model with a trainer;
+    - ``init`` builds NeMo's target model in the export's dtype and records its parameters' storages: a tensor that
+      still lies in one of them after ``convert_state`` was never assigned;
+    - the model ``convert_state`` returns saves through :meth:`_save_checked`: safetensors files of
+      ``max_shard_size``, a tied output embedding re-tied first (``tie_weights``) so that ``save_pretrained`` leaves it
+      out, and :class:`ExportError` naming any tensor to be written that was never assigned;
+    - ``tokenizer`` saves as :class:`_TokenizerSaving` does;
+    - ``ckpt_load`` (the DeepSeek and Llama 4 exporters read the distributed checkpoint themselves) is NeMo's, refused
+      for merged adapters (the checkpoint's own weights are not the merged model).
+
+    The per-export settings are attributes set by :func:`_exporter_for` and :func:`export_hf_checkpoint`.
+    """
+
+    _np_exporter_class: type
+    _np_read: Callable[[], Dict[str, torch.Tensor]]
+    _np_model_config: Any
+    _np_dtype: Optional[torch.dtype]
+    _np_merged: bool
+    _np_max_shard_size: int
+    _np_output_dir: Path
+
+    def _np_reset(self) -> None:
+        self._np_state: Optional[Dict[str, torch.Tensor]] = None
+        self._np_allocated: Dict[int, torch.Tensor] = {}
+        self._np_saved: Optional[Dict[str, torch.Tensor]] = None
+        self._np_ckpt_loaded = False
+
+    def _np_source_state(self) -> Dict[str, torch.Tensor]:
+        if self._np_state is None:
+            state = self._np_read()
+            self._np_dtype = self._np_dtype or checkpoint_dtype(state)
+            self._np_state = cast_floating(state, self._np_dtype)
+        return self._np_state
+
+    def _np_config(self) -> Any:
+        """The model's config, copied, with its precision flags saying the export's dtype (``apply`` reads the target
+        dtype from them: ``torch_dtype_from_mcore_config``)."""
+        config = copy.copy(self._np_model_config)
+        flags = {"fp16": self._np_dtype == torch.float16, "bf16": self._np_dtype == torch.bfloat16}
+        for name, value in {**flags, "params_dtype": self._np_dtype}.items():
+            if hasattr(config, name):
+                object.__setattr__(config, name, value)
+        return config
+
+    def nemo_load(self, path: Any, trainer: Any = None, cpu: bool = True) -> Tuple[_StateSource, None]:
+        state = self._np_source_state()
+        return _StateSource(state, self._np_config(), checkpoint_dtype(state)), None
+
+    def ckpt_load(self, path: Any) -> Any:
+        if self._np_merged:
+            raise ExportError(
+                f"NeMo's {self._np_exporter_class.__qualname__} reads the distributed checkpoint itself (ckpt_load), "
+                "so it cannot export merged adapters; merge them with --format safetensors"
+            )
+        self._np_ckpt_loaded = True
+        return super().ckpt_load(path)  # type: ignore[misc]
+
+    def init(self, *args: Any, **kwargs: Any) -> Any:
+        if self._np_dtype is None and not self._np_ckpt_loaded:
+            self._np_source_state()  # the checkpoint's dtype (some exporters call init before nemo_load)
+        base_init = super().init  # type: ignore[misc]
+        signature = inspect.signature(base_init)
+        if self._np_dtype is not None and "dtype" in signature.parameters:
+            bound = signature.bind_partial(*args, **kwargs)
+            bound.arguments["dtype"] = self._np_dtype
+            args, kwargs = bound.args, bound.kwargs
+        target = base_init(*args, **kwargs)
+        dtype = self._np_dtype
+        if dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in target.parameters()):
+            target = target.to(dtype)  # an init without a dtype (HFMixtralExporter.init()) builds fp32
+        # Kept referenced until the output is saved, so that no assigned tensor can reuse one of these addresses.
+        self._np_allocated.update({_storage(p): p for p in target.parameters() if not p.is_meta and p.numel()})
+        return target
+
+    def convert_state(self, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        converted = super().convert_state(source, target, *args, **kwargs)  # type: ignore[misc]
+        converted.save_pretrained = functools.partial(self._save_checked, converted, converted.save_pretrained)
+        return converted
+
+    @property
+    def tokenizer(self) -> _TokenizerSaving:
+        return _TokenizerSaving(lambda: super(_OfflineExport, self).tokenizer, self._np_output_dir)  # type: ignore
+
+    def _unassigned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_meta or (tensor.numel() > 0 and _storage(tensor) in self._np_allocated)
+
+    def _save_checked(self, target: Any, save: Callable[..., Any], output_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """``target.save_pretrained(output_path, ...)`` as ``apply`` calls it, after the checks in the class docstring.
+
+        Raises:
+            ExportError: a tensor to be written was never assigned by the exporter (the message names them).
+        """
+        if _is_peft_model(target):  # only the adapters are written, as the PEFT exporters' apply saves them
+            from peft import get_peft_model_state_dict
+
+            embedding_layers = kwargs.get("save_embedding_layers", "auto")
+            state = get_peft_model_state_dict(target, save_embedding_layers=embedding_layers)
+        else:
+            if kwargs.get("state_dict") is None and hasattr(target, "tie_weights"):
+                target.tie_weights()  # an output embedding tied in the config shares the assigned input embedding
+            state = kwargs.get("state_dict")
+            state = target.state_dict() if state is None else state
+            kwargs.update(max_shard_size=self._np_max_shard_size, safe_serialization=True)
+        unassigned = sorted(name for name, tensor in state.items() if self._unassigned(tensor))
+        if unassigned:
+            raise ExportError(
+                f"NeMo's {self._np_exporter_class.__qualname__} left {len(unassigned)} tensor(s) of the Hugging Face "
+                f"model unassigned (no source tensor maps to them): {', '.join(unassigned[:5])}"
+                + (", ..." if len(unassigned) > 5 else "")
+            )
+        result = save(output_path, *args, **kwargs)
+        self._np_saved = dict(state)
+        return result
+
+
+def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Tuple[Any, Any]:
+    """The model from ``<checkpoint_dir>/context`` and NeMo's registered ``"hf"`` exporter (``"hf-peft"`` with
+    ``peft``) for its class, as an instance of that exporter class with :class:`_OfflineExport` mixed in. With
+    ``peft`` the context's PEFT method is read here already (NeMo's ``apply`` reads it again), so that an unreadable
+    one is an :class:`AdapterCheckpointError`.
+
+    Raises:
+        ExportError: NeMo is not importable, the context cannot be read, or the class has no ``"hf"`` exporter.
+        AdapterCheckpointError: with ``peft``, the class has no ``"hf-peft"`` exporter or the PEFT method cannot be
+            read.
+    """
     try:
         from nemo.lightning import io
     except ImportError as error:
@@ -151,7 +356,7 @@ def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Any:
     model_class = type(model)
     name = f"{model_class.__module__}.{model_class.__qualname__}"
     try:
-        exporter = model_class.exporter("hf-peft" if peft else "hf", str(checkpoint_dir))
+        exporter_class = type(model_class.exporter("hf-peft" if peft else "hf", str(checkpoint_dir)))
     except (ValueError, AttributeError) as error:
         if peft:
             raise AdapterCheckpointError(
@@ -162,6 +367,11 @@ def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Any:
             f"NeMo has no Hugging Face exporter for {name} (the model class of {checkpoint_dir}); use --format "
             "safetensors"
         ) from error
+    offline = type(exporter_class.__name__, (_OfflineExport, exporter_class), {"__module__": __name__})
+    exporter = offline(str(checkpoint_dir))
+    exporter._np_exporter_class = exporter_class
+    exporter._np_model_config = model.config
+    exporter._np_reset()
     if peft:
         try:
             exporter.peft_obj = io.load_context(str(checkpoint_dir / "context"), subpath="model.model_transform")
@@ -170,6 +380,50 @@ def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Any:
                 f"Cannot read the PEFT method from {checkpoint_dir / 'context'} (model.model_transform): {error}"
             ) from error
     return model, exporter
+
+
+def _run_exporter(exporter: Any, output_dir: Path) -> Dict[str, torch.Tensor]:
+    """Run NeMo's ``exporter.apply(output_dir)`` (an :class:`_OfflineExport` instance) and return the state dict it
+    saved.
+
+    Raises:
+        ExportError: the exporter failed (NeMo's message, with the exception's type), or saved nothing through the
+            model its ``convert_state`` returned.
+        ConsolidationError: or a subclass, from reading the checkpoint (as :func:`read_state_dict`).
+    """
+    name = exporter._np_exporter_class.__qualname__
+    try:
+        exporter.apply(output_dir)
+    except ConsolidationError:
+        raise
+    except Exception as error:
+        raise ExportError(f"NeMo's {name} failed: {type(error).__name__}: {error}") from error
+    finally:
+        exporter._np_allocated.clear()
+        exporter._np_state = None
+    if exporter._np_saved is None:
+        raise ExportError(f"NeMo's {name} saved no model converted by its convert_state")
+    return exporter._np_saved
+
+
+def _written_names(output_dir: Path) -> List[str]:
+    """The tensor names in ``output_dir``'s safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: List[str] = []
+    for path in sorted(output_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def _dcp_metadata(weights_dir: Path) -> Any:
+    """The distributed checkpoint's metadata (for the vocabulary sizes), ``None`` if it cannot be read."""
+    try:
+        return read_dcp_metadata(weights_dir)
+    except Exception as error:  # only metadata.json's vocab_size depends on it
+        logger.warning("Cannot read the metadata of %s: %s", weights_dir, error)
+        return None
 
 
 def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
@@ -234,8 +488,9 @@ def export_hf_checkpoint(
         AdapterCheckpointError: a PEFT adapter checkpoint (without ``merge_adapters``) whose model class has no
             ``"hf-peft"`` exporter, or whose PEFT method cannot be read (exit code 12; the class is named).
         AdapterMergeError: the adapters cannot be merged (exit code 13; e.g. the base checkpoint is missing).
-        ExportError: NeMo is not importable, the context cannot be read, or the model class has no ``"hf"``
-            exporter (the message names the class).
+        ExportError: NeMo is not importable, the context cannot be read, the model class has no ``"hf"`` exporter
+            (the message names the class), NeMo's exporter fails (its message and exception type), or it leaves a
+            tensor to be written unassigned (the message names it); exit code 10.
         ConsolidationError: or another subclass from :mod:`nemo_patch.engine.errors`, as for
             :func:`nemo_patch.engine.consolidate.consolidate_checkpoint`. Nothing partial is left on failure.
     """
@@ -247,47 +502,39 @@ def export_hf_checkpoint(
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
     model, exporter = _exporter_for(ckpt_dir, peft)
-    try:
-        state, metadata = read_state_dict(location, merge_adapters, progress, base_checkpoint)
-        state = te_layer_norm_names(state)
-    except ConsolidationError:
-        raise
-    except (Exception, CheckpointException) as error:
-        raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
+    metadata: Any = None
 
-    from nemo.lightning.io.state import _ModelState
+    def read() -> Dict[str, torch.Tensor]:
+        nonlocal metadata
+        try:
+            state, metadata = read_state_dict(location, merge_adapters, progress, base_checkpoint)
+            return te_layer_norm_names(state)
+        except ConsolidationError:
+            raise
+        except (Exception, CheckpointException) as error:
+            raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
 
-    requested_dtype, dtype = dtype, dtype or checkpoint_dtype(state)
-    state = cast_floating(state, dtype)
+    exporter._np_read, exporter._np_dtype, exporter._np_merged = read, dtype, location.adapter and merge_adapters
+    exporter._np_max_shard_size, exporter._np_output_dir = max_shard_size, output_dir
+    requested_dtype = dtype
     with staged_output(ckpt_dir, output_dir, overwrite, f"Exporting {ckpt_dir} to Hugging Face", "hf-") as tmp_dir:
-        target = _init_target(exporter, dtype)
-        target = exporter.convert_state(_ModelState(state, model.config), target).cpu()
-        del state
-        if peft:  # as NeMo's HF PEFT exporter saves: adapter_model.safetensors + adapter_config.json
-            from peft import get_peft_model_state_dict
-
-            target.save_pretrained(tmp_dir, save_embedding_layers=False)
-            saved = get_peft_model_state_dict(target, save_embedding_layers=False)
-        else:
-            target.save_pretrained(tmp_dir, max_shard_size=max_shard_size, safe_serialization=True)
-            try:
-                exporter.tokenizer.tokenizer.save_pretrained(tmp_dir)
-            except Exception as error:  # as NeMo's own exporter: a model without a HF tokenizer still exports
-                logger.warning("No Hugging Face tokenizer saved with %s: %s", output_dir, error)
-            saved = target.state_dict()
+        saved = _run_exporter(exporter, tmp_dir)
+        written = _written_names(tmp_dir)
         if verify:
             _verify_hf(tmp_dir, saved)
-        manifest = {
+        if metadata is None:  # the exporter read the checkpoint itself (ckpt_load)
+            metadata = _dcp_metadata(weights_dir)
+        manifest: Dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "format": "hf",
             "kind": "adapter" if peft else "model",
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
-            "exporter": f"{type(exporter).__module__}.{type(exporter).__qualname__}",
-            "tensor_count": len(saved),
-            "total_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
+            "exporter": f"{exporter._np_exporter_class.__module__}.{exporter._np_exporter_class.__qualname__}",
+            "tensor_count": len(written),
+            "total_bytes": sum(saved[n].numel() * saved[n].element_size() for n in written if n in saved),
             "dtype": None if requested_dtype is None else str(requested_dtype).removeprefix("torch."),
-            "vocab_size": vocabulary_sizes(ckpt_dir, metadata),
+            "vocab_size": None if metadata is None else vocabulary_sizes(ckpt_dir, metadata),
         }
         if location.adapter:
             manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))

@@ -1,0 +1,152 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Hugging Face export of several model families through NeMo's own exporters (``HFQwen2Exporter``,
+``HFQwen3Exporter``, ``HFLlamaExporter``), driven by their own ``apply``.
+
+Each family is a tiny random ``transformers`` model whose norms and biases are perturbed (not ones and zeros, so a
+tensor dropped or misplaced anywhere in the round trip shows), imported with NeMo's importer on the CPU (all four in
+one process, once per module), consolidated offline with ``export_hf_checkpoint`` and loaded with ``transformers``:
+every tensor equals the original model's, and so do the logits."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from nemo_patch.engine.consolidate import consolidate_checkpoint
+from nemo_patch.engine.errors import ExportError
+from nemo_patch.export.hf import export_hf_checkpoint
+
+FAMILIES = {  # name -> (architecture, NeMo exporter)
+    "qwen2": ("Qwen2ForCausalLM", "nemo.collections.llm.gpt.model.qwen2.HFQwen2Exporter"),
+    "qwen3": ("Qwen3ForCausalLM", "nemo.collections.llm.gpt.model.qwen3.HFQwen3Exporter"),
+    "qwen3-tied": ("Qwen3ForCausalLM", "nemo.collections.llm.gpt.model.qwen3.HFQwen3Exporter"),
+    "llama": ("LlamaForCausalLM", "nemo.collections.llm.gpt.model.llama.HFLlamaExporter"),
+}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """``<root>/<name>/hf`` (the perturbed ``transformers`` model) and ``<root>/<name>/nemo`` (its NeMo import) for
+    every name in :data:`FAMILIES`."""
+    root = tmp_path_factory.mktemp("families")
+    return make_tiny_llama(root, "--families", ",".join(FAMILIES), "--perturb")
+
+
+def _tokens():
+    return torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _qkv(q, k, v, groups):
+    """NeMo's fused QKV layout (per query group: its query heads, then its key and value head) of ``q``, ``k``,
+    ``v`` (first dimension: heads x head size)."""
+    q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_exports_its_source_tensors_and_logits(families, tmp_path, name):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    source = families / name
+    result = export_hf_checkpoint(source / "nemo", tmp_path / "hf", verify=True)
+    original = load_file(source / "hf" / "model.safetensors")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(original)  # tied: no lm_head.weight, as transformers saved the original
+    different = [key for key in original if not torch.equal(original[key], exported[key])]
+    assert different == []
+    assert result.tensor_count == len(exported)
+
+    # The norms and biases are perturbed in the source and survived the import (so the equality above is not one of
+    # untouched initial values): the NeMo checkpoint holds them, under the TE spec's names.
+    norms = [key for key in original if key.endswith("norm.weight")]
+    assert len(norms) >= 5 and all(not torch.equal(original[key], torch.ones_like(original[key])) for key in norms)
+    consolidate_checkpoint(source / "nemo", tmp_path / "st")
+    nemo = load_file(tmp_path / "st" / "model.safetensors")
+    assert torch.equal(nemo["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"],
+                       original["model.layers.1.input_layernorm.weight"])  # fmt: skip
+    assert torch.equal(nemo["decoder.layers.1.mlp.linear_fc1.layer_norm_weight"],
+                       original["model.layers.1.post_attention_layernorm.weight"])  # fmt: skip
+    assert torch.equal(nemo["decoder.final_layernorm.weight"], original["model.norm.weight"])
+    if name.startswith("qwen3"):
+        assert torch.equal(nemo["decoder.layers.0.self_attention.q_layernorm.weight"],
+                           original["model.layers.0.self_attn.q_norm.weight"])  # fmt: skip
+    if name == "qwen2":
+        biases = [original[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"]
+        assert all(bias.abs().min() > 0 for bias in biases)
+        assert torch.equal(nemo["decoder.layers.0.self_attention.linear_qkv.bias"], _qkv(*biases, groups=2))
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    architecture, exporter = FAMILIES[name]
+    assert config["architectures"] == [architecture]
+    assert config["tie_word_embeddings"] is name.endswith("-tied")
+    assert json.loads((tmp_path / "hf" / "metadata.json").read_text())["exporter"] == exporter
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    reference = AutoModelForCausalLM.from_pretrained(str(source / "hf"))
+    with torch.no_grad():
+        logits, expected = model.eval()(_tokens()).logits, reference.eval()(_tokens()).logits
+    assert logits.shape == expected.shape and (logits - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3-tied", "qwen2"])
+def test_two_exports_of_a_checkpoint_are_byte_identical(families, tmp_path, name):
+    for out in ("a", "b"):
+        export_hf_checkpoint(families / name / "nemo", tmp_path / out)
+    for file in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+
+
+def test_a_bfloat16_export_holds_the_source_tensors_in_bfloat16(families, tmp_path):
+    from safetensors.torch import load_file
+
+    export_hf_checkpoint(families / "qwen2" / "nemo", tmp_path / "hf", dtype=torch.bfloat16, verify=True)
+    original = load_file(families / "qwen2" / "hf" / "model.safetensors")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(exported[key], original[key].to(torch.bfloat16)) for key in original)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_tensor_the_exporter_leaves_unassigned_fails_the_export_naming_it(families, tmp_path, monkeypatch):
+    from nemo.lightning import io
+
+    apply_transforms = io.apply_transforms
+
+    def without_final_norm(source, target, mapping, *args, **kwargs):
+        mapping = {key: value for key, value in mapping.items() if value != "model.norm.weight"}
+        return apply_transforms(source, target, mapping, *args, **kwargs)
+
+    monkeypatch.setattr(io, "apply_transforms", without_final_norm)
+    with pytest.raises(
+        ExportError, match=r"HFQwen2Exporter left 1 tensor\(s\) .* unassigned .*: model\.norm\.weight$"
+    ):
+        export_hf_checkpoint(families / "qwen2" / "nemo", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_exporter_that_fails_raises_export_error_with_its_message(families, tmp_path, monkeypatch):
+    from nemo.collections.llm.gpt.model.qwen3 import HFQwen3Exporter
+
+    def convert_state(self, source, target):
+        raise ValueError("no mapping for this layout")
+
+    monkeypatch.setattr(HFQwen3Exporter, "convert_state", convert_state)
+    with pytest.raises(ExportError) as raised:
+        export_hf_checkpoint(families / "qwen3" / "nemo", tmp_path / "hf")
+    assert str(raised.value) == "NeMo's HFQwen3Exporter failed: ValueError: no mapping for this layout"
+    assert raised.value.exit_code == 10
+    assert not (tmp_path / "hf").exists()
