@@ -165,36 +165,6 @@ report = {
 }
 print(sys.argv[4] + json.dumps(report), flush=True)
 """
-# Nodes 1.. are stood in for by part watchers on this machine (the training-time protocol,
-# nemo_patch.training.node_parts), started with the consolidating process, each filling its node's parts.
-NODES = r"""
-import json, os, resource, subprocess, sys
-from pathlib import Path
-from nemo_patch.engine.huge_pages import prefer_huge_pages
-
-prefer_huge_pages()  # as the run's consolidation process does; the watchers inherit it, as they get it in a run
-nodes = int(sys.argv[5])
-root = Path(sys.argv[2]).parent.parent  # watchers look for plans in <root>/*/.consolidated.tmp-*/
-command = [sys.executable, "-m", "nemo_patch.training.node_parts", str(root)]
-watchers = [subprocess.Popen(command + [str(r)], stdin=subprocess.PIPE) for r in range(1, nodes)]
-from nemo_patch.engine.consolidate import consolidate_checkpoint
-from nemo_patch.training.node_parts import FilePartsRunner
-
-runner = FilePartsRunner(nodes, int(sys.argv[3]), timeout=600)
-result = consolidate_checkpoint(sys.argv[1], sys.argv[2], parts=runner.parts(), parts_runner=runner)
-for watcher in watchers:
-    watcher.stdin.close()
-    watcher.wait()
-report = {
-    "stage_seconds": result.stage_seconds,
-    "total_bytes": result.total_bytes,
-    "tensor_count": result.tensor_count,
-    "rss_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    "rss_largest_writer": 0,
-    "writers": nodes,
-}
-print(sys.argv[4] + json.dumps(report), flush=True)
-"""
 DCP = (
     "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
     "dcp_to_torch_save(sys.argv[1], sys.argv[2] + '/full.pt')"
@@ -239,15 +209,13 @@ class Method:
         name: the row's label.
         code: the source, run with ``python -c``; a consolidation prints a :data:`REPORT_PREFIX` line.
         argv: the command-line arguments, from the checkpoint directory and an empty directory for the output.
-        workers: writer processes per node, for a consolidation; ``None`` for the other methods.
-        nodes: the nodes a consolidation runs on.
+        workers: writer processes, for a consolidation; ``None`` for the other methods.
     """
 
     name: str
     code: str
     argv: Callable[[Path, Path], Sequence[object]]
     workers: Optional[int] = None
-    nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -326,11 +294,9 @@ class Summary:
         )
 
 
-def consolidation_label(workers: int, nodes: int = 1, default: bool = False) -> str:
+def consolidation_label(workers: int, default: bool = False) -> str:
     """A consolidation row's name, e.g. ``nemo_patch, 2 workers (default)``."""
     label = f"nemo_patch, {workers} worker{'s' if workers != 1 else ''}"
-    if nodes != 1:
-        label += f" x {nodes} nodes"
     return label + (" (default)" if default else "")
 
 
@@ -339,27 +305,15 @@ def consolidation_args(ckpt: Path, target: Path, workers: int) -> Tuple[Path, Pa
     return ckpt, target / "consolidated", workers, REPORT_PREFIX
 
 
-def nodes_args(ckpt: Path, target: Path, workers: int, nodes: int) -> Tuple[Path, Path, int, str, int]:
-    """:data:`NODES`' arguments: those of :func:`consolidation_args`, then the number of nodes."""
-    return (*consolidation_args(ckpt, target, workers), nodes)
-
-
 def weights_args(ckpt: Path, target: Path) -> Tuple[Path, Path]:
     """The other methods' arguments: the checkpoint's ``weights/`` directory and the output directory."""
     return ckpt / "weights", target
 
 
 def consolidation_methods(workers_list: Sequence[int], default_workers: int) -> List[Method]:
-    """The ``nemo_patch`` rows: one consolidating process on this node with each number of writer processes.
-
-    Then one row on 2 "nodes" of 1 writer each (:data:`NODES`: the second node is a part watcher process on this
-    machine, started with the consolidating process, as ``ckpt_consolidation_nodes=2`` runs it during training); it
-    prints the same :data:`REPORT_PREFIX` line as :data:`CONSOLIDATE`. On one machine it measures what the protocol
-    costs, not another node's bandwidth. The method table, the scaling table
-    and target (c) take every row with ``workers`` set; the speed-ups are over 1 worker on 1 node, and the stage
-    breakdown and targets (a), (b) and (d) use the 1-node rows.
-    """
-    rows = [
+    """The ``nemo_patch`` rows: one consolidating process on this node with each number of writer processes. The
+    method table, the scaling table and target (c) take every such row; the speed-ups are over 1 worker."""
+    return [
         Method(
             consolidation_label(n, default=n == default_workers),
             CONSOLIDATE,
@@ -368,11 +322,6 @@ def consolidation_methods(workers_list: Sequence[int], default_workers: int) -> 
         )
         for n in workers_list
     ]
-    # 2 "nodes" of 1 writer each: the second is a part watcher process on this machine (the training-time protocol).
-    rows.append(
-        Method(consolidation_label(1, nodes=2), NODES, functools.partial(nodes_args, workers=1, nodes=2), 1, 2)
-    )
-    return rows
 
 
 def build_methods(workers_list: Sequence[int], default_workers: int) -> List[Method]:
@@ -389,7 +338,7 @@ def build_methods(workers_list: Sequence[int], default_workers: int) -> List[Met
 
 def one_node(methods: Sequence[Method], results: Mapping[str, Summary]) -> Dict[int, Summary]:
     """The consolidation rows on one node, by their number of writer processes."""
-    return {m.workers: results[m.name] for m in methods if m.workers is not None and m.nodes == 1}
+    return {m.workers: results[m.name] for m in methods if m.workers is not None}
 
 
 #: Pure-Python CPU work with no I/O and no memory traffic, for :func:`cpu_scaling`.

@@ -99,8 +99,6 @@ STRATEGY_DOC = '''        **kwargs: Additional keyword arguments.
         ckpt_consolidation_merge_adapters (bool): for PEFT (LoRA) adapter checkpoints, write the base model with the
             adapters merged instead of the adapters alone.
         ckpt_consolidation_workers (Optional[int]): writer processes per writing node; None is a quarter of its cores.
-        ckpt_consolidation_nodes (int): nodes that write each consolidation (global rank 0 and the local rank 0 of
-            nodes 1 to nodes - 1, on a shared filesystem).
 '''
 
 STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
@@ -113,7 +111,6 @@ STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
         ckpt_consolidation_dtype: Optional[str] = None,
         ckpt_consolidation_merge_adapters: bool = False,
         ckpt_consolidation_workers: Optional[int] = None,
-        ckpt_consolidation_nodes: int = 1,
 """
 
 STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once.
@@ -130,7 +127,6 @@ STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once
             dtype=ckpt_consolidation_dtype,
             merge_adapters=ckpt_consolidation_merge_adapters,
             workers=ckpt_consolidation_workers,
-            nodes=ckpt_consolidation_nodes,
         )
         self.consolidation_policy = self.consolidation_settings.policy
 """

@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Several writers fill one consolidation: processes on one node, torchrun/srun ranks offline, nodes during training.
+"""Several writers fill one consolidation: processes on one node, and torchrun/srun ranks offline.
 
 The slow tests consolidate the real checkpoint of the ``each_run`` fit (NeMo ``llm.train`` on the CPU) and compare
 the files, ``metadata.json`` included, byte for byte with a one-writer consolidation of the same checkpoint.
@@ -22,13 +22,10 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +40,6 @@ from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, Veri
 from nemo_patch.engine.part_writer import placements_of, split_parts
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.safetensors_writer import TensorSpec, plan_files
-from nemo_patch.training.node_parts import CLOSED_MARKER, FilePartsRunner, NodePartWatcher, close_marker
 
 
 def _files(directory):
@@ -273,145 +269,3 @@ def test_srun_without_a_rendezvous_address_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("SLURM_NTASKS", "2")
     assert main(["/nonexistent"]) == 1
     assert "without MASTER_ADDR and MASTER_PORT" in capsys.readouterr().err
-
-
-def _watchers(root, ranks):
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "nemo_patch.training.node_parts", str(root), str(rank)],
-            stdin=subprocess.PIPE,
-            cwd=REPO,
-        )  # fmt: skip
-        for rank in ranks
-    ]
-
-
-def _stop(watchers):
-    for proc in watchers:
-        proc.stdin.close()
-    for proc in watchers:
-        assert proc.wait(timeout=60) == 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("nodes", [2, 3])
-def test_training_nodes_fill_their_parts_through_files(each_run, reference, tmp_path, nodes):
-    """Global rank 0's runner and the watchers the other nodes' local rank 0 start (here: processes on this host)."""
-    root = tmp_path / "checkpoints"
-    checkpoint = root / "step=5"
-    root.mkdir()
-    shutil.copytree(each_run["root"] / "LATEST", checkpoint, ignore=shutil.ignore_patterns("consolidated"))
-    watchers = _watchers(root, range(1, nodes))
-    try:
-        runner = FilePartsRunner(nodes, 1, timeout=300)
-        result = consolidate_checkpoint(checkpoint, parts=runner.parts(), parts_runner=runner)
-    finally:
-        _stop(watchers)
-    assert _files(result.output_dir) == reference["single"]
-    assert not _leftovers(checkpoint)
-
-
-@pytest.mark.slow
-def test_a_two_node_nemo_fit_consolidates_each_checkpoint_with_both_nodes(tmp_path):
-    """A real NeMo fit on 2 "nodes" (two torchrun launches on this host, one process each, gloo, DP=2) with
-    ``ckpt_consolidation_nodes=2``: node 1's local rank 0 runs the part watcher, and global rank 0 publishes each
-    consolidation only once node 1 has filled its part (it fails after ``CLAIM_TIMEOUT`` otherwise). Each output is
-    bitwise the one a single process writes from the same checkpoint."""
-    out = tmp_path / "run"
-    out.mkdir()
-    args = [
-        "--out",
-        out,
-        "--json",
-        out / "report.json",
-        "--frequency",
-        "each",
-        "--max-steps",
-        "4",
-        "--save-every",
-        "2",
-    ]
-    args += ["--max-pending", "8", "--num-nodes", "2", "--strategy-arg", "ckpt_consolidation_nodes=2"]
-    args += ["--strategy-arg", "ckpt_consolidation_workers=1"]
-    results = _torchrun(2, *args, module="nemo_patch.testing.fit_run", timeout=900)
-    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
-    report = json.loads((out / "report.json").read_text())
-    assert report["completed_steps"] == [2, 4] and report["consolidation_errors"] == []
-    root = out / "tiny_gpt" / "checkpoints"
-    for entry in report["checkpoints"]:
-        checkpoint = root / entry["name"]
-        if checkpoint.name.endswith("-last"):
-            continue
-        alone = tmp_path / "alone" / checkpoint.name
-        consolidate_checkpoint(checkpoint, alone, global_step=entry["global_step"], workers=1)
-        assert _files(checkpoint / "consolidated") == _files(alone)
-        assert not _leftovers(checkpoint)
-    assert (root / CLOSED_MARKER).exists()  # global rank 0 released node 1's watcher at teardown
-
-
-@pytest.mark.slow
-def test_a_training_node_that_never_takes_its_part_fails_the_consolidation(checkpoint_copy, tmp_path):
-    runner = FilePartsRunner(2, 1, timeout=300, claim_timeout=3)
-    with pytest.raises(ConsolidationError, match=r"Node\(s\) 1 of 2 did not take their part within 3 s"):
-        consolidate_checkpoint(checkpoint_copy, tmp_path / "out", parts=runner.parts(), parts_runner=runner)
-    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
-
-
-@pytest.mark.slow
-def test_a_training_node_whose_part_fails_is_named(each_run, tmp_path):
-    root = tmp_path / "checkpoints"
-    checkpoint = root / "step=5"
-    shutil.copytree(each_run["root"] / "LATEST", checkpoint, ignore=shutil.ignore_patterns("consolidated"))
-    shard = _corrupt_last_stored_chunk(checkpoint)
-    watchers = _watchers(root, [1])
-    try:
-        runner = FilePartsRunner(2, 1, timeout=300)
-        with pytest.raises(ConsolidationError, match=rf"Node 1 of 2 failed its part: CorruptShardError: .*{shard}"):
-            consolidate_checkpoint(checkpoint, parts=runner.parts(), parts_runner=runner)
-    finally:
-        _stop(watchers)
-    assert not (checkpoint / "consolidated").exists() and not _leftovers(checkpoint)
-
-
-def test_a_node_watcher_serves_until_global_rank_0_closes(tmp_path):
-    root = tmp_path / "checkpoints"
-    root.mkdir()
-    watcher = NodePartWatcher(root, 1, timeout=60)
-    watcher.ensure_running()
-    process = watcher._process
-    stopper = threading.Thread(target=watcher.stop)
-    stopper.start()
-    time.sleep(2)
-    assert stopper.is_alive() and process.poll() is None  # still serving: global rank 0 has not closed
-    close_marker(root)
-    stopper.join(timeout=30)
-    assert not stopper.is_alive() and process.poll() == 0 and (root / CLOSED_MARKER).exists()
-
-
-def test_only_local_rank_0_of_nodes_1_to_n_minus_1_starts_a_watcher(tmp_path):
-    from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
-
-    io = MegatronCheckpointIO(ckpt_consolidation_frequency="each", consolidation_nodes=3)
-    assert not io.start_node_part_watcher(tmp_path, 0, timeout=1)  # global rank 0's node coordinates
-    assert not io.start_node_part_watcher(tmp_path, 3, timeout=1)  # not one of the 3 writing nodes
-    hf = MegatronCheckpointIO(ckpt_consolidation_frequency="each", consolidation_nodes=3, consolidation_format="hf")
-    assert not hf.start_node_part_watcher(tmp_path, 1, timeout=1)  # the hf export is written by one process
-    assert io.start_node_part_watcher(tmp_path, 2, timeout=1)
-    process = io._node_part_watcher._process
-    assert process.poll() is None
-    io.close_consolidation_queue()  # no close marker from global rank 0: serves out its timeout (1 s), then ends
-    assert process.poll() == 0
-
-
-def test_global_rank_0_releases_the_watchers_at_teardown_even_with_nothing_consolidated(tmp_path):
-    from types import SimpleNamespace
-
-    from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
-
-    io = MegatronCheckpointIO(ckpt_consolidation_frequency="every_n:100", consolidation_nodes=2)
-    io.checkpoint_callback = SimpleNamespace(dirpath=str(tmp_path))
-    io.close_consolidation_queue()
-    assert not (tmp_path / CLOSED_MARKER).exists()  # not global rank 0
-    io.coordinates_nodes = True  # what the callback sets on global rank 0 when training starts
-    io.close_consolidation_queue()  # no consolidation ran (no queue), yet the other nodes must not wait
-    assert (tmp_path / CLOSED_MARKER).exists()

@@ -43,7 +43,7 @@ the largest stored chunk, not the model size, per writer.
 
 Writers: the output files are laid out and created before any data is read, then their tensors are cut into parts
 that ``workers`` processes on this node fill at once (:mod:`nemo_patch.engine.parts`), or processes on several nodes
-(``parts_runner``: :mod:`nemo_patch.cli.distributed`, :mod:`nemo_patch.training.node_parts`). The bytes written do
+(``parts_runner``: :mod:`nemo_patch.cli.distributed`). The bytes written do
 not depend on how many: each tensor lands at the same offset, and ``metadata.json`` records per-tensor digests
 (:mod:`nemo_patch.engine.digests`), which every writer computes for what it writes.
 

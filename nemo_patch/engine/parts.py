@@ -18,8 +18,8 @@ A consolidation's output files are laid out and created first (:mod:`nemo_patch.
 their tensors are cut into parts (:func:`nemo_patch.engine.part_writer.split_parts`). A :class:`PartJob` is all a
 process needs to fill one part: the checkpoint, the temporary output directory and the part's placements, plus the
 options that change what is read (dtype, merged adapters). It is plain JSON (:meth:`PartJob.to_json`), so it can be
-handed to a process on this node (:func:`run_parts`), to another node through a file
-(:mod:`nemo_patch.training.node_parts`) or over a ``torch.distributed`` group (:mod:`nemo_patch.cli.distributed`).
+handed to a process on this node (:func:`run_parts`) or to another node over a ``torch.distributed`` group
+(:mod:`nemo_patch.cli.distributed`).
 Whoever runs it re-plans the outputs from the checkpoint's metadata and checks that the placements agree.
 
 Writer processes on this node are forked from the consolidating process when it can be forked safely (Linux; no CUDA,

@@ -32,7 +32,6 @@ from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
 from nemo_patch.training.io_chain import find_base_checkpoint_io
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.retention import RETAINED_DIRNAME
-from nemo_patch.training.settings import DEFAULT_TIMEOUT
 
 __all__ = ["ConsolidationCallback"]
 
@@ -163,24 +162,12 @@ class ConsolidationCallback(Callback):
         io.checkpoint_callback = trainer.checkpoint_callback
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """On the local rank 0 of nodes 1 to ``ckpt_consolidation_nodes - 1``: start the node's part watcher
-        (:mod:`nemo_patch.training.node_parts`).
-
-        On global rank 0: warn once when ``ModelCheckpoint(save_top_k=...)`` will drop due consolidations, and
+        """On global rank 0: warn once when ``ModelCheckpoint(save_top_k=...)`` will drop due consolidations, and
         remove temporary output that a killed consolidation process left in the run's checkpoint directories and
         retained outputs (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`)."""
         io = _consolidating_io(trainer)
-        if io is None:
+        if io is None or not trainer.is_global_zero:
             return
-        if not trainer.is_global_zero:
-            dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-            if trainer.local_rank == 0 and dirpath:
-                with _never_fails_training("starting this node's consolidation part watcher"):
-                    Path(dirpath).mkdir(parents=True, exist_ok=True)
-                    timeout = getattr(trainer.strategy, "ckpt_consolidation_timeout", DEFAULT_TIMEOUT)
-                    io.start_node_part_watcher(Path(dirpath), trainer.node_rank, timeout)
-            return
-        io.coordinates_nodes = True  # even with nothing consolidated, its teardown releases the other nodes' watchers
         _warn_if_top_k_drops_consolidations(trainer.checkpoint_callback, io)
         with _never_fails_training("starting the consolidation process"):
             io.start_consolidation_process()  # unless setup() did; one that died since is replaced

@@ -110,9 +110,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_dtype: output dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default ``None``: the checkpoint's).
         consolidation_merge_adapters: merge LoRA adapters into the base model (default ``False``: adapters alone).
         consolidation_workers: writer processes per writing node (default ``None``: a quarter of its cores, 1 to 8).
-        consolidation_nodes: nodes that write each consolidation (default 1; :mod:`nemo_patch.training.node_parts`).
         consolidation_settings: all of the above as one already validated value (what
-            :class:`nemo_patch.MegatronStrategy` passes); when given, the ten arguments above must not be.
+            :class:`nemo_patch.MegatronStrategy` passes); when given, the nine arguments above must not be.
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
@@ -132,7 +131,6 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_dtype: Optional[Any] = None,
         consolidation_merge_adapters: bool = False,
         consolidation_workers: Optional[int] = None,
-        consolidation_nodes: int = 1,
         consolidation_settings: Optional[ConsolidationSettings] = None,
         **kwargs: Any,
     ) -> None:
@@ -146,7 +144,6 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             dtype=consolidation_dtype,
             merge_adapters=consolidation_merge_adapters,
             workers=consolidation_workers,
-            nodes=consolidation_nodes,
             names=CHECKPOINT_IO_ARGUMENTS,
         )
         if consolidation_settings is not None and given != ConsolidationSettings():
@@ -154,7 +151,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                 "Pass either consolidation_settings or the individual consolidation arguments "
                 "(save_consolidated, ckpt_consolidation_frequency, consolidation_max_shard_size, "
                 "consolidation_max_pending, consolidation_format, consolidation_keep, consolidation_dtype, "
-                "consolidation_merge_adapters, consolidation_workers, consolidation_nodes), not both."
+                "consolidation_merge_adapters, consolidation_workers), not both."
             )
         super().__init__(*args, **kwargs)
         self.set_consolidation_settings(consolidation_settings or given)
@@ -176,9 +173,6 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         #: The trainer's ``ModelCheckpoint`` (set by the consolidation callback): its ``best_model_path`` tells which
         #: saves are the best so far, for ``"best"`` cadences.
         self.checkpoint_callback: Optional[Any] = None
-        self._node_part_watcher: Optional[Any] = None  # nemo_patch.training.node_parts.NodePartWatcher
-        #: Set on global rank 0 when training starts: it coordinates the other nodes' parts and closes them at the end.
-        self.coordinates_nodes = False
         #: Set while a ``fit`` runs (from its set-up to the strategy's teardown), on global rank 0.
         self.fitting = False
         #: One :class:`ConsolidationRecord` per published consolidation of this run, oldest first.
@@ -208,7 +202,6 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
     consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
     consolidation_workers = setting_view("workers", "Writer processes per node (``None``: a quarter of cores).")
-    consolidation_nodes = setting_view("nodes", "Nodes that write each consolidation.")
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> Any:
         """Save as NeMo does; with consolidation on, global rank 0 also records the save for consolidation.
@@ -256,8 +249,6 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             bounded: apply the queue's ``max_pending`` bound to them (while training runs); ``False`` when ``fit``
                 ends (see :meth:`finish_fit`).
         """
-        if self._node_part_watcher is not None:
-            self._node_part_watcher.ensure_running()
         if self.consolidation is None:
             return
         removed_before = len(self.consolidation.removed_while_due)
@@ -374,41 +365,16 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             self.queue.start_process()
 
     def close_consolidation_queue(self) -> None:
-        """End the run's consolidation process, if any (after :meth:`wait_for_consolidation`, at teardown).
-
-        With ``consolidation_nodes`` > 1: global rank 0 tells the other nodes' part watchers that its consolidations
-        are over; a node's watcher serves until then (up to ``timeout``), then ends.
-        """
+        """End the run's consolidation process, if any (after :meth:`wait_for_consolidation`, at teardown)."""
         self.fitting = False
         if self._queue is not None:
             self._queue.close()
-        root = getattr(self.checkpoint_callback, "dirpath", None)
-        if self.coordinates_nodes and self.consolidation_settings.nodes > 1 and root and Path(root).is_dir():
-            from nemo_patch.training.node_parts import close_marker
-
-            close_marker(Path(root))
-        if self._node_part_watcher is not None:
-            watcher, self._node_part_watcher = self._node_part_watcher, None
-            watcher.stop()
 
     def end_consolidation_process_unless_fitting(self) -> None:
         """After an on-demand consolidation was waited for outside ``fit``: end the consolidation process it started
         (inside ``fit`` it keeps serving the run until teardown)."""
         if not self.fitting and self._queue is not None and not self._queue.busy:
             self._queue.close()
-
-    def start_node_part_watcher(self, root: Path, node_rank: int, timeout: float) -> bool:
-        """On local rank 0 of node ``node_rank``: with ``consolidation_nodes`` > ``node_rank`` >= 1 (``safetensors``
-        format), start this node's part watcher (:class:`nemo_patch.training.node_parts.NodePartWatcher`) for the
-        run's checkpoint directory ``root``. Returns whether one was started."""
-        settings = self.consolidation_settings
-        if settings.policy is None or settings.output_format != "safetensors" or not 1 <= node_rank < settings.nodes:
-            return False
-        from nemo_patch.training.node_parts import NodePartWatcher
-
-        self._node_part_watcher = NodePartWatcher(Path(root), node_rank, timeout)
-        self._node_part_watcher.ensure_running()
-        return True
 
     def remove_checkpoint_safely(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
         """Run ``remove`` for a checkpoint (NeMo's top-k removal) without racing its consolidation, keeping its

@@ -74,7 +74,6 @@ STRATEGY_ARGUMENTS: Mapping[str, str] = {
     "dtype": "ckpt_consolidation_dtype",
     "merge_adapters": "ckpt_consolidation_merge_adapters",
     "workers": "ckpt_consolidation_workers",
-    "nodes": "ckpt_consolidation_nodes",
 }
 #: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
 #: strategy's teardown waits).
@@ -86,7 +85,6 @@ CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
     "dtype": "consolidation_dtype",
     "merge_adapters": "consolidation_merge_adapters",
     "workers": "consolidation_workers",
-    "nodes": "consolidation_nodes",
 }
 
 
@@ -112,8 +110,6 @@ class ConsolidationSettings:
         workers: writer processes per node for the ``safetensors`` format (>= 1); ``None`` is
             :func:`nemo_patch.engine.parts.default_workers` with ``share=4``, a quarter of the node's cores (1 to 8),
             decided on the node that writes.
-        nodes: how many nodes write each consolidation (>= 1; ``safetensors`` format): global rank 0 and the local
-            rank 0 of nodes 1 to ``nodes - 1`` (:mod:`nemo_patch.training.node_parts`), on a filesystem they share.
     """
 
     save_consolidated: Optional[bool] = None
@@ -127,7 +123,6 @@ class ConsolidationSettings:
     dtype: Optional[str] = None
     merge_adapters: bool = False
     workers: Optional[int] = None
-    nodes: int = 1
 
     @classmethod
     def from_arguments(
@@ -143,7 +138,6 @@ class ConsolidationSettings:
         dtype: Optional[object] = None,
         merge_adapters: bool = False,
         workers: Optional[int] = None,
-        nodes: int = 1,
         names: Mapping[str, str] = STRATEGY_ARGUMENTS,
     ) -> "ConsolidationSettings":
         """Validate the user's values and make the settings.
@@ -160,7 +154,6 @@ class ConsolidationSettings:
                 (:func:`nemo_patch.engine.output_layout.dtype_name`); kept as the short name.
             merge_adapters: ``True`` or ``False``.
             workers: ``None`` or an ``int`` >= 1.
-            nodes: an ``int`` >= 1.
             names: the argument names to use in error messages (:data:`STRATEGY_ARGUMENTS` or
                 :data:`CHECKPOINT_IO_ARGUMENTS`).
 
@@ -179,7 +172,6 @@ class ConsolidationSettings:
             dtype=validate_dtype(dtype, names["dtype"]),
             merge_adapters=validate_flag(merge_adapters, names["merge_adapters"]),
             workers=None if workers is None else validate_count(workers, names["workers"], "writer processes"),
-            nodes=validate_count(nodes, names["nodes"], "nodes"),
         )
 
     @property
@@ -235,7 +227,7 @@ def _is_int(value: object, minimum: int) -> bool:
 
 
 def validate_count(value: object, name: str, what: str) -> int:
-    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``): a number of writer processes or of nodes.
+    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``): a number of writer processes.
 
     Raises:
         ValueError: for anything else; the message names the argument and the accepted values.

@@ -156,9 +156,6 @@ class MegatronStrategy(NeMoMegatronStrategy):
             ``"hf"`` format).
         ckpt_consolidation_workers: writer processes on each writing node (``safetensors`` format); ``None``
             (default) is a quarter of the node's cores, 1 to 8. The output is the same whatever the number.
-        ckpt_consolidation_nodes: how many nodes write each consolidation (``safetensors`` format, default 1): global
-            rank 0 and the local rank 0 of nodes 1 to ``nodes - 1``, on a filesystem they share
-            (:mod:`nemo_patch.training.node_parts`). Global rank 0 publishes once every node reported its part done.
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
     Raises:
@@ -166,8 +163,8 @@ class MegatronStrategy(NeMoMegatronStrategy):
             ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
             shard size that is not an integer >= 1 or a size string, a queue bound or keep count that is not an
             integer >= 0, a format other than ``"safetensors"``/``"hf"``, or a dtype other than
-            ``"bf16"``/``"fp16"``/``"fp32"``, a merge flag that is not ``True``/``False``, or a number of workers or
-            nodes that is not an integer >= 1.
+            ``"bf16"``/``"fp16"``/``"fp32"``, a merge flag that is not ``True``/``False``, or a number of workers
+            that is not an integer >= 1.
             Raised before anything else is set up.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
@@ -190,7 +187,6 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_dtype: Optional[Any] = None,
         ckpt_consolidation_merge_adapters: bool = False,
         ckpt_consolidation_workers: Optional[int] = None,
-        ckpt_consolidation_nodes: int = 1,
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
@@ -206,7 +202,6 @@ class MegatronStrategy(NeMoMegatronStrategy):
             dtype=ckpt_consolidation_dtype,
             merge_adapters=ckpt_consolidation_merge_adapters,
             workers=ckpt_consolidation_workers,
-            nodes=ckpt_consolidation_nodes,
         )
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
@@ -230,7 +225,6 @@ class MegatronStrategy(NeMoMegatronStrategy):
     ckpt_consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
     ckpt_consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
     ckpt_consolidation_workers = setting_view("workers", "Writer processes per node (``None``: a quarter of cores).")
-    ckpt_consolidation_nodes = setting_view("nodes", "Nodes that write each consolidation.")
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""

@@ -143,11 +143,6 @@ def _consolidator(
             from nemo_patch.engine.parts import default_workers
 
             options["workers"] = settings.workers or default_workers(share=4)
-            if settings.nodes > 1:
-                from nemo_patch.training.node_parts import FilePartsRunner
-
-                runner = FilePartsRunner(settings.nodes, options["workers"], settings.timeout)
-                options.update(parts=runner.parts(), parts_runner=runner)
         try:
             run(
                 checkpoint,
