@@ -154,6 +154,77 @@ def test_queue_reports_a_killed_child_and_consolidates_the_same_checkpoint_later
     assert queue.wait(timeout=120) and done[1] is None
 
 
+def _proc_children(pid: int):
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return children
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping (a zombie nobody reaps, e.g. in a container whose init does not, has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_consolidating_processes_see_no_gpu_no_job_ranks_die_with_their_parent_and_go_first_on_oom(
+    checkpoint_copy, tmp_path, monkeypatch
+):
+    """A training rank's stand-in (a process with the job's rank variables and a GPU visible) starts a consolidation
+    with 2 writers, held in their reads. The consolidation process and each writer: ``CUDA_VISIBLE_DEVICES=""``, none
+    of the job's rank variables, ``oom_score_adj`` 500 above the stand-in's; and SIGKILLing the stand-in ends them all
+    (held, nothing else would end them)."""
+    _hold_reads(tmp_path, monkeypatch)
+    job = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500", "NODE_RANK": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8",
+           "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}  # fmt: skip
+    for name, value in {**job, "CUDA_VISIBLE_DEVICES": "0", "SLURM_JOB_ID": "42"}.items():
+        monkeypatch.setenv(name, value)
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from nemo_patch.training.queue import ConsolidationQueue\n"
+        "from nemo_patch.training.schedule import CheckpointSave\n"
+        "from nemo_patch.training.settings import ConsolidationSettings\n"
+        "queue = ConsolidationQueue(lambda save, error: None, ConsolidationSettings(workers=2))\n"
+        "queue.submit(CheckpointSave(Path(sys.argv[1]), 6, written=True))\n"
+        "print(queue._running.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code, str(checkpoint_copy)], stdout=subprocess.PIPE, cwd=REPO)
+    try:
+        consolidation = int(rank.stdout.readline())
+        deadline = time.monotonic() + 120
+        while len(_proc_children(consolidation)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        writers = _proc_children(consolidation)
+        assert len(writers) == 2, "the writers never started"
+        own = int(Path("/proc/self/oom_score_adj").read_text())
+        for pid in [consolidation, *writers]:
+            environ = dict(
+                item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+            )
+            assert environ["CUDA_VISIBLE_DEVICES"] == ""
+            assert sorted(set(job) & set(environ)) == [] and environ["SLURM_JOB_ID"] == "42"
+            assert int(Path(f"/proc/{pid}/oom_score_adj").read_text()) == min(1000, own + 500)
+        rank.kill()  # the training rank dies: SIGKILL, nothing of it runs any more
+        rank.wait()
+        deadline = time.monotonic() + 30
+        while any(map(_alive, [consolidation, *writers])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, [consolidation, *writers]))
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 # --- 2. the output cannot be written: read-only directory, full disk ------------------------------------------------
 
 

@@ -32,7 +32,6 @@ part stops the others and fails the whole consolidation with the part's own erro
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
 """
 
-import ctypes
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -48,6 +47,7 @@ import torch
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.part_writer import Placement, write_part
+from nemo_patch.engine.process_limits import die_with_parent
 from nemo_patch.engine.stage_times import stage_times
 from nemo_patch.engine.tensor_sources import Sources, open_sources
 
@@ -211,17 +211,8 @@ def run_part(
 _INHERITED: Dict[str, Sources] = {}
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this writer when its parent dies (a killed consolidation leaves no writers behind)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
 def _writer_main(job_json: str, connection: Any, counter: Any) -> None:
-    _die_with_parent()
+    die_with_parent()  # a killed consolidation leaves no writers behind
     torch.set_num_threads(1)  # one writer per core; also keeps a forked child away from the parent's thread pool
     stage_times.reset()
 

@@ -50,7 +50,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import IO, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nemo_patch.engine.publish import tmp_dirs_of
 from nemo_patch.training.schedule import CheckpointSave
@@ -66,16 +66,37 @@ _POLL_SECONDS = 0.05
 _TERMINATE_GRACE_SECONDS = 5.0
 #: Seconds an idle process gets to exit by itself once its stdin is closed, before it is killed.
 _CLOSE_GRACE_SECONDS = 10.0
-#: Environment of the training job's process group, which the consolidation process is not part of.
+#: Environment that makes a process a rank of the training job (torchrun, Lightning, SLURM, MPI launchers), which the
+#: consolidation process and its children are not: none of them needs any of it (they read files and use no process
+#: group), and a library that looks for it (a launcher's error file, a cluster-environment probe) must not find it.
 _PROCESS_GROUP_VARIABLES = (
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "NODE_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
 )
+#: Prefixes of more such variables (torchrun's agent: run id, restart count, agent store, error file).
+_PROCESS_GROUP_PREFIXES = ("TORCHELASTIC_",)
 
 #: Called when a request ends: ``(save, error)`` with ``error`` ``None`` on success, else a one-line reason.
 DoneCallback = Callable[[CheckpointSave, Optional[str]], None]
@@ -416,7 +437,11 @@ class ConsolidationQueue:
             OSError: the process cannot be started.
         """
         args = [sys.executable, "-m", WORKER_MODULE, "--serve", "--settings", self._settings_json]
-        env = {name: value for name, value in os.environ.items() if name not in _PROCESS_GROUP_VARIABLES}
+        if threading.current_thread() is threading.main_thread():
+            # It dies with this process (PR_SET_PDEATHSIG): the signal follows the thread that starts it, so only
+            # the main thread, which lives as long as the process, asks for it.
+            args += ["--parent", str(os.getpid())]
+        env = _consolidation_environment(os.environ)
         # Its output goes to an anonymous temporary file (not into the checkpoint directory, which may be read-only);
         # its last line is the reason of a failure that ended the process.
         log_file = tempfile.TemporaryFile()
@@ -478,6 +503,20 @@ class ConsolidationQueue:
                 removals, self._deferred_removals = self._deferred_removals, []
             for remove in removals:
                 remove()
+
+
+def _consolidation_environment(environ: Mapping[str, str]) -> Dict[str, str]:
+    """The consolidation process's environment (its writers inherit it): ``environ`` without the training job's rank
+    variables, and with no GPU visible (``CUDA_VISIBLE_DEVICES=""``: it never uses one, and importing NeMo or
+    Transformer Engine for the ``hf`` format would otherwise create a CUDA context on the training rank's GPU, or fail
+    on a GPU in exclusive-process mode)."""
+    env = {
+        name: value
+        for name, value in environ.items()
+        if name not in _PROCESS_GROUP_VARIABLES and not name.startswith(_PROCESS_GROUP_PREFIXES)
+    }
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def _describe_exit(code: int) -> str:

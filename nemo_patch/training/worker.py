@@ -32,7 +32,10 @@ paid once per run), then lowers its priority (:data:`WORKER_NICENESS`) for the c
 (:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`) or, for ``output_format="hf"``, the Hugging Face export
 (:func:`nemo_patch.export.hf.export_hf_checkpoint`, which imports NeMo in this process to find the model's exporter).
 It reads only files and uses no ``torch.distributed`` process group or collective (a consolidation calling a
-collective on the training communicator is a known way to hang a run).
+collective on the training communicator is a known way to hang a run). On a GPU node it touches no GPU and is the OOM
+killer's first choice: the queue starts it with ``CUDA_VISIBLE_DEVICES=""`` and without the training job's rank
+variables, and it raises its ``oom_score_adj`` (+500) before importing anything and, given ``--parent PID``, dies with
+that process (``PR_SET_PDEATHSIG``; :mod:`nemo_patch.engine.process_limits`); its writers inherit all of it.
 
 Must not import NeMo, Lightning or megatron-core itself (an import-linter contract in ``setup.cfg``; the ``hf``
 export is the one, explicit, exception), so that the default ``safetensors`` consolidation starts in about the time
@@ -48,6 +51,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Dict, List, Optional
 
 from nemo_patch.engine.huge_pages import prefer_huge_pages
+from nemo_patch.engine.process_limits import die_with_parent, raise_oom_score
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
 __all__ = ["WORKER_NICENESS", "build_parser", "main"]
@@ -61,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--best", type=json.loads, default=None)
     parser.add_argument("--serve", action="store_true", help="import, then serve JSON requests from stdin")
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
+    parser.add_argument("--parent", type=int, default=None, help="die (SIGKILL) when this process dies")
     return parser
 
 
@@ -71,7 +76,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]``, or ``--serve [--settings
             JSON]`` to read ``{"checkpoint", "global_step", "best"}`` lines from stdin. ``--best``: the checkpoint
             is the best by the monitored metric, ``{"monitor", "value", "mode"}``, recorded in ``metadata.json``;
-            settings ``JSON`` from :meth:`ConsolidationSettings.to_json`, default settings when absent.
+            settings ``JSON`` from :meth:`ConsolidationSettings.to_json`, default settings when absent;
+            ``--parent PID``: the process that started this one, which this one dies with.
 
     Returns:
         The process exit code. One checkpoint: 0 on success, 1 on a
@@ -82,6 +88,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if (args.checkpoint is None) != args.serve:
         parser.error("give either a checkpoint or --serve")
+    raise_oom_score()  # the OOM killer picks this process and its writers (they inherit it) before a training rank
+    if args.parent is not None:
+        die_with_parent(args.parent)  # a training process that dies leaves no consolidation behind
     results: Optional[IO[str]] = None
     if args.serve:  # fd 1 carries result lines only: a private copy of it for them, stderr for everything else
         sys.stdout.flush()
