@@ -130,6 +130,8 @@ def run_tiny_fit(
     distributed_optimizer: bool = False,
     layer_spec: str = "local",
     tensorboard: bool = False,
+    barrier_after_fit: bool = False,
+    pg_timeout: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -193,6 +195,11 @@ def run_tiny_fit(
         distributed_optimizer: megatron-core's distributed optimizer (CUDA only).
         layer_spec: ``"local"`` or ``"te"`` (Transformer Engine; CUDA only); see :func:`tiny_gpt.tiny_gpt_config`.
         tensorboard: add a TensorBoard logger; the report's ``tensorboard_dir`` is where it wrote its events.
+        barrier_after_fit: right after ``fit`` returns, every rank runs ``torch.distributed.barrier()`` on the job's
+            process group, as a script that validates or synchronises after training does; each rank writes
+            ``<out>/after-fit-rank<r>.json`` (:func:`nemo_patch.testing.collectives.barrier_after_fit`).
+        pg_timeout: from the start of training, the job's process group times out after this many seconds
+            (:class:`nemo_patch.testing.collectives.ProcessGroupTimeout`).
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -245,6 +252,10 @@ def run_tiny_fit(
         from nemo_patch.testing.pacing import WaitForConsolidation
 
         callbacks.append(WaitForConsolidation())
+    if pg_timeout is not None:
+        from nemo_patch.testing.collectives import ProcessGroupTimeout
+
+        callbacks.append(ProcessGroupTimeout(pg_timeout))
     if any(injector.kind == "sigterm" for injector in injectors):
         from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
@@ -306,6 +317,10 @@ def run_tiny_fit(
             for injector in injectors:
                 injector.cleanup()
         fit_seconds = time.perf_counter() - start
+        if barrier_after_fit:
+            from nemo_patch.testing.collectives import barrier_after_fit as barrier
+
+            report["after_fit"] = barrier(out)
         root = out / "tiny_gpt" / "checkpoints"
         if probe_logits:
             report["max_abs_logit_diff"] = _probe_logits(model, root)
@@ -481,6 +496,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--layer-spec", choices=["local", "te"], default="local")
     parser.add_argument("--tensorboard", action="store_true")
+    parser.add_argument("--barrier-after-fit", action="store_true")
+    parser.add_argument("--pg-timeout", type=float, default=None)
     parser.add_argument("--info-logs", action="store_true", help="show nemo_patch's INFO log lines")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -531,6 +548,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         distributed_optimizer=args.distributed_optimizer,
         layer_spec=args.layer_spec,
         tensorboard=args.tensorboard,
+        barrier_after_fit=args.barrier_after_fit,
+        pg_timeout=args.pg_timeout,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

@@ -32,6 +32,7 @@ from nemo.lightning.io.mixin import _io_transform_args
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
+from nemo_patch.training.fit_end import FitEnd
 from nemo_patch.training.io_chain import find_base_checkpoint_io, replace_base_checkpoint_io
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.settings import (
@@ -416,8 +417,15 @@ class MegatronStrategy(NeMoMegatronStrategy):
 
     def teardown(self) -> None:
         """Wait (up to ``ckpt_consolidation_timeout`` seconds) for running and queued consolidations, then NeMo's
-        teardown. Runs when ``fit`` ends, normally or by an exception."""
+        teardown. Runs when ``fit`` ends, normally or by an exception.
+
+        With consolidation on and several ranks, the other ranks wait here too, until global rank 0 is done (on the
+        job's rendezvous store, not in a collective: :mod:`nemo_patch.training.fit_end`), so that every rank leaves
+        ``fit`` together and a collective right after it does not time out on rank 0."""
+        fit_end = FitEnd(self.ckpt_consolidation_timeout) if self.consolidation_settings.enabled else None
         try:
+            if fit_end is not None and not self.is_global_zero:
+                fit_end.wait()
             base = find_base_checkpoint_io(self._checkpoint_io) if self._checkpoint_io else None
             if isinstance(base, _consolidating_io_class()):
                 base.wait_for_consolidation(self.ckpt_consolidation_timeout)
@@ -426,4 +434,6 @@ class MegatronStrategy(NeMoMegatronStrategy):
         except Exception:  # a consolidation problem never fails the run; NeMo's teardown still runs
             logger.exception("Waiting for checkpoint consolidation failed; continuing teardown")
         finally:
+            if fit_end is not None and self.is_global_zero:
+                fit_end.release()
             super().teardown()
