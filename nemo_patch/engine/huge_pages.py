@@ -25,8 +25,8 @@ from about 520,000 to 42,000 per consolidation and one writer's wall time by abo
 c10 reads the variable once, at the process's first CPU tensor allocation (seen with torch 2.13: ``import torch``
 makes none, but a library imported after it may), so :func:`prefer_huge_pages` runs before torch is imported. The
 entry points of the processes that exist only to consolidate call it (the run's consolidation process,
-``nemo-consolidate``), and a node's part watcher is started with :func:`with_huge_pages`; a training process never
-does, so its allocator stays exactly as its user set it up. Writer processes inherit it (fork, or the environment of
+``nemo-consolidate``), or they are started with :func:`with_huge_pages`; a training process never does, so its
+allocator stays exactly as its user set it up. Writer processes inherit it (fork, or the environment of
 the forkserver). A value the user set, ``0`` included, is kept.
 
 Standard library only.
