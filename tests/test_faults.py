@@ -330,6 +330,43 @@ def test_every_rank_leaves_fit_with_rank_0_so_a_collective_after_fit_does_not_ti
     assert _leftovers(_root(tmp_path)) == []
 
 
+def test_other_ranks_leave_fit_with_one_warning_when_rank_0_is_late_or_lost(monkeypatch, caplog):
+    """The other ranks' end-of-fit wait on a real ``TCPStore``: released, late (the timeout and grace run out), and
+    lost (the process hosting the store, rank 0's, is killed): each returns at once or at its timeout, never hangs."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from nemo_patch.training import fit_end
+
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, torch.distributed as d\n"
+         "store = d.TCPStore('127.0.0.1', 0, 2, True, wait_for_workers=False)\n"
+         "print(store.port, flush=True)\ntime.sleep(600)\n"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        store = dist.TCPStore("127.0.0.1", int(host.stdout.readline()), 2, False, datetime.timedelta(seconds=30))
+        monkeypatch.setattr(fit_end, "_store", lambda: store)
+        monkeypatch.setattr(fit_end, "GRACE_SECONDS", 0.0)
+        released = fit_end.FitEnd(timeout=30.0)
+        released.release()  # rank 0's side of the same round
+        assert released.wait()
+        start = time.monotonic()
+        assert not fit_end.FitEnd(timeout=0.5).wait()  # late
+        assert time.monotonic() - start < 10
+        lost = fit_end.FitEnd(timeout=60.0)
+        threading.Timer(1.0, host.kill).start()
+        start = time.monotonic()
+        assert not lost.wait()
+        assert time.monotonic() - start < 10  # at once, not after the 60 s
+    finally:
+        host.kill()
+        host.wait()
+    warnings = [r.getMessage() for r in caplog.records if r.name == fit_end.__name__ and r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("leaving fit without it" in warning for warning in warnings)
+
+
 # --- 7. LATEST is never missing or dangling for a concurrent reader ------------------------------------------------
 
 
