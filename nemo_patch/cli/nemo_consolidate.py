@@ -19,6 +19,7 @@ Usage (also ``python -m nemo_patch``)::
     nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
                      [--max-shard-size 5GB] [--merge-adapters [--base-checkpoint DIR]] [--verify] [--force]
                      [--allow-unfinished] [--best [--monitor NAME] [--mode min|max]] [--workers N] [--quiet]
+    nemo-consolidate --version
     torchrun --nnodes N --nproc-per-node 1 ... -m nemo_patch <path> ... [--timeout SECONDS]
                      (or srun; see nemo_patch.cli.distributed)
 
@@ -68,6 +69,7 @@ import sys
 import tempfile
 import time
 import warnings
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
@@ -118,6 +120,14 @@ def _seconds(value: str) -> float:
     if 0 < seconds < float("inf"):
         return seconds
     raise argparse.ArgumentTypeError(f"Invalid --timeout {value!r}: expected a number of seconds > 0.")
+
+
+def _version() -> str:
+    """The installed nemo-patch's version (its distribution's metadata: the CLI never imports the overlay)."""
+    try:
+        return metadata.version("nemo-patch")
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cover how much longer a slower node takes over its share of a large model, and rank 0's "
                         "planning, --verify and publishing)")  # fmt: skip
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
+    parser.add_argument("--version", action="version", version=f"%(prog)s (nemo-patch {_version()})")
     return parser
 
 
