@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment: Python 3.11, the pinned NeMo 2.7.3 stack on the CPU, and
-# nemo-patch itself installed in editable mode (which also installs the overlay's start-up hook, nemo_patch.pth).
+# nemo-patch itself installed in editable mode with its llm, test, dev and docs extras (which also installs the
+# overlay's start-up hook, nemo_patch.pth).
 #
 # Usage: bash scripts/setup_env.sh            # venv in .venv (override with NEMO_PATCH_VENV=path)
 #        NEMO_PATCH_CONSTRAINTS=constraints/nemo-2.5.3.txt NEMO_PATCH_VENV=.venv-nemo-2.5 bash scripts/setup_env.sh
@@ -27,6 +28,6 @@ echo "setup_env: creating $venv with $("$python" --version 2>&1) (about 2-4 minu
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # torch first, pinned, so that no resolver step can reach for a multi-GB CUDA build.
 "${pip[@]}" install -q -c "$constraints" "torch==2.13.0"
-"${pip[@]}" install -q -c "$constraints" -e ".[llm,test,dev]"
+"${pip[@]}" install -q -c "$constraints" -e ".[llm,test,dev,docs]"
 echo "$want" > "$stamp"
 echo "setup_env: done"
