@@ -1,0 +1,267 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The documentation: the README and the Sphinx site under ``docs/``.
+
+The site is built as CI builds it (``sphinx-build -W --keep-going``: any warning fails), into a temporary directory,
+and what it generates from the code is checked against the code independently: the exit-code table against
+:mod:`nemo_patch.engine.errors`, the strategy-argument table against the real ``MegatronStrategy`` and
+``MegatronCheckpointIO`` signatures, the CLI reference against the parser, the API page against ``nemo_patch.__all__``.
+The cheap checks (the CLI epilog's exit codes, the cadence examples, the version, the README's size, links and first
+commands, no internal matter on user pages) need no build and run in the quick suite too. Sphinx missing is a failure,
+not a skip: the ``docs`` extra is part of the test environment (``scripts/setup_env.sh``).
+"""
+
+import ast
+import inspect
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from html.parser import HTMLParser
+from importlib import metadata
+from typing import Dict, List
+
+import pytest
+from conftest import REPO, run_python
+
+from nemo_patch.cli.nemo_consolidate import build_parser
+from nemo_patch.engine import errors
+from nemo_patch.training.policy import parse_consolidation_frequency
+
+DOCS = REPO / "docs"
+README = REPO / "README.md"
+#: Pages for developers, where test files, CI and the like belong.
+DEVELOPER_PAGES = {"development.md", "UPSTREAM.md", "gpu-wheels.md"}
+#: The pages the site must have.
+REQUIRED_PAGES = [
+    *("installation", "cadences", "outputs", "retention", "parallel", "troubleshooting"),
+    *("strategy-arguments", "cli", "api", "how-it-works", "benchmarks", "upgrading", "development"),
+]
+#: The README's first block: the two set-up commands (main job, tests), as CI and a fresh machine run them.
+FIRST_COMMANDS = [
+    "bash scripts/setup_env.sh && .venv/bin/python scripts/demo_consolidation_cadence.py --frequency every_n:2 "
+    "--max-steps 10 --save-every 2 --out runs/demo",
+    "bash scripts/setup_env.sh && .venv/bin/python -m pytest -n 2 --dist loadfile",
+]
+
+
+class _Tables(HTMLParser):
+    """The cells of the HTML tables with a given class: one list of cell texts per body row."""
+
+    def __init__(self, table_class: str) -> None:
+        super().__init__()
+        self.table_class = table_class
+        self.rows: List[List[str]] = []
+        self._depth = 0  # > 0 inside a wanted table
+        self._in_body = False
+        self._cell: List[str] = []
+        self._in_cell = False
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "table" and (self._depth or self.table_class in classes):
+            self._depth += 1
+        elif self._depth and tag == "tbody":
+            self._in_body = True
+        elif self._depth and self._in_body and tag == "tr":
+            self.rows.append([])
+        elif self._depth and self._in_body and tag == "td":
+            self._in_cell, self._cell = True, []
+
+    def handle_endtag(self, tag):
+        if tag == "table" and self._depth:
+            self._depth -= 1
+        elif tag == "tbody":
+            self._in_body = False
+        elif tag == "td" and self._in_cell:
+            self._in_cell = False
+            self.rows[-1].append(" ".join("".join(self._cell).split()))
+
+    def handle_data(self, data):
+        if self._in_cell:
+            self._cell.append(data)
+
+
+def _table_rows(page, table_class: str) -> List[List[str]]:
+    parser = _Tables(table_class)
+    parser.feed(page.read_text())
+    assert parser.rows, f"no table of class {table_class} in {page}"
+    return parser.rows
+
+
+def _error_classes() -> Dict[str, int]:
+    """Every error class of nemo_patch.engine.errors, by name, with its exit code (found without the docs' helper)."""
+    return {
+        name: cls.exit_code
+        for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, errors.ConsolidationError)
+    }
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The documentation site, built as CI builds it; any warning fails the build."""
+    out = tmp_path_factory.mktemp("docs") / "html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
+    warnings = [line for line in proc.stderr.splitlines() if re.search(r"\b(WARNING|ERROR|CRITICAL): ", line)]
+    assert proc.returncode == 0 and not warnings, "\n".join(warnings) or proc.stderr[-5000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_site_builds_with_no_warning_and_has_every_page(site):
+    pages = {path.stem for path in DOCS.glob("*.md")}
+    assert pages <= {path.stem for path in site.glob("*.html")}
+    assert set(REQUIRED_PAGES) <= pages
+
+
+@pytest.mark.slow
+def test_the_exit_code_table_is_the_errors_module(site):
+    rows = _table_rows(site / "troubleshooting.html", "nemo-patch-exit-codes")
+    table = [(int(code), name) for code, name, _ in rows]
+    expected = sorted([(0, ""), (2, "")] + [(code, name) for name, code in _error_classes().items()])
+    assert table == expected
+    causes = {name: cause.replace("\u2019", "'") for _, name, cause in rows}  # Sphinx's typographic apostrophes
+    for name in _error_classes():  # each row says what its class's docstring says
+        doc = " ".join(inspect.cleandoc(getattr(errors, name).__doc__).split())
+        plain = re.sub(r":[\w:]+:`~?([^`]+)`", r"\1", doc).replace("``", "")
+        assert plain[:60] in causes[name], name
+
+
+def test_the_cli_epilog_names_every_exit_code():
+    epilog = build_parser().epilog
+    assert epilog.startswith("Exit codes: ")
+    named = [int(code) for code in re.findall(r"(?:^Exit codes: |, )(\d+) ", epilog)]
+    assert sorted(named) == sorted({0, 2} | set(_error_classes().values()))
+    assert len(named) == len(set(named))
+
+
+@pytest.mark.slow
+def test_the_cli_reference_is_the_parser(site):
+    page = (site / "cli.html").read_text()
+    for action in build_parser()._actions:
+        for option in action.option_strings:
+            assert f">{option}<" in page or f"{option}</" in page, option
+    assert "Exit codes: 0 ok" in page  # the epilog
+
+
+@pytest.mark.slow
+def test_the_strategy_argument_table_is_the_signatures(site):
+    rows = _table_rows(site / "strategy-arguments.html", "nemo-patch-strategy-arguments")
+    code = textwrap.dedent(
+        """
+        import inspect, json
+        import nemo_patch
+        def defaults(cls):
+            return {name: repr(p.default) for name, p in inspect.signature(cls.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        print(json.dumps([defaults(nemo_patch.MegatronStrategy), defaults(nemo_patch.MegatronCheckpointIO)]))
+        """
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    strategy, io = json.loads(proc.stdout.strip().splitlines()[-1])
+    own = {name for name in strategy if name.startswith("ckpt_consolidation") or name == "save_consolidated"}
+    assert {row[0] for row in rows} == own
+    for name, io_name, default, _ in rows:
+        assert ast.literal_eval(default) == ast.literal_eval(strategy[name]), name
+        if io_name.startswith("("):
+            assert name == "ckpt_consolidation_timeout"  # the strategy's teardown waits; the IO has no timeout
+        else:
+            assert ast.literal_eval(default) == ast.literal_eval(io[io_name]), io_name
+    io_own = {name for name in io if name.startswith("consolidation_") or name in own} - {"consolidation_settings"}
+    assert {row[1] for row in rows if not row[1].startswith("(")} == io_own
+
+
+@pytest.mark.slow
+def test_the_api_page_documents_every_public_name(site):
+    import nemo_patch
+
+    page = (site / "api.html").read_text()
+    missing = [name for name in nemo_patch.__all__ if f'id="nemo_patch.{name}"' not in page]
+    assert not missing
+
+
+def _quoted_values(text: str) -> List[str]:
+    return re.findall(r'`"([^"`]*)"`', text)
+
+
+def test_the_cadence_examples_are_what_the_parser_takes():
+    for path in (README, DOCS / "cadences.md"):
+        text = path.read_text()
+        table_values = [v for line in text.splitlines() if line.startswith("| `") for v in _quoted_values(line)]
+        frequencies = [v for v in table_values if re.match(r"(each|latest|best|every_n)", v) and "<" not in v]
+        assert len(frequencies) >= 4, path
+        for value in frequencies:
+            parse_consolidation_frequency(value)  # raises on a value the docs show as valid
+    text = (DOCS / "cadences.md").read_text()
+    invalid = text[text.index("Any other value (") : text.index(") raises `ValueError`")]
+    values = _quoted_values(invalid) + [int(v) for v in re.findall(r"`(\d+)`", invalid)]
+    assert len(values) >= 7
+    for value in values:
+        with pytest.raises(ValueError):
+            parse_consolidation_frequency(value)
+
+
+def test_one_version_everywhere():
+    import nemo_patch
+
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert nemo_patch.__version__ == version
+    assert metadata.version("nemo-patch") == version  # the installed metadata (re-run setup_env.sh after a bump)
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == version
+    assert f"%(prog)s (nemo-patch {version})" in [a.version for a in build_parser()._actions if a.dest == "version"]
+    assert f"(nemo-patch {version})" in README.read_text()
+    installation = (DOCS / "installation.md").read_text()
+    assert f"nemo_patch-{version}-py3-none-any.whl" in installation and f"(nemo-patch {version})" in installation
+
+
+def _github_slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readme_is_short_starts_with_the_two_commands_and_links_to_what_exists():
+    text = README.read_text()
+    assert len(text.encode()) <= 10 * 1024
+    first_block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    assert text.index("```bash") < text.index("\n## ")  # at the very top
+    commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
+    assert commands == FIRST_COMMANDS
+    assert FIRST_COMMANDS[1] in (REPO / ".ci" / "run").read_text()  # the tests command is what CI runs
+    links = re.findall(r"\]\(([^)#]+)(?:#([^)]+))?\)", text)
+    assert len(links) >= 10
+    for target, anchor in links:
+        path = REPO / target
+        assert path.exists(), target
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+            assert anchor in {_github_slug(h) for h in headings}, (target, anchor)
+
+
+def test_user_pages_carry_no_internal_matter():
+    pages = [README] + [path for path in DOCS.glob("*.md") if path.name not in DEVELOPER_PAGES]
+    for path in pages:
+        text = path.read_text()
+        for pattern in (r"(?<![\w/&])#\d+\b", r"\btests/", r"\bCI machine\b", r"fresh clone of `"):
+            found = re.findall(pattern, text)
+            assert not found, (path.name, pattern, found)
