@@ -19,7 +19,8 @@ becomes :class:`nemo_patch.MegatronStrategy`, which accepts ``save_consolidated`
 ``ckpt_consolidation_frequency`` -- at once if NeMo is already imported, else as soon as it is. Installing the package
 does the same for every interpreter, without importing NeMo at start-up (see :mod:`nemo_patch.overlay.hook`).
 
-The package is three layers, one subpackage each, plus the export and the CLI (see the README's "Architecture"):
+The package is three layers, one subpackage each, plus the export and the CLI (see "Architecture" in
+docs/how-it-works.md):
 
 * :mod:`nemo_patch.engine`: a distributed checkpoint in, safetensors out (torch and safetensors only);
 * :mod:`nemo_patch.training`: settings, cadence, NeMo's strategy and checkpoint IO extended, the consolidation

@@ -129,7 +129,7 @@ def main() -> int:
         async_save=args.async_save,
         max_pending=args.max_pending,
         save_top_k=args.save_top_k,
-        monitor="step" if args.save_top_k >= 0 else None,  # newest first, and resumable (see the README)
+        monitor="step" if args.save_top_k >= 0 else None,  # newest first, and resumable (see docs/retention.md)
         keep=args.keep,
     )
     wall = time.perf_counter() - start
