@@ -193,7 +193,7 @@ def test_truncated_shard_and_metadata_exit_8_naming_the_file(checkpoint_copy, ca
     shard = checkpoint_copy / "weights" / "__0_0.distcp"
     with open(shard, "r+b") as handle:
         handle.truncate(shard.stat().st_size // 2)
-    _assert_failed(capsys, [checkpoint_copy], 8, "Cannot read shard file(s) __0_0.distcp of", checkpoint_copy)
+    _assert_failed(capsys, [checkpoint_copy], 8, "of __0_0.distcp, which has", checkpoint_copy)
     assert not (checkpoint_copy / "consolidated").exists()
     (checkpoint_copy / "weights" / ".metadata").write_bytes(b"\x80\x04garbage")
     _assert_failed(capsys, [checkpoint_copy], 8, "Cannot read the checkpoint metadata file", checkpoint_copy)

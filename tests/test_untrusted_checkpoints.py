@@ -22,6 +22,7 @@ documented code and one line on stderr, publish nothing, change no file outside 
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import shutil
@@ -358,3 +359,116 @@ def test_a_context_naming_code_outside_nemo_is_never_imported_without_trust(vict
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "subprocess.getoutput" in proc.stderr and "verified" in proc.stdout
     assert not marker.exists()
+
+
+# --- found by attacking the above: pickle structure, compressed records, contexts that evade a name scan -------------
+
+
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        (b"\x80\x04Nr\x00\x00\x00\x40.", "memo index"),  # LONG_BINPUT 2**30: a 2**31-slot memo array in CPython
+        (b"\x80\x04}" + b")" + b"\x85" * 100_000 + b"K\x01s.", "nesting deeper than"),  # hashing it would segfault
+        (
+            b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadataIndex\n"
+            b"N}X\x06\x00\x00\x00__eq__cbuiltins\nslice\ns\x86b.",
+            "refusing to set the state of a type",  # BUILD on a class would monkeypatch it for the whole process
+        ),
+    ],
+    ids=["memo-bomb", "deep-nesting", "build-on-a-class"],
+)
+def test_pickle_structures_that_attack_the_unpickler_itself_are_refused(victim, payload, words):
+    (victim / "weights" / ".metadata").write_bytes(payload)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, words)
+    assert MetadataIndex("a") != MetadataIndex("b")
+
+
+def test_a_compressed_record_that_would_inflate_is_refused(victim):
+    import zipfile
+
+    raw = io.BytesIO()
+    torch.save(torch.zeros(1 << 20)[:64], raw)  # a view of a large storage of zeros: torch.save writes it all
+    source, record = zipfile.ZipFile(io.BytesIO(raw.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(record, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as deflated:
+        for info in source.infolist():
+            deflated.writestr(info.filename, source.read(info.filename))
+    metadata = read_dcp_metadata(victim / "weights")
+    norm = "module.decoder.final_layernorm.weight"
+    for index, info in metadata.storage_data.items():
+        if index.fqn == norm:
+            shard = victim / "weights" / info.relative_path
+            info.offset, info.length = shard.stat().st_size, len(record.getvalue())
+            with open(shard, "ab") as handle:
+                handle.write(record.getvalue())
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, norm, "compressed")
+
+
+def test_records_sharing_bytes_are_refused(victim):
+    metadata = read_dcp_metadata(victim / "weights")
+    chunks = _chunks(metadata)
+    first = metadata.storage_data[MetadataIndex(QKV, chunks[0].offsets)]
+    metadata.storage_data[MetadataIndex(QKV, chunks[1].offsets)] = first  # two chunks read from one record
+    write_metadata(victim, metadata)
+    code, lines = run_cli([str(victim)])
+    assert_refused(victim, code, 8, lines, "overlaps the record")
+
+
+def _add_reference(victim: Path, reference: Dict, marker: str = "") -> None:
+    io_json = victim / "context" / "io.json"
+    data = json.loads(io_json.read_text())
+    data["objects"]["zzz_1"] = {"type": reference, "items": [["Attr(name='cmd')", marker]], "metadata": None}
+    io_json.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "reference, why",
+    [
+        ({"type": "pyref", "module": "torch", "name": "os.popen"}, "a dotted name"),
+        ({"type": "not-a-pyref", "module": "this", "name": "s"}, "outside NeMo"),  # NeMo's loader locates any type
+        ({"type": "pyref", "module": "torch.hub", "name": "load"}, "loads or runs code"),
+        ({"type": "pyref", "module": "torch", "name": "os"}, "a module object"),
+        ({"type": "pyref", "module": "builtins", "name": "getattr"}, "not a plain builtin type"),
+        ({"type": "pyref", "module": "nemo.collections.llm", "name": "train"}, "defined in nemo.collections.llm.api"),
+    ],
+    ids=["dotted", "any-type-node", "torch-hub", "module-object", "builtin-function", "re-export"],
+)
+def test_context_references_are_resolved_before_trust(victim, reference, why):
+    from nemo_patch.export.context_trust import check_context_trusted
+
+    _add_reference(victim, reference)
+    with pytest.raises(ConsolidationError, match=why):
+        check_context_trusted(victim / "context")
+
+
+def test_a_context_asking_for_remote_code_is_not_trusted(victim):
+    from nemo_patch.export.context_trust import check_context_trusted
+
+    _add_reference(victim, {"type": "pyref", "module": "builtins", "name": "dict"}, "trust_remote_code")
+    with pytest.raises(ConsolidationError, match="trust_remote_code"):
+        check_context_trusted(victim / "context")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "a-list"])
+def test_verify_of_an_existing_output_with_a_hostile_metadata_json(victim, kind):
+    assert run_cli([str(victim)])[0] == 0
+    side = victim / "consolidated" / "metadata.json"
+    side.unlink()
+    if kind == "fifo":
+        os.mkfifo(side)
+    elif kind == "dev-zero":
+        side.symlink_to("/dev/zero")
+    else:
+        side.write_text("[1]")
+    code, lines = run_cli([str(victim), "--verify"], timeout=60)
+    # the tensors are compared with the checkpoint whatever metadata.json holds; its digests are not trusted
+    assert code in (0, 9) and (code == 0 or len(lines) == 1), lines
+
+
+def test_a_weights_directory_linked_out_of_the_checkpoint_is_refused(victim, tp2_checkpoint, tmp_path):
+    shutil.rmtree(victim / "weights")
+    (victim / "weights").symlink_to(tp2_checkpoint / "weights")  # another checkpoint's weights, read as this one's
+    code, lines = run_cli([str(victim)])
+    assert code == 8 and len(lines) == 1 and "outside the checkpoint" in lines[0], lines

@@ -270,11 +270,11 @@ def _context_shapes(location: "CheckpointLocation", trust: bool) -> Optional[Dic
 
 def _records_tensor_digests(output_dir: Path) -> bool:
     """Whether an output's ``metadata.json`` has per-tensor digests (format version 2 and later)."""
-    import json
+    from nemo_patch.engine.safe_files import read_json_file
 
     try:
-        return int(json.loads((output_dir / "metadata.json").read_text()).get("format_version", 0)) >= 2
-    except (OSError, ValueError):
+        return int(read_json_file(output_dir / "metadata.json").get("format_version", 0)) >= 2
+    except (OSError, ValueError, TypeError, AttributeError):
         return False
 
 
@@ -384,7 +384,8 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             from nemo_patch.export.context_trust import check_context_trusted
             from nemo_patch.export.hf import export_hf_checkpoint
 
-            check_context_trusted(location.checkpoint_dir / "context", args.trust_context)
+            with _nemo_output_held_back(), _stdout_dropped():  # resolving the context's names imports NeMo
+                check_context_trusted(location.checkpoint_dir / "context", args.trust_context)
 
             with _nemo_output_held_back():
                 result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)

@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
+    CorruptShardError,
     NotACheckpointError,
     UnfinishedCheckpointError,
     UnsupportedFormatError,
@@ -151,6 +152,8 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
         UnsupportedFormatError: an ``fsdp_dtensor`` checkpoint or another ``sharded_backend`` (the message names it).
         UnfinishedCheckpointError: NeMo's unfinished marker is present, or the file the format writes last is
             missing (``.metadata``; ``metadata.json`` for ``zarr``).
+        CorruptShardError: its ``weights/`` or ``context/`` is a symbolic link out of the checkpoint directory (a
+            symlinked checkpoint directory itself is fine).
 
     A PEFT adapter checkpoint (NeMo's ``weights/adapter_metadata.json``) is returned with ``adapter=True``: its
     consolidation writes adapters, never a model.
@@ -180,6 +183,14 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
             f"{path} is not a NeMo 2 checkpoint: expected a 'weights/' directory with torch.distributed.checkpoint "
             "'.metadata' (or that directory itself)"
         )
+    if weights_dir != checkpoint_dir:
+        for part in (weights_dir, checkpoint_dir / "context"):
+            resolved, home = part.resolve(), checkpoint_dir.resolve()
+            if part.exists() and home not in resolved.parents:
+                raise CorruptShardError(
+                    f"{part} is a symbolic link to {resolved}, outside the checkpoint {home}; refusing to read another "
+                    "directory as this checkpoint's"
+                )
     backend = sharded_backend(weights_dir)
     if backend not in READABLE_BACKENDS:
         raise UnsupportedFormatError(

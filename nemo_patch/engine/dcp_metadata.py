@@ -38,8 +38,10 @@ Imports the standard library and torch only; never NeMo, Lightning or megatron-c
 
 import io
 import pickle
+import pickletools
 from collections import OrderedDict
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -65,7 +67,7 @@ from torch.distributed.checkpoint.planner import (
 
 from nemo_patch.engine.safe_files import read_regular_file
 
-__all__ = ["InvalidMetadataError", "read_dcp_metadata", "validate_metadata"]
+__all__ = ["InvalidMetadataError", "prescan_pickle", "read_dcp_metadata", "validate_metadata"]
 
 _METADATA_FILE = ".metadata"
 _MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
@@ -122,7 +124,86 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
 _ALLOWED = _allowed()
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+#: The deepest nesting of containers and objects a ``.metadata`` pickle may build (DCP's is about 8 deep).
+MAX_NESTING = 64
+_BUILD_TARGETS = frozenset(
+    cls
+    for cls in _ALLOWED.values()
+    if isinstance(cls, type) and not issubclass(cls, Enum) and cls.__module__.startswith(("torch.", __name__))
+)
+_SETTERS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_GETTERS = {"GET", "BINGET", "LONG_BINGET"}
+_FILLERS = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
+
+
+def prescan_pickle(data: bytes, max_nesting: int = MAX_NESTING) -> None:
+    """Check a pickle's structure before anything is built from it, with ``pickletools.genops`` (no object is made).
+
+    A stack of nesting depths is simulated from each opcode's declared stack effect, so that what the unpickler would
+    build is bounded before it builds it:
+
+    * memo indices (``PUT``/``GET`` and their binary forms) must be smaller than the number of opcodes read so far:
+      a 9-byte pickle with a memo index near 2**32 makes CPython's unpickler allocate and zero a memo array of that
+      size;
+    * nesting (a container or object inside another) must stay within ``max_nesting``: hashing a deeply nested
+      tuple used as a dict key crashes CPython in C recursion (a segfault, no message).
+
+    Raises:
+        pickle.UnpicklingError: naming the byte offset and what is wrong; also for opcodes ``pickletools`` cannot
+            parse (a truncated or corrupt file).
+    """
+    depths: list = []  # nesting depth of each stack item; None marks a MARK
+    memo: Dict[int, int] = {}
+    count = 0
+    try:
+        for opcode, arg, position in pickletools.genops(data):
+            count += 1
+            name = opcode.name
+            if name in _SETTERS or name == "MEMOIZE":
+                index = len(memo) if name == "MEMOIZE" else arg
+                if not isinstance(index, int) or index > count:
+                    raise pickle.UnpicklingError(f"memo index {index} at byte {position} of a {len(data)}-byte pickle")
+                memo[index] = depths[-1] if depths and depths[-1] is not None else 0
+                continue
+            if name in _GETTERS:
+                if arg not in memo:
+                    raise pickle.UnpicklingError(f"memo index {arg} at byte {position} was never stored")
+                depths.append(memo[arg])
+                continue
+            popped: list = []
+            for item in reversed(opcode.stack_before):
+                if item is pickletools.stackslice:
+                    while depths and depths[-1] is not None:
+                        popped.append(depths.pop())
+                elif item is pickletools.markobject:
+                    if not depths or depths[-1] is not None:
+                        raise pickle.UnpicklingError(f"{name} at byte {position} finds no MARK")
+                    depths.pop()
+                elif depths and depths[-1] is not None:
+                    popped.append(depths.pop())
+                else:
+                    raise pickle.UnpicklingError(f"{name} at byte {position} pops an empty stack")
+            if name == "MARK":
+                depths.append(None)
+            elif opcode.stack_after:
+                inner = max(popped, default=-1) + 1
+                if name in _FILLERS:  # the container stays below what was added to it
+                    inner = max(popped[-1], max(popped[:-1], default=-1) + 1)
+                if inner > max_nesting:
+                    raise pickle.UnpicklingError(
+                        f"nesting deeper than {max_nesting} at byte {position}: not DCP metadata"
+                    )
+                depths.extend([inner] * len(opcode.stack_after))
+    except (ValueError, IndexError, KeyError) as error:
+        raise pickle.UnpicklingError(f"not a well-formed pickle: {error}") from error
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler (its memo is a dict, and each opcode can be checked), resolving globals only through
+    :data:`_ALLOWED` and rebuilding (``BUILD``) only instances of the metadata classes, never a class or function."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
     def find_class(self, module: str, name: str) -> Any:
         try:
             return _ALLOWED[(module, name)]
@@ -133,6 +214,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("DCP metadata holds a persistent id; refusing it")
+
+    def _load_build(self) -> None:
+        target = self.stack[-2]
+        if type(target) not in _BUILD_TARGETS:
+            raise pickle.UnpicklingError(
+                f"refusing to set the state of a {type(target).__name__}: not a metadata object"
+            )
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 def _is_int(value: Any) -> bool:
@@ -224,6 +315,7 @@ def read_dcp_metadata(dcp_dir: Path) -> Metadata:
             :class:`InvalidMetadataError` (a subclass) if it unpickles to values of the wrong types.
     """
     data = read_regular_file(Path(dcp_dir) / _METADATA_FILE, MAX_METADATA_BYTES)
+    prescan_pickle(data)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError:

@@ -108,9 +108,11 @@ class _CheckedWindow(_Window):
             for info in archive.infolist():
                 if info.CRC == 0 or info.file_size == 0:
                     continue
-                if info.compress_type != zipfile.ZIP_STORED:
-                    self.unfused.append(info.filename)
-                    continue
+                if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses: a crafted record
+                    raise zipfile.BadZipFile(
+                        f"member {info.filename} is compressed ({info.file_size} bytes from {info.compress_size}); "
+                        "torch.save stores records uncompressed"
+                    )
                 local = _Window(file, offset, length)
                 local.seek(info.header_offset)
                 header = local.read(30)
@@ -151,10 +153,16 @@ class _CheckedWindow(_Window):
 
 
 def _slice(file: Any, offset: int, length: int, where: str, checked: bool) -> Union[_Window, _CheckedWindow]:
-    """A window on one stored record of an open shard file (checking its CRC-32 as it is read when ``checked``)."""
-    if not checked:
-        return _Window(file, offset, length)
+    """A window on one stored record of an open shard file (checking its CRC-32 as it is read when ``checked``).
+
+    Either way the record's members must be stored uncompressed, so that what ``torch.load`` allocates is bounded by
+    the record's bytes (a deflated member of zeros would inflate a thousandfold)."""
     try:
+        if not checked:
+            with zipfile.ZipFile(_Window(file, offset, length)) as archive:
+                if any(info.compress_type != zipfile.ZIP_STORED for info in archive.infolist()):
+                    raise zipfile.BadZipFile("a member is compressed; torch.save stores records uncompressed")
+            return _Window(file, offset, length)
         return _CheckedWindow(file, offset, length, where)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
         raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error

@@ -45,6 +45,7 @@ layout only.
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Dict, Mapping, Sequence, Union
 
@@ -59,7 +60,8 @@ from nemo_patch.engine.output_layout import (
     index_filename,
     single_filename,
 )
-from nemo_patch.engine.safetensors_writer import OutputFile
+from nemo_patch.engine.safe_files import open_regular, read_json_file
+from nemo_patch.engine.safetensors_writer import MAX_HEADER_BYTES, OutputFile
 
 __all__ = ["blake3_tree", "file_entry", "json_file_entry", "verify_digests"]
 
@@ -125,8 +127,8 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
     """
     output_dir = Path(output_dir)
     try:
-        files = json.loads((output_dir / METADATA_FILENAME).read_text())["files"]
-    except (OSError, ValueError, KeyError) as error:
+        files = read_json_file(output_dir / METADATA_FILENAME)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise VerificationError(
             f"{output_dir} has no readable {METADATA_FILENAME} with file digests: {error}"
         ) from error
@@ -151,34 +153,44 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
                 f"{output_dir / name} is part of the output, but {METADATA_FILENAME} records no digest of it"
             )
     checked = 0
-    for name, entry in sorted(files.items()):
-        path = output_dir / name
-        if not path.is_file() or path.stat().st_size != entry.get("size"):
-            have = "missing" if not path.is_file() else f"{path.stat().st_size} bytes"
-            raise VerificationError(f"{path}: {have}, {METADATA_FILENAME} records {entry.get('size')} bytes")
-        if "blake3" in entry:
-            if json_file_entry(path)["blake3"] != entry["blake3"]:
-                raise VerificationError(f"{path} differs from the BLAKE3 digest {METADATA_FILENAME} records")
-            continue
-        if "tensors_blake3" not in entry:
-            raise VerificationError(f"{path}: {METADATA_FILENAME} records no digests this version can check")
-        with open(path, "rb") as handle:
-            header_size = 8 + int.from_bytes(handle.read(8), "little")
-            if _blake3_of(handle, 0, header_size) != entry["header_blake3"]:
-                raise VerificationError(f"{path}: the header differs from the one {METADATA_FILENAME} records")
-            handle.seek(8)
-            header = json.loads(handle.read(header_size - 8))
-            if set(entry["tensors_blake3"]) != set(header) - {"__metadata__"}:
-                raise VerificationError(f"{path}: its tensors are not the ones {METADATA_FILENAME} records")
-            for tensor, recorded in entry["tensors_blake3"].items():
-                begin, end = header[tensor]["data_offsets"]
-                if _blake3_of(handle, header_size + begin, end - begin) != recorded:
+    try:
+        for name, entry in sorted(files.items()):
+            path = output_dir / name
+            if not path.is_file() or path.stat().st_size != entry.get("size"):
+                have = "missing" if not path.is_file() else f"{path.stat().st_size} bytes"
+                raise VerificationError(f"{path}: {have}, {METADATA_FILENAME} records {entry.get('size')} bytes")
+            if "blake3" in entry:
+                if json_file_entry(path)["blake3"] != entry["blake3"]:
+                    raise VerificationError(f"{path} differs from the BLAKE3 digest {METADATA_FILENAME} records")
+                continue
+            if "tensors_blake3" not in entry:
+                raise VerificationError(f"{path}: {METADATA_FILENAME} records no digests this version can check")
+            with open_regular(path) as handle:
+                header_size = 8 + int.from_bytes(handle.read(8), "little")
+                if header_size > min(os.fstat(handle.fileno()).st_size, MAX_HEADER_BYTES + 8):
                     raise VerificationError(
-                        f"{path}: tensor {tensor} differs from the BLAKE3 digest {METADATA_FILENAME} records"
+                        f"{path}: a header of {header_size - 8} bytes, longer than the file allows"
                     )
-                checked += 1
-            in_file_order = sorted(entry["tensors_blake3"], key=lambda tensor: header[tensor]["data_offsets"][0])
-        tree = blake3_tree(entry["header_blake3"], [entry["tensors_blake3"][tensor] for tensor in in_file_order])
-        if tree != entry["blake3_tree"]:
-            raise VerificationError(f"{path}: {METADATA_FILENAME}'s blake3_tree does not match its tensor digests")
+                if _blake3_of(handle, 0, header_size) != entry["header_blake3"]:
+                    raise VerificationError(f"{path}: the header differs from the one {METADATA_FILENAME} records")
+                handle.seek(8)
+                header = json.loads(handle.read(header_size - 8))
+                if set(entry["tensors_blake3"]) != set(header) - {"__metadata__"}:
+                    raise VerificationError(f"{path}: its tensors are not the ones {METADATA_FILENAME} records")
+                for tensor, recorded in entry["tensors_blake3"].items():
+                    begin, end = header[tensor]["data_offsets"]
+                    if _blake3_of(handle, header_size + begin, end - begin) != recorded:
+                        raise VerificationError(
+                            f"{path}: tensor {tensor} differs from the BLAKE3 digest {METADATA_FILENAME} records"
+                        )
+                    checked += 1
+                in_file_order = sorted(entry["tensors_blake3"], key=lambda tensor: header[tensor]["data_offsets"][0])
+            tree = blake3_tree(entry["header_blake3"], [entry["tensors_blake3"][tensor] for tensor in in_file_order])
+            if tree != entry["blake3_tree"]:
+                raise VerificationError(f"{path}: {METADATA_FILENAME}'s blake3_tree does not match its tensor digests")
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+        raise VerificationError(
+            f"{output_dir / METADATA_FILENAME} is malformed ({type(error).__name__}: {error}); it cannot vouch for "
+            "this output"
+        ) from error
     return checked

@@ -27,9 +27,10 @@ Before any tensor is read or any output is allocated, :func:`check_dcp_layout` c
   chunk covers has no output, as for the layers of another kind in a heterogeneous or MoE model); the record names a
   plain file of ``weights/`` (one path component, no ``..``, not absolute), which resolves inside ``weights/``
   (symlinks followed) and is a regular file; the record lies inside that file, holds at least the chunk's bytes
-  (``torch.save`` stores tensor data uncompressed), and carries no storage transform (compression: megatron-core
-  never writes it, and its output size could not be bounded). So the bytes a plan allocates are bounded by the bytes
-  the checkpoint holds.
+  (``torch.save`` stores tensor data uncompressed), shares no byte with another record, and carries no storage
+  transform (compression: megatron-core never writes it, and its output size could not be bounded). So the bytes a
+  plan allocates are bounded by the bytes the checkpoint holds (a record's members must be uncompressed too:
+  :mod:`nemo_patch.engine.dcp_reader`).
 
 What each stored record actually holds (its dtype and shape) is checked when it is read
 (:class:`nemo_patch.engine.dcp_reader.DCPRegionReader`).
@@ -148,6 +149,7 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
     files: Dict[str, Tuple[Path, int]] = {}
     storage = metadata.storage_data or {}
     wanted = set(keys)
+    extents: List[Tuple[str, int, int, str]] = []
     records: Dict[str, List[Tuple[int, ...]]] = {}
     for index in storage:
         if index.fqn in wanted:
@@ -187,4 +189,12 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
                     f"{key}: chunk {_describe(chunk)} declares {needed} bytes of data; its record in "
                     f"{info.relative_path} has {info.length}"
                 )
+            extents.append((info.relative_path, info.offset, info.length, key))
+    extents.sort()
+    for (name, offset, length, key), (other_name, other_offset, _, other_key) in zip(extents, extents[1:]):
+        if name == other_name and offset + length > other_offset:
+            raise CorruptShardError(
+                f"{other_key}: its record at byte {other_offset} of {name} overlaps the record of {key} at byte "
+                f"{offset}; each record holds its own bytes"
+            )
     return files

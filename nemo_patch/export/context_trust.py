@@ -15,37 +15,83 @@
 
 """Decide whether a checkpoint's NeMo ``context/`` may be loaded: what it names must come from NeMo's own world.
 
-NeMo's ``io.load_context`` rebuilds the objects of ``context/io.json`` with fiddle: every ``{"type": "pyref",
-"module": M, "name": N}`` in the file is imported (``import M``, then ``getattr``) and may be called while the objects
-are built. A checkpoint from elsewhere can name any importable callable there (``subprocess.getoutput`` with a command
-as its argument), so loading the context of a checkpoint one did not write runs the writer's choice of code.
+NeMo's ``io.load_context`` rebuilds the objects of ``context/io.json`` with fiddle: every ``{"module": M, "name": N}``
+in the file (fiddle's ``"pyref"`` nodes, and the ``"type"`` of every object NeMo's own loader locates) is imported
+(``import M``, then ``getattr`` along the dots of ``N``) and may be called while the objects are built. A checkpoint
+from elsewhere can name any importable callable there (``subprocess.getoutput`` with a command as its argument, or
+``torch`` + ``os.popen``), so loading the context of a checkpoint one did not write runs the writer's choice of code.
 
-:func:`check_context_trusted` reads ``io.json`` as plain JSON (bounded, a regular file) before NeMo sees it and lists
-every reference. A reference is trusted when its module lies in a package a NeMo model legitimately comes from
-(:data:`TRUSTED_PACKAGES`: NeMo, NeMo-Run, megatron-core, torch, transformers, Lightning, fiddle) or, in ``builtins``,
-names a plain container or scalar type (:data:`TRUSTED_BUILTINS`). Anything else is refused
-(:class:`~nemo_patch.engine.errors.UntrustedContextError`) unless the user opts in, as with Hugging Face's
-``trust_remote_code``: ``nemo-consolidate --trust-context``. The training path passes ``trust=True``: the context it
-reads is the one the run itself just wrote.
+:func:`check_context_trusted` reads ``io.json`` as plain JSON (bounded, a regular file) before NeMo sees it and checks
+every reference, whatever node holds it:
 
-This is a check of the names, not a sandbox: a trusted package's own functions run with the arguments the file gives
-them (as they do whenever NeMo loads a checkpoint).
+* its module lies in a package a NeMo model legitimately comes from (:data:`TRUSTED_PACKAGES`: NeMo, megatron-core,
+  torch, transformers, Lightning, fiddle), outside the parts of them that load or run code by design
+  (:data:`DENIED_MODULES`: ``torch.hub``, ``torch.jit``, ``torch.package``, ``transformers.dynamic_module_utils``,
+  NeMo's training API, ...), or in ``builtins`` it names a plain container or scalar type (:data:`TRUSTED_BUILTINS`);
+* its name is one attribute (no dots: fiddle follows them with ``getattr``, out of the module) and not one of
+  :data:`DENIED_NAMES` (``load``, ``save``, ``compile``, ...);
+* what it resolves to (the module is imported: it is trusted) is a class, function or value defined in a trusted
+  module, never a module object and never something a trusted module merely re-exports (``from subprocess import
+  ...``): its ``__module__`` is checked too;
+* and the file never asks for ``trust_remote_code`` (Hugging Face code shipped with the checkpoint would run).
 
-Imports the standard library and the engine's errors and file access only; never NeMo.
+Anything else is refused (:class:`~nemo_patch.engine.errors.UntrustedContextError`) unless the user opts in, as with
+Hugging Face's ``trust_remote_code``: ``nemo-consolidate --trust-context``. The training path does not call this: the
+context it reads is the one the run itself just wrote.
+
+This is a check of names, not a sandbox: a trusted package's own functions run with the arguments the file gives them
+(as they do whenever NeMo loads a checkpoint), and the list of parts that run code by design is best effort.
+
+Imports the standard library and the engine's errors and file access at module level; the trusted modules a context
+names only inside :func:`check_context_trusted`.
 """
 
+import importlib
+import types
 from pathlib import Path
-from typing import Any, List, Set, Tuple, Union
+from typing import Any, List, Optional, Set, Tuple, Union
 
 from nemo_patch.engine.errors import UntrustedContextError
 from nemo_patch.engine.safe_files import read_json_file
 
-__all__ = ["TRUSTED_BUILTINS", "TRUSTED_PACKAGES", "check_context_trusted", "context_references"]
+__all__ = [
+    "DENIED_MODULES",
+    "DENIED_NAMES",
+    "TRUSTED_BUILTINS",
+    "TRUSTED_PACKAGES",
+    "check_context_trusted",
+    "context_references",
+]
 
 #: Top-level packages whose names a trusted context may reference.
-TRUSTED_PACKAGES = frozenset(
-    {"nemo", "nemo_run", "megatron", "torch", "transformers", "lightning", "pytorch_lightning", "fiddle"}
+TRUSTED_PACKAGES = frozenset({"nemo", "megatron", "torch", "transformers", "lightning", "pytorch_lightning", "fiddle"})
+#: Parts of the trusted packages that load or run code, processes or whole jobs by design: never named by a context.
+DENIED_MODULES = (
+    "torch.hub",
+    "torch.package",
+    "torch.jit",
+    "torch.utils.cpp_extension",
+    "torch._dynamo",
+    "torch._inductor",
+    "torch.compiler",
+    "torch.multiprocessing",
+    "torch.distributed.run",
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.serialization",
+    "torch.testing",
+    "transformers.dynamic_module_utils",
+    "transformers.utils.hub",
+    "transformers.commands",
+    "nemo.collections.llm.api",
+    "nemo.core.connectors",
+    "nemo.utils.exp_manager",
+    "lightning.pytorch.cli",
+    "lightning.fabric.cli",
+    "fiddle._src.experimental.serialization",
 )
+#: Functions of trusted modules that load files or compile code.
+DENIED_NAMES = frozenset({"load", "save", "compile", "hub", "jit", "exec", "eval", "system", "popen"})
 #: The ``builtins`` a trusted context may reference: types that build plain data, nothing that runs code.
 TRUSTED_BUILTINS = frozenset(
     {"dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bool", "slice"}
@@ -53,56 +99,93 @@ TRUSTED_BUILTINS = frozenset(
 _IO_JSON = "io.json"
 
 
-def context_references(context_dir: Union[str, Path]) -> List[Tuple[str, str]]:
-    """Every ``(module, name)`` that ``<context_dir>/io.json`` asks fiddle to import, sorted, without duplicates.
-
-    Raises:
-        UntrustedContextError: ``io.json`` cannot be read as JSON (missing, not a regular file, too large, invalid),
-            or a reference is not a pair of strings.
-    """
+def _scan(context_dir: Union[str, Path]) -> Tuple[Set[Tuple[str, str]], bool]:
+    """The references of ``io.json`` and whether the file mentions ``trust_remote_code``."""
     path = Path(context_dir) / _IO_JSON
     try:
         data = read_json_file(path)
     except (OSError, ValueError) as error:
         raise UntrustedContextError(f"Cannot read {path} as JSON: {error}") from error
     found: Set[Tuple[str, str]] = set()
+    remote_code = False
     stack: List[Any] = [data]
     while stack:
         value = stack.pop()
         if isinstance(value, dict):
-            if value.get("type") == "pyref":
-                module, name = value.get("module"), value.get("name")
+            if "module" in value and "name" in value:
+                module, name = value["module"], value["name"]
                 if not isinstance(module, str) or not isinstance(name, str):
-                    raise UntrustedContextError(f"{path}: a reference {value!r} that is not a module and a name")
+                    raise UntrustedContextError(f"{path}: a reference {value!r:.200} that is not a module and a name")
                 found.add((module, name))
+            stack.extend(value.keys())
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
-    return sorted(found)
+        elif isinstance(value, str) and "trust_remote_code" in value:
+            remote_code = True
+    return found, remote_code
 
 
-def _trusted(module: str, name: str) -> bool:
+def context_references(context_dir: Union[str, Path]) -> List[Tuple[str, str]]:
+    """Every ``(module, name)`` that ``<context_dir>/io.json`` may make NeMo import, sorted, without duplicates: the
+    ``module``/``name`` pair of every JSON object that has both, whatever its ``"type"`` marker.
+
+    Raises:
+        UntrustedContextError: ``io.json`` cannot be read as JSON (missing, not a regular file, too large, invalid),
+            or a ``module``/``name`` is not a string.
+    """
+    return sorted(_scan(context_dir)[0])
+
+
+def _denied(module: str) -> bool:
+    return any(module == denied or module.startswith(denied + ".") for denied in DENIED_MODULES)
+
+
+def _why_untrusted(module: str, name: str) -> Optional[str]:
+    """Why a reference is not trusted, or ``None`` when it is (imports the trusted module it names)."""
     if module == "builtins":
-        return name in TRUSTED_BUILTINS
-    return module.split(".")[0] in TRUSTED_PACKAGES
+        return None if name in TRUSTED_BUILTINS else "not a plain builtin type"
+    if module.split(".")[0] not in TRUSTED_PACKAGES:
+        return "outside NeMo, megatron-core, torch, transformers, Lightning and fiddle"
+    if not name.isidentifier():
+        return "a dotted name, reached through attributes out of its module"
+    if _denied(module) or name in DENIED_NAMES:
+        return "a part of a trusted package that loads or runs code"
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except Exception as error:  # noqa: BLE001 - a trusted module that does not import here: not loadable
+        return f"cannot be imported here ({type(error).__name__})"
+    if isinstance(value, types.ModuleType):
+        return "a module object"
+    owner = getattr(value, "__module__", None) or type(value).__module__
+    if not isinstance(owner, str) or owner.split(".")[0] not in TRUSTED_PACKAGES or _denied(owner):
+        return f"defined in {owner}, only re-exported by {module}"
+    return None
 
 
 def check_context_trusted(context_dir: Union[str, Path], trust: bool = False) -> None:
-    """Refuse a ``context/`` that references code outside :data:`TRUSTED_PACKAGES` (module docstring).
+    """Refuse a ``context/`` whose ``io.json`` references code that is not trusted (module docstring).
 
     Args:
         context_dir: a checkpoint's ``context/`` directory.
-        trust: load whatever it names (``--trust-context``; the training path's own context).
+        trust: load whatever it names (``--trust-context``).
 
     Raises:
-        UntrustedContextError: naming the first untrusted references and the option that allows them.
+        UntrustedContextError: naming the first untrusted references, why, and the option that allows them.
     """
     if trust:
         return
-    untrusted = [f"{module}.{name}" for module, name in context_references(context_dir) if not _trusted(module, name)]
+    found, remote_code = _scan(context_dir)
+    untrusted = []
+    for module, name in sorted(found):
+        why = _why_untrusted(module, name)
+        if why is not None:
+            untrusted.append(f"{module}.{name} ({why})")
+    if remote_code:
+        untrusted.append("trust_remote_code (Hugging Face code shipped with the checkpoint would run)")
     if untrusted:
         raise UntrustedContextError(
             f"{Path(context_dir) / _IO_JSON} references code outside NeMo, megatron-core, torch, transformers and "
-            f"Lightning: {', '.join(untrusted[:5])}{' ...' if len(untrusted) > 5 else ''}; loading it would import "
+            f"Lightning: {', '.join(untrusted[:3])}{' ...' if len(untrusted) > 3 else ''}; loading it would import "
             "and run that code. Pass --trust-context if you trust whoever wrote this checkpoint."
         )

@@ -270,7 +270,7 @@ class _OfflineExport:
     def ckpt_load(self, path: Any) -> Any:
         if self._np_merged:
             raise ExportError(
-                f"NeMo's {self._np_exporter_class.__qualname__} reads the distributed checkpoint itself (ckpt_load), "
+                f"NeMo's {self._np_exporter_class.__qualname__} reads the distributed checkpoint itself, "
                 "so it cannot export merged adapters; merge them with --format safetensors"
             )
         self._np_ckpt_loaded = True
