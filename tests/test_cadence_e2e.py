@@ -158,7 +158,7 @@ def test_the_readme_demo_with_each_and_async_save_skips_nothing(tmp_path):
     assert "<-" in rows[_name(10)] and "never finished" not in proc.stderr
     assert "Traceback" not in proc.stderr and "ERROR:nemo_patch" not in proc.stderr
     logged = re.findall(
-        r"INFO:nemo_patch\.training\.checkpoint_io:Consolidated (\S+) \(global step (\d+)\)", proc.stderr
+        r"INFO:nemo_patch\.training\.coordinator:Consolidated (\S+) \(global step (\d+)\)", proc.stderr
     )
     # one INFO line per consolidation; the step-10 -last copy's output is linked from step 10's, not consolidated
     assert sorted(int(step) for _, step in logged) == list(steps)

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -37,11 +38,18 @@ from nemo_patch.training.retention import (
 )
 
 
-def _checkpoint(root: Path, step: int, consolidated: bool = True, last: bool = False) -> Path:
+def _checkpoint(
+    root: Path, step: int, consolidated: bool = True, last: bool = False, linked_from: Optional[Path] = None
+) -> Path:
+    """A synthetic checkpoint; ``linked_from``: its output is hard links of that checkpoint's (a ``-last`` copy's)."""
     path = root / f"m--step={step - 1}-consumed_samples={2.0 * step}{'-last' if last else ''}"
     (path / "weights").mkdir(parents=True)
     (path / "weights" / ".metadata").write_bytes(b"dcp")
-    if consolidated:
+    if linked_from is not None:
+        (path / "consolidated").mkdir()
+        for file in (linked_from / "consolidated").iterdir():
+            os.link(file, path / "consolidated" / file.name)
+    elif consolidated:
         (path / "consolidated").mkdir()
         (path / "consolidated" / "model.safetensors").write_bytes(b"weights of step %d" % step)
         metadata = {"format_version": 1, "global_step": step, "source_checkpoint": "../weights", "files": {}}
@@ -71,23 +79,39 @@ def test_retained_output_keeps_its_files_step_and_origin(tmp_path):
 
 
 def test_a_last_copy_is_retained_once_under_its_steps_name(tmp_path):
-    own, last = _checkpoint(tmp_path, 10), _checkpoint(tmp_path, 10, last=True)
+    own = _checkpoint(tmp_path, 10)
+    last = _checkpoint(tmp_path, 10, last=True, linked_from=own)
     assert retain_output(own, "consolidated") is not None
     assert retain_output(last, "consolidated") is None  # same step, already retained
     assert sorted(p.name for p in (tmp_path / RETAINED_DIRNAME).iterdir()) == [own.name]
 
 
-@pytest.mark.parametrize("own", ["with its output", "without an output", "being removed", "absent"])
-def test_a_last_copy_is_retained_only_when_no_other_output_of_its_step_exists(tmp_path, own):
+@pytest.mark.parametrize(
+    "own", ["with its output", "retained", "without an output", "being removed", "absent", "another fit's output"]
+)
+def test_a_last_copy_is_retained_only_when_no_other_output_holds_its_files(tmp_path, own):
+    """The copy's output is hard links of its step's output (the same weights). Another output of the same global
+    step with other files (e.g. of a second ``fit``, whose steps started again) does not stand in for it."""
+    source = _checkpoint(tmp_path / "elsewhere", 8)
     if own != "absent":
         checkpoint = _checkpoint(tmp_path, 8, consolidated=own != "without an output")
+        if own in ("with its output", "retained", "being removed"):
+            shutil.rmtree(checkpoint / "consolidated")
+            source = _checkpoint(tmp_path / "own", 8)
+            shutil.copytree(source / "consolidated", checkpoint / "consolidated", copy_function=os.link)
         if own == "being removed":
             _removing(checkpoint)
-    last = _checkpoint(tmp_path, 8, last=True)
+        if own == "retained":
+            _removing(checkpoint)
+            retain_output(checkpoint, "consolidated")
+            shutil.rmtree(checkpoint)
+    last = _checkpoint(tmp_path, 8, last=True, linked_from=source)
     _checkpoint(tmp_path, 6)  # another step's output changes nothing
     _removing(last)
     entry = retain_output(last, "consolidated")
-    if own == "with its output":
+    if own == "retained":
+        assert entry is None and [p.name for p in (tmp_path / RETAINED_DIRNAME).iterdir()] == [checkpoint.name]
+    elif own == "with its output":
         assert entry is None and not (tmp_path / RETAINED_DIRNAME).exists()  # its own output is retained later
     else:
         assert entry == tmp_path / RETAINED_DIRNAME / retained_name(last)
@@ -161,7 +185,7 @@ def test_checkpoint_io_keeps_the_output_and_moves_latest_before_nemo_removes(tmp
     """The consolidating checkpoint IO's part of NeMo's top-k removal: retain (unless keep=0), move LATEST, then let
     NeMo remove the checkpoint; a queued consolidation of it is dropped and logged once as a warning."""
     from nemo_patch import ConsolidationSettings, MegatronCheckpointIO
-    from nemo_patch.training.schedule import CheckpointSave
+    from nemo_patch.training.schedule import CheckpointSave, RequestState
 
     io = MegatronCheckpointIO(consolidation_settings=ConsolidationSettings.from_arguments(True, keep=keep))
     old, new = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
@@ -175,8 +199,10 @@ def test_checkpoint_io_keeps_the_output_and_moves_latest_before_nemo_removes(tmp
         assert not (tmp_path / RETAINED_DIRNAME).exists() and read_latest_pointer(tmp_path) == old.resolve()
     # Two queued requests dropped by removal: one warning, then debug.
     queued = [CheckpointSave(_checkpoint(tmp_path, step, consolidated=False), step, written=True) for step in (6, 8)]
-    io.queue._pending.extend(queued)  # waiting behind a running one (none is started here)
-    with caplog.at_level("DEBUG", logger="nemo_patch.training.checkpoint_io"):
+    for save in queued:  # waiting behind a running one (none is started here)
+        save.state = RequestState.WAITING
+        io.queue._pending.append(save)
+    with caplog.at_level("DEBUG", logger="nemo_patch.training.coordinator"):
         for save in queued:
             io.remove_checkpoint_safely(save.path, lambda path=save.path: shutil.rmtree(path))
     assert io.dropped_by_removal == queued

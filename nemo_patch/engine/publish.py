@@ -363,6 +363,25 @@ def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[
     return removed
 
 
+def _make_output_parent(checkpoint_dir: Path, output_dir: Path) -> None:
+    """Create ``output_dir``'s parent, but never the checkpoint directory itself: an output inside a checkpoint whose
+    directory is gone (NeMo removed it meanwhile) fails instead of re-creating an empty checkpoint directory.
+
+    Raises:
+        FileNotFoundError: the output belongs inside ``checkpoint_dir`` and that directory is gone.
+        OSError: a directory cannot be created.
+    """
+    checkpoint = Path(os.path.abspath(checkpoint_dir))
+    parent = Path(os.path.abspath(output_dir.parent))
+    if parent != checkpoint and checkpoint not in parent.parents:
+        parent.mkdir(parents=True, exist_ok=True)
+        return
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "the checkpoint directory is gone (removed meanwhile?)", str(checkpoint))
+    for directory in reversed([parent, *parent.parents][: len(parent.parts) - len(checkpoint.parts)]):
+        directory.mkdir(exist_ok=True)  # no parents: fails if the checkpoint vanished meanwhile
+
+
 @contextlib.contextmanager
 def staged_output(
     checkpoint_dir: Path, output_dir: Path, overwrite: bool, failure: str, kind: str = ""
@@ -388,7 +407,7 @@ def staged_output(
             :func:`nemo_patch.engine.output_target.check_output_target`).
     """
     try:
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        _make_output_parent(checkpoint_dir, output_dir)
         for parent in {output_dir.parent, checkpoint_dir}:
             remove_stale_tmp_dirs(parent)
         tmp_dir = make_tmp_dir(output_dir.parent, kind)

@@ -16,28 +16,30 @@
 
 NeMo's top-k retention removes checkpoints during a run; an output kept after its checkpoint is gone
 (:mod:`nemo_patch.training.retention`) can then only be checked against a copy taken while the checkpoint existed.
-:class:`CheckpointSnapshots` hard-links the DCP files of each finished checkpoint into ``<dir>/<checkpoint name>/
-weights`` (no data is copied; removal of the original only drops one name of each file).
+:class:`CheckpointSnapshots` hard-links the DCP files of each checkpoint into ``<dir>/<checkpoint name>/weights`` the
+moment its save is complete (no data is copied; removal of the original only drops one name of each file).
 
 Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 import os
 from pathlib import Path
-from typing import Any, Set
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
+from nemo_patch.training.io_chain import find_base_checkpoint_io
 
 __all__ = ["CheckpointSnapshots"]
 
 
 class CheckpointSnapshots(Callback):
-    """Hard-links each finished checkpoint's ``weights/`` into ``directory/<name>/weights`` once it is seen.
+    """Hard-links each checkpoint's ``weights/`` into ``directory/<name>/weights`` when its save is complete.
 
-    Runs in ``on_train_batch_end`` (Lightning orders checkpoint callbacks last, so a checkpoint saved at step ``s`` is
-    seen at step ``s + 1``, before a save at ``s + 2`` can remove it) and at the end of ``fit``. Global rank 0 only.
+    The checkpoint IO's ``save_checkpoint`` is wrapped when training starts (global rank 0): a sync save is taken as
+    soon as it returns, an async one in its finalization (where the IO marks it written, before NeMo's removal of
+    anything can start), so a snapshot never races a removal. A name saved again (a second ``fit``, a resumed run)
+    keeps its first snapshot.
 
     Args:
         directory: where the snapshots go.
@@ -45,35 +47,35 @@ class CheckpointSnapshots(Callback):
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
-        self._seen: Set[str] = set()
 
-    def _snapshot(self, trainer: Any) -> None:
-        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-        if not trainer.is_global_zero or not dirpath or not Path(dirpath).is_dir():
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Wrap the checkpoint IO's ``save_checkpoint`` (once)."""
+        if not trainer.is_global_zero:
             return
-        for checkpoint in Path(dirpath).iterdir():
-            weights = checkpoint / "weights"
-            if checkpoint.name in self._seen or checkpoint.is_symlink() or not weights.is_dir():
-                continue
-            if not weights_written(weights):
-                continue
-            if is_marked_unfinished(checkpoint):
-                continue
-            target = self.directory / checkpoint.name / "weights"
-            if target.exists():  # taken by an earlier run of a resumed training
-                self._seen.add(checkpoint.name)
-                continue
-            target.mkdir(parents=True, exist_ok=True)
-            for file in weights.rglob("*"):  # zarr: one directory per array
-                if file.is_file():
-                    (target / file.relative_to(weights)).parent.mkdir(parents=True, exist_ok=True)
-                    os.link(file, target / file.relative_to(weights))
-            self._seen.add(checkpoint.name)
+        io = find_base_checkpoint_io(trainer.strategy.checkpoint_io)
+        if getattr(io, "_snapshots_wrapped", False):
+            return
+        save_checkpoint = io.save_checkpoint
 
-    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-        """Snapshot the checkpoints that finished so far."""
-        self._snapshot(trainer)
+        def snapshotting_save(checkpoint: Any, path: Any, storage_options: Optional[Any] = None) -> Any:
+            request = save_checkpoint(checkpoint, path, storage_options=storage_options)
+            directory = Path(str(path).removesuffix(".ckpt"))
+            if request is None:
+                self._snapshot(directory)
+            else:
+                request.add_finalize_fn(lambda: self._snapshot(directory))
+            return request
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Snapshot the checkpoints saved at the end of ``fit``."""
-        self._snapshot(trainer)
+        io.save_checkpoint = snapshotting_save
+        io._snapshots_wrapped = True
+
+    def _snapshot(self, checkpoint: Path) -> None:
+        weights = checkpoint / "weights"
+        target = self.directory / checkpoint.name / "weights"
+        if target.exists() or not weights.is_dir():  # taken by an earlier fit or an earlier run of a resumed training
+            return
+        target.mkdir(parents=True, exist_ok=True)
+        for file in weights.rglob("*"):  # zarr: one directory per array
+            if file.is_file():
+                (target / file.relative_to(weights)).parent.mkdir(parents=True, exist_ok=True)
+                os.link(file, target / file.relative_to(weights))

@@ -78,6 +78,32 @@ def _warn_if_top_k_drops_consolidations(checkpoint_callback: Any, io: MegatronCh
     )
 
 
+def _route_nemo_deletions(checkpoint_callback: Any, io: MegatronCheckpointIO, global_zero: bool) -> None:
+    """Route the checkpoints NeMo's ``ModelCheckpoint`` deletes by itself through the consolidating IO.
+
+    When a run resumes with ``save_top_k >= 0``, ``nemo_topk_check_previous_run`` deletes the top-k checkpoints beyond
+    ``save_top_k`` with ``_del_model_without_trainer`` (a plain ``rmtree``), not through
+    ``strategy.remove_checkpoint``. Wrapped here (on this ``ModelCheckpoint`` instance, once), each deletion first
+    keeps the checkpoint's output and moves ``LATEST``/``BEST`` off it, as a removal through the strategy does; the
+    deletion itself (and NeMo's barrier in it) is NeMo's, on every rank."""
+    original = getattr(checkpoint_callback, "_del_model_without_trainer", None)
+    if original is None:
+        return
+    checkpoint_callback._nemo_patch_io = io  # the IO of this fit (a later fit may bring another)
+    if getattr(original, "nemo_patch_routed", False):
+        return
+
+    def delete(filepath: Any) -> Any:
+        routed_io = getattr(checkpoint_callback, "_nemo_patch_io", None)
+        if global_zero and routed_io is not None:
+            with _never_fails_training("keeping the output of a checkpoint NeMo deletes"):
+                routed_io.remove_checkpoint_safely(Path(str(filepath).removesuffix(".ckpt")), lambda: None)
+        return original(filepath)
+
+    delete.nemo_patch_routed = True  # type: ignore[attr-defined]
+    checkpoint_callback._del_model_without_trainer = delete
+
+
 def check_best_has_a_metric(checkpoint_callback: Any, policy: ConsolidationPolicy) -> None:
     """A ``"best"`` cadence needs NeMo's ``ModelCheckpoint`` to monitor a metric.
 
@@ -153,18 +179,25 @@ class ConsolidationCallback(Callback):
                 io.start_consolidation_process()
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Hand the trainer's ``ModelCheckpoint`` to the checkpoint IO; a ``"best"`` cadence without a monitored
-        metric raises ``ValueError`` here, on every rank, before any training step."""
+        """Hand the trainer's ``ModelCheckpoint`` to the checkpoint IO and tell it a ``fit`` starts (global steps may
+        start again); route the checkpoints ``ModelCheckpoint`` deletes by itself through it
+        (:func:`_route_nemo_deletions`). A ``"best"`` cadence without a monitored metric raises ``ValueError`` here,
+        on every rank, before any training step."""
         io = _consolidating_io(trainer)
         if io is None or io.consolidation_policy is None:
             return
         check_best_has_a_metric(trainer.checkpoint_callback, io.consolidation_policy)
         io.checkpoint_callback = trainer.checkpoint_callback
+        io.begin_fit()
+        if trainer.checkpoint_callback is not None:
+            _route_nemo_deletions(trainer.checkpoint_callback, io, trainer.is_global_zero)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """On global rank 0: warn once when ``ModelCheckpoint(save_top_k=...)`` will drop due consolidations, and
-        remove temporary output that a killed consolidation process left in the run's checkpoint directories and
-        retained outputs (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`)."""
+        """On global rank 0: warn once when ``ModelCheckpoint(save_top_k=...)`` will drop due consolidations, remove
+        temporary output that a killed consolidation process left in the run's checkpoint directories and retained
+        outputs (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`), then repair ``LATEST``/``BEST`` and queue
+        what an earlier, killed run of this root left due (:meth:`ConsolidationCoordinator.reconcile`; NeMo's own
+        start-up clean-up, in ``ModelCheckpoint.on_train_start``, has run by then)."""
         io = _consolidating_io(trainer)
         if io is None or not trainer.is_global_zero:
             return
@@ -180,6 +213,8 @@ class ConsolidationCallback(Callback):
             for checkpoint_dir in entries:
                 if checkpoint_dir.is_dir() and not checkpoint_dir.is_symlink():
                     remove_stale_tmp_dirs(checkpoint_dir)
+        with _never_fails_training("checking LATEST, BEST and the consolidations an earlier run left due"):
+            io.reconcile(Path(dirpath))
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
         """Hand saves that finished in this step and are due to the consolidation process; returns at once."""

@@ -23,6 +23,7 @@ the engine's torch-free checkpoint layout only.
 """
 
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Optional, Union
@@ -43,6 +44,7 @@ __all__ = [
     "locate_checkpoint",
     "read_latest_pointer",
     "remove_latest_pointer",
+    "set_aside_non_link",
     "update_latest_pointer",
 ]
 
@@ -84,6 +86,26 @@ def update_latest_pointer(
         tmp.unlink(missing_ok=True)
         raise
     return link
+
+
+def set_aside_non_link(checkpoint_root: Union[str, Path], name: str = LATEST_NAME) -> Optional[Path]:
+    """Make room for the ``<checkpoint_root>/LATEST`` (or ``<name>``) symlink when something else took its place: a
+    directory (e.g. a copy made by a sync tool that follows symlinks) or a file is renamed to a hidden
+    ``.<name>.replaced-<UTC time>`` beside it (kept, not deleted: it may be the only copy of something), which
+    neither NeMo's resume, nor the outputs' listing, nor ``nemo-consolidate <root>`` take for a checkpoint.
+
+    Returns:
+        Where it was moved, or ``None`` when ``<name>`` is a symlink or absent (nothing to do).
+
+    Raises:
+        OSError: it cannot be renamed.
+    """
+    link = Path(checkpoint_root) / name
+    if link.is_symlink() or not os.path.lexists(link):
+        return None
+    aside = link.parent / f".{name}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+    os.rename(link, aside)
+    return aside
 
 
 def remove_latest_pointer(checkpoint_root: Union[str, Path], name: str = LATEST_NAME) -> None:

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import IO, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nemo_patch.engine.publish import tmp_dirs_of
-from nemo_patch.training.schedule import CheckpointSave
+from nemo_patch.training.schedule import CheckpointSave, RequestState
 from nemo_patch.training.settings import ConsolidationSettings
 
 __all__ = ["ConsolidationQueue"]
@@ -100,6 +100,20 @@ _PROCESS_GROUP_PREFIXES = ("TORCHELASTIC_",)
 
 #: Called when a request ends: ``(save, error)`` with ``error`` ``None`` on success, else a one-line reason.
 DoneCallback = Callable[[CheckpointSave, Optional[str]], None]
+
+#: The request states (:class:`nemo_patch.training.schedule.RequestState`) and the only moves between them; every
+#: move happens under the queue's lock (:meth:`ConsolidationQueue._move`). A request taken off the queue is RUNNING in
+#: the same locked step, so a removal of its checkpoint either drops it while it waits or waits until it has ended.
+_NEXT = {
+    RequestState.NONE: {RequestState.WAITING},
+    RequestState.WAITING: {RequestState.RUNNING, RequestState.SKIPPED, RequestState.DROPPED},
+    RequestState.RUNNING: {RequestState.PUBLISHED, RequestState.FAILED},
+    # Ended requests may be made again (e.g. an on-demand consolidation of a checkpoint whose request failed).
+    RequestState.PUBLISHED: {RequestState.WAITING},
+    RequestState.FAILED: {RequestState.WAITING},
+    RequestState.SKIPPED: {RequestState.WAITING},
+    RequestState.DROPPED: {RequestState.WAITING},
+}
 
 
 class _Process:
@@ -202,29 +216,38 @@ class _Process:
 
 
 class _Running:
-    def __init__(self, save: CheckpointSave, server: _Process) -> None:
+    """The request being consolidated: RUNNING from the moment it left the queue; ``server`` is set once the request
+    was handed to the consolidation process (:meth:`ConsolidationQueue._start`)."""
+
+    def __init__(self, save: CheckpointSave, server: Optional[_Process] = None) -> None:
         self.save = save
         self.server = server
         self.started = time.monotonic()
 
     @property
     def process(self) -> subprocess.Popen:
+        assert self.server is not None, "not handed to a consolidation process yet"
         return self.server.process
 
 
 class ConsolidationQueue:
     """Runs consolidations in the run's consolidation process, one at a time, first come first served.
 
-    Not thread-safe for :meth:`submit`/:meth:`poll` (the training loop calls them); :meth:`remove_checkpoint` may be
-    called from NeMo's async checkpoint-removal thread and takes a lock.
+    :meth:`submit`/:meth:`poll`/:meth:`wait` are called by one thread (the training loop's);
+    :meth:`remove_checkpoint` may be called from NeMo's async checkpoint-removal thread. Every change of a request's
+    state (:data:`_NEXT`) happens under one lock, which the caller may share (the coordinator's), and a request is
+    checked with ``is_gone`` in the same locked step in which it would be queued or started.
 
     Args:
         on_done: called in the training process, from :meth:`poll` or :meth:`wait`, when a request ends.
         settings: the run's settings. ``max_pending`` requests may wait behind the running one; when a new request
             would exceed it, the oldest waiting request is skipped and logged (the first time with a warning, then at
             debug level). The whole value is handed to the consolidation process (its format and shard size).
-        on_dropped: called (in the caller's thread) for a waiting request dropped because :meth:`remove_checkpoint`
-            removes its checkpoint.
+        on_dropped: called (in the caller's thread, without the lock) for a request dropped because its checkpoint
+            is removed (:meth:`remove_checkpoint`, or ``is_gone`` when it would be queued or started).
+        lock: the lock that guards the request states (default: a new one); the coordinator passes its own, so that
+            its checks and the queue's moves are atomic together.
+        is_gone: tells, under the lock, whether a request's checkpoint is removed or being removed (default: never).
 
     Raises:
         ValueError: ``settings.max_pending`` < 0.
@@ -235,6 +258,8 @@ class ConsolidationQueue:
         on_done: DoneCallback,
         settings: ConsolidationSettings = ConsolidationSettings(),
         on_dropped: Optional[Callable[[CheckpointSave], None]] = None,
+        lock: Optional[threading.RLock] = None,
+        is_gone: Optional[Callable[[CheckpointSave], bool]] = None,
     ) -> None:
         if settings.max_pending < 0:
             raise ValueError(f"max_pending must be >= 0, got {settings.max_pending}")
@@ -247,7 +272,8 @@ class ConsolidationQueue:
         self._running: Optional[_Running] = None
         self._server: Optional[_Process] = None
         self._deferred_removals: List[Callable[[], None]] = []
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else threading.RLock()
+        self._is_gone = is_gone or (lambda save: False)
         self._warned_skip = False
         #: Checkpoints whose request was skipped because the queue was full.
         self.skipped: List[CheckpointSave] = []
@@ -281,7 +307,23 @@ class ConsolidationQueue:
     def holds(self, save: CheckpointSave) -> bool:
         """Whether ``save`` is waiting or being consolidated."""
         with self._lock:
-            return save in self._pending or (self._running is not None and self._running.save is save)
+            return save.state.outstanding
+
+    def outstanding(self) -> List[CheckpointSave]:
+        """The running request (first) and the waiting ones, oldest first."""
+        with self._lock:
+            running = [self._running.save] if self._running is not None else []
+            return running + list(self._pending)
+
+    def _move(self, save: CheckpointSave, state: RequestState) -> None:
+        """Change a request's state (with the lock held) along :data:`_NEXT`.
+
+        Raises:
+            RuntimeError: a move the table does not allow (a bug).
+        """
+        if state not in _NEXT[save.state]:
+            raise RuntimeError(f"consolidation request of {save.path}: {save.state.name} -> {state.name} is no move")
+        save.state = state
 
     def submit(self, save: CheckpointSave, bounded: bool = True) -> None:
         """Queue ``save`` for consolidation and start it if nothing is running (see :meth:`submit_all`)."""
@@ -291,7 +333,8 @@ class ConsolidationQueue:
         """Queue saves that finished together (in one NeMo finalization) and start the first if nothing is running.
 
         Args:
-            saves: the finished checkpoints, oldest first.
+            saves: the finished checkpoints, oldest first. One whose checkpoint is gone (``is_gone``) is dropped
+                (reported to ``on_dropped``), one already waiting or running is left as it is.
             bounded: apply the bound: the oldest waiting requests are skipped while more than ``max_pending`` wait
                 behind the running one, but not those of ``saves`` when there are several: saves that finish
                 together are never skipped on arrival (NeMo's async save finalizes in bursts; a burst is not
@@ -301,18 +344,26 @@ class ConsolidationQueue:
         """
         if not saves:
             return
-        for save in saves:
-            save.queued = True
         bounded = bounded and self.process_ready
         burst = {id(save) for save in saves} if len(saves) > 1 else set()
+        dropped = []
         with self._lock:
-            self._pending.extend(saves)
+            for save in saves:
+                if save.state.outstanding:
+                    continue
+                self._move(save, RequestState.WAITING)
+                if self._is_gone(save):
+                    self._move(save, RequestState.DROPPED)
+                    dropped.append(save)
+                else:
+                    self._pending.append(save)
             while (
                 bounded
                 and len(self._pending) > self._max_pending + (0 if self._running else 1)
                 and id(self._pending[0]) not in burst
             ):
                 skipped = self._pending.popleft()
+                self._move(skipped, RequestState.SKIPPED)
                 self.skipped.append(skipped)
                 log = logger.debug if self._warned_skip else logger.warning
                 log(
@@ -323,22 +374,39 @@ class ConsolidationQueue:
                     "" if self._warned_skip else "; further skips are logged at debug level",
                 )
                 self._warned_skip = True
+        self._report_dropped(dropped)
         self.poll()
 
     def poll(self) -> None:
-        """Reap an ended request and hand the next one to the consolidation process; returns at once."""
+        """Reap an ended request and hand the next one to the consolidation process; returns at once.
+
+        The next request leaves the queue and becomes RUNNING in one locked step (a removal of its checkpoint from
+        another thread then waits for it); one whose checkpoint is gone by then is dropped instead."""
         running = self._running
-        if running is not None:
+        if running is not None and running.server is not None:
             result = running.server.result()
             if result is None and not running.server.alive:
                 result = running.server.result() or (running.server.death_reason(),)  # it may have answered first
             if result is not None:
                 self._finish(running, result[0])
-        if self._running is None:
-            with self._lock:
-                save = self._pending.popleft() if self._pending else None
-            if save is not None:
-                self._start(save)
+        dropped, start = [], None
+        with self._lock:
+            while self._running is None and self._pending:
+                save = self._pending.popleft()
+                if self._is_gone(save):
+                    self._move(save, RequestState.DROPPED)
+                    dropped.append(save)
+                    continue
+                self._move(save, RequestState.RUNNING)
+                self._running, start = _Running(save), save
+        self._report_dropped(dropped)
+        if start is not None:
+            self._start(start)
+
+    def _report_dropped(self, dropped: Sequence[CheckpointSave]) -> None:
+        for save in dropped:
+            if self._on_dropped is not None:
+                self._on_dropped(save)
 
     def wait(self, timeout: float) -> bool:
         """Wait until all running and queued consolidations have ended, at most ``timeout`` seconds.
@@ -362,6 +430,8 @@ class ConsolidationQueue:
         with self._lock:
             dropped = list(self._pending)
             self._pending.clear()
+            for save in dropped:
+                self._move(save, RequestState.DROPPED)
         running = self._running
         logger.error(
             "Checkpoint consolidation did not finish within %.1f s: stopping %s, dropping %d queued (%s)",
@@ -377,8 +447,9 @@ class ConsolidationQueue:
         """Remove a checkpoint without racing its consolidation (used for NeMo's top-k removal).
 
         A waiting request for it is dropped (reported to ``on_dropped``) and ``remove`` runs now; if it is being
-        consolidated, ``remove`` runs as soon as that request has ended (so the consolidation never reads a vanishing
-        checkpoint and never leaves a half-made ``consolidated/`` behind).
+        consolidated (RUNNING: also while it is being handed to the process), ``remove`` runs as soon as that request
+        has ended (so the consolidation never reads a vanishing checkpoint and never leaves a half-made
+        ``consolidated/`` behind). Both decisions are made in one locked step.
 
         Returns:
             ``True`` if ``remove`` ran now, ``False`` if it was deferred.
@@ -387,13 +458,13 @@ class ConsolidationQueue:
         with self._lock:
             dropped = [save for save in self._pending if save.path == checkpoint_dir]
             self._pending = deque(save for save in self._pending if save.path != checkpoint_dir)
+            for save in dropped:
+                self._move(save, RequestState.DROPPED)
             running = self._running
             deferred = running is not None and running.save.path == checkpoint_dir
             if deferred:
                 self._deferred_removals.append(remove)
-        for save in dropped:
-            if self._on_dropped is not None:
-                self._on_dropped(save)
+        self._report_dropped(dropped)
         if deferred:
             return False
         remove()
@@ -413,8 +484,9 @@ class ConsolidationQueue:
     def retire_process(self) -> None:
         """End the consolidation process once it is idle: now if it is, else when its current request has ended. The
         next request starts a new one (with this process's limits as they are then)."""
-        if self._running is not None and self._running.server is self._server:
-            self._running.server.retire = True
+        server = self._running.server if self._running is not None else None
+        if server is not None and server is self._server:
+            server.retire = True
         else:
             self._discard_server()
 
@@ -427,6 +499,9 @@ class ConsolidationQueue:
     def _stop_running(self) -> None:
         running = self._running
         if running is not None:
+            if running.server is None:  # never handed over (cannot happen between the training thread's calls)
+                self._finish(running, "stopped before it was handed to the consolidation process")
+                return
             running.server.terminate()
             self._finish(running, running.server.death_reason())
 
@@ -467,6 +542,10 @@ class ConsolidationQueue:
             server.close()
 
     def _start(self, save: CheckpointSave) -> None:
+        """Hand ``save`` (RUNNING since :meth:`poll` took it off the queue) to the consolidation process, starting a
+        new one if none is alive; a process that cannot be started fails the request."""
+        running = self._running
+        assert running is not None and running.save is save
         line = json.dumps({"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}) + "\n"
         warm = self._server is not None and self._server.send(line.encode())
         if not warm:
@@ -474,12 +553,12 @@ class ConsolidationQueue:
             try:
                 self._server = self._spawn()
             except OSError as error:
-                self._on_done(save, f"cannot start the consolidation process: {error}")
+                self._finish(running, f"cannot start the consolidation process: {error}")
                 return
             self._server.send(line.encode())  # if it died at once, reaping it reports why
         assert self._server is not None
         self.warm_requests += warm
-        self._running = _Running(save, self._server)
+        running.server, running.started = self._server, time.monotonic()
         logger.info(
             "Consolidating %s (global step %d) in process %d%s",
             save.path,
@@ -489,10 +568,13 @@ class ConsolidationQueue:
         )
 
     def _finish(self, running: _Running, error: Optional[str]) -> None:
-        self._running = None
-        if error is not None:  # the engine removes its own temporary output; a killed process cannot
-            _remove_tmp_dirs(running.save.path, running.process.pid)
-        if running.server is self._server and (running.server.retire or not running.server.alive):
+        with self._lock:
+            self._running = None
+            self._move(running.save, RequestState.FAILED if error is not None else RequestState.PUBLISHED)
+        server = running.server
+        if error is not None and server is not None:  # the engine removes its own temporary output; a killed one can't
+            _remove_tmp_dirs(running.save.path, server.process.pid)
+        if server is not None and server is self._server and (server.retire or not server.alive):
             self._discard_server()
         running.save.seconds = time.monotonic() - running.started
         self.completed.append((running.save.global_step, running.save.seconds, error))

@@ -26,7 +26,9 @@ the ``global_step`` and gains ``retained_from`` (the removed checkpoint's name).
 it decides. ``ckpt_consolidation_keep`` bounds what is retained: ``None`` keeps all; ``N`` keeps an output only while
 it is among the run's newest ``N`` consolidated outputs (counting those still inside checkpoints), removing older
 retained ones; ``0`` retains nothing (NeMo's removal deletes the output, as without this package). A ``-last`` copy's
-output is retained only when no other output of its global step exists, under the name without ``-last``.
+output is retained only when no other output holds the same files (the copy's output is hard links of its step's
+output, made from the same weights), under the name without ``-last``. Keeping is all or nothing: when it fails (disk
+full, a link limit), no entry is left behind and the pointers still move off the checkpoint.
 
 ``<root>/LATEST`` is moved before the checkpoint it names is removed: to the retained entry, or else to the newest
 remaining consolidated output (a checkpoint's or a retained one), or removed when none is left, each atomically and
@@ -57,6 +59,7 @@ __all__ = [
     "ConsolidatedOutput",
     "consolidated_outputs",
     "prune_retained",
+    "repair_best",
     "repoint_best",
     "repoint_latest",
     "retain_output",
@@ -132,6 +135,15 @@ def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutpu
     return found
 
 
+def _same_files(one: Path, other: Path) -> bool:
+    """Whether two outputs hold the same files (hard links: the first tensor file of ``one`` is ``other``'s)."""
+    try:
+        first = min(path.name for path in one.iterdir() if path.name.endswith(".safetensors"))
+        return os.path.samefile(one / first, other / first)
+    except (OSError, ValueError):
+        return False
+
+
 def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     """Give ``<checkpoint_dir>/<output_name>`` a second home under ``<root>/retained/``, atomically.
 
@@ -142,11 +154,11 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     Returns:
         The retained entry ``<root>/retained/<name>``, or ``None`` if the checkpoint holds no complete output, an
         entry of that name exists already (a step's ``-last`` copy whose own checkpoint's output was retained), or the
-        checkpoint is a ``-last`` copy and another complete output of its global step exists (its own checkpoint's,
-        which NeMo keeps for now and which is retained when it is removed).
+        checkpoint is a ``-last`` copy and another complete output holds the same files (its own checkpoint's, which
+        NeMo keeps for now and which is retained when it is removed, or already retained).
 
     Raises:
-        OSError: the files cannot be linked or copied (nothing is left behind).
+        OSError: the files cannot be linked or copied (nothing is left behind: no entry, no staging directory).
     """
     source = checkpoint_dir / output_name
     metadata_path = source / METADATA_FILENAME
@@ -158,17 +170,25 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     if (entry / output_name).exists():
         return None
     if checkpoint_dir.name.endswith(_LAST_SUFFIX):
-        step = _global_step(source)
         others = consolidated_outputs(checkpoint_dir.parent, output_name)
-        if any(other.global_step == step and other.entry != checkpoint_dir for other in others):
+        if any(other.entry != checkpoint_dir and _same_files(source, other.output_dir) for other in others):
             return None
+    created = not entry.exists()
     entry.mkdir(parents=True, exist_ok=True)
     metadata["retained_from"] = checkpoint_dir.name
     if isinstance(metadata.get("source_checkpoint"), str):  # still names the removed checkpoint's weights
         original = (source / metadata["source_checkpoint"]).resolve()
         metadata["source_checkpoint"] = os.path.relpath(original, entry / output_name)
     rewritten = (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode()
-    link_output(source, entry / output_name, replace_files={METADATA_FILENAME: rewritten})
+    try:
+        link_output(source, entry / output_name, replace_files={METADATA_FILENAME: rewritten})
+    except BaseException:
+        if created:  # link_output removed its staging directory: the entry is empty again
+            try:
+                entry.rmdir()
+            except OSError:
+                pass
+        raise
     return entry
 
 
@@ -221,6 +241,26 @@ def repoint_best(root: Path, output_name: str, removing: Path) -> Optional[Path]
         return entry
     remove_latest_pointer(root, BEST_NAME)
     logger.warning("BEST removed: %s and its consolidated output is not kept", _why(removing))
+    return None
+
+
+def repair_best(root: Path, output_name: str) -> Optional[Path]:
+    """Keep ``<root>/BEST`` on a complete output when its checkpoint went without this package moving it (e.g. NeMo
+    deleted it directly): to the checkpoint's retained output if there is one, else ``BEST`` is removed (a warning).
+
+    Returns:
+        What ``BEST`` names afterwards (``None``: no pointer).
+    """
+    target = _pointer_target(root, BEST_NAME)
+    if target is None or _global_step(target / output_name) is not None:
+        return target
+    entry = root / RETAINED_DIRNAME / retained_name(target)
+    if _global_step(entry / output_name) is not None:
+        update_latest_pointer(entry, root, name=BEST_NAME)
+        logger.info("BEST moved from %s to %s (its checkpoint is gone)", target.name, _relative(entry, root))
+        return entry
+    remove_latest_pointer(root, BEST_NAME)
+    logger.warning("BEST removed: it named %s, which holds no complete output any more", _relative(target, root))
     return None
 
 

@@ -33,42 +33,90 @@ before it calls ``trainer.save_checkpoint``.
 Standard library and the cadence policy only: never torch, NeMo or Lightning.
 """
 
+import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from nemo_patch.training.policy import ConsolidationPolicy
 
-__all__ = ["CheckpointSave", "ConsolidationSchedule"]
+__all__ = ["CheckpointSave", "ConsolidationSchedule", "RequestState"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+class RequestState(enum.Enum):
+    """Where a save's consolidation request stands. Only :class:`nemo_patch.training.queue.ConsolidationQueue`
+    changes it, under its lock, along the transitions its ``_NEXT`` table allows."""
+
+    #: Never handed to the queue.
+    NONE = "none"
+    #: Waiting in the queue.
+    WAITING = "waiting"
+    #: Taken off the queue for the consolidation process (set in the same locked step): from then on a removal of
+    #: its checkpoint waits until it has ended.
+    RUNNING = "running"
+    #: Its output was published.
+    PUBLISHED = "published"
+    #: It ended with an error (or was stopped).
+    FAILED = "failed"
+    #: Skipped because the queue was full.
+    SKIPPED = "skipped"
+    #: Dropped before it could start: its checkpoint was removed (or is being removed), or ``fit`` ended first.
+    DROPPED = "dropped"
+
+    @property
+    def outstanding(self) -> bool:
+        """Waiting or running."""
+        return self in (RequestState.WAITING, RequestState.RUNNING)
+
+
+@dataclass(eq=False)
 class CheckpointSave:
-    """One checkpoint save issued by the run.
+    """One checkpoint save issued by the run (identity: the object itself; a directory NeMo saves again is a new
+    save).
 
     Attributes:
         path: the checkpoint directory (``<root>/<name>``, holding ``weights/`` and ``context/``).
         global_step: the trainer's global step when it was saved.
         written: ``True`` once the checkpoint IO has finished writing it (immediately for a sync save, in the
             async request's finalize step for an async save).
-        queued: ``True`` once handed to the consolidation process queue.
-        consolidated: ``True`` once ``consolidated/`` was published for it.
+        consolidated: ``True`` once an output of these weights is in its directory (published, linked, or found).
         best: set when ``ModelCheckpoint`` named this checkpoint its best one when it was saved (and the cadence
             uses ``"best"``): ``{"monitor": name, "value": float, "mode": "min" | "max"}``, recorded in the output's
             ``metadata.json``.
         seconds: wall seconds its consolidation process ran (set when it ended).
+        fit: which ``fit`` of this process saved it (1, 2, ...: a second ``trainer.fit`` starts its global steps
+            again, so a global step alone does not name weights).
+        state: its consolidation request's :class:`RequestState`.
+        due: whether the cadence made it due (set when it finished).
+        copy_of: for NeMo's ``-last`` copy, the save of the same step in the same ``fit`` (the same weights: no
+            optimizer step between the two saves), whose output it receives.
+        copies: the ``-last`` copies waiting for this save's output.
+        identity: the checkpoint's weights as they were when it finished (device, inode, size and modification time
+            of the file its format writes last), so that a directory saved again since is not mistaken for it.
+        output: where its output lives now (``<path>/consolidated``, or under ``retained/`` after NeMo removed it).
     """
 
     path: Path
     global_step: int
     written: bool = False
-    queued: bool = False
     consolidated: bool = False
     best: Optional[Dict[str, Any]] = None
     seconds: Optional[float] = None
+    fit: int = 0
+    state: RequestState = RequestState.NONE
+    due: bool = False
+    copy_of: Optional["CheckpointSave"] = None
+    copies: List["CheckpointSave"] = field(default_factory=list)
+    identity: Optional[Tuple[int, ...]] = None
+    output: Optional[Path] = None
+
+    @property
+    def queued(self) -> bool:
+        """Whether it was ever handed to the consolidation queue."""
+        return self.state is not RequestState.NONE
 
     def mark_written(self) -> None:
         """Finalize callback for async saves."""
@@ -118,15 +166,24 @@ class ConsolidationSchedule:
         self.history: List[CheckpointSave] = []
         #: Saves that were due under the cadence but had been removed (NeMo's top-k) by the time they finished.
         self.removed_while_due: List[CheckpointSave] = []
+        #: The last save counted (not a copy): a ``-last`` copy of its step in the same ``fit`` is a copy of it.
+        self._counted: Optional[CheckpointSave] = None
 
     @property
     def finished_count(self) -> int:
         """Finished checkpoints of the run so far, counted by distinct global step (includes those before a resume)."""
         return self.finished.total
 
-    def register(self, path: Path, global_step: int) -> CheckpointSave:
-        """Record a save that the checkpoint IO has just issued (not yet finished)."""
-        save = CheckpointSave(Path(path), int(global_step))
+    def begin_fit(self) -> None:
+        """A new ``fit`` starts: its global steps may start again (a second ``trainer.fit`` on the same trainer), so
+        its first save of a step is never taken for a copy of an earlier fit's save of that step. The counts go on
+        (a resume restores them afterwards, in :meth:`load_state_dict`)."""
+        self.finished.last_step = self._registered.last_step = None
+        self._counted = None
+
+    def register(self, path: Path, global_step: int, fit: int = 0) -> CheckpointSave:
+        """Record a save that the checkpoint IO has just issued (not yet finished), by the ``fit``-th fit."""
+        save = CheckpointSave(Path(path), int(global_step), fit=fit)
         self._registered.add(save.global_step, self.policy)
         self.pending.append(save)
         return save
@@ -149,7 +206,8 @@ class ConsolidationSchedule:
 
         Returns:
             ``(due, copies)``: the saves to consolidate now, and the finished saves of a step already counted (NeMo's
-            ``-last`` copies), oldest first.
+            ``-last`` copies), oldest first. A copy's :attr:`CheckpointSave.copy_of` is the counted save of its step
+            when both were saved by the same ``fit`` (else ``None``), and it is due when that save was.
         """
         due, copies = [], []
         while self.pending and self.pending[0].written:
@@ -158,10 +216,14 @@ class ConsolidationSchedule:
             if not gone:
                 self.history.append(save)
             if not self.finished.add(save.global_step, self.policy):
+                counted = self._counted
+                if counted is not None and counted.fit == save.fit and counted.global_step == save.global_step:
+                    save.copy_of, save.due = counted, counted.due
                 if not gone:
                     copies.append(save)  # the -last copy of a step already counted
                 continue
             is_due = self.policy.is_due(save.global_step, self.finished.in_phase, save.best is not None)
+            save.due, self._counted = is_due, save
             if gone:
                 logger.debug("Checkpoint %s was removed after it finished; nothing to consolidate.", save.path)
                 if is_due:
