@@ -30,10 +30,19 @@ moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
   ``PreemptionCallback`` is added to the trainer for it).
 * ``die:<step>``: at the start of the step after ``<step>`` (its async save issued, not finalized), SIGKILL this
   process and every process it started: the save never finishes.
+* ``jobkill:<n>``: SIGKILL the whole job (this process and every process it started) once the n-th consolidation
+  request is half-way (its temporary output exists): a job killed in the middle of a consolidation.
+* ``keepfail:<n>``: the n-th keeping of an output before NeMo removes its checkpoint fails with ``ENOSPC`` (No
+  space left on device), raised by the file linking after the staging directory was made (an injected ``OSError``).
+* ``holdremoval:<n>``: hold NeMo's n-th asynchronous removal of a ``-last`` copy whose step's consolidation is still
+  waiting or running, in NeMo's removal thread, after the strategy took the removal and before any file is deleted,
+  until the training loop has seen that consolidation end (so the copy's link is due exactly while its removal is
+  under way); what appears in the copy's directory meanwhile is recorded (:attr:`FaultInjector.records`).
 
 Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
+import errno
 import os
 import resource
 import signal
@@ -41,7 +50,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from lightning.pytorch.callbacks import Callback
 
@@ -51,6 +60,9 @@ from nemo_patch.training.io_chain import find_base_checkpoint_io
 __all__ = ["FaultInjector", "parse_fault"]
 
 FSIZE_LIMIT = 64 * 1024
+_KINDS = ("kill", "hold", "pause", "readonly", "fsize", "sigterm", "die", "jobkill", "keepfail", "holdremoval")
+#: Seconds a held removal waits at most for the training loop (it never deadlocks a run).
+HOLD_REMOVAL_SECONDS = 120.0
 
 
 def parse_fault(spec: str) -> Tuple[str, int]:
@@ -60,8 +72,8 @@ def parse_fault(spec: str) -> Tuple[str, int]:
         ValueError: for an unknown kind or a missing number.
     """
     kind, _, number = spec.partition(":")
-    if kind not in ("kill", "hold", "pause", "readonly", "fsize", "sigterm", "die") or not number.isdigit():
-        raise ValueError(f"Invalid fault {spec!r}: expected kill|hold|pause|readonly|fsize|sigterm|die:<n>")
+    if kind not in _KINDS or not number.isdigit():
+        raise ValueError(f"Invalid fault {spec!r}: expected {'|'.join(_KINDS)}:<n>")
     return kind, int(number)
 
 
@@ -82,6 +94,16 @@ def _descendants(pid: int) -> List[int]:
     return found
 
 
+def _kill_job() -> None:
+    """SIGKILL every process this one started, then this one."""
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FaultInjector(Callback):
     """Injects one fault (see the module docstring) into the run it is a callback of."""
 
@@ -90,9 +112,102 @@ class FaultInjector(Callback):
         self.mounts: List[Path] = []
         self.started = 0
         self.paused: Any = None
+        #: What the fault observed, for the run's report (``holdremoval``: one entry per held removal).
+        self.records: List[Dict[str, Any]] = []
+        self._undo: List[Any] = []
+        self._held: Optional[Dict[str, Any]] = None
+        self._release = threading.Event()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """What a copy keeps (NeMo deep-copies the trainer's callbacks into each checkpoint's context): the spec and
+        the records, not the live patches, event and held removal."""
+        state = dict(self.__dict__)
+        state.update(_undo=[], _held=None, _release=None, paused=None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._release = threading.Event()
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._undo or not trainer.is_global_zero:  # patched once (a second fit on the trainer sets up again)
+            return
+        if self.kind == "keepfail":
+            self._patch_keeping()
+        if self.kind == "holdremoval":
+            self._patch_removal(trainer)
+
+    def _patch_keeping(self) -> None:
+        from nemo_patch.training import retention
+
+        link_output, calls = retention.link_output, [0]
+
+        def failing_link_output(source: Any, output_dir: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == self.number:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(output_dir))
+            return link_output(source, output_dir, *args, **kwargs)
+
+        setattr(retention, "link_output", failing_link_output)
+        self._undo.append(lambda: setattr(retention, "link_output", link_output))
+
+    def _patch_removal(self, trainer: Any) -> None:
+        """Wrap NeMo's own ``MegatronStrategy.remove_checkpoint`` (what the overlay's strategy calls once it has taken
+        a removal and kept the checkpoint's output): see ``holdremoval`` in the module docstring."""
+        from nemo_patch.training.strategy import NeMoMegatronStrategy
+
+        remove, removals = NeMoMegatronStrategy.remove_checkpoint, [0]
+
+        def held_remove(strategy: Any, filepath: Any) -> Any:
+            path = Path(str(filepath).removesuffix(".ckpt"))
+            source = self._source_of(trainer, path)
+            if threading.current_thread() is not threading.main_thread() and source is not None:
+                removals[0] += 1
+                if removals[0] == self.number:
+                    self._hold(path, source)
+            return remove(strategy, filepath)
+
+        NeMoMegatronStrategy.remove_checkpoint = held_remove
+        self._undo.append(lambda: setattr(NeMoMegatronStrategy, "remove_checkpoint", remove))
+
+    @staticmethod
+    def _source_of(trainer: Any, path: Path) -> Any:
+        """The save whose output the ``-last`` copy at ``path`` waits for, while that one is waiting or running."""
+        if not path.name.endswith("-last"):
+            return None
+        coordinator = getattr(find_base_checkpoint_io(trainer.strategy.checkpoint_io), "coordinator", None)
+        if coordinator is None:
+            return None
+        with coordinator.lock:
+            for save in reversed(coordinator.schedule.history):
+                if save.path == path and save.copy_of is not None and save.copy_of.state.outstanding:
+                    return save.copy_of
+        return None
+
+    def _hold(self, path: Path, source: Any) -> None:
+        before = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        self._held = {"path": path, "source": source}
+        released = self._release.wait(HOLD_REMOVAL_SECONDS)
+        after = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        self.records.append(
+            {
+                "held": path.name,
+                "source": source.path.name,
+                "source_state": source.state.value,
+                "released_by_training_loop": released,
+                "appeared": sorted(set(after) - set(before)),
+            }
+        )
+        self._held = None
+
+    def _release_when_seen(self) -> None:
+        """Release a held removal once its source's consolidation has ended and a later hook has run."""
+        held = self._held
+        if held is not None and not held["source"].state.outstanding:
+            self._release.set()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.kind in ("kill", "hold", "pause", "readonly", "fsize") and trainer.is_global_zero:
+        if self.kind in ("kill", "hold", "pause", "readonly", "fsize", "jobkill") and trainer.is_global_zero:
             queue = find_base_checkpoint_io(trainer.strategy.checkpoint_io).queue
             if self.kind == "pause":  # the requests made while it is paused must meet a ready, busy process
                 queue.start_process()
@@ -124,16 +239,19 @@ class FaultInjector(Callback):
                     self.paused = queue._running.process
                     queue._running.process.send_signal(signal.SIGSTOP)
                     return None
-                threading.Thread(target=self._kill_half_way, args=(queue, save), daemon=True).start()
+                job = self.kind == "jobkill"
+                threading.Thread(target=self._kill_half_way, args=(queue, save, job), daemon=True).start()
 
             queue._start = faulty_start
 
     @staticmethod
-    def _kill_half_way(queue: Any, save: Any) -> None:
+    def _kill_half_way(queue: Any, save: Any, job: bool = False) -> None:
         running = queue._running
         deadline = time.monotonic() + 60
         while running is not None and running.process.poll() is None and time.monotonic() < deadline:
             if any(p.is_dir() for p in save.path.glob(f"{TMP_PREFIX}{running.process.pid}-*")):
+                if job:
+                    _kill_job()
                 running.process.send_signal(signal.SIGKILL)
                 return
             time.sleep(0.001)
@@ -141,22 +259,23 @@ class FaultInjector(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.kind == "pause" and self.paused is not None and self.paused.poll() is None:
             self.paused.send_signal(signal.SIGCONT)
+        self._release.set()  # a held removal never outlives the training loop
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.kind == "die" and trainer.global_step == self.number:
-            for pid in _descendants(os.getpid()):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            os.kill(os.getpid(), signal.SIGKILL)
+            _kill_job()
+        if self.kind == "holdremoval":
+            self._release_when_seen()  # the previous step's hooks (the consolidation callback's included) have run
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.kind == "sigterm" and trainer.global_step == self.number:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def cleanup(self) -> None:
-        """Undo the read-only mounts."""
+        """Undo the read-only mounts and the patches; release a held removal."""
+        self._release.set()
         for path in self.mounts:
             subprocess.run(["umount", str(path)], check=False)
         self.mounts.clear()
+        while self._undo:
+            self._undo.pop()()

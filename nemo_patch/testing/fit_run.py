@@ -95,6 +95,7 @@ def run_tiny_fit(
     frequency: Optional[str] = None,
     save_consolidated: Optional[bool] = None,
     max_steps: int = 6,
+    fits: int = 1,
     save_every: int = 2,
     async_save: bool = False,
     stock: bool = False,
@@ -140,6 +141,8 @@ def run_tiny_fit(
         frequency: ``ckpt_consolidation_frequency`` (``None``: not passed).
         save_consolidated: ``save_consolidated`` (``None``: not passed).
         max_steps: trainer ``max_steps``.
+        fits: how many times ``fit`` runs on the same trainer and model (the first through ``llm.train``, the others
+            as ``trainer.fit(model, data)``: global steps start again from 0, the weights go on from the last fit's).
         save_every: ``ModelCheckpoint(every_n_train_steps=...)``.
         async_save: ``ckpt_async_save`` of the strategy.
         stock: check that ``nl.MegatronStrategy`` is NeMo's own class (run with ``NEMO_PATCH_DISABLE=1``).
@@ -311,6 +314,8 @@ def run_tiny_fit(
                 llm.finetune(model, data, trainer, peft=adapter, log=log, resume=resume, tokenizer=None)
             else:
                 llm.train(model, data, trainer, log=log, resume=resume, tokenizer=None)
+                for _ in range(fits - 1):
+                    trainer.fit(model, data)
         except SystemExit as stop:  # NeMo's PreemptionCallback ends fit with sys.exit(0) after its final save
             report["system_exit"] = stop.code
         finally:
@@ -344,6 +349,7 @@ def run_tiny_fit(
     report["finished_count"] = schedule.finished_count if schedule else None
     queue = getattr(base, "_queue", None)
     report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
+    report["fault_records"] = [record for injector in injectors for record in injector.records]
     report["dropped_by_removal"] = [save.path.name for save in getattr(base, "dropped_by_removal", [])]
     report["retained"] = retained_report(root)
     report["completed_steps"] = [step for step, _, error in queue.completed if error is None] if queue else []
@@ -461,6 +467,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--frequency", default=None)
     parser.add_argument("--save-consolidated", choices=["true", "false"], default=None)
     parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--fits", type=int, default=1)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--stock", action="store_true")
@@ -513,6 +520,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         frequency=args.frequency,
         save_consolidated=save_consolidated,
         max_steps=args.max_steps,
+        fits=args.fits,
         save_every=args.save_every,
         async_save=args.async_save,
         stock=args.stock,
