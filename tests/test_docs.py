@@ -37,7 +37,7 @@ from typing import Dict, List
 import pytest
 from conftest import REPO, run_python
 
-from nemo_patch.cli.nemo_consolidate import build_parser
+from nemo_patch.cli.nemo_consolidate import build_parser, main
 from nemo_patch.engine import errors
 from nemo_patch.training.policy import parse_consolidation_frequency
 
@@ -222,7 +222,7 @@ def test_the_cadence_examples_are_what_the_parser_takes():
             parse_consolidation_frequency(value)
 
 
-def test_one_version_everywhere():
+def test_one_version_everywhere(capsys):
     import nemo_patch
 
     version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
@@ -230,7 +230,9 @@ def test_one_version_everywhere():
     assert metadata.version("nemo-patch") == version  # the installed metadata (re-run setup_env.sh after a bump)
     releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (REPO / "CHANGELOG.md").read_text(), re.M)
     assert releases and releases[0] == version
-    assert f"%(prog)s (nemo-patch {version})" in [a.version for a in build_parser()._actions if a.dest == "version"]
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"nemo-consolidate (nemo-patch {version})\n"
     assert f"(nemo-patch {version})" in README.read_text()
     installation = (DOCS / "installation.md").read_text()
     assert f"nemo_patch-{version}-py3-none-any.whl" in installation and f"(nemo-patch {version})" in installation

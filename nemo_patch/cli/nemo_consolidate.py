@@ -44,8 +44,9 @@ format whose model class has no ``hf-peft`` exporter, 13 adapters that cannot be
 missing), 14 ``--best`` for a run that recorded no monitored metric, 15 a peer process of a multi-process run
 (``torchrun``/``srun``) that failed (killed, crashed), froze past ``--timeout`` or was launched with different
 arguments, 16 a ``context/`` that names code outside NeMo's packages (``--format hf`` without ``--trust-context``),
-1 anything else). An adapter checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging
-Face PEFT directory (``hf``), or with ``--merge-adapters`` the merged model.
+17 a ``--post-command`` that failed or timed out (the output stays published), 1 anything else). An adapter
+checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging Face PEFT directory (``hf``), or with
+``--merge-adapters`` the merged model.
 
 ``--workers N`` writer processes fill the output files at once (default: this node's cores, at most 8;
 :mod:`nemo_patch.engine.parts`); launched by ``torchrun`` or ``srun`` on several nodes, each node runs its share
@@ -83,6 +84,7 @@ from nemo_patch.training.settings import ACCEPTED_FORMATS, validate_max_shard_si
 
 if TYPE_CHECKING:
     from nemo_patch.cli.distributed import LaunchedGroup
+    from nemo_patch.engine.consolidate import ConsolidationResult
 
 __all__ = ["DTYPES", "main"]
 
@@ -119,15 +121,35 @@ def _seconds(value: str) -> float:
         seconds = float("nan")
     if 0 < seconds < float("inf"):
         return seconds
-    raise argparse.ArgumentTypeError(f"Invalid --timeout {value!r}: expected a number of seconds > 0.")
+    raise argparse.ArgumentTypeError(f"Invalid number of seconds {value!r}: expected a number > 0.")
 
 
-def _version() -> str:
-    """The installed nemo-patch's version (its distribution's metadata: the CLI never imports the overlay)."""
+def _installed_version() -> str:
+    """The distribution this command belongs to and its version, from the installed metadata (the CLI never imports
+    the overlay): the distribution named after the top-level package, else the one that ships that package."""
+    package = __name__.split(".")[0]
+    names = [package.replace("_", "-")]
     try:
-        return metadata.version("nemo-patch")
-    except metadata.PackageNotFoundError:
-        return "not installed"
+        names += metadata.packages_distributions().get(package, [])
+    except Exception:  # a broken distribution elsewhere must not break --version
+        pass
+    for name in names:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"{package}, version unknown (no installed metadata)"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print ``<prog> (<distribution> <version>)`` and exit; looked up only when asked."""
+
+    def __init__(self, option_strings: List[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(f"{parser.prog} ({_installed_version()})")  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exporter, 13 adapters that cannot be merged (e.g. base checkpoint missing), 14 --best for a run that "
         "recorded no monitored metric, 15 a torchrun/srun peer process that failed, froze past --timeout or was "
         "launched with different arguments, 16 a context/ naming code outside NeMo's packages (see --trust-context), "
-        "1 other.",
+        "17 a --post-command that failed or timed out, 1 other.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
                         "(LATEST, else the newest finished checkpoint), or the run directory holding "
@@ -161,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
                         "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
+    parser.add_argument("--post-command", default=None, metavar="CMD", help="run CMD (with /bin/sh) after the output "
+                        "is published: {output}, {format}, {global_step}, {checkpoint} are replaced (and set as "
+                        "NEMO_CONSOLIDATED_* variables); its output goes to <output>.post-command.log, its result "
+                        "into metadata.json; a JSON line of numbers it prints is recorded as metrics")  # fmt: skip
+    parser.add_argument("--post-command-timeout", type=_seconds, default=3600.0, metavar="SECONDS",
+                        help="stop the post command after this many seconds (default 3600)")  # fmt: skip
     parser.add_argument("--trust-context", action="store_true", help="load the checkpoint's context/ even if it names "
                         "code outside NeMo, megatron-core, torch, transformers and Lightning (that code is imported "
                         "and run): only for checkpoints whose writer you trust")  # fmt: skip
@@ -181,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cover how much longer a slower node takes over its share of a large model, and rank 0's "
                         "planning, --verify and publishing)")  # fmt: skip
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
-    parser.add_argument("--version", action="version", version=f"%(prog)s (nemo-patch {_version()})")
+    parser.add_argument("--version", action=_VersionAction)
     return parser
 
 
@@ -423,6 +451,26 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             f"{f' by {group.world_size} nodes' if group is not None and args.format == 'safetensors' else ''}"
             f"{', verified' if args.verify else ''}"
         )
+    if args.post_command is not None:
+        return _post_command(args, location, result)
+    return 0
+
+
+def _post_command(args: argparse.Namespace, location: "CheckpointLocation", result: "ConsolidationResult") -> int:
+    """``--post-command``: run it on the published output (:mod:`nemo_patch.engine.post_command`); exit code 17 with
+    one line when it fails or times out (the output stays published: it is complete)."""
+    from nemo_patch.engine.errors import PostCommandError
+    from nemo_patch.engine.post_command import run_post_command
+
+    done = run_post_command(
+        args.post_command, result.output_dir, args.format, result.global_step, location.checkpoint_dir,
+        timeout=args.post_command_timeout,
+    )  # fmt: skip
+    if not done.ok:
+        print(f"{PROG}: error: {PostCommandError.__name__}: {done.describe()}", file=sys.stderr)
+        return PostCommandError.exit_code
+    if not args.quiet:
+        print(f"Post command: {done.describe()}" + (f"; metrics {done.metrics}" if done.metrics else ""))
     return 0
 
 
