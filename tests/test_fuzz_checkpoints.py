@@ -54,6 +54,9 @@ from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 from nemo_patch.engine.plan import model_tensor_keys
 
+# Every test here starts from the real TP=2 fit of the tp2_checkpoint fixture.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = int(os.environ.get("NEMO_PATCH_FUZZ_EXAMPLES", "40"))
 FORBIDDEN_EVENTS = ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "exec",
                     "compile", "ctypes.dlopen")  # fmt: skip

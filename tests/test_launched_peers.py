@@ -264,7 +264,7 @@ def test_timeout_must_be_a_positive_number_of_seconds(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["/nonexistent", "--timeout", value])
     assert exit_info.value.code == 2
-    assert f"argument --timeout: Invalid --timeout {value!r}: expected a number of seconds > 0" in (
+    assert f"argument --timeout: Invalid number of seconds {value!r}: expected a number > 0" in (
         capsys.readouterr().err
     )
 

@@ -42,6 +42,9 @@ from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 from nemo_patch.engine.errors import ConsolidationError
 
+# Every test here starts from the real TP=2 fit of the tp2_checkpoint fixture.
+pytestmark = pytest.mark.slow
+
 QKV = "module.decoder.layers.self_attention.linear_qkv.weight"
 DOCUMENTED_EXIT_CODES = {0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}
 

@@ -29,6 +29,7 @@ __all__ = [
     "NotACheckpointError",
     "OutputExistsError",
     "PeerError",
+    "PostCommandError",
     "UnfinishedCheckpointError",
     "UnknownLayoutError",
     "AdapterCheckpointError",
@@ -135,6 +136,13 @@ class UntrustedContextError(ConsolidationError):
     user trusts the checkpoint (``--trust-context``)."""
 
     exit_code = 16
+
+
+class PostCommandError(ConsolidationError):
+    """The command run after an output was published (``--post-command``, ``ckpt_consolidation_post_command``) failed
+    or timed out; the output itself is complete and stays published, and its ``metadata.json`` records the result."""
+
+    exit_code = 17
 
 
 class ExportError(ConsolidationError):

@@ -1,0 +1,265 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""Run a user's command after a consolidated output is published: evaluate it, upload it, smoke-test it.
+
+:func:`run_post_command` runs in the process that published the output (the run's consolidation process, or
+``nemo-consolidate``), never in a training process. The command is the user's own (from ``--post-command`` or the
+strategy's ``ckpt_consolidation_post_command``) and runs through ``/bin/sh -c`` with:
+
+* placeholders ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` replaced by the shell-quoted values,
+  and the same in the environment: ``NEMO_CONSOLIDATED_OUTPUT``, ``NEMO_CONSOLIDATED_FORMAT``,
+  ``NEMO_CONSOLIDATED_GLOBAL_STEP`` (empty when unknown) and ``NEMO_CONSOLIDATED_CHECKPOINT``;
+* its stdout and stderr kept in ``<output>.post-command.log`` beside the output (not inside it: the output's files
+  stay exactly those its ``metadata.json`` records), replaced at each run;
+* a timeout of its own: at the deadline its whole process group gets SIGTERM, and SIGKILL 5 s later;
+* metrics: each line of its stdout that is one JSON object of numbers (``{"eval/perplexity": 12.3}``) is a set of
+  metrics for the checkpoint's global step (later lines win for a repeated name).
+
+The result is recorded in the output's ``metadata.json`` under ``"post_command"`` (command, exit code, seconds,
+whether it timed out, the log's name, metrics), rewritten atomically; a command that fails or times out is recorded
+as such, never as success, and the output itself stays published (it is complete and correct either way).
+
+Standard library only; never torch, NeMo, Lightning or megatron-core, and nothing outside the engine.
+"""
+
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Dict, Optional, Union
+
+__all__ = ["DEFAULT_POST_COMMAND_TIMEOUT", "PostCommandResult", "parse_metrics_line", "run_post_command"]
+
+#: Seconds a post command may run by default.
+DEFAULT_POST_COMMAND_TIMEOUT = 3600.0
+_KILL_GRACE = 5.0
+_METADATA = "metadata.json"
+
+
+@dataclass(frozen=True)
+class PostCommandResult:
+    """What a post command did.
+
+    Attributes:
+        command: the command as given (before the placeholders were replaced).
+        returncode: its exit status (negative: killed by that signal), ``None`` if it could not be started.
+        seconds: wall-clock seconds it ran.
+        timed_out: whether it was stopped at its timeout.
+        log: the log file's path (stdout and stderr).
+        metrics: name -> value from the JSON lines it printed.
+        error: why it could not be started, else ``None``.
+    """
+
+    command: str
+    returncode: Optional[int]
+    seconds: float
+    timed_out: bool
+    log: str
+    metrics: Dict[str, float] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether it ran to the end and exited 0."""
+        return self.returncode == 0 and not self.timed_out
+
+    def describe(self) -> str:
+        """One line for a log: how it ended and where its output is."""
+        if self.error is not None:
+            how = f"could not start: {self.error}"
+        elif self.timed_out:
+            how = f"timed out after {self.seconds:.1f} s and was stopped"
+        else:
+            how = f"exited {self.returncode} after {self.seconds:.1f} s"
+        return f"post command {how} (log: {self.log})"
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON form recorded in ``metadata.json``."""
+        return asdict(self)
+
+
+def parse_metrics_line(line: str) -> Optional[Dict[str, float]]:
+    """The metrics in one line of a post command's stdout: a JSON object whose values are all finite numbers (not
+    booleans) and whose keys are non-empty strings; ``None`` for any other line."""
+    line = line.strip()
+    if not (line.startswith("{") and line.endswith("}")):
+        return None
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not value:
+        return None
+    metrics = {}
+    for name, number in value.items():
+        if not name or isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            return None
+        metrics[name] = float(number)
+    return metrics
+
+
+def _record(output_dir: Path, result: PostCommandResult) -> None:
+    """Add the result to ``metadata.json``, atomically (a temporary file renamed over it)."""
+    path = output_dir / _METADATA
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(manifest, dict):
+        return
+    manifest["post_command"] = result.to_json()
+    tmp = output_dir / f".{_METADATA}.tmp-{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def run_post_command(
+    command: str,
+    output_dir: Union[str, Path],
+    output_format: str,
+    global_step: Optional[int],
+    checkpoint_dir: Union[str, Path],
+    timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
+) -> PostCommandResult:
+    """Run ``command`` for a published output and record the result in its ``metadata.json`` (module docstring).
+
+    Args:
+        command: a shell command; ``{output}``, ``{format}``, ``{global_step}``, ``{checkpoint}`` are replaced.
+        output_dir: the published output directory.
+        output_format: ``"safetensors"`` or ``"hf"``.
+        global_step: the checkpoint's global step, ``None`` if unknown.
+        checkpoint_dir: the checkpoint the output was made from.
+        timeout: seconds before the command's process group is stopped (> 0).
+
+    Returns:
+        A :class:`PostCommandResult`. Never raises for anything the command does.
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number, or ``command`` names a placeholder other than the four.
+    """
+    if not timeout > 0:
+        raise ValueError(f"the post command's timeout must be a positive number of seconds, got {timeout!r}")
+    output_dir, checkpoint_dir = Path(output_dir), Path(checkpoint_dir)
+    values = {
+        "output": str(output_dir),
+        "format": output_format,
+        "global_step": "" if global_step is None else str(global_step),
+        "checkpoint": str(checkpoint_dir),
+    }
+    try:
+        expanded = command.format(**{name: shlex.quote(value) for name, value in values.items()})
+    except (KeyError, IndexError, ValueError) as error:
+        raise ValueError(
+            f"post command {command!r}: unknown placeholder {error}; use {{output}}, {{format}}, {{global_step}} "
+            "or {checkpoint} (double the braces for literal ones)"
+        ) from None
+    env = dict(os.environ)
+    env.update({f"NEMO_CONSOLIDATED_{name.upper()}": value for name, value in values.items()})
+    log_path = output_dir.parent / f"{output_dir.name}.post-command.log"
+    started = time.monotonic()
+    metrics: Dict[str, float] = {}
+    try:
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                ["/bin/sh", "-c", expanded],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                cwd=str(output_dir.parent),
+                start_new_session=True,  # its own process group: a timeout stops everything it started
+            )
+            timed_out = _collect(process, log, metrics, started + timeout)
+    except OSError as error:
+        result = PostCommandResult(command, None, time.monotonic() - started, False, str(log_path), error=str(error))
+        _record(output_dir, result)
+        return result
+    result = PostCommandResult(
+        command, process.returncode, time.monotonic() - started, timed_out, str(log_path), metrics
+    )
+    _record(output_dir, result)
+    return result
+
+
+def _collect(process: subprocess.Popen, log: BinaryIO, metrics: Dict[str, float], deadline: float) -> bool:
+    """Copy the command's stdout into ``log`` line by line (collecting metrics) until it ends or ``deadline``
+    passes; returns whether it was stopped at the deadline."""
+    import selectors
+
+    if process.stdout is None:
+        raise ValueError("the post command's stdout is not a pipe")
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    pending = b""
+    timed_out = False
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        if not selector.select(timeout=min(remaining, 1.0)):
+            continue
+        chunk = os.read(process.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        log.write(chunk)
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            found = parse_metrics_line(line.decode("utf-8", errors="replace"))
+            if found:
+                metrics.update(found)
+        if len(pending) > 1 << 20:  # a line longer than 1 MiB is no metrics line
+            pending = b""
+    if pending:
+        found = parse_metrics_line(pending.decode("utf-8", errors="replace"))
+        if found:
+            metrics.update(found)
+    selector.close()
+    process.stdout.close()
+    if not timed_out:
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:  # it closed its stdout but runs on
+            timed_out = True
+    if timed_out:
+        _stop(process)
+        process.wait()
+    return timed_out
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group, SIGKILL after a grace period."""
+    for sig, wait in ((signal.SIGTERM, _KILL_GRACE), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        if wait is None:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
