@@ -28,6 +28,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import zipfile
 
 import pytest
 from conftest import REPO
@@ -56,6 +57,10 @@ def test_no_deps_install_into_an_existing_nemo_environment_and_its_checks(tmp_pa
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], cwd=tmp_path)
     wheel = dist / f"nemo_patch-{nemo_patch.__version__}-py3-none-any.whl"
     assert wheel.is_file(), sorted(p.name for p in dist.iterdir())
+    with zipfile.ZipFile(wheel) as archive:  # the product only: no test aids
+        names = archive.namelist()
+    assert "nemo_patch/engine/consolidate.py" in names
+    assert not [name for name in names if name.startswith("nemo_patch/testing/")], names
 
     env_dir = tmp_path / "nemo-env"
     _run([sys.executable, "-m", "venv", str(env_dir)], cwd=tmp_path)
