@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
-from nemo_patch.engine.digests import file_entry, json_file_entry, verify_digests
+from nemo_patch.engine.digests import digest_algorithm, file_entry, json_file_entry, verify_digests
 from nemo_patch.engine.errors import ConsolidationError, VerificationError
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
@@ -330,5 +330,6 @@ def consolidate_checkpoint(
             verify_digests(tmp_dir)
     seconds = own.snapshot()
     logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
-    files = {name: entry.get("blake3_tree", entry.get("blake3", "")) for name, entry in entries.items()}
+    algorithm = digest_algorithm()  # BLAKE3 where installed, else sha256
+    files = {name: entry.get(f"{algorithm}_tree", entry.get(algorithm, "")) for name, entry in entries.items()}
     return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files, kind, seconds)

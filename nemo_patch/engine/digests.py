@@ -36,20 +36,25 @@ same 256-bit output and 128-bit collision resistance, and it hashes about 4.9 GB
 1.8 GB/s with the CPU's SHA extensions (AMD EPYC, 256 MiB buffer); with sha256, hashing took 29% of a writer's busy
 seconds. Every digest is 64 lowercase hex characters, the value ``b3sum`` gives for the same bytes.
 
+``blake3`` is optional: where it is not installed, outputs record sha256 digests (``hashlib``) under the same keys with
+``sha256`` in place of ``blake3`` (``header_sha256``, ``tensors_sha256``, ``sha256_tree``, ``sha256``), and
+:func:`verify_digests` checks whichever of the two an output records (:func:`digest_algorithm` names the one new
+outputs get).
+
 :func:`verify_digests` also checks that every weights file of the output (the single file, or the index and the
 shards it names, read through :func:`nemo_patch.engine.output_files.output_weight_map`) is among the files
 ``metadata.json`` records, so that nothing a loader reads goes unchecked.
 
-Imports the standard library, ``blake3``, and the engine's errors, output layout, output files and safetensors file
+Imports the standard library, ``blake3`` (optional), and the engine's errors, output layout, output files and
+safetensors file
 layout only.
 """
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Mapping, Sequence, Union
-
-from blake3 import blake3
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from nemo_patch.engine.errors import VerificationError
 from nemo_patch.engine.output_files import is_plain_filename, output_weight_map
@@ -63,43 +68,83 @@ from nemo_patch.engine.output_layout import (
 from nemo_patch.engine.safe_files import open_regular, read_json_file
 from nemo_patch.engine.safetensors_writer import MAX_HEADER_BYTES, OutputFile
 
-__all__ = ["blake3_tree", "file_entry", "json_file_entry", "verify_digests"]
+_blake3: Optional[Any]
+try:
+    from blake3 import blake3 as _blake3
+except ImportError:  # pragma: no cover - optional: sha256 digests then
+    _blake3 = None
+
+__all__ = [
+    "blake3_tree",
+    "digest_algorithm",
+    "file_entry",
+    "json_file_entry",
+    "new_digest",
+    "verify_digests",
+]
 
 _BLOCK = 1 << 20
+#: The digests an output may record (the keys of ``metadata.json`` name them).
+_ALGORITHMS = ("blake3", "sha256")
 
 
-def blake3_tree(header_blake3: str, tensor_blake3: Sequence[str]) -> str:
-    """BLAKE3 of ``header_blake3`` then every tensor's digest (raw 32 bytes each, in file order), hex."""
-    digest = blake3(bytes.fromhex(header_blake3))
+def digest_algorithm() -> str:
+    """The digest new outputs record: ``"blake3"`` where the ``blake3`` package is installed, else ``"sha256"``."""
+    return "blake3" if _blake3 is not None else "sha256"
+
+
+def new_digest(algorithm: Optional[str] = None, data: Union[bytes, memoryview] = b"") -> Any:
+    """A hash object of ``algorithm`` (default: :func:`digest_algorithm`) that has been fed ``data``.
+
+    Raises:
+        VerificationError: ``algorithm`` is ``"blake3"`` without the ``blake3`` package, or neither of the two.
+    """
+    algorithm = algorithm or digest_algorithm()
+    if algorithm == "sha256":
+        return hashlib.sha256(data)
+    if algorithm == "blake3" and _blake3 is not None:
+        return _blake3(data)
+    if algorithm == "blake3":
+        raise VerificationError("The output records BLAKE3 digests: install the blake3 package to check them")
+    raise VerificationError(f"Unknown digest algorithm {algorithm!r}")
+
+
+def blake3_tree(header_blake3: str, tensor_blake3: Sequence[str], algorithm: str = "blake3") -> str:
+    """The ``algorithm`` digest (BLAKE3 by default) of ``header_blake3`` then every tensor's digest (raw 32 bytes
+    each, in file order), hex."""
+    digest = new_digest(algorithm, bytes.fromhex(header_blake3))
     for value in tensor_blake3:
         digest.update(bytes.fromhex(value))
     return digest.hexdigest()
 
 
 def file_entry(file: OutputFile, tensor_blake3: Mapping[str, str]) -> Dict[str, Any]:
-    """``metadata.json``'s entry for a safetensors file, from its layout and its writers' tensor digests.
+    """``metadata.json``'s entry for a safetensors file, from its layout and its writers' tensor digests (of
+    :func:`digest_algorithm`, which names the keys).
 
     Raises:
         KeyError: a tensor of the file has no digest (a writer did not report it).
     """
-    header = blake3(file.header).hexdigest()
+    algorithm = digest_algorithm()
+    header = new_digest(algorithm, file.header).hexdigest()
     tensors = {spec.name: tensor_blake3[spec.name] for spec in file.specs}
     return {
         "size": file.size,
-        "header_blake3": header,
-        "tensors_blake3": tensors,
-        "blake3_tree": blake3_tree(header, [tensors[spec.name] for spec in file.specs]),
+        f"header_{algorithm}": header,
+        f"tensors_{algorithm}": tensors,
+        f"{algorithm}_tree": blake3_tree(header, [tensors[spec.name] for spec in file.specs], algorithm),
     }
 
 
-def json_file_entry(path: Path) -> Dict[str, Any]:
+def json_file_entry(path: Path, algorithm: Optional[str] = None) -> Dict[str, Any]:
     """``metadata.json``'s entry for a small file written whole (``model.safetensors.index.json``)."""
+    algorithm = algorithm or digest_algorithm()
     data = Path(path).read_bytes()
-    return {"size": len(data), "blake3": blake3(data).hexdigest()}
+    return {"size": len(data), algorithm: new_digest(algorithm, data).hexdigest()}
 
 
-def _blake3_of(handle: Any, offset: int, size: int) -> str:
-    digest = blake3()
+def _blake3_of(handle: Any, offset: int, size: int, algorithm: str = "blake3") -> str:
+    digest = new_digest(algorithm)
     handle.seek(offset)
     while size > 0:
         block = handle.read(min(_BLOCK, size))
@@ -159,8 +204,11 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
             if not path.is_file() or path.stat().st_size != entry.get("size"):
                 have = "missing" if not path.is_file() else f"{path.stat().st_size} bytes"
                 raise VerificationError(f"{path}: {have}, {METADATA_FILENAME} records {entry.get('size')} bytes")
+            # The checks below name BLAKE3's keys; an output written without blake3 records sha256 under sha256's.
+            algorithm = next((a for a in _ALGORITHMS if a in entry or f"tensors_{a}" in entry), "blake3")
+            entry = {key.replace(algorithm, "blake3"): value for key, value in entry.items()}
             if "blake3" in entry:
-                if json_file_entry(path)["blake3"] != entry["blake3"]:
+                if json_file_entry(path, algorithm)[algorithm] != entry["blake3"]:
                     raise VerificationError(f"{path} differs from the BLAKE3 digest {METADATA_FILENAME} records")
                 continue
             if "tensors_blake3" not in entry:
@@ -171,7 +219,7 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
                     raise VerificationError(
                         f"{path}: a header of {header_size - 8} bytes, longer than the file allows"
                     )
-                if _blake3_of(handle, 0, header_size) != entry["header_blake3"]:
+                if _blake3_of(handle, 0, header_size, algorithm) != entry["header_blake3"]:
                     raise VerificationError(f"{path}: the header differs from the one {METADATA_FILENAME} records")
                 handle.seek(8)
                 header = json.loads(handle.read(header_size - 8))
@@ -179,13 +227,14 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
                     raise VerificationError(f"{path}: its tensors are not the ones {METADATA_FILENAME} records")
                 for tensor, recorded in entry["tensors_blake3"].items():
                     begin, end = header[tensor]["data_offsets"]
-                    if _blake3_of(handle, header_size + begin, end - begin) != recorded:
+                    if _blake3_of(handle, header_size + begin, end - begin, algorithm) != recorded:
                         raise VerificationError(
                             f"{path}: tensor {tensor} differs from the BLAKE3 digest {METADATA_FILENAME} records"
                         )
                     checked += 1
                 in_file_order = sorted(entry["tensors_blake3"], key=lambda tensor: header[tensor]["data_offsets"][0])
-            tree = blake3_tree(entry["header_blake3"], [entry["tensors_blake3"][tensor] for tensor in in_file_order])
+            tensor_digests = [entry["tensors_blake3"][tensor] for tensor in in_file_order]
+            tree = blake3_tree(entry["header_blake3"], tensor_digests, algorithm)
             if tree != entry["blake3_tree"]:
                 raise VerificationError(f"{path}: {METADATA_FILENAME}'s blake3_tree does not match its tensor digests")
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:

@@ -22,7 +22,7 @@ the files, hashes each tensor's bytes (BLAKE3, :mod:`nemo_patch.engine.digests`)
 them durable while the next tensors are produced, and fsyncs what it wrote. Parts are disjoint, so their writers need
 no locks, and the bytes of a file do not depend on how many parts filled it.
 
-Imports the standard library, torch, ``blake3`` and the engine's errors, layout and stage times only; never NeMo,
+Imports the standard library, torch and the engine's digests, errors, layout and stage times only; never NeMo,
 Lightning or megatron-core.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import torch
-from blake3 import blake3
 
+from nemo_patch.engine.digests import new_digest
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.safetensors_writer import OutputFile, TensorSpec
 from nemo_patch.engine.stage_times import stage_times
@@ -104,7 +104,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 def _digest(data: memoryview) -> str:
     with stage_times.timed("hashing"):
-        return blake3(data).hexdigest()
+        return new_digest(data=data).hexdigest()  # BLAKE3 where installed, else sha256
 
 
 def _fdatasync(fd: int) -> None:
