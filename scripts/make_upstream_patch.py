@@ -12,30 +12,36 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Write the NeMo-native form of nemo-patch as a unified diff against NeMo's own source tree.
+"""Write nemo-patch in NeMo's own form: a series of pull requests against NeMo's source tree (NeMo 2.7.3 and 2.5.3).
 
-Usage: ``python scripts/make_upstream_patch.py [--nemo-src DIR] [--out FILE]``
+Usage::
 
-``--nemo-src`` is the directory that holds NeMo's ``nemo/`` package: an unpacked ``nemo_toolkit`` wheel, or by default
-the installed package of this interpreter (which ``pip`` unpacked from the pinned wheel; its files are checked against
-the wheel's ``RECORD`` hashes). The diff, with ``a/`` and ``b/`` prefixes relative to that directory (NeMo's repository
-root), applies with ``git apply`` and:
+    python scripts/make_upstream_patch.py --series OUTDIR [--nemo-src DIR]   # the series, one patch per PR
+    python scripts/make_upstream_patch.py --out FILE [--nemo-src DIR]        # all of it as one diff
 
-* adds ``nemo/lightning/io/consolidation/``: this package's layers as subpackages of it, imports renamed:
-  ``engine/`` (the consolidation engine), ``training/`` (settings, cadence, schedule, queue, worker, callback,
-  ``LATEST`` and the consolidating checkpoint IO; not the strategy subclass, which becomes edits of NeMo's strategy),
-  ``export/`` (Hugging Face) and ``cli/`` (``nemo-consolidate``); the overlay does not move;
-* edits ``nemo/lightning/pytorch/strategies/megatron_strategy.py``: the consolidation arguments on
-  ``MegatronStrategy.__init__`` (documented and validated first), the IO built with them, the callback added in
-  ``setup``, the wait in ``teardown``, the safe ``remove_checkpoint`` and ``consolidate_latest_checkpoint``;
-* edits ``nemo/lightning/pytorch/strategies/utils.py``: ``create_checkpoint_io`` builds the consolidating IO when
-  consolidation arguments are given;
-* edits ``nemo/lightning/io/pl.py``: ``ConsolidatingMegatronCheckpointIO`` importable next to ``MegatronCheckpointIO``;
-* adds ``tests/lightning/consolidation/``: the unit tests, ported (imports renamed), plus tests of the native strategy.
+``--nemo-src`` is the directory that holds NeMo's ``nemo/`` package: a NeMo checkout, an unpacked ``nemo_toolkit``
+wheel, or by default the installed package of this interpreter (checked file by file against the wheel's ``RECORD``
+hashes, so that a locally modified NeMo is not taken for NeMo).
 
-Every edit is anchored on exact text of NeMo 2.7.3; a missing anchor stops the script with the anchor named, so a
-NeMo that moved on is noticed, not silently mis-patched. ``tests/test_upstream_patch.py`` applies the diff to a copy of
-the pinned source and runs the ported tests there with the overlay disabled.
+The series (``OUTDIR/series`` lists it in order; each ``OUTDIR/000N-<name>.patch`` is in ``git format-patch`` form,
+its message the pull request's description, and applies with ``git am`` or ``git apply`` on top of the previous
+ones; ``OUTDIR/000N-<name>.md`` is the same description alone). The stages are listed in :data:`STAGES`; what each
+one adds is declared here:
+
+* the overlay's modules move into ``nemo/lightning/io/consolidation/`` (``engine/``, ``export/``, ``training/``,
+  ``cli/``; imports renamed, NeMo's logging, no overlay leftovers), each at the stage :func:`module_stage` gives it;
+  modules that stay in the overlay as follow-ups are listed in :data:`FOLLOW_UPS`;
+* the changes of :mod:`upstream.transforms` (``scripts/upstream/changes.py``) hold back, until its stage, what a
+  later stage adds inside a module that an earlier stage already has, and make the permanent upstream differences;
+* the knob stage edits NeMo's ``megatron_strategy.py``, ``strategies/utils.py`` and ``io/pl.py``
+  (:mod:`upstream.nemo_edits`);
+* each stage's directory ``scripts/upstream/stages/<nn>-<name>/`` holds its pull request description
+  (``description.md``), its section of the NeMo docs page ``docs/source/checkpoints/consolidation.rst``
+  (``docs.rst``), and the new files it adds to NeMo's tree (``tree/``: tests, the converter script), which replace
+  those of earlier stages at the same path.
+
+``tests/test_upstream_patch.py`` applies the series to a git copy of the installed NeMo one patch at a time and runs
+each patch's own tests in the patched tree, with the overlay off.
 """
 
 import argparse
@@ -44,360 +50,186 @@ import csv
 import difflib
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = "nemo.lightning.io.consolidation"
-PACKAGE_DIR = "nemo/lightning/io/consolidation"
-STRATEGY = "nemo/lightning/pytorch/strategies/megatron_strategy.py"
-STRATEGY_UTILS = "nemo/lightning/pytorch/strategies/utils.py"
-IO_PL = "nemo/lightning/io/pl.py"
-TESTS_DIR = "tests/lightning/consolidation"
+sys.path.insert(0, str(REPO / "scripts"))
 
-#: nemo-patch subpackages that move into NeMo unchanged but for their imports (the overlay and the test helpers do
-#: not move).
-MOVED_PACKAGES = ["engine", "training", "export", "cli"]
-#: Modules of those that do not move: the strategy subclass becomes edits of NeMo's own strategy.
-NOT_MOVED = {"training/strategy.py"}
-#: nemo-patch unit tests ported into NeMo's test layout.
-PORTED_TESTS = [
-    "test_consolidation_policy.py",
-    "test_consolidation_schedule.py",
-    "test_consolidation_settings.py",
+from upstream import changes, nemo_edits  # noqa: E402
+from upstream.transforms import (  # noqa: E402
+    LEFTOVERS,
+    PACKAGE,
+    apply_changes,
+    format_nemo,
+    remove_unused_imports,
+    upstream_text,
+)
+
+PACKAGE_DIR = PACKAGE.replace(".", "/")
+STAGES_DIR = REPO / "scripts" / "upstream" / "stages"
+DOCS_PAGE = "docs/source/checkpoints/consolidation.rst"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pull request of the series."""
+
+    key: str
+    directory: str
+    subject: str
+
+
+#: The series, in order. The keys are what ``until`` of a change in ``scripts/upstream/changes.py`` names.
+STAGES = [
+    Stage("engine", "01-engine", "Checkpoint consolidation: torch_dist checkpoints to safetensors, offline"),
+    Stage("writers", "02-writers", "Checkpoint consolidation: parallel writer processes"),
+    Stage("hf", "03-hf", "Checkpoint consolidation: Hugging Face format through the registered exporters"),
+    Stage("knob", "04-knob", "MegatronStrategy: ckpt_consolidation_frequency, off the training path"),
+    # Stage("cli", "05-cli", "Checkpoint converter CLI: verify, best checkpoint, loading consolidated weights"),
 ]
+STAGE_KEYS = [stage.key for stage in STAGES]
+
+#: Subpackage of nemo-patch -> the stage its modules land in unless :data:`MODULE_STAGES` says otherwise.
+PACKAGE_STAGES = {"engine": "engine", "export": "hf", "training": "knob", "cli": "cli"}
+#: Modules that land in another stage than their subpackage's.
+MODULE_STAGES = {
+    "engine/best_checkpoint.py": "knob",  # the "best" cadence; the CLI's --best
+    "engine/load.py": "cli",  # loading a consolidated output back
+    "export/context_model.py": "cli",  # --verify against the checkpoint's context
+}
+#: Modules that stay in the overlay (follow-ups a maintainer would not take in a first round), and why.
+FOLLOW_UPS = {
+    "engine/zarr_reader.py": "the zarr reader (megatron-core's deprecated zarr backend; a zarr checkpoint is refused)",
+    "cli/distributed.py": "multi-node consolidation (torchrun/srun ranks splitting one consolidation's writes)",
+    "training/strategy.py": "becomes edits of NeMo's own MegatronStrategy (the overlay's subclass is not needed)",
+}
+#: The package ``__init__`` files are written here, not moved: the overlay's describe its import contracts.
+INITS = {
+    "": (
+        "engine",
+        "Checkpoint consolidation: finished NeMo 2 distributed checkpoints to unsharded safetensors, offline or\n"
+        "at the cadence ``MegatronStrategy(ckpt_consolidation_frequency=...)`` asks for, off the training path.\n\n"
+        "``engine`` reads a ``torch_dist`` checkpoint's files and writes the consolidated output; ``export`` writes\n"
+        "the Hugging Face format through the model's registered exporter; ``training`` holds the settings, cadence,\n"
+        "consolidation process and checkpoint IO of a training run; ``cli`` the converter command\n"
+        "(``scripts/checkpoint_converters/consolidate_nemo2_checkpoint.py``).",
+    ),
+    "engine": (
+        "engine",
+        "The consolidation engine: a finished ``torch_dist`` checkpoint in, unsharded safetensors out (see\n"
+        ":mod:`.consolidate`). It reads files only: no process group, no NeMo model. This ``__init__`` imports\n"
+        "nothing.",
+    ),
+    "export": ("hf", "Exports of a distributed checkpoint to other formats: Hugging Face (:mod:`.hf`)."),
+    "training": (
+        "knob",
+        "A training run's checkpoint consolidation: settings, cadence, the consolidation process and its queue,\n"
+        "the consolidating checkpoint IO and the Lightning callback. This ``__init__`` imports nothing.",
+    ),
+    "cli": ("cli", "The checkpoint converter command (:mod:`.nemo_consolidate`)."),
+}
 
 HEADER = (REPO / "nemo_patch" / "engine" / "consolidate.py").read_text().split('"""', 1)[0]
 
-PACKAGE_INIT = (
-    HEADER
-    + '''"""Checkpoint consolidation: finished distributed checkpoints to unsharded safetensors (or a Hugging Face
-directory), at the cadence ``MegatronStrategy(ckpt_consolidation_frequency=...)`` asks for. ``engine`` holds the
-consolidation itself (see ``engine.consolidate`` for the format), ``training`` the settings, cadence and the
-consolidating checkpoint IO, ``export`` the Hugging Face export and ``cli`` the ``nemo-consolidate`` command."""
-'''
-)
 
-STRATEGY_DOC = '''        **kwargs: Additional keyword arguments.
-        save_consolidated (Optional[bool]): None (default) or False: no checkpoint consolidation unless a frequency is
-            given; True: consolidate at "each" unless a frequency is given. False with a frequency raises ValueError.
-        ckpt_consolidation_frequency (Optional[str]): when finished checkpoints are consolidated into unsharded
-            safetensors: "each", "latest" (none during training, the newest finished checkpoint once when fit ends),
-            "every_n:<k>" (the k-th, 2k-th, ... finished checkpoint, counted across resumes), "best" (those
-            ModelCheckpoint ranked best by its monitored metric when saved; <root>/BEST names the best), or phases
-            such as "every_n:10; each@50000". Giving one turns consolidation on; see
-            nemo.lightning.io.consolidation.
-        ckpt_consolidation_timeout (float): seconds the end of fit waits for running and queued consolidations.
-        ckpt_consolidation_max_shard_size (Union[int, str]): most bytes per output safetensors file ("5GB").
-        ckpt_consolidation_max_pending (int): consolidation requests that may wait behind the running one.
-        ckpt_consolidation_keep (Optional[int]): consolidated outputs kept (under <root>/retained/) when top-k removes
-            their checkpoints: None all, N while among the newest N outputs, 0 none.
-        ckpt_consolidation_format (str): "safetensors" (<ckpt>/consolidated) or "hf" (<ckpt>/hf, through the model's
-            registered Hugging Face exporter).
-        ckpt_consolidation_dtype (Optional[str]): output dtype, "bf16", "fp16" or "fp32"; None keeps the
-            checkpoint's.
-        ckpt_consolidation_merge_adapters (bool): for PEFT (LoRA) adapter checkpoints, write the base model with the
-            adapters merged instead of the adapters alone.
-        ckpt_consolidation_workers (Optional[int]): writer processes per writing node; None is a quarter of its cores.
-'''
+def landed(stage: str) -> "callable":
+    """``until -> bool``: whether the stage ``until`` names has landed by ``stage`` (``None``: never lands)."""
+    index = STAGE_KEYS.index(stage)
 
-STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
-        ckpt_consolidation_frequency: Optional[str] = None,
-        ckpt_consolidation_timeout: float = 1800.0,
-        ckpt_consolidation_max_shard_size: Union[int, str] = 5_000_000_000,
-        ckpt_consolidation_max_pending: int = 2,
-        ckpt_consolidation_format: str = "safetensors",
-        ckpt_consolidation_keep: Optional[int] = None,
-        ckpt_consolidation_dtype: Optional[str] = None,
-        ckpt_consolidation_merge_adapters: bool = False,
-        ckpt_consolidation_workers: Optional[int] = None,
-"""
+    def has(until: Optional[str]) -> bool:
+        if until is None:
+            return False
+        if until not in STAGE_KEYS:
+            raise SystemExit(f"a change names the unknown stage {until!r}")
+        return STAGE_KEYS.index(until) <= index
 
-STRATEGY_VALIDATION = """        # Consolidation settings: validated first, once.
-        from nemo.lightning.io.consolidation.training.settings import ConsolidationSettings
-
-        self.consolidation_settings = ConsolidationSettings.from_arguments(
-            save_consolidated,
-            ckpt_consolidation_frequency,
-            timeout=ckpt_consolidation_timeout,
-            max_shard_size=ckpt_consolidation_max_shard_size,
-            max_pending=ckpt_consolidation_max_pending,
-            output_format=ckpt_consolidation_format,
-            keep=ckpt_consolidation_keep,
-            dtype=ckpt_consolidation_dtype,
-            merge_adapters=ckpt_consolidation_merge_adapters,
-            workers=ckpt_consolidation_workers,
-        )
-        self.consolidation_policy = self.consolidation_settings.policy
-"""
-
-STRATEGY_CALLBACK = """
-        # add the checkpoint consolidation callback if consolidation is on
-        if self.consolidation_policy is not None:
-            from nemo.lightning.io.consolidation.training.callback import ConsolidationCallback
-
-            if not any(isinstance(callback, ConsolidationCallback) for callback in self.trainer.callbacks):
-                self.trainer.callbacks.append(ConsolidationCallback(self.trainer))
-"""
-
-STRATEGY_TEARDOWN = '''        """Tearsdown the strategy"""
-        consolidating_io = self._consolidating_io()
-        if consolidating_io is not None:  # running and queued consolidations, up to the timeout
-            try:
-                consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
-                consolidating_io.close_consolidation_queue()
-                from nemo.lightning.io.consolidation.training.callback import ConsolidationCallback
-
-                trainer = getattr(self, "trainer", None)  # metrics of consolidations that ended while fit was ending
-                for callback in getattr(trainer, "callbacks", None) or []:
-                    if isinstance(callback, ConsolidationCallback):
-                        callback.log_consolidation_metrics(trainer)
-            except Exception as error:  # a consolidation problem never fails the run
-                logging.error(f"Waiting for checkpoint consolidation failed: {error}")
-'''
-
-STRATEGY_REMOVE = """        ckpt = ckpt_to_dir(filepath)
-        if self.is_global_zero:
-
-            def remove() -> None:
-                if os.path.islink(ckpt):
-                    os.unlink(ckpt)
-                else:
-                    shutil.rmtree(ckpt)
-
-            consolidating_io = self._consolidating_io()
-            if consolidating_io is None:
-                remove()
-            else:  # never while it is being consolidated; a queued consolidation of it is dropped
-                consolidating_io.remove_checkpoint_safely(Path(ckpt), remove)
-"""
-
-STRATEGY_METHODS = '''
-    def _consolidation_io_kwargs(self) -> Dict[str, Any]:
-        """The checkpoint IO arguments that turn consolidation on (none when it is off)."""
-        if self.consolidation_policy is None:
-            return {}
-        return dict(consolidation_settings=self.consolidation_settings)
-
-    def _consolidating_io(self) -> Optional[Any]:
-        """The consolidating checkpoint IO inside any wrappers, or None."""
-        if self.consolidation_policy is None or not self._checkpoint_io:
-            return None
-        from nemo.lightning.io.consolidation.training.checkpoint_io import MegatronCheckpointIO as ConsolidatingIO
-        from nemo.lightning.io.consolidation.training.io_chain import find_base_checkpoint_io
-
-        base = find_base_checkpoint_io(self._checkpoint_io)
-        return base if isinstance(base, ConsolidatingIO) else None
-
-    def consolidate_latest_checkpoint(self, wait: bool = True) -> Optional[Path]:
-        """Consolidate the newest finished checkpoint of this run now (what "latest" does when fit ends).
-
-        Args:
-            wait: wait for it, up to ckpt_consolidation_timeout seconds.
-
-        Returns:
-            The output directory once it exists, else None (nothing finished yet, consolidation off, another rank,
-            not waited for, timed out or failed; failures are logged).
-        """
-        consolidating_io = self._consolidating_io()
-        if consolidating_io is None or not consolidating_io.consolidate_newest():
-            return None
-        if wait:
-            consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
-            consolidating_io.end_consolidation_process_unless_fitting()
-        newest = consolidating_io.consolidation.newest_finished
-        if newest is None or not newest.consolidated:
-            return None
-        return newest.path / consolidating_io.consolidation_settings.output_dirname
-
-    def consolidate_best_checkpoint(self, wait: bool = True) -> Optional[Path]:
-        """Consolidate the run's best finished checkpoint by ModelCheckpoint's monitored metric now, unless its
-        output exists, and point <root>/BEST at it (what "best" does when fit ends).
-
-        Args:
-            wait: wait for it, up to ckpt_consolidation_timeout seconds.
-
-        Returns:
-            The output directory once it exists, else None (no best recorded, not finished or removed, consolidation
-            off, another rank, not waited for, timed out or failed; each is logged).
-        """
-        consolidating_io = self._consolidating_io()
-        if consolidating_io is None or not self.is_global_zero:
-            return None
-        if consolidating_io.checkpoint_callback is None and getattr(self, "trainer", None) is not None:
-            consolidating_io.checkpoint_callback = self.trainer.checkpoint_callback
-        best = consolidating_io.consolidate_best()
-        if best is None:
-            return None
-        if wait:
-            consolidating_io.wait_for_consolidation(self.consolidation_settings.timeout)
-            consolidating_io.end_consolidation_process_unless_fitting()
-        return best.path / consolidating_io.consolidation_settings.output_dirname if best.consolidated else None
-'''
-
-UTILS_FACTORY = """        from nemo.lightning.io.pl import MegatronCheckpointIO
-
-        if kwargs.get("consolidation_settings") is not None:
-            from nemo.lightning.io.pl import ConsolidatingMegatronCheckpointIO as MegatronCheckpointIO
-
-        checkpoint_io = MegatronCheckpointIO(**kwargs)
-"""
-
-PL_EXPORT = '''
-
-def __getattr__(name: str) -> Any:
-    """``ConsolidatingMegatronCheckpointIO``: ``MegatronCheckpointIO`` that also consolidates finished checkpoints
-    (see ``nemo.lightning.io.consolidation``); imported on first use, its module imports this one."""
-    if name == "ConsolidatingMegatronCheckpointIO":
-        from nemo.lightning.io.consolidation.training import checkpoint_io
-
-        return checkpoint_io.MegatronCheckpointIO
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-'''
-
-NATIVE_STRATEGY_TEST = (
-    HEADER
-    + '''"""MegatronStrategy's checkpoint consolidation arguments, natively in NeMo (no overlay)."""
-
-import sys
-
-import pytest
-
-import nemo.lightning as nl
-from nemo.lightning.io.consolidation.training.checkpoint_io import MegatronCheckpointIO as ConsolidatingIO
-from nemo.lightning.io.consolidation.training.io_chain import find_base_checkpoint_io
-from nemo.lightning.io.consolidation.training.policy import parse_consolidation_frequency
-from nemo.lightning.io.pl import ConsolidatingMegatronCheckpointIO, MegatronCheckpointIO
+    return has
 
 
-def test_nemo_class_is_the_native_one():
-    assert "nemo_patch" not in sys.modules  # the overlay is off: this is NeMo's own code
-    assert nl.MegatronStrategy.__module__ == "nemo.lightning.pytorch.strategies.megatron_strategy"
-    assert ConsolidatingMegatronCheckpointIO is ConsolidatingIO
+def module_stage(relative: str) -> Optional[str]:
+    """The stage a nemo-patch module (``engine/parts.py``) lands in, or ``None`` when it stays in the overlay."""
+    if relative in FOLLOW_UPS:
+        return None
+    return MODULE_STAGES.get(relative, PACKAGE_STAGES[relative.split("/", 1)[0]])
 
 
-def test_default_is_stock_checkpoint_io():
-    strategy = nl.MegatronStrategy()
-    assert strategy.consolidation_policy is None
-    assert type(find_base_checkpoint_io(strategy.checkpoint_io)) is MegatronCheckpointIO
+def _init_text(doc: str) -> str:
+    return HEADER + '"""' + doc + '\n"""\n'
 
 
-@pytest.mark.parametrize(
-    "kwargs, policy",
-    [
-        ({"ckpt_consolidation_frequency": "latest"}, parse_consolidation_frequency("latest")),
-        ({"ckpt_consolidation_frequency": "every_n:5"}, parse_consolidation_frequency("every_n:5")),
-        ({"ckpt_consolidation_frequency": "best; each@100"}, parse_consolidation_frequency("best; each@100")),
-        ({"save_consolidated": True}, parse_consolidation_frequency("each")),
-    ],
-)
-def test_frequency_reaches_the_checkpoint_io(kwargs, policy):
-    strategy = nl.MegatronStrategy(ckpt_consolidation_max_shard_size="1GB", **kwargs)
-    base = find_base_checkpoint_io(strategy.checkpoint_io)
-    assert isinstance(base, ConsolidatingIO) and base.consolidation_policy == policy
-    assert base.consolidation_max_shard_size == 10**9
-
-
-@pytest.mark.parametrize(
-    "kwargs, accepted",
-    [
-        ({"ckpt_consolidation_frequency": "weekly"}, '"each", "latest", "best" or "every_n:<k>"'),
-        ({"ckpt_consolidation_frequency": "every_n:0"}, '"each", "latest", "best" or "every_n:<k>"'),
-        ({"ckpt_consolidation_frequency": "each; best"}, 'needs "@<global step>"'),
-        ({"save_consolidated": False, "ckpt_consolidation_frequency": "each"}, "contradicts"),
-        ({"ckpt_consolidation_timeout": 0}, "a number of seconds > 0"),
-        ({"ckpt_consolidation_max_pending": -1}, "an integer >= 0"),
-        ({"ckpt_consolidation_format": "onnx"}, '"safetensors" or "hf"'),
-        ({"ckpt_consolidation_keep": -1}, "None (keep every consolidated output) or an integer >= 0"),
-    ],
-)
-def test_bad_values_raise_at_construction(kwargs, accepted):
-    with pytest.raises(ValueError, match=accepted.replace("(", r"\\(").replace(")", r"\\)")):
-        nl.MegatronStrategy(**kwargs)
-'''
-)
-
-
-def _replace_once(text: str, anchor: str, replacement: str, where: str) -> str:
-    count = text.count(anchor)
-    if count != 1:
-        raise SystemExit(f"{where}: expected the anchor once, found it {count} times:\n{anchor}")
-    return text.replace(anchor, replacement)
-
-
-def _rename_imports(source: str) -> str:
-    source = source.replace("nemo_patch.", f"{PACKAGE}.")
-    return source.replace("python -m nemo_patch", f"python -m {PACKAGE}.cli.nemo_consolidate")
-
-
-def patched_strategy(text: str) -> str:
-    """NeMo's ``megatron_strategy.py`` with checkpoint consolidation built in."""
-    text = _replace_once(text, "        **kwargs: Additional keyword arguments.\n", STRATEGY_DOC, STRATEGY)
-    text = _replace_once(
-        text,
-        "        use_gloo_process_groups: bool = True,\n        **kwargs,\n    ) -> None:\n",
-        "        use_gloo_process_groups: bool = True,\n"
-        + STRATEGY_ARGS
-        + "        **kwargs,\n    ) -> None:\n"
-        + STRATEGY_VALIDATION,
-        STRATEGY,
-    )
-    text = _replace_once(
-        text,
-        "                self.trainer.callbacks.append(AsyncFinalizerCallback())\n",
-        "                self.trainer.callbacks.append(AsyncFinalizerCallback())\n" + STRATEGY_CALLBACK,
-        STRATEGY,
-    )
-    text = _replace_once(text, '        """Tearsdown the strategy"""\n', STRATEGY_TEARDOWN, STRATEGY)
-    text = _replace_once(
-        text,
-        "        ckpt = ckpt_to_dir(filepath)\n        if self.is_global_zero:\n            if os.path.islink(ckpt):\n"
-        "                os.unlink(ckpt)\n            else:\n                shutil.rmtree(ckpt)\n",
-        STRATEGY_REMOVE,
-        STRATEGY,
-    )
-    text = _replace_once(
-        text,
-        "                load_directly_on_device=self.load_directly_on_device,\n            )\n",
-        "                load_directly_on_device=self.load_directly_on_device,\n"
-        "                **self._consolidation_io_kwargs(),\n            )\n",
-        STRATEGY,
-    )
-    text = _replace_once(
-        text,
-        '        """CheckpointIO setter"""\n        self._checkpoint_io = io\n',
-        '        """CheckpointIO setter"""\n        self._checkpoint_io = io\n' + STRATEGY_METHODS,
-        STRATEGY,
-    )
-    return text
-
-
-def patched_utils(text: str) -> str:
-    """NeMo's strategy ``utils.py`` whose ``create_checkpoint_io`` builds the consolidating IO when asked to."""
-    anchor = (
-        "        from nemo.lightning.io.pl import MegatronCheckpointIO\n\n"
-        "        checkpoint_io = MegatronCheckpointIO(**kwargs)\n"
-    )
-    return _replace_once(text, anchor, UTILS_FACTORY, STRATEGY_UTILS)
-
-
-def new_files() -> Dict[str, str]:
-    """Repository path -> content of every file the patch adds."""
-    files = {f"{PACKAGE_DIR}/__init__.py": PACKAGE_INIT}
-    for package in MOVED_PACKAGES:
+def module_files(stage: str) -> Dict[str, str]:
+    """NeMo tree path -> content of every moved module present at ``stage``."""
+    has = landed(stage)
+    files: Dict[str, str] = {}
+    for sub, (since, doc) in INITS.items():
+        if since in STAGE_KEYS and (has(since) or since == stage):
+            files[f"{PACKAGE_DIR}/{sub}/__init__.py".replace("//", "/")] = format_nemo(_init_text(doc))
+    for package in PACKAGE_STAGES:
         for source in sorted((REPO / "nemo_patch" / package).glob("*.py")):
             relative = f"{package}/{source.name}"
-            if relative not in NOT_MOVED:
-                files[f"{PACKAGE_DIR}/{relative}"] = _rename_imports(source.read_text())
-    files[f"{TESTS_DIR}/__init__.py"] = ""
-    for name in PORTED_TESTS:
-        files[f"{TESTS_DIR}/{name}"] = _rename_imports((REPO / "tests" / name).read_text())
-    files[f"{TESTS_DIR}/test_megatron_strategy_consolidation.py"] = NATIVE_STRATEGY_TEST
+            if source.name == "__init__.py":
+                continue
+            since = module_stage(relative)
+            if since is None or since not in STAGE_KEYS or not (has(since) or since == stage):
+                continue
+            text = apply_changes(source.read_text(), relative, changes.CHANGES, has)
+            text = remove_unused_imports(upstream_text(text), relative)
+            files[f"{PACKAGE_DIR}/{relative}"] = format_nemo(text)
     return files
 
 
+def stage_dir(stage: Stage) -> Path:
+    return STAGES_DIR / stage.directory
+
+
+def added_files(stage: str) -> Dict[str, str]:
+    """NeMo tree path -> content of the files the stages up to ``stage`` add besides the modules: tests, the
+    converter script and the docs page (a later stage's file replaces an earlier one at the same path)."""
+    files: Dict[str, str] = {}
+    sections = []
+    for item in STAGES[: STAGE_KEYS.index(stage) + 1]:
+        tree = stage_dir(item) / "tree"
+        for path in sorted(p for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            relative = str(path.relative_to(tree))
+            text = path.read_text()
+            files[relative] = format_nemo(text) if relative.endswith(".py") else text
+        sections.append((stage_dir(item) / "docs.rst").read_text().strip("\n"))
+    files[DOCS_PAGE] = "\n\n".join(sections) + "\n"
+    return files
+
+
+def tree_state(nemo_src: Path, stage: Optional[str]) -> Dict[str, Optional[str]]:
+    """NeMo tree path -> content after the stages up to ``stage`` (``None``: NeMo as it is); ``None`` content is
+    a file NeMo does not have."""
+    state: Dict[str, Optional[str]] = {}
+    for path in nemo_edits.EDITED:
+        state[path] = (nemo_src / path).read_text()
+    if stage is None:
+        return state
+    for path, edit in nemo_edits.edits(STAGE_KEYS, stage).items():
+        state[path] = edit(state[path])
+    state.update(module_files(stage))
+    state.update(added_files(stage))
+    return state
+
+
+def check_leftovers(state: Dict[str, Optional[str]], original: Dict[str, Optional[str]]) -> None:
+    """No overlay name is left in what the series writes."""
+    found = []
+    for path, text in sorted(state.items()):
+        if text is None or text == original.get(path):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if LEFTOVERS.search(line) and not (original.get(path) and line in original[path]):
+                found.append(f"{path}:{number}: {line.strip()}")
+    if found:
+        raise SystemExit("overlay names left in NeMo's form:\n" + "\n".join(found))
+
+
 def _check_against_record(nemo_src: Path, paths: List[str]) -> None:
-    """The files to patch must be the pinned wheel's (``RECORD`` sha256), not a locally modified copy."""
+    """The files to patch must be the installed wheel's (``RECORD`` sha256), not a locally modified copy."""
     records = list(nemo_src.glob("nemo_toolkit-*.dist-info/RECORD"))
     if not records:
         return  # an unpacked wheel without its dist-info, or a source checkout: nothing to compare against
@@ -409,53 +241,94 @@ def _check_against_record(nemo_src: Path, paths: List[str]) -> None:
             raise SystemExit(f"{nemo_src / path} differs from the installed wheel's RECORD: not pristine NeMo source")
 
 
-def _diff(path: str, old: Optional[str], new: str) -> str:
+def _diff(path: str, old: Optional[str], new: Optional[str]) -> str:
+    if old == new:
+        return ""
     old_lines = [] if old is None else old.splitlines(keepends=True)
-    body = difflib.unified_diff(
-        old_lines, new.splitlines(keepends=True), "/dev/null" if old is None else f"a/{path}", f"b/{path}"
+    new_lines = [] if new is None else new.splitlines(keepends=True)
+    body = "".join(
+        difflib.unified_diff(
+            old_lines,
+            new_lines,
+            "/dev/null" if old is None else f"a/{path}",
+            "/dev/null" if new is None else f"b/{path}",
+        )
     )
-    header = f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if old is None else "")
-    text = "".join(body)
-    if not text:  # an empty new file
-        return header
-    return header + text
+    header = f"diff --git a/{path} b/{path}\n"
+    if old is None:
+        header += "new file mode 100755\n" if path.startswith("scripts/") else "new file mode 100644\n"
+    elif new is None:
+        header += "deleted file mode 100644\n"
+    return header + body
 
 
-def make_patch(nemo_src: Path) -> Tuple[str, List[str]]:
-    """The unified diff and the list of paths it touches."""
-    edited = {
-        STRATEGY: patched_strategy,
-        STRATEGY_UTILS: patched_utils,
-        IO_PL: lambda text: text.rstrip("\n") + "\n" + PL_EXPORT,
-    }
-    _check_against_record(nemo_src, list(edited))
+def diff_states(before: Dict[str, Optional[str]], after: Dict[str, Optional[str]]) -> Tuple[str, List[str]]:
+    """The unified diff from ``before`` to ``after`` and the paths it touches."""
     parts, paths = [], []
-    for path, edit in edited.items():
-        old = (nemo_src / path).read_text()
-        parts.append(_diff(path, old, edit(old)))
-        paths.append(path)
-    for path, content in sorted(new_files().items()):
-        if (nemo_src / path).exists():
-            raise SystemExit(f"{nemo_src / path} already exists: this NeMo already has the feature?")
-        parts.append(_diff(path, None, content))
-        paths.append(path)
+    for path in sorted(set(before) | set(after)):
+        text = _diff(path, before.get(path), after.get(path))
+        if text:
+            parts.append(text)
+            paths.append(path)
     return "".join(parts), paths
+
+
+def description(stage: Stage) -> str:
+    """The stage's pull request description (markdown)."""
+    return (stage_dir(stage) / "description.md").read_text().strip("\n") + "\n"
+
+
+def write_series(nemo_src: Path, out: Path) -> List[Path]:
+    """Write the series into ``out``; returns the patch files in order."""
+    original = tree_state(nemo_src, None)
+    out.mkdir(parents=True, exist_ok=True)
+    previous, written, names = original, [], []
+    for number, stage in enumerate(STAGES, 1):
+        state = tree_state(nemo_src, stage.key)
+        check_leftovers(state, original)
+        patch, paths = diff_states(previous, state)
+        name = f"{number:04d}-{stage.directory.split('-', 1)[1]}"
+        text = description(stage)
+        message = (
+            f"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+            f"From: nemo-patch developers <nemo-patch@users.noreply.github.com>\n"
+            f"Subject: [PATCH {number}/{len(STAGES)}] {stage.subject}\n\n"
+            f"{text}\n---\n" + "".join(f" {path}\n" for path in paths) + f" {len(paths)} files changed\n\n"
+        )
+        (out / f"{name}.patch").write_text(message + patch + "--\n2.43.0\n")
+        (out / f"{name}.md").write_text(f"# {stage.subject}\n\n{text}")
+        written.append(out / f"{name}.patch")
+        names.append(f"{name}.patch")
+        previous = state
+    (out / "series").write_text("".join(f"{name}\n" for name in names))
+    return written
+
+
+def installed_nemo_src() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("nemo")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("NeMo is not installed here; pass --nemo-src")
+    return Path(list(spec.submodule_search_locations)[0]).parent
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nemo-src", type=Path, default=None, help="directory holding nemo/ (default: installed)")
-    parser.add_argument("--out", type=Path, default=None, help="patch file (default: stdout)")
+    parser.add_argument("--series", type=Path, default=None, help="write the series of patches into this directory")
+    parser.add_argument("--out", type=Path, default=None, help="write everything as one diff (default: stdout)")
     args = parser.parse_args(argv)
-    nemo_src = args.nemo_src
-    if nemo_src is None:
-        import importlib.util
-
-        spec = importlib.util.find_spec("nemo")
-        if spec is None or not spec.submodule_search_locations:
-            raise SystemExit("NeMo is not installed here; pass --nemo-src")
-        nemo_src = Path(list(spec.submodule_search_locations)[0]).parent
-    patch, paths = make_patch(nemo_src)
+    nemo_src = args.nemo_src or installed_nemo_src()
+    _check_against_record(nemo_src, list(nemo_edits.EDITED))
+    if args.series is not None:
+        written = write_series(nemo_src, args.series)
+        print(f"wrote {len(written)} patches and {args.series / 'series'}", file=sys.stderr)
+        return 0
+    original = tree_state(nemo_src, None)
+    final = tree_state(nemo_src, STAGE_KEYS[-1])
+    check_leftovers(final, original)
+    patch, paths = diff_states(original, final)
     if args.out is None:
         sys.stdout.write(patch)
     else:
