@@ -168,3 +168,7 @@ def test_no_overlay_leftovers_and_no_assert_in_library_code(tree):
             asserts = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Assert)]
             assert not asserts, f"{path}:{asserts[0].lineno}: assert in library code" if asserts else ""
             assert "getLogger(" not in text, f"{path}: NeMo code logs through nemo.utils.logging"
+    callback = files["nemo/lightning/io/consolidation/training/callback.py"]
+    assert "ckpt_consolidation_timeout" not in callback  # NeMo's own strategy has no such attribute
+    worker = files["nemo/lightning/io/consolidation/training/worker.py"]
+    assert "prefer_huge_pages" not in worker and "WORKER_NICENESS" in worker  # its environment brings huge pages
