@@ -14,10 +14,12 @@
 
 """Hugging Face export: a tiny random Llama made with ``transformers``, imported into NeMo with NeMo's own importer,
 fine-tuned on CPU with ``ckpt_consolidation_frequency="latest"`` and ``ckpt_consolidation_format="hf"``, loaded back
-with ``AutoModelForCausalLM``."""
+with ``AutoModelForCausalLM``; the same during training for Qwen2, Qwen3 (tied) and Mixtral, each output checked
+against its checkpoint through NeMo's importer (:func:`nemo_patch.export.hf_verify.verify_hf_output`)."""
 
 import filecmp
 import json
+import shutil
 
 import pytest
 import torch
@@ -55,7 +57,7 @@ def test_fine_tuned_llama_round_trips_through_transformers(imported_llama, tmp_p
     assert not any((p / "consolidated").exists() for p in root.iterdir())
 
     # The same checkpoint consolidated offline by the CLI gives identical files.
-    code = main([str(newest), "--format", "hf", "--out", str(tmp_path / "offline"), "--verify"])
+    code = main([str(newest), "--format", "hf", "--trust-context", "--out", str(tmp_path / "offline"), "--verify"])
     assert code == 0, capsys.readouterr().err
     offline = tmp_path / "offline"
     assert sorted(p.name for p in offline.iterdir()) == sorted(names)
@@ -68,7 +70,20 @@ def test_fine_tuned_llama_round_trips_through_transformers(imported_llama, tmp_p
 def test_import_then_export_gives_back_the_original_weights(imported_llama, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    assert main([str(imported_llama / "nemo"), "--format", "hf", "--out", str(tmp_path / "hf"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                str(imported_llama / "nemo"),
+                "--format",
+                "hf",
+                "--trust-context",
+                "--out",
+                str(tmp_path / "hf"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     original = load_file(imported_llama / "hf" / "model.safetensors")
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(original) == sorted(exported)
@@ -123,7 +138,13 @@ def test_tied_and_padded_vocabulary_exports_the_tokenizers_rows_and_loads_cleanl
 
     original = load_file(tied_padded_llama / "hf" / "model.safetensors")["model.embed_tokens.weight"]
     assert original.shape == (64, 64)
-    assert main([str(tied_padded_llama / "nemo"), "--format", "hf", "--out", str(tmp_path / "hf"), "--quiet"]) == 0
+    checkpoint = str(tied_padded_llama / "nemo")
+    # --verify: through NeMo's importer, the 50 rows written are the checkpoint's first 50 (its tokenizer's size);
+    # no lm_head.weight is written and the tied checkpoint holds no output_layer.weight
+    assert (
+        main([checkpoint, "--format", "hf", "--trust-context", "--out", str(tmp_path / "hf"), "--quiet", "--verify"])
+        == 0
+    )
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["vocab_size"] == 50 and config["tie_word_embeddings"] is True
     model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
@@ -136,6 +157,25 @@ def test_tied_and_padded_vocabulary_exports_the_tokenizers_rows_and_loads_cleanl
         assert torch.equal(model.eval()(tokens).logits, reference(tokens).logits[..., :50])
     sizes = {"padded": 64, "tokenizer": 50}
     assert json.loads((tmp_path / "hf" / "metadata.json").read_text())["vocab_size"] == sizes
+
+    # Only the padding rows may be missing: an embedding cut to 40 rows (a config saying 40) is not the checkpoint's.
+    from safetensors.torch import save_file
+
+    from nemo_patch.engine.errors import VerificationError
+    from nemo_patch.export.hf_verify import verify_hf_output
+
+    shutil.copytree(tmp_path / "hf", tmp_path / "cut")
+    config["vocab_size"] = 40
+    (tmp_path / "cut" / "config.json").write_text(json.dumps(config))
+    cut = load_file(tmp_path / "cut" / "model.safetensors")
+    cut["model.embed_tokens.weight"] = cut["model.embed_tokens.weight"][:40].clone()
+    save_file(cut, tmp_path / "cut" / "model.safetensors", metadata={"format": "pt"})
+    message = (
+        r"^Tensor model\.embed_tokens\.weight in .*cut/model\.safetensors gives embedding\.word_embeddings\.weight "
+        r"through NeMo's HFLlamaImporter with shape \(40, 64\); the checkpoint's is \(64, 64\)$"
+    )
+    with pytest.raises(VerificationError, match=message):
+        verify_hf_output(checkpoint, tmp_path / "cut")
 
     # The safetensors format holds the model's state_dict: the padded rows stay, and metadata.json says both sizes.
     assert main([str(tied_padded_llama / "nemo"), "--out", str(tmp_path / "st"), "--quiet"]) == 0
@@ -163,8 +203,24 @@ def test_a_tp2_checkpoint_of_the_gqa_llama_exports_the_same_files_as_tp1(importe
     assert report["consolidations"] == 1 and report["consolidation_errors"] == []
     checkpoint = tmp_path / "tp2" / "tiny_gpt" / "checkpoints" / report["latest"]
     assert {p.name for p in (checkpoint / "weights").glob("__1_*.distcp")}  # rank 1 wrote its shards
-    assert main([str(imported_llama / "nemo"), "--format", "hf", "--out", str(tmp_path / "tp1"), "--quiet"]) == 0
-    assert main([str(checkpoint), "--format", "hf", "--out", str(tmp_path / "offline"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                str(imported_llama / "nemo"),
+                "--format",
+                "hf",
+                "--trust-context",
+                "--out",
+                str(tmp_path / "tp1"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main([str(checkpoint), "--format", "hf", "--trust-context", "--out", str(tmp_path / "offline"), "--quiet"])
+        == 0
+    )
     for name in ("model.safetensors", "config.json"):
         reference = (tmp_path / "tp1" / name).read_bytes()
         assert (checkpoint / "hf" / name).read_bytes() == reference, name
@@ -200,3 +256,63 @@ def test_fine_tuned_mixtral_round_trips_through_transformers(tmp_path_factory, t
         names = set(handle.keys())
     assert {f"model.layers.{layer}.block_sparse_moe.experts.{e}.w{w}.weight" for layer in (0, 1) for e in range(4)
             for w in (1, 2, 3)} <= names  # fmt: skip
+    # NeMo's Mixtral importer fills the embedding and output layer in place: every tensor is the checkpoint's still.
+    from nemo_patch.export.hf_verify import verify_hf_output
+
+    assert verify_hf_output(hf_dir.parent, hf_dir) == len(names)
+
+
+@pytest.fixture(scope="module")
+def trained_families(tmp_path_factory):
+    """``<name>/hf`` and ``<name>/nemo`` (perturbed norms and biases) for the families fine-tuned below, imported in
+    one process."""
+    from conftest import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("trained"), "--families", "qwen2,qwen3-tied", "--perturb")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, architecture, exporter",
+    [
+        ("qwen2", "Qwen2ForCausalLM", "nemo.collections.llm.gpt.model.qwen2.HFQwen2Exporter"),
+        ("qwen3-tied", "Qwen3ForCausalLM", "nemo.collections.llm.gpt.model.qwen3.HFQwen3Exporter"),
+    ],
+)
+def test_a_family_fine_tuned_with_hf_consolidation_gives_the_trained_model(
+    trained_families, tmp_path, name, architecture, exporter
+):
+    """Training-time ``"hf"`` consolidation of a model imported with NeMo's importer (Qwen2: QKV biases; Qwen3 with
+    tied embeddings: QK norms, no ``lm_head.weight``): the Hugging Face model gives the trained NeMo model's logits,
+    and every written tensor is the trained checkpoint's (through NeMo's importer)."""
+    from safetensors import safe_open
+
+    from nemo_patch.export.hf_verify import verify_hf_output
+
+    report = run_fit(
+        tmp_path / "ft",
+        model_from=trained_families / name / "nemo",
+        frequency="latest",
+        format="hf",
+        max_steps=2,
+        save_every=2,
+        probe_hf=True,
+    )
+    assert report["consolidations"] == 1 and report["consolidation_errors"] == []
+    assert report["max_abs_hf_logit_diff"] < 1e-5
+    checkpoint = tmp_path / "ft" / "tiny_gpt" / "checkpoints" / report["latest"]
+    hf_dir = checkpoint / "hf"
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config["tie_word_embeddings"] is name.endswith("-tied")
+    assert json.loads((hf_dir / "metadata.json").read_text())["exporter"] == exporter
+    with safe_open(str(hf_dir / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+    assert ("lm_head.weight" in names) is not name.endswith("-tied")
+    assert verify_hf_output(checkpoint, hf_dir) == len(names)
+    # The weights were trained (not the imported ones): the HF tensors differ from the imported model's.
+    with (
+        safe_open(str(hf_dir / "model.safetensors"), "pt") as trained,
+        safe_open(str(trained_families / name / "hf" / "model.safetensors"), "pt") as imported,
+    ):
+        assert not torch.equal(trained.get_tensor("model.layers.0.mlp.down_proj.weight"),
+                               imported.get_tensor("model.layers.0.mlp.down_proj.weight"))  # fmt: skip

@@ -13,28 +13,37 @@
 # limitations under the License.
 
 """Hugging Face export of several model families through NeMo's own exporters (``HFQwen2Exporter``,
-``HFQwen3Exporter``, ``HFLlamaExporter``), driven by their own ``apply``.
+``HFQwen3Exporter``, ``HFLlamaExporter``, ``HFMistralExporter``, ``HFPhi3Exporter``), driven by their own ``apply``,
+and its ``verify``: the written files checked against the checkpoint through NeMo's importer
+(:mod:`nemo_patch.export.hf_verify`).
 
 Each family is a tiny random ``transformers`` model whose norms and biases are perturbed (not ones and zeros, so a
-tensor dropped or misplaced anywhere in the round trip shows), imported with NeMo's importer on the CPU (all four in
+tensor dropped or misplaced anywhere in the round trip shows), imported with NeMo's importer on the CPU (all six in
 one process, once per module), consolidated offline with ``export_hf_checkpoint`` and loaded with ``transformers``:
 every tensor equals the original model's, and so do the logits."""
 
 import json
+import logging
+import shutil
 
 import pytest
 import torch
 from conftest import make_tiny_llama
 
+from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.engine.consolidate import consolidate_checkpoint
-from nemo_patch.engine.errors import ExportError
+from nemo_patch.engine.errors import ExportError, VerificationError
+from nemo_patch.export import hf_verify
 from nemo_patch.export.hf import export_hf_checkpoint
+from nemo_patch.export.hf_verify import verify_hf_output
 
 FAMILIES = {  # name -> (architecture, NeMo exporter)
     "qwen2": ("Qwen2ForCausalLM", "nemo.collections.llm.gpt.model.qwen2.HFQwen2Exporter"),
     "qwen3": ("Qwen3ForCausalLM", "nemo.collections.llm.gpt.model.qwen3.HFQwen3Exporter"),
     "qwen3-tied": ("Qwen3ForCausalLM", "nemo.collections.llm.gpt.model.qwen3.HFQwen3Exporter"),
     "llama": ("LlamaForCausalLM", "nemo.collections.llm.gpt.model.llama.HFLlamaExporter"),
+    "mistral": ("MistralForCausalLM", "nemo.collections.llm.gpt.model.mistral.HFMistralExporter"),  # no sliding window
+    "phi3": ("Phi3ForCausalLM", "nemo.collections.llm.gpt.model.phi3mini.HFPhi3Exporter"),  # fused qkv_proj, gate_up
 }
 
 
@@ -150,3 +159,130 @@ def test_an_exporter_that_fails_raises_export_error_with_its_message(families, t
     assert str(raised.value) == "NeMo's HFQwen3Exporter failed: ValueError: no mapping for this layout"
     assert raised.value.exit_code == 10
     assert not (tmp_path / "hf").exists()
+
+
+# --- verify: the written files against the checkpoint, through NeMo's importer ---
+
+
+def test_verify_catches_an_exporter_that_misplaces_a_tensor_naming_it_and_its_file(
+    families, tmp_path, monkeypatch, capsys
+):
+    """An exporter bug (gate and up projections swapped) writes files that equal the exporter's own model, so only a
+    check against the checkpoint finds it: ``--verify`` exits 9 naming the written tensor, its file and the element."""
+    from nemo.lightning.io.state import TransformFns
+
+    split_fc1 = TransformFns.split_fc1
+    monkeypatch.setattr(TransformFns, "split_fc1", staticmethod(lambda fc1: split_fc1(fc1)[::-1]))
+    checkpoint = str(families / "qwen2" / "nemo")
+    assert main([checkpoint, "--format", "hf", "--trust-context", "--out", str(tmp_path / "plain"), "--quiet"]) == 0
+    out = tmp_path / "verified"
+    code = main([checkpoint, "--format", "hf", "--trust-context", "--out", str(out), "--quiet", "--verify"])
+    err = capsys.readouterr().err
+    assert code == 9, err
+    assert (
+        f"error: Tensor model.layers.0.mlp.gate_proj.weight in {out / 'model.safetensors'} differs from the "
+        "checkpoint at [0, 0]: NeMo's HFQwen2Importer puts that element in decoder.layers.0.mlp.linear_fc1.weight at "
+        "[0, 0]"
+    ) in err
+    assert not out.exists()
+    with pytest.raises(VerificationError, match=r"gate_proj\.weight in .*plain/model\.safetensors differs"):
+        verify_hf_output(checkpoint, tmp_path / "plain")
+
+
+@pytest.fixture(scope="module")
+def sharded_qwen2(families, tmp_path_factory):
+    """A verified export of the Qwen2 family (QKV biases, GQA) in shards of at most 40 kB with their index."""
+    out = tmp_path_factory.mktemp("sharded") / "hf"
+    export_hf_checkpoint(families / "qwen2" / "nemo", out, max_shard_size=40_000, verify=True)
+    assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) == 27
+    assert len(list(out.glob("model-*.safetensors"))) > 2
+    return out
+
+
+def _tampered(sharded, tmp_path, change):
+    """A copy of ``sharded`` whose shards and index ``change(tensors by file, weight map)`` edited."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "hf"
+    shutil.copytree(sharded, copy)
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    files = {name: load_file(copy / name) for name in sorted(set(index["weight_map"].values()))}
+    change(files, index["weight_map"])
+    for name, tensors in files.items():
+        save_file(tensors, copy / name, metadata={"format": "pt"})
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    return copy, index["weight_map"]
+
+
+def _bias_element(files, weight_map):
+    files[weight_map["model.layers.1.self_attn.k_proj.bias"]]["model.layers.1.self_attn.k_proj.bias"][5] += 1e-3
+
+
+def _layers_swapped(files, weight_map):
+    a, b = "model.layers.0.post_attention_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"
+    files[weight_map[a]][a], files[weight_map[b]][b] = files[weight_map[b]][b], files[weight_map[a]][a]
+
+
+def _extra_tensor(files, weight_map):
+    file = weight_map["model.norm.weight"]
+    files[file]["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    weight_map["model.layers.0.self_attn.rotary_emb.inv_freq"] = file
+
+
+def _missing_tensor(files, weight_map):
+    del files[weight_map["model.norm.weight"]]["model.norm.weight"], weight_map["model.norm.weight"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            _bias_element,
+            r"^Tensor model\.layers\.1\.self_attn\.k_proj\.bias in {k_proj} differs from the checkpoint "
+            r"at \[5\]: NeMo's HFQwen2Importer puts that element in decoder\.layers\.1\.self_attention"
+            r"\.linear_qkv\.bias at \[37\], where the checkpoint holds ",
+        ),
+        (
+            _layers_swapped,
+            r"^Tensor model\.layers\.0\.post_attention_layernorm\.weight in {norm0} differs from the "
+            r"checkpoint at \[0\]: .* in decoder\.layers\.0\.mlp\.linear_fc1\.layer_norm_weight at \[0\]",
+        ),
+        (
+            _extra_tensor,
+            r"^Tensor model\.layers\.0\.self_attn\.rotary_emb\.inv_freq in {norm} comes from no tensor of "
+            r"the checkpoint: NeMo's HFQwen2Importer maps it to none$",
+        ),
+        (
+            _missing_tensor,
+            r"^NeMo's HFQwen2Importer cannot map .* back to the checkpoint's names \(its transform "
+            r"model\.norm\.weight -> decoder\.final_layernorm\.weight\): ValueError: No matches found "
+            r"for source key: model\.norm\.weight",
+        ),
+    ],
+    ids=["element", "layers-swapped", "extra-tensor", "missing-tensor"],
+)
+def test_verify_names_the_written_tensor_and_its_shard_of_a_mismatch(families, sharded_qwen2, tmp_path, change,
+                                                                     message):  # fmt: skip
+    import re
+
+    copy, weight_map = _tampered(sharded_qwen2, tmp_path, change)
+    files = {
+        "k_proj": copy / weight_map["model.layers.1.self_attn.k_proj.bias"],
+        "norm0": copy / weight_map["model.layers.0.post_attention_layernorm.weight"],
+        "norm": copy / weight_map.get("model.norm.weight", "-"),
+    }
+    pattern = message.format(**{key: re.escape(str(path)) for key, path in files.items()})
+    with pytest.raises(VerificationError, match=pattern) as raised:
+        verify_hf_output(families / "qwen2" / "nemo", copy)
+    assert raised.value.exit_code == 9
+    assert verify_hf_output(families / "qwen2" / "nemo", sharded_qwen2) == 27  # the original passes
+
+
+def test_verify_without_an_importer_compares_with_the_exporters_model_and_says_so(
+    families, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(hf_verify, "importer_class", lambda model_class: None)
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.export.hf"):
+        export_hf_checkpoint(families / "llama" / "nemo", tmp_path / "hf", verify=True)
+    assert "against NeMo's exporter's converted model only (not the checkpoint): NeMo has no Hugging Face importer " \
+           "for nemo.collections.llm.gpt.model.llama.LlamaModel" in caplog.text  # fmt: skip

@@ -30,13 +30,19 @@ embedding before saving (so ``save_pretrained`` leaves it out, as for any tied m
 storage the exporter's ``init`` allocated fails the export with :class:`ExportError` naming it. Two exports of one
 checkpoint are byte-identical. An exporter that fails raises :class:`ExportError` (exit code 10) with NeMo's message.
 
-Layer-norm names (the one place both namings are handled): NeMo's Llama exporter maps the Transformer Engine
-spec's fused names ``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight`` and
-``decoder.layers.<i>.mlp.linear_fc1.layer_norm_weight``. A model built with megatron-core's local (non-TE) spec, as on
-CPU, holds ``input_layernorm.weight`` and ``pre_mlp_layernorm.weight`` in its ``state_dict`` -- which is why NeMo's
-stock ``export_ckpt`` fails on it -- but saves them in the distributed checkpoint under the TE names (its
-``sharded_state_dict_keys_map``), so consolidated names are the TE names for both specs. :func:`te_layer_norm_names`
-also renames local names that reach it (from a layer without that keys map), so both namings export correctly.
+``verify`` checks the written files against the checkpoint itself, not against the exporter's model: NeMo's importer
+for the class maps every written tensor back and each result must equal the checkpoint's tensor, read again by the
+engine (:mod:`nemo_patch.export.hf_verify`; only vocabulary padding rows and a tied ``lm_head`` may be absent). A
+class without a usable importer, and a PEFT adapter directory, are compared with the exporter's converted model
+instead (with a warning for the former).
+
+Layer-norm names: NeMo's exporters map the Transformer Engine spec's fused names
+(``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight``, ``...mlp.linear_fc1.layer_norm_weight``). A
+model built with megatron-core's local (non-TE) spec, as on CPU, holds ``input_layernorm.weight`` and
+``pre_mlp_layernorm.weight`` in its ``state_dict`` -- which is why NeMo's stock ``export_ckpt`` fails on it -- but
+saves them in the distributed checkpoint under the TE names, so consolidated names are the TE names for both specs;
+:func:`te_layer_norm_names` (:mod:`nemo_patch.export.layer_norms`, the one place both namings are handled) also
+renames local names that reach it.
 
 Memory: unlike the ``safetensors`` format, the exporter converts a whole model at once, so peak memory is about twice
 the model's weights.
@@ -47,11 +53,11 @@ nemo_patch.export.hf`` imports no NeMo); never the training side, the overlay, t
 
 import copy
 import functools
+import gc
 import inspect
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -60,7 +66,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.adapter_merge import lora_scale
 from nemo_patch.engine.adapter_settings import peft_settings
-from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, read_state_dict
 from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 from nemo_patch.engine.errors import (
@@ -73,42 +79,15 @@ from nemo_patch.engine.errors import (
 )
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
 from nemo_patch.engine.output_target import check_output_target
-from nemo_patch.engine.plan import LAYER_PREFIX
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
+from nemo_patch.export.hf_verify import ImporterUnavailable, check_through_importer
+from nemo_patch.export.layer_norms import te_layer_norm_names
 
 __all__ = ["HF_DIRNAME", "cast_floating", "checkpoint_dtype", "export_hf_checkpoint", "te_layer_norm_names"]
 
 logger = logging.getLogger(__name__)
-
-_LOCAL_NORM = re.compile(rf"^(?P<layer>{LAYER_PREFIX})(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<p>\w+)$")
-_FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
-
-
-def te_layer_norm_names(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Rename local-spec layer norms to the Transformer Engine spec's fused names NeMo's exporters expect.
-
-    ``decoder.layers.<i>.input_layernorm.<p>`` becomes ``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_<p>``
-    and ``decoder.layers.<i>.pre_mlp_layernorm.<p>`` becomes ``decoder.layers.<i>.mlp.linear_fc1.layer_norm_<p>``
-    (``<p>`` is ``weight`` or ``bias``), but only where the layer has that fused linear layer (a dense MLP; an MoE
-    layer keeps its ``pre_mlp_layernorm``, as the TE spec does). Names already in TE form are unchanged.
-
-    Args:
-        state_dict: consolidated name -> tensor.
-
-    Returns:
-        A new dict with the same tensors.
-    """
-    renamed = {}
-    for name, tensor in state_dict.items():
-        match = _LOCAL_NORM.match(name)
-        if match:
-            fused = f"{match.group('layer')}{_FUSED_INTO[match.group('norm')]}"
-            if f"{fused}.weight" in state_dict:
-                name = f"{fused}.layer_norm_{match.group('p')}"
-        renamed[name] = tensor
-    return renamed
 
 
 def checkpoint_dtype(state_dict: Dict[str, torch.Tensor]) -> torch.dtype:
@@ -426,6 +405,48 @@ def _dcp_metadata(weights_dir: Path) -> Any:
         return None
 
 
+def _verify_against_checkpoint(
+    location: CheckpointLocation,
+    output_dir: Path,
+    model: Any,
+    exporter: Any,
+    saved: Dict[str, torch.Tensor],
+    peft: bool,
+    base_checkpoint: Optional[Union[str, Path]],
+) -> None:
+    """``verify``: the written files against the checkpoint through NeMo's importer
+    (:func:`nemo_patch.export.hf_verify.check_through_importer`; ``saved``, the exporter's converted model, is dropped
+    before the checkpoint is read again). A PEFT adapter directory, or a class whose importer cannot run here (a
+    warning says why), is compared with ``saved`` instead (:func:`_verify_hf`).
+
+    Raises:
+        VerificationError: a mismatch, naming the written tensor and its file.
+    """
+    if peft:  # NeMo registers no importer of Hugging Face PEFT directories
+        _verify_hf(output_dir, saved)
+        return
+
+    def drop_converted() -> None:
+        saved.clear()
+        gc.collect()  # the converted model refers to itself (its save_pretrained), so it goes with a collection
+
+    try:
+        check_through_importer(
+            location,
+            output_dir,
+            model,
+            merge_adapters=location.adapter,
+            base_checkpoint=base_checkpoint,
+            trust_remote_code=getattr(exporter, "trust_remote_code", None),
+            before_reading=drop_converted,
+        )
+    except ImporterUnavailable as error:
+        logger.warning(
+            "Verifying %s against NeMo's exporter's converted model only (not the checkpoint): %s", output_dir, error
+        )
+        _verify_hf(output_dir, saved)
+
+
 def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
     """Every tensor in the written safetensors files equals the exporter's converted tensor (bitwise)."""
     from safetensors import safe_open
@@ -468,7 +489,9 @@ def export_hf_checkpoint(
         dtype: floating-point dtype of the exported weights; default: the checkpoint's (:func:`checkpoint_dtype`).
             Integer and bool tensors keep theirs.
         overwrite: replace an existing output; if ``False`` it raises :class:`OutputExistsError` before any work.
-        verify: re-read the written files and compare every tensor with the exporter's converted model.
+        verify: re-read the written files and compare every tensor with the checkpoint's, through NeMo's importer for
+            the class (:mod:`nemo_patch.export.hf_verify`; a PEFT directory, or a class without a usable importer,
+            with the exporter's converted model). Peak memory is then about twice the model's weights again.
         allow_unfinished: export even if NeMo's unfinished marker is present.
         progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
         merge_adapters: for a LoRA adapter checkpoint, export the base model with the adapters merged (a full
@@ -491,6 +514,8 @@ def export_hf_checkpoint(
         ExportError: NeMo is not importable, the context cannot be read, the model class has no ``"hf"`` exporter
             (the message names the class), NeMo's exporter fails (its message and exception type), or it leaves a
             tensor to be written unassigned (the message names it); exit code 10.
+        VerificationError: with ``verify``, a written tensor differs from the checkpoint's, is missing or comes from no
+            checkpoint tensor (the message names the tensor and its file); exit code 9.
         ConsolidationError: or another subclass from :mod:`nemo_patch.engine.errors`, as for
             :func:`nemo_patch.engine.consolidate.consolidate_checkpoint`. Nothing partial is left on failure.
     """
@@ -520,8 +545,13 @@ def export_hf_checkpoint(
     with staged_output(ckpt_dir, output_dir, overwrite, f"Exporting {ckpt_dir} to Hugging Face", "hf-") as tmp_dir:
         saved = _run_exporter(exporter, tmp_dir)
         written = _written_names(tmp_dir)
+        total_bytes = sum(saved[n].numel() * saved[n].element_size() for n in written if n in saved)
         if verify:
-            _verify_hf(tmp_dir, saved)
+            try:
+                _verify_against_checkpoint(location, tmp_dir, model, exporter, saved, peft, base_checkpoint)
+            except VerificationError as error:  # named by the output's own path (nothing is published)
+                raise VerificationError(str(error).replace(str(tmp_dir), str(output_dir))) from error
+        saved.clear()
         if metadata is None:  # the exporter read the checkpoint itself (ckpt_load)
             metadata = _dcp_metadata(weights_dir)
         manifest: Dict[str, Any] = {
@@ -532,7 +562,7 @@ def export_hf_checkpoint(
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
             "exporter": f"{exporter._np_exporter_class.__module__}.{exporter._np_exporter_class.__qualname__}",
             "tensor_count": len(written),
-            "total_bytes": sum(saved[n].numel() * saved[n].element_size() for n in written if n in saved),
+            "total_bytes": total_bytes,
             "dtype": None if requested_dtype is None else str(requested_dtype).removeprefix("torch."),
             "vocab_size": None if metadata is None else vocabulary_sizes(ckpt_dir, metadata),
         }

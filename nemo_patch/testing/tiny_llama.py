@@ -15,9 +15,9 @@
 """A tiny random Llama made locally with ``transformers`` and imported into NeMo on the CPU. Not product code.
 
 Used by the Hugging Face round-trip tests: :func:`make_tiny_hf_llama` writes a ``LlamaForCausalLM`` directory (or a
-Mixtral, Qwen2 or Qwen3 one; random weights, a word-level tokenizer built with the ``tokenizers`` library; no hub
-access), and :func:`import_into_nemo` runs NeMo's own importer on it (``HFLlamaImporter``, ...). The importer's config
-is NeMo's (``LlamaConfig``, ...) with only what a CPU without Transformer Engine needs changed
+Mixtral, Qwen2, Qwen3, Mistral or Phi-3 one; random weights, a word-level tokenizer built with the ``tokenizers``
+library; no hub access), and :func:`import_into_nemo` runs NeMo's own importer on it (``HFLlamaImporter``, ...). The
+importer's config is NeMo's (``LlamaConfig``, ...) with only what a CPU without Transformer Engine needs changed
 (:func:`cpu_llama_config_class`: local layer spec, CPU initialisation, no fusions).
 
 Layer norms: NeMo's importers map the Hugging Face layer norms to the Transformer Engine spec's fused names
@@ -41,7 +41,9 @@ from nemo_patch.testing.tiny_gpt import CPU_CONFIG_DEFAULTS, SEQ_LENGTH, VOCAB_S
 __all__ = [
     "FAMILIES",
     "cpu_llama_config_class",
+    "cpu_mistral_config_class",
     "cpu_mixtral_config_class",
+    "cpu_phi3_config_class",
     "cpu_qwen2_config_class",
     "cpu_qwen3_config_class",
     "import_into_nemo",
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 #: The model families this module builds and imports.
-FAMILIES = ("llama", "mixtral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3")
 
 #: TE spec's fused layer-norm names (NeMo's importers' targets) -> the local spec's module names.
 _LOCAL_NORMS = {
@@ -115,9 +117,28 @@ def cpu_qwen3_config_class() -> type:
     return _cpu_config_class("CpuQwen3Config", Qwen3Config)
 
 
+def cpu_mistral_config_class() -> type:
+    """NeMo's ``MistralConfig7B`` (what its importer builds) with CPU defaults. (For a model without sliding window,
+    NeMo's importer sets ``seq_length`` to ``None``, its ``sliding_window``; its exporter then writes
+    ``max_position_embeddings: null``, which ``transformers`` loads and runs.)"""
+    from nemo.collections.llm.gpt.model.mistral import MistralConfig7B
+
+    return _cpu_config_class("CpuMistralConfig", MistralConfig7B)
+
+
+def cpu_phi3_config_class() -> type:
+    """NeMo's ``Phi3Config`` (fused QKV and gate/up projections in Hugging Face; no GQA: NeMo's importer does not
+    read ``num_key_value_heads``) with CPU defaults."""
+    from nemo.collections.llm.gpt.model.phi3mini import Phi3Config
+
+    return _cpu_config_class("CpuPhi3Config", Phi3Config)
+
+
 _CONFIG_CLASSES = {
     "CpuLlamaConfig": cpu_llama_config_class,
+    "CpuMistralConfig": cpu_mistral_config_class,
     "CpuMixtralConfig": cpu_mixtral_config_class,
+    "CpuPhi3Config": cpu_phi3_config_class,
     "CpuQwen2Config": cpu_qwen2_config_class,
     "CpuQwen3Config": cpu_qwen3_config_class,
 }
@@ -170,8 +191,10 @@ def make_tiny_hf_llama(
     """Write a random 2-layer, hidden-64 ``LlamaForCausalLM`` (GQA: 4 heads, 2 KV heads) and its tokenizer; with
     ``family="mixtral"`` a ``MixtralForCausalLM`` of the same shape with 4 experts, top-2 routing; ``"qwen2"`` a
     ``Qwen2ForCausalLM`` (QKV bias); ``"qwen3"`` a ``Qwen3ForCausalLM`` (QK norms; ``head_dim=128``, as NeMo's
-    importer does not read ``head_dim`` and its ``kv_channels`` is 128). With ``perturb`` the norms and biases are
-    random too (:func:`_perturb`).
+    importer does not read ``head_dim`` and its ``kv_channels`` is 128); ``"mistral"`` a ``MistralForCausalLM``
+    without sliding window; ``"phi3"`` a ``Phi3ForCausalLM`` (fused ``qkv_proj`` and ``gate_up_proj``; 4 KV heads,
+    as NeMo's importer reads no ``num_key_value_heads``; no sliding window, no pad token). With ``perturb`` the norms
+    and biases are random too (:func:`_perturb`).
 
     ``dtype`` (a ``torch`` dtype name) is the weights' dtype and the config's, which NeMo's importer makes the
     model's training dtype (``bf16``/``fp16`` flags and ``params_dtype``). The tokenizer has ``vocab_size`` entries;
@@ -186,7 +209,9 @@ def make_tiny_hf_llama(
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,
+        MistralConfig,
         MixtralConfig,
+        Phi3Config,
         PreTrainedTokenizerFast,
         Qwen2Config,
         Qwen3Config,
@@ -201,10 +226,18 @@ def make_tiny_hf_llama(
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen2": dict(use_sliding_window=False),
         "qwen3": dict(head_dim=128, use_sliding_window=False),
+        "mistral": dict(sliding_window=None),
+        "phi3": dict(num_key_value_heads=4, sliding_window=None, pad_token_id=None),
     }
-    extra = extras[family]
-    config_class = {"llama": LlamaConfig, "mixtral": MixtralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
-    config = config_class(
+    config_classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "mixtral": MixtralConfig,
+        "phi3": Phi3Config,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+    }
+    settings: Dict[str, Any] = dict(
         vocab_size=padded_vocab_size or vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -217,8 +250,8 @@ def make_tiny_hf_llama(
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype=dtype,
-        **extra,
     )
+    config = config_classes[family](**{**settings, **extras[family]})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     if perturb:
@@ -232,20 +265,22 @@ def make_tiny_hf_llama(
 
 def import_into_nemo(hf_dir: Path, output_path: Path, family: str = "llama") -> Path:
     """Import ``hf_dir`` into a NeMo 2 checkpoint at ``output_path`` with NeMo's importer for ``family``
-    (``HFLlamaImporter``, ``HFMixtralImporter``, ``HFQwen2Importer``, ``HFQwen3Importer``) on the CPU, its layer
-    norms included (:func:`local_norm_names`).
+    (``HFLlamaImporter``, ``HFMistralImporter``, ``HFMixtralImporter``, ``HFPhi3Importer``, ``HFQwen2Importer``,
+    ``HFQwen3Importer``) on the CPU, its layer norms included (:func:`local_norm_names`).
 
     Must run inside :func:`nemo_patch.testing.cpu_harness.megatron_on_cpu`.
     """
     from unittest import mock
 
-    from nemo.collections.llm.gpt.model import llama, mixtral, qwen2, qwen3
+    from nemo.collections.llm.gpt.model import llama, mistral, mixtral, phi3mini, qwen2, qwen3
     from nemo.lightning import io
 
     # NeMo's importer builds its config class from the HF config; build the CPU variant instead.
     module, name, config_class, importer_class = {
         "llama": (llama, "LlamaConfig", cpu_llama_config_class, llama.HFLlamaImporter),
+        "mistral": (mistral, "MistralConfig7B", cpu_mistral_config_class, mistral.HFMistralImporter),
         "mixtral": (mixtral, "MixtralConfig8x7B", cpu_mixtral_config_class, mixtral.HFMixtralImporter),
+        "phi3": (phi3mini, "Phi3Config", cpu_phi3_config_class, phi3mini.HFPhi3Importer),
         "qwen2": (qwen2, "Qwen2Config", cpu_qwen2_config_class, qwen2.HFQwen2Importer),
         "qwen3": (qwen3, "Qwen3Config", cpu_qwen3_config_class, qwen3.HFQwen3Importer),
     }[family]

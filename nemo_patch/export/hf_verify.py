@@ -1,0 +1,745 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Check a Hugging Face export against its checkpoint, tensor by tensor, through NeMo's *importer* for the model class.
+
+The export is NeMo's exporter (Megatron names -> Hugging Face names); the check runs the other direction, written
+independently in NeMo: the ``"hf"`` importer registered for the checkpoint's model class (``HFLlamaImporter``,
+``HFQwen2Importer``, ...) maps the tensors read from the written safetensors files (through their index when sharded,
+:mod:`nemo_patch.engine.output_files`) back to Megatron names, and every result must equal, bit for bit, the tensor of
+that name read straight from the checkpoint by this package's engine (:func:`~nemo_patch.engine.consolidate.
+read_state_dict`; the checkpoint is the oracle). Nothing of the exporter's run is used, so a tensor misplaced, split
+wrongly, left at its initial value or from another layer shows.
+
+The importer runs without a model: its ``convert_state`` is called with stand-ins (the written files as the Hugging
+Face model, with ``config.json`` as its config; the checkpoint's names and its context's config as the NeMo model),
+and the ``mapping`` and ``transforms`` it hands to ``io.apply_transforms`` are captured and run here on dicts, with
+NeMo's own ``StateDictTransform``. Only the tensors a transform reads are loaded from the files, one at a time.
+
+Every tensor is accounted for in both directions:
+
+- each checkpoint tensor must be produced by the importer from the written tensors and equal the checkpoint's
+  (floating-point checkpoint tensors cast to the written dtype first, as the export casts them, so an export with
+  ``dtype`` compares exactly);
+- each written tensor must be read by the importer for some checkpoint tensor (a tensor in the files that no
+  checkpoint tensor explains fails the check).
+
+Documented differences, the only ones allowed:
+
+- vocabulary padding: the rows of ``embedding.word_embeddings.weight`` and ``output_layer.weight`` beyond the Hugging
+  Face config's ``vocab_size`` are not in the export (NeMo's exporters prune megatron-core's padding) when that size is
+  the checkpoint's tokenizer's (its ``context/nemo_tokenizer/tokenizer.json`` or the context's tokenizer) or its model
+  config's ``vocab_size``; the rows kept must equal the checkpoint's first rows;
+- tied output embedding: a model with ``tie_word_embeddings`` has no ``lm_head.weight`` in the files (NeMo's importers
+  then map none, and a tied checkpoint holds no ``output_layer.weight``);
+- the target names the importer's call lists as ``state_dict_ignored_entries``.
+
+A mismatch raises :class:`~nemo_patch.engine.errors.VerificationError` (exit code 9) naming the written tensor and
+its file (and the checkpoint tensor it gives). Where the importer builds one checkpoint tensor from several written
+ones (``q_proj``, ``k_proj`` and ``v_proj`` into ``linear_qkv``), the culprit is found by running the same transform
+on tensors whose elements are their own positions: the first differing element names the written tensor and the
+index it came from (a transform that computes rather than moves elements names all its inputs instead). When the
+check cannot run at all (no ``"hf"`` importer for the class, or an importer whose ``convert_state`` needs more of a
+model than names and a config), :class:`ImporterUnavailable` says why; :func:`verify_hf_output` turns that into a
+:class:`VerificationError` too.
+
+Memory: the checkpoint's tensors plus the importer's results, about twice the model's weights.
+
+Imports torch and the engine at module level; NeMo and ``transformers`` only inside the functions that need them.
+"""
+
+import contextlib
+import logging
+import math
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Set, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
+from nemo_patch.engine.consolidate import read_state_dict
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
+from nemo_patch.engine.output_files import InvalidOutputError, output_weight_map
+from nemo_patch.engine.safe_files import read_json_file
+from nemo_patch.engine.tensor_sources import open_sources
+from nemo_patch.engine.verify import tensors_bitwise_equal
+from nemo_patch.engine.vocabulary import tokenizer_vocab_size
+from nemo_patch.export.layer_norms import te_layer_norm_names
+
+__all__ = [
+    "ImporterUnavailable",
+    "VOCABULARY_TENSORS",
+    "check_through_importer",
+    "checkpoint_names",
+    "importer_class",
+    "read_checkpoint_tensors",
+    "verify_hf_output",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The Megatron tensors whose rows are the (padded) vocabulary.
+VOCABULARY_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+#: ``io.apply_transforms`` is replaced for the duration of one importer's ``convert_state`` at a time.
+_CAPTURE_LOCK = threading.Lock()
+
+
+class ImporterUnavailable(Exception):
+    """The check through NeMo's importer cannot run for this model class (the message says why); not a mismatch."""
+
+
+class _MissingTensor(AttributeError):
+    """A tensor the importer asked for by attribute is not in the written files (an ``AttributeError``, so that
+    ``hasattr`` says no)."""
+
+
+class _WrittenTensors(Mapping[str, torch.Tensor]):
+    """The written safetensors files as a read-only state dict: a tensor is loaded from its file each time it is
+    read (nothing is kept), and every read is recorded, grouped by the target it ends up in (:class:`_Imported`)."""
+
+    def __init__(self, output_dir: Path, weight_map: Mapping[str, str]) -> None:
+        self._output_dir, self._weight_map = output_dir, dict(weight_map)
+        self._handles: Dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+        self.read: Set[str] = set()
+        self.group: List[str] = []
+        self.group_closed = False
+
+    def _handle(self, name: str) -> Any:
+        filename = self._weight_map[name]  # KeyError for a name not written
+        handle = self._handles.get(filename)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = self._stack.enter_context(safe_open(str(self._output_dir / filename), framework="pt"))
+            self._handles[filename] = handle
+        return handle
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle = self._handle(name)
+        if self.group_closed:
+            self.group, self.group_closed = [], False
+        self.group.append(name)
+        self.read.add(name)
+        return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weight_map)
+
+    def __len__(self) -> int:
+        return len(self._weight_map)
+
+    def start(self) -> None:
+        """Forget the reads so far."""
+        self.read.clear()
+        self.group, self.group_closed = [], False
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """The tensor's shape, from its file's header."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self) -> Optional[torch.dtype]:
+        """The floating-point dtype of most of the tensors (headers only), ``None`` if none is floating."""
+        counts: Dict[torch.dtype, int] = {}
+        for name in self._weight_map:
+            dtype = _SAFETENSORS_DTYPES.get(self._handle(name).get_slice(name).get_dtype())
+            if dtype is not None:
+                counts[dtype] = counts.get(dtype, 0) + 1
+        return max(counts, key=lambda dtype: counts[dtype]) if counts else None
+
+    def file(self, name: str) -> Path:
+        return self._output_dir / self._weight_map[name]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+
+class _TensorView:
+    """Attribute access to a state's tensors by their dotted names (``source.model.embed_tokens.weight``), as some
+    importers' transforms read the Hugging Face model."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self._state, self._prefix = state, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        key = f"{self._prefix}{name}"
+        if key in self._state:
+            return self._state[key]
+        if any(other.startswith(f"{key}.") for other in self._state):
+            return _TensorView(self._state, f"{key}.")
+        raise _MissingTensor(key)
+
+
+class _WrittenModel:
+    """The Hugging Face model an importer's ``convert_state`` gets: ``config`` (from ``config.json``),
+    ``state_dict()`` (the written tensors) and attribute access to them."""
+
+    def __init__(self, config: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self._tensors = tensors
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        return self._tensors
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(_TensorView(self._tensors, ""), name)
+
+
+class _Imported(MutableMapping[str, torch.Tensor]):
+    """The NeMo model's state dict an importer's transforms fill: its names are the checkpoint's; what a transform
+    assigns is kept with the written tensors it was made from and the transform (``step``) that made it. A transform
+    that reads a target before assigning it (filling it in place, as NeMo's Mixtral importer does for the embedding)
+    gets a new tensor of the checkpoint's shape in ``dtype`` (for floating-point tensors), filled with NaN (so rows it
+    leaves unfilled never compare equal)."""
+
+    def __init__(
+        self, names: Mapping[str, torch.Tensor], sources: Optional[_WrittenTensors], dtype: torch.dtype
+    ) -> None:
+        self._names, self._sources, self._dtype = names, sources, dtype
+        self.assigned: Dict[str, torch.Tensor] = {}
+        self.made_from: Dict[str, List[str]] = {}
+        self.made_by: Dict[str, Any] = {}
+        self.fresh: Dict[str, torch.Tensor] = {}
+        self.step: Any = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.assigned:
+            return self.assigned[name]
+        if name not in self.fresh:
+            like = self._names[name]  # KeyError for a name the checkpoint does not hold
+            dtype = self._dtype if like.is_floating_point() else like.dtype
+            fill = float("nan") if dtype.is_floating_point else 0
+            self.fresh[name] = torch.full(tuple(like.shape), fill, dtype=dtype)
+        return self.fresh[name]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self.assigned[name] = value
+        self.made_by[name] = self.step
+        if self._sources is not None:
+            self.made_from[name] = list(self._sources.group)
+            self._sources.group_closed = True
+
+    def __delitem__(self, name: str) -> None:
+        self.assigned.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
+class _CheckpointModel:
+    """The NeMo model an importer's ``convert_state`` gets: the checkpoint context's ``config`` and the state to
+    fill."""
+
+    def __init__(self, config: Any, state: _Imported) -> None:
+        self.config = config
+        self.state = state
+
+    def state_dict(self) -> _Imported:
+        return self.state
+
+
+def importer_class(model_class: type) -> Optional[type]:
+    """NeMo's ``"hf"`` importer registered for ``model_class`` (that class exactly, as NeMo looks it up), or
+    ``None``."""
+    importers = getattr(model_class, "_IMPORTERS", None) or {}
+    return importers.get(f"{model_class}hf")
+
+
+def _hf_config(output_dir: Path) -> Any:
+    """``output_dir``'s ``config.json`` as ``transformers`` reads it (``AutoConfig``, no remote code); for a model type
+    ``transformers`` does not know, a plain ``PretrainedConfig`` with the file's keys."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(output_dir), trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - any failure: fall back to the keys themselves
+        logger.debug("AutoConfig cannot read %s (%s); reading its keys", output_dir, error)
+        try:
+            return PretrainedConfig.from_dict(read_json_file(output_dir / "config.json"))
+        except (OSError, ValueError) as unreadable:
+            raise VerificationError(f"Cannot read {output_dir / 'config.json'}: {unreadable}") from unreadable
+
+
+@contextlib.contextmanager
+def _captured_apply_transforms(
+    stand_in: _CheckpointModel,
+) -> Iterator[List[Tuple[Any, Dict[str, Any], List[Any], List[str]]]]:
+    """Replace ``nemo.lightning.io.apply_transforms`` while the block runs: a call for ``stand_in`` is recorded as
+    ``(source, mapping, transforms, state_dict_ignored_entries)`` and returns ``stand_in``; any other call is NeMo's
+    (so another thread's conversion is unaffected). One block at a time in a process."""
+    from nemo.lightning import io
+
+    calls: List[Tuple[Any, Dict[str, Any], List[Any], List[str]]] = []
+    with _CAPTURE_LOCK:
+        original = io.apply_transforms
+
+        def apply_transforms(
+            source: Any,
+            target: Any,
+            mapping: Dict[str, Any],
+            transforms: Optional[List[Any]] = None,
+            state_dict_ignored_entries: Optional[List[str]] = None,
+            cast_dtype: Optional[torch.dtype] = None,
+        ) -> Any:
+            if target is not stand_in:
+                return original(source, target, mapping, transforms or [], state_dict_ignored_entries or [],
+                                cast_dtype)  # fmt: skip
+            calls.append((source, dict(mapping), list(transforms or []), list(state_dict_ignored_entries or [])))
+            return stand_in
+
+        io.apply_transforms = apply_transforms
+        try:
+            yield calls
+        finally:
+            io.apply_transforms = original
+
+
+def _allowed_vocabulary_sizes(checkpoint_dir: Path, model: Any) -> Set[int]:
+    """The vocabulary sizes the checkpoint records besides its padded rows: its tokenizer's (``tokenizer.json`` in
+    the context, or the context's tokenizer object) and its model config's ``vocab_size``."""
+    sizes = {tokenizer_vocab_size(checkpoint_dir), getattr(getattr(model, "config", None), "vocab_size", None)}
+    try:
+        sizes.add(getattr(getattr(model, "tokenizer", None), "vocab_size", None))
+    except Exception as error:  # noqa: BLE001 - a tokenizer that cannot say its size is just not a size
+        logger.debug("No vocabulary size from the context's tokenizer: %s", error)
+    return {size for size in sizes if isinstance(size, int) and not isinstance(size, bool) and size > 0}
+
+
+def _tensors_text(names: List[str], written: _WrittenTensors) -> str:
+    """``Tensor <name> in <file>``, or ``Tensors <a>, <b> in <file>`` (each with its file when they differ)."""
+    files = {written.file(name) for name in names}
+    shown = names[:4]
+    more = ", ..." if len(names) > len(shown) else ""
+    if len(files) == 1:
+        listed = ", ".join(shown)
+        return f"Tensor{'s' if len(names) > 1 else ''} {listed}{more} in {files.pop()}"
+    return "Tensors " + ", ".join(f"{name} (in {written.file(name)})" for name in shown) + more
+
+
+def _gives(made_from: List[str], written: _WrittenTensors, name: str, importer_name: str) -> str:
+    """``Tensor <a> in <file> gives <name> through NeMo's <importer>`` (``Tensors <a>, <b> ... give``), or ``NeMo's
+    <importer> makes <name> from no written tensor``."""
+    if not made_from:
+        return f"NeMo's {importer_name} makes {name} from no written tensor"
+    verb = "gives" if len(made_from) == 1 else "give"
+    return f"{_tensors_text(made_from, written)} {verb} {name} through NeMo's {importer_name}"
+
+
+def _differs(expected: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Elementwise bitwise inequality of two tensors of one shape and dtype."""
+    if expected.is_floating_point() and expected.element_size() in _BITS:
+        bits = _BITS[expected.element_size()]
+        return expected.contiguous().view(bits) != value.contiguous().view(bits)
+    return expected != value
+
+
+def _unravel(flat: int, shape: Tuple[int, ...]) -> List[int]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return index[::-1]
+
+
+def _trace(
+    step: Any,
+    name: str,
+    sources: List[str],
+    written: _WrittenTensors,
+    source_config: Any,
+    target_config: Any,
+    like: torch.Tensor,
+) -> Optional[Tuple[torch.Tensor, List[Tuple[str, int, Tuple[int, ...]]]]]:
+    """Run ``step`` (the transform that made ``name``) on stand-ins of ``sources`` whose elements encode their own
+    positions (``4 * k + 1`` for the ``k``-th element of all of them, in float64, exact), so that each element of the
+    result says which written element it was moved from.
+
+    Returns:
+        ``(result, [(source, first k, shape), ...])``, or ``None`` when the transform cannot run on the stand-ins or
+        computes rather than moves (a result element not of the form ``4 * k + 1``).
+    """
+    from nemo.lightning.io.state import TransformCTX
+
+    traced: Dict[str, torch.Tensor] = {}
+    spans: List[Tuple[str, int, Tuple[int, ...]]] = []
+    offset = 0
+    for source in sources:
+        shape = written.shape(source)
+        count = math.prod(shape)
+        traced[source] = ((torch.arange(count, dtype=torch.float64) + offset) * 4 + 1).reshape(shape)
+        spans.append((source, offset, shape))
+        offset += count
+    if offset >= 2**50:
+        return None
+    state = _Imported({name: like}, None, torch.float64)
+    ctx = TransformCTX(
+        source=_WrittenModel(source_config, traced),
+        source_state=traced,
+        target=_CheckpointModel(target_config, state),
+        target_state=state,
+    )
+    try:
+        step(ctx)
+    except Exception as error:  # noqa: BLE001 - no trace, only a less precise message
+        logger.debug("Cannot trace %s: %s", name, error)
+        return None
+    result = state.assigned.get(name)
+    if not isinstance(result, torch.Tensor) or result.dtype != torch.float64:
+        return None
+    known = result[~torch.isnan(result)]
+    if known.numel() and not bool(((known - 1) % 4 == 0).all() and (known >= 1).all() and (known < 4 * offset).all()):
+        return None
+    return result, spans
+
+
+def _mismatch(
+    name: str,
+    value: torch.Tensor,
+    expected: torch.Tensor,
+    made_from: List[str],
+    trace: Optional[Tuple[torch.Tensor, List[Tuple[str, int, Tuple[int, ...]]]]],
+    written: _WrittenTensors,
+    importer_name: str,
+) -> str:
+    """The message for a checkpoint tensor ``name`` that the importer makes unequal to ``expected``: the written
+    element it came from when ``trace`` says, else all the written tensors it was made from."""
+    differs = _differs(expected, value)
+    position = [int(i) for i in torch.nonzero(differs)[0].tolist()] if differs.any() else [0] * value.dim()
+    where = tuple(position)
+    held, got = expected[where].item(), value[where].item()
+    if trace is not None:
+        traced, spans = trace
+        code = traced[where].item() if traced.shape == value.shape else float("nan")
+        if not math.isnan(code):
+            k = int(code - 1) // 4
+            source, start, shape = next(span for span in spans if span[1] <= k < span[1] + math.prod(span[2]))
+            return (
+                f"Tensor {source} in {written.file(source)} differs from the checkpoint at "
+                f"{_unravel(k - start, shape)}: NeMo's {importer_name} puts that element in {name} at {position}, "
+                f"where the checkpoint holds {held!r}, not {got!r}"
+            )
+    return (
+        f"{_gives(made_from, written, name, importer_name)}, which differs from the checkpoint's at {position}: "
+        f"{got!r}, not {held!r}"
+    )
+
+
+def check_through_importer(
+    location: CheckpointLocation,
+    output_dir: Path,
+    model: Any,
+    merge_adapters: bool = False,
+    base_checkpoint: Optional[Union[str, Path]] = None,
+    trust_remote_code: Optional[bool] = None,
+    before_reading: Optional[Callable[[], None]] = None,
+) -> int:
+    """Compare every tensor of the Hugging Face directory ``output_dir`` with the checkpoint through NeMo's importer
+    (see the module docstring).
+
+    Args:
+        location: the checkpoint (:func:`~nemo_patch.engine.checkpoint_layout.inspect_checkpoint`).
+        output_dir: the written Hugging Face directory (``config.json`` and ``model.safetensors`` or shards with
+            ``model.safetensors.index.json``).
+        model: the checkpoint's model from its context (``io.load_context(..., subpath="model")``): its class selects
+            the importer, its ``config`` is the NeMo config the importer's transforms read.
+        merge_adapters: the checkpoint is an adapter checkpoint exported with its adapters merged: the oracle is the
+            merged model.
+        base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
+        trust_remote_code: set on the importer as its ``apply`` would (some importers' ``config`` reads it).
+        before_reading: called once the check is known to be possible, before the checkpoint's tensors are read (the
+            export drops its converted model there).
+
+    Returns:
+        The number of written tensors checked.
+
+    Raises:
+        ImporterUnavailable: the class has no ``"hf"`` importer, or its ``convert_state`` cannot run on stand-ins
+            (raised before ``before_reading`` is called).
+        VerificationError: a tensor differs, is missing or is unexplained (the message names it and its file), or the
+            written files cannot be read.
+        ConsolidationError: or a subclass, from reading the checkpoint.
+    """
+    model_class = type(model)
+    importer_type = importer_class(model_class)
+    if importer_type is None:
+        raise ImporterUnavailable(f"NeMo has no Hugging Face importer for {model_class.__module__}."
+                                  f"{model_class.__qualname__}")  # fmt: skip
+    importer_name = importer_type.__qualname__
+    try:
+        weight_map = output_weight_map(output_dir)
+    except (OSError, InvalidOutputError) as error:
+        raise VerificationError(f"Cannot read the weights of {output_dir}: {error}") from error
+    hf_config = _hf_config(output_dir)
+    written = _WrittenTensors(output_dir, weight_map)
+    try:
+        dtype = written.dtype() or torch.float32
+        # 1. The importer's mapping, from its convert_state on stand-ins: the checkpoint's names and shapes (meta
+        #    tensors: nothing read yet) and the written files.
+        names = checkpoint_names(location, merge_adapters, base_checkpoint)
+        target = _CheckpointModel(model.config, _Imported(names, written, dtype))
+        source, mapping, transforms, ignored = _importer_mapping(importer_type, output_dir, hf_config, written, target,
+                                                                 trust_remote_code)  # fmt: skip
+        if before_reading is not None:
+            before_reading()
+
+        # 2. The checkpoint's tensors (the oracle) and the importer's results from the written tensors.
+        oracle = read_checkpoint_tensors(location, merge_adapters, base_checkpoint)
+        imported = target.state = _Imported(oracle, written, dtype)
+        written.start()
+        _replay(importer_name, output_dir, source, target, mapping, transforms, written)
+
+        # 3. Every checkpoint tensor made, and equal to the checkpoint's.
+        vocabulary = _allowed_vocabulary_sizes(location.checkpoint_dir, model)
+        hf_vocab = getattr(hf_config, "vocab_size", None)
+        for name in list(oracle):
+            expected = oracle.pop(name)
+            value = imported.assigned.pop(name, None)
+            made_from = imported.made_from.get(name) or []
+            if value is None:
+                if name in ignored:
+                    continue
+                raise VerificationError(
+                    f"The checkpoint's {name} is not in {output_dir}: NeMo's {importer_name} makes it from no "
+                    "tensor there"
+                )
+            if not isinstance(value, torch.Tensor):
+                raise VerificationError(
+                    f"{_gives(made_from, written, name, importer_name)} as a {type(value).__name__}, not a tensor"
+                )
+            fresh = imported.fresh.pop(name, None)
+            in_place = fresh is not None and value.data_ptr() == fresh.data_ptr()
+            like = expected
+            rows = None
+            if (name in VOCABULARY_TENSORS and expected.dim() and isinstance(hf_vocab, int)
+                    and hf_vocab < expected.shape[0] and hf_vocab in vocabulary):  # fmt: skip
+                rows = hf_vocab
+                expected = expected[:rows]  # megatron-core's padding rows, pruned by the exporter
+                if in_place:
+                    value = value[:rows]
+            if tuple(value.shape) != tuple(expected.shape):
+                raise VerificationError(
+                    f"{_gives(made_from, written, name, importer_name)} with shape {tuple(value.shape)}; the "
+                    f"checkpoint's is {tuple(expected.shape)}"
+                    + (f" (its first {rows} rows: the vocabulary)" if rows is not None else "")
+                )
+            if expected.is_floating_point() and value.is_floating_point():
+                expected = expected.to(value.dtype)
+            if not tensors_bitwise_equal(expected, value):
+                trace = None
+                if made_from and imported.made_by.get(name) is not None:
+                    trace = _trace(imported.made_by[name], name, made_from, written, hf_config, model.config, like)
+                    if trace is not None and rows is not None and trace[0].shape[0] != rows:
+                        trace = (trace[0][:rows], trace[1])
+                raise VerificationError(_mismatch(name, value, expected, made_from, trace, written, importer_name))
+        extra = sorted(imported.assigned)
+        if extra:
+            made_from = imported.made_from.get(extra[0]) or []
+            raise VerificationError(
+                f"{_gives(made_from, written, extra[0], importer_name)}, which the checkpoint does not hold"
+            )
+
+        # 4. Every written tensor read for some checkpoint tensor.
+        unread = [name for name in weight_map if name not in written.read]
+        if unread:
+            raise VerificationError(
+                f"Tensor {unread[0]} in {written.file(unread[0])} comes from no tensor of the checkpoint: NeMo's "
+                f"{importer_name} maps it to none" + (f" ({len(unread)} such tensors)" if len(unread) > 1 else "")
+            )
+        return len(weight_map)
+    finally:
+        written.close()
+
+
+def _importer_mapping(
+    importer_type: type,
+    output_dir: Path,
+    hf_config: Any,
+    written: _WrittenTensors,
+    target: _CheckpointModel,
+    trust_remote_code: Optional[bool],
+) -> Tuple[Any, Dict[str, Any], List[Any], List[str]]:
+    """``(source, mapping, transforms, state_dict_ignored_entries)`` as NeMo's importer's ``convert_state`` hands
+    them to ``io.apply_transforms`` for the stand-ins (the written files as the Hugging Face model, ``target`` as the
+    NeMo model).
+
+    Raises:
+        ImporterUnavailable: ``convert_state`` needs more than the stand-ins have, or does not call
+            ``io.apply_transforms`` once for ``target``.
+        VerificationError: ``convert_state`` fails otherwise (NeMo's message), or reads a tensor that is not written.
+    """
+    importer_name = importer_type.__qualname__
+    importer = importer_type(str(output_dir))
+    if not hasattr(importer, "trust_remote_code"):
+        importer.trust_remote_code = trust_remote_code
+    try:
+        with _captured_apply_transforms(target) as calls:
+            importer.convert_state(_WrittenModel(hf_config, written), target)
+    except _MissingTensor as error:
+        raise VerificationError(
+            f"{output_dir} lacks the tensor {error}, which NeMo's {importer_name} reads"
+        ) from error
+    except (AttributeError, TypeError, NotImplementedError) as error:
+        raise ImporterUnavailable(
+            f"NeMo's {importer_name}.convert_state needs more than the tensors' names and the config: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    except Exception as error:  # noqa: BLE001 - NeMo's message, as a mismatch of the written directory
+        raise VerificationError(
+            f"NeMo's {importer_name} cannot read {output_dir} back: {type(error).__name__}: {error}"
+        ) from error
+    if len(calls) != 1:
+        raise ImporterUnavailable(
+            f"NeMo's {importer_name}.convert_state called io.apply_transforms {len(calls)} times for the model (once "
+            "is what this check replays)"
+        )
+    return calls[0]
+
+
+def _replay(
+    importer_name: str,
+    output_dir: Path,
+    source: Any,
+    target: _CheckpointModel,
+    mapping: Dict[str, Any],
+    transforms: List[Any],
+    written: _WrittenTensors,
+) -> None:
+    """Run the importer's ``mapping`` and ``transforms`` as ``io.apply_transforms`` does (NeMo's
+    ``StateDictTransform``), into ``target``'s state dict.
+
+    Raises:
+        VerificationError: a transform fails on the written tensors (a tensor missing, a shape that does not fit),
+            naming the transform and the written tensors it last read.
+    """
+    from nemo.lightning.io.state import StateDictTransform, TransformCTX
+
+    # source: the written files, or the _ModelState of modified tensors an importer rebuilt them as
+    ctx = TransformCTX(source=source, source_state=source.state_dict(), target=target, target_state=target.state)
+    steps = [StateDictTransform(key, value) for key, value in mapping.items()] + list(transforms)
+    for step in steps:
+        target.state.step = step
+        try:
+            ctx = step(ctx)
+        except _MissingTensor as error:
+            raise VerificationError(
+                f"{output_dir} lacks the tensor {error}, which NeMo's {importer_name} reads"
+            ) from error
+        except AttributeError as error:  # a stand-in lacks what the transform reads: not a mismatch, but no check
+            raise VerificationError(
+                f"Cannot check {output_dir} through NeMo's {importer_name}: a transform needs more of a model than "
+                f"this check has: {error}"
+            ) from error
+        except Exception as error:  # noqa: BLE001 - NeMo's message about the written tensors
+            keys = f" {getattr(step, 'source_key', '?')} -> {getattr(step, 'target_key', '?')}"
+            read = written.group if not written.group_closed else []
+            last = f"; last read: {_tensors_text(read, written)}" if read else ""
+            raise VerificationError(
+                f"NeMo's {importer_name} cannot map {output_dir} back to the checkpoint's names (its transform"
+                f"{keys}{last}): {type(error).__name__}: {error}"
+            ) from error
+    target.state.step = None
+
+
+def verify_hf_output(
+    checkpoint_dir: Union[str, Path],
+    output_dir: Union[str, Path],
+    merge_adapters: bool = False,
+    base_checkpoint: Optional[Union[str, Path]] = None,
+    allow_unfinished: bool = False,
+) -> int:
+    """Check a Hugging Face directory written for a checkpoint (by ``nemo-consolidate --format hf`` or
+    ``ckpt_consolidation_format="hf"``) against the checkpoint, through NeMo's importer (module docstring).
+
+    Loads the checkpoint's ``context/`` (NeMo's ``io.load_context``, which imports the classes it names: only for
+    checkpoints whose writer you trust, see :mod:`nemo_patch.export.context_trust`).
+
+    Args:
+        checkpoint_dir: the checkpoint directory (with ``context/`` and ``weights/``).
+        output_dir: the Hugging Face directory.
+        merge_adapters: the output is of an adapter checkpoint with its adapters merged (the oracle is the merged
+            model, as :func:`~nemo_patch.engine.consolidate.read_state_dict` merges it).
+        base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
+        allow_unfinished: check an unfinished checkpoint's output too.
+
+    Returns:
+        The number of written tensors checked.
+
+    Raises:
+        VerificationError: a mismatch (the message names the written tensor and its file), or the check cannot run
+            for this model class (no ``"hf"`` importer, or one that needs more than names and a config).
+        ConsolidationError: or a subclass, from reading the checkpoint.
+    """
+    location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
+    try:
+        from nemo.lightning import io
+    except ImportError as error:
+        raise VerificationError(f"Checking a Hugging Face output needs NeMo importable: {error}") from error
+    try:
+        model = io.load_context(str(location.checkpoint_dir / "context"), subpath="model")
+    except Exception as error:
+        raise VerificationError(f"Cannot read the model class from {location.checkpoint_dir / 'context'}: "
+                                f"{error}") from error  # fmt: skip
+    try:
+        return check_through_importer(location, Path(output_dir), model, merge_adapters, base_checkpoint)
+    except ImporterUnavailable as error:
+        raise VerificationError(f"Cannot check {output_dir} against {location.checkpoint_dir}: {error}") from error
+
+
+def checkpoint_names(
+    location: CheckpointLocation, merge_adapters: bool = False, base_checkpoint: Optional[Union[str, Path]] = None
+) -> Dict[str, torch.Tensor]:
+    """The names of :func:`read_checkpoint_tensors`, each with a meta tensor of its shape and dtype (nothing read).
+
+    Raises:
+        ConsolidationError: or a subclass, from reading the checkpoint's metadata.
+    """
+    outputs = open_sources(location, None, merge_adapters, base_checkpoint).outputs
+    return te_layer_norm_names(
+        {out.spec.name: torch.empty(out.spec.shape, dtype=out.spec.dtype, device="meta") for out in outputs}
+    )
+
+
+def read_checkpoint_tensors(
+    location: CheckpointLocation, merge_adapters: bool = False, base_checkpoint: Optional[Union[str, Path]] = None
+) -> Dict[str, torch.Tensor]:
+    """The checkpoint's tensors as NeMo's exporters and importers name them (the Transformer Engine spec's fused
+    layer-norm names, :func:`nemo_patch.export.layer_norms.te_layer_norm_names`).
+
+    Raises:
+        ConsolidationError: or a subclass (:class:`CorruptShardError` for a shard that cannot be read).
+    """
+    try:
+        state, _ = read_state_dict(location, merge_adapters, None, base_checkpoint)
+    except ConsolidationError:
+        raise
+    except (Exception, CheckpointException) as error:
+        raise CorruptShardError(f"Cannot read the weights of {location.weights_dir}: {error}") from error
+    return te_layer_norm_names(state)
