@@ -57,7 +57,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from nemo_patch.engine.checkpoint_layout import global_step_in_name, is_marked_unfinished, weights_written
 from nemo_patch.engine.output_layout import METADATA_FILENAME
+from nemo_patch.engine.post_command import PostCommandResult, record_result
 from nemo_patch.engine.publish import link_output
+from nemo_patch.training.hooks import ConsolidationOutcome, read_metadata
 from nemo_patch.training.latest import (
     BEST_NAME,
     LATEST_NAME,
@@ -176,6 +178,11 @@ class ConsolidationCoordinator:
         self.dropped_by_removal: List[CheckpointSave] = []
         #: One :class:`ConsolidationRecord` per published consolidation of this run, oldest first.
         self.records: List[ConsolidationRecord] = []
+        #: Each consolidation of this run that ended (published or not), oldest first, as ``(save, record, post
+        #: command result, error)``: what :meth:`outcomes` makes the hooks' results from.
+        self._ended_requests: List[
+            Tuple[CheckpointSave, Optional[ConsolidationRecord], Optional[PostCommandResult], Optional[str]]
+        ] = []
         self._warned_drop = False
         self._journals: Dict[Path, List[Dict[str, Any]]] = {}
         self._warned_journal = False
@@ -245,18 +252,17 @@ class ConsolidationCoordinator:
         with self.lock:
             self._removing.discard(checkpoint_dir)
             self._deleting.discard(checkpoint_dir)
+            if os.path.lexists(output):
+                self._keep_outputs_and_move_pointers(checkpoint_dir)  # moves the earlier save's output if kept
+                shutil.rmtree(output, ignore_errors=True)
+                logger.info(
+                    "Removed %s: it was made from an earlier save of %s, and NeMo saves a new checkpoint there",
+                    output,
+                    checkpoint_dir.name,
+                )
             earlier = self._outputs.pop(checkpoint_dir, None)
-            if not os.path.lexists(output):
-                return
-            self._keep_outputs_and_move_pointers(checkpoint_dir)
             if earlier is not None and earlier.output == output:
                 earlier.output = None
-            shutil.rmtree(output, ignore_errors=True)
-            logger.info(
-                "Removed %s: it was made from an earlier save of %s, and NeMo saves a new checkpoint there",
-                output,
-                checkpoint_dir.name,
-            )
 
     def register(
         self, checkpoint_dir: Path, global_step: int, best: Optional[Dict[str, Any]] = None
@@ -562,6 +568,7 @@ class ConsolidationCoordinator:
                 logger.error(
                     "Consolidation of checkpoint %s (global step %d) failed: %s", save.path, save.global_step, error
                 )
+            self._ended(save, error=error)
             self._sync_journal()
             return
         with self.lock:
@@ -569,11 +576,12 @@ class ConsolidationCoordinator:
                 if (save.path / "weights").is_dir():  # not being deleted: the output would pass for the new weights'
                     shutil.rmtree(output, ignore_errors=True)
                 self._lost(save, "NeMo saved a new checkpoint into its directory (or removed it) while it ran")
+                self._ended(save, error="its checkpoint was saved again (or removed) while it was consolidated")
                 self._sync_journal()
                 return
             save.consolidated, save.output = True, output
             self._outputs[save.path] = save
-        self._record(save)
+        self._ended(save, record=self._record(save))
         self._point(save.path)
         if save.best is not None:
             self._point(save.path, BEST_NAME)
@@ -591,14 +599,18 @@ class ConsolidationCoordinator:
             self._link_copy(copy, save)
         self._sync_journal()
 
-    def _record(self, save: CheckpointSave) -> None:
-        """Keep a :class:`ConsolidationRecord` and log one INFO line: path, size, time and rate."""
+    def _record(self, save: CheckpointSave) -> ConsolidationRecord:
+        """Keep a :class:`ConsolidationRecord` and log one INFO line: path, size, time and rate (the post command's
+        time is not the consolidation's)."""
         output = save.path / self.settings.output_dirname
         try:
             size = sum(entry.stat().st_size for entry in output.iterdir() if entry.is_file())
         except OSError:
             size = 0
-        record = ConsolidationRecord(output, save.global_step, save.seconds or 0.0, size)
+        post_seconds = (save.post_command or {}).get("seconds")
+        if not isinstance(post_seconds, (int, float)) or isinstance(post_seconds, bool):
+            post_seconds = 0.0
+        record = ConsolidationRecord(output, save.global_step, max((save.seconds or 0.0) - post_seconds, 0.0), size)
         self.records.append(record)
         logger.info(
             "Consolidated %s (global step %d): %.1f MB in %.1f s (%.1f MB/s)",
@@ -608,6 +620,66 @@ class ConsolidationCoordinator:
             record.seconds,
             record.bytes_per_second / 1e6,
         )
+        return record
+
+    def _ended(
+        self, save: CheckpointSave, record: Optional[ConsolidationRecord] = None, error: Optional[str] = None
+    ) -> None:
+        """Keep a request that ended (``record`` when it published, else ``error``) for :meth:`outcomes` and log its
+        post command's result: one INFO line, or a WARNING when it failed, timed out or was stopped (the output stays
+        published either way). A post command whose result was lost with the consolidation process is recorded in
+        ``metadata.json`` here."""
+        output = save.path / self.settings.output_dirname
+        post: Optional[PostCommandResult] = None
+        if error is None and save.post_command is not None:
+            post = PostCommandResult.from_json(save.post_command)
+            if not post.command:  # lost with the process (queue.py): record what is known
+                post = PostCommandResult.from_json({**save.post_command, "command": self.settings.post_command or ""})
+                try:
+                    record_result(output, post)
+                except OSError:
+                    logger.debug("Could not record the post command's loss in %s", output, exc_info=True)
+            (logger.info if post.ok else logger.warning)(
+                "After publishing %s (global step %d): %s%s%s",
+                output,
+                save.global_step,
+                post.describe(),
+                f"; metrics {post.metrics}" if post.metrics else "",
+                "" if post.ok else "; the output stays published, training goes on",
+            )
+        with self.lock:
+            self._ended_requests.append((save, record, post, error))
+
+    @property
+    def ended_count(self) -> int:
+        """How many consolidations of this run have ended (published or not)."""
+        return len(self._ended_requests)
+
+    def outcomes(self, start: int = 0) -> List[ConsolidationOutcome]:
+        """A :class:`ConsolidationOutcome` for each consolidation of this run that ended, from the ``start``-th on
+        (oldest first), made now: an output is named where it is now (under ``retained/`` once NeMo removed its
+        checkpoint, e.g. a removal that waited for that consolidation) and its ``metadata.json`` read from there."""
+        with self.lock:
+            ended = self._ended_requests[start:]
+            outcomes = []
+            for save, record, post, error in ended:
+                output = save.path / self.settings.output_dirname
+                if error is None and save.output is not None and save.output.name == output.name:
+                    output = save.output
+                outcomes.append(
+                    ConsolidationOutcome(
+                        output_dir=output,
+                        checkpoint_dir=save.path,
+                        format=self.settings.output_format,
+                        global_step=save.global_step,
+                        bytes=record.bytes if record is not None else 0,
+                        seconds=record.seconds if record is not None else save.seconds or 0.0,
+                        metadata=read_metadata(output) if error is None else {},
+                        post_command=post,
+                        error=error,
+                    )
+                )
+        return outcomes
 
     # --- pointers -----------------------------------------------------------------------------------------------
 
