@@ -43,7 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -198,11 +198,14 @@ def prescan_pickle(data: bytes, max_nesting: int = MAX_NESTING) -> None:
         raise pickle.UnpicklingError(f"not a well-formed pickle: {error}") from error
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+_LOAD_BUILD: Callable[[Any], None] = pickle._Unpickler.dispatch[pickle.BUILD[0]]  # the standard BUILD
+
+
+class _MetadataUnpickler(pickle._Unpickler):
     """The pure-Python unpickler (its memo is a dict, and each opcode can be checked), resolving globals only through
     :data:`_ALLOWED` and rebuilding (``BUILD``) only instances of the metadata classes, never a class or function."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[Dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -216,12 +219,13 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         raise pickle.UnpicklingError("DCP metadata holds a persistent id; refusing it")
 
     def _load_build(self) -> None:
-        target = self.stack[-2]
+        stack: List[Any] = getattr(self, "stack")  # the pure-Python unpickler's value stack
+        target = stack[-2]
         if type(target) not in _BUILD_TARGETS:
             raise pickle.UnpicklingError(
                 f"refusing to set the state of a {type(target).__name__}: not a metadata object"
             )
-        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+        _LOAD_BUILD(self)
 
     dispatch[pickle.BUILD[0]] = _load_build
 
