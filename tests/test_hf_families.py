@@ -37,6 +37,9 @@ from nemo_patch.export import hf_verify
 from nemo_patch.export.hf import export_hf_checkpoint
 from nemo_patch.export.hf_verify import verify_hf_output
 
+# Every test here starts from Hugging Face models imported with NeMo in a subprocess (about a minute).
+pytestmark = pytest.mark.slow
+
 FAMILIES = {  # name -> (architecture, NeMo exporter)
     "qwen2": ("Qwen2ForCausalLM", "nemo.collections.llm.gpt.model.qwen2.HFQwen2Exporter"),
     "qwen3": ("Qwen3ForCausalLM", "nemo.collections.llm.gpt.model.qwen3.HFQwen3Exporter"),

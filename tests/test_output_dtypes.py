@@ -77,7 +77,12 @@ def references(checkpoints, tmp_path_factory):
     for name, (checkpoint, _) in checkpoints.items():
         for output_format in OUTPUT_DIRS:
             out = tmp_path_factory.mktemp(f"{name}-{output_format}")
-            assert main([str(checkpoint), "--format", output_format, "--out", str(out / "o"), "--quiet"]) == 0
+            assert (
+                main(
+                    [str(checkpoint), "--format", output_format, "--trust-context", "--out", str(out / "o"), "--quiet"]
+                )
+                == 0
+            )
             found[name, output_format] = _tensors(out / "o")
     return found
 
@@ -91,7 +96,16 @@ def test_every_checkpoint_dtype_exports_in_every_requested_dtype(
     checkpoint, _ = checkpoints[stored]
     reference = references[stored, output_format]
     assert {tensor.dtype for tensor in reference.values()} == {DTYPES[stored]}  # default: the checkpoint's dtype
-    args = [str(checkpoint), "--format", output_format, "--out", str(tmp_path / "o"), "--quiet", "--verify"]
+    args = [
+        str(checkpoint),
+        "--format",
+        output_format,
+        "--trust-context",
+        "--out",
+        str(tmp_path / "o"),
+        "--quiet",
+        "--verify",
+    ]
     code = main(args + ([] if requested is None else ["--dtype", requested]))
     assert code == 0, capsys.readouterr().err
     want = DTYPES[requested or stored]
