@@ -66,6 +66,7 @@ _LAZY = {
     "MegatronStrategy": "nemo_patch.training.strategy",
     "MegatronCheckpointIO": "nemo_patch.training.checkpoint_io",
     "ConsolidationCallback": "nemo_patch.training.callback",
+    "ConsolidationOutcome": "nemo_patch.training.hooks",
     "find_best_checkpoint": "nemo_patch.engine.best_checkpoint",
 }
 
@@ -73,6 +74,7 @@ __all__ = [
     "ACCEPTED_FREQUENCIES",
     "ConsolidationCallback",
     "ConsolidationError",
+    "ConsolidationOutcome",
     "ConsolidationPolicy",
     "ConsolidationResult",
     "ConsolidationSettings",

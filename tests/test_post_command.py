@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_patch.engine.post_command import parse_metrics_line, run_post_command
+from nemo_patch.engine.post_command import PostCommandResult, check_placeholders, parse_metrics_line, run_post_command
 
 
 @pytest.fixture()
@@ -131,3 +131,29 @@ def test_the_cli_runs_it_after_publishing_and_exits_17_when_it_fails(tp2_checkpo
     assert code == 17 and len(err.strip().splitlines()) == 1 and "PostCommandError: post command exited 1" in err
     assert (out / "model.safetensors").is_file()  # the output stays published: it is complete
     assert json.loads((out / "metadata.json").read_text())["post_command"]["returncode"] == 1
+
+
+def test_a_command_asked_to_stop_is_stopped_with_its_children_and_recorded_as_stopped(output):
+    started = time.monotonic()
+    result = run_post_command(
+        "echo '{{\"m\": 1}}'; sleep 300 & sleep 300", output, "safetensors", 6, output.parent, timeout=600,
+        should_stop=lambda: time.monotonic() - started > 1,
+    )  # fmt: skip
+    assert time.monotonic() - started < 30
+    assert result.stopped and not result.timed_out and not result.ok and result.metrics == {"m": 1.0}
+    assert "was stopped after" in result.describe()
+    assert _recorded(output)["stopped"] is True
+
+
+def test_a_result_round_trips_through_json_and_a_partial_one_is_read_with_empty_values():
+    result = PostCommandResult("cmd", 3, 1.5, False, "/x.log", {"a": 1.0})
+    assert PostCommandResult.from_json(result.to_json()) == result
+    lost = PostCommandResult.from_json({"stopped": True, "error": "the consolidation process ended", "metrics": 7})
+    assert lost.stopped and not lost.ok and lost.returncode is None and lost.metrics == {} and lost.command == ""
+    assert "was stopped after 0.0 s (the consolidation process ended)" in lost.describe()
+
+
+def test_placeholders_are_checked_without_running_anything():
+    assert check_placeholders("echo {output} {{literal}}") == "echo '' {literal}"
+    with pytest.raises(ValueError, match="unknown placeholder 'out'"):
+        check_placeholders("echo {out}")

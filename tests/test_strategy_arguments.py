@@ -204,6 +204,11 @@ def test_upgrade_from_stock_io_keeps_every_setting():
         ("ckpt_consolidation_workers", 2.0, "a whole number of writer processes >= 1"),
         ("ckpt_consolidation_workers", True, "a whole number of writer processes >= 1"),
         ("ckpt_consolidation_workers", "4", "a whole number of writer processes >= 1"),
+        ("ckpt_consolidation_post_command", "", "None or a shell command such as 'python eval.py {output}'"),
+        ("ckpt_consolidation_post_command", "  ", "None or a shell command such as 'python eval.py {output}'"),
+        ("ckpt_consolidation_post_command", ["ls"], "None or a shell command such as 'python eval.py {output}'"),
+        ("ckpt_consolidation_post_command_timeout", 0, "a number of seconds > 0"),
+        ("ckpt_consolidation_post_command_timeout", None, "a number of seconds > 0"),
     ],
 )
 def test_bad_consolidation_settings_raise_at_construction(name, value, accepted):
@@ -247,6 +252,34 @@ def test_consolidation_settings_reach_the_io():
     assert strategy.ckpt_consolidation_timeout == 12.5
     assert base.consolidation_max_shard_size == 1000 and base.consolidation_max_pending == 0
     assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on
+
+
+def test_a_post_command_with_an_unknown_placeholder_raises_naming_the_four():
+    with pytest.raises(ValueError) as info:
+        MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation_post_command="eval {ouptut}")
+    message = str(info.value)
+    assert message.startswith("Invalid ckpt_consolidation_post_command: post command 'eval {ouptut}'")
+    assert "{output}, {format}, {global_step} or {checkpoint}" in message
+
+
+def test_the_post_command_reaches_the_io_and_the_consolidation_process():
+    command = "python eval.py {output} --step {global_step}"
+    strategy = MegatronStrategy(
+        ckpt_consolidation_frequency="best",
+        ckpt_consolidation_post_command=command,
+        ckpt_consolidation_post_command_timeout=60,
+    )
+    base = find_base_checkpoint_io(strategy.checkpoint_io)
+    assert strategy.ckpt_consolidation_post_command == base.consolidation_post_command == command
+    assert strategy.ckpt_consolidation_post_command_timeout == base.consolidation_post_command_timeout == 60.0
+    sent = ConsolidationSettings.from_json(base.queue._settings_json)
+    assert sent.post_command == command and sent.post_command_timeout == 60.0
+    io = MegatronCheckpointIO(
+        ckpt_consolidation_frequency="each", consolidation_post_command="true", consolidation_post_command_timeout=5
+    )
+    assert io.consolidation_settings.post_command == "true" and io.consolidation_post_command_timeout == 5.0
+    with pytest.raises(ValueError, match="Invalid consolidation_post_command_timeout -1"):
+        MegatronCheckpointIO(ckpt_consolidation_frequency="each", consolidation_post_command_timeout=-1)
 
 
 def test_settings_are_validated_once_and_handed_on_as_one_value(monkeypatch, tmp_path):

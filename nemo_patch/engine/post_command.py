@@ -24,7 +24,8 @@ strategy's ``ckpt_consolidation_post_command``) and runs through ``/bin/sh -c`` 
   ``NEMO_CONSOLIDATED_GLOBAL_STEP`` (empty when unknown) and ``NEMO_CONSOLIDATED_CHECKPOINT``;
 * its stdout and stderr kept in ``<output>.post-command.log`` beside the output (not inside it: the output's files
   stay exactly those its ``metadata.json`` records), replaced at each run;
-* a timeout of its own: at the deadline its whole process group gets SIGTERM, and SIGKILL 5 s later;
+* a timeout of its own: at the deadline its whole process group gets SIGTERM, and SIGKILL 5 s later; the same
+  when the caller asks it to stop (``should_stop``: the consolidation process is being ended), with a shorter grace;
 * metrics: each line of its stdout that is one JSON object of numbers (``{"eval/perplexity": 12.3}``) is a set of
   metrics for the checkpoint's global step (later lines win for a repeated name).
 
@@ -44,13 +45,26 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Dict, Optional, Union
+from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple, Union
 
-__all__ = ["DEFAULT_POST_COMMAND_TIMEOUT", "PostCommandResult", "parse_metrics_line", "run_post_command"]
+__all__ = [
+    "DEFAULT_POST_COMMAND_TIMEOUT",
+    "PLACEHOLDERS",
+    "PostCommandResult",
+    "check_placeholders",
+    "parse_metrics_line",
+    "record_result",
+    "run_post_command",
+]
 
 #: Seconds a post command may run by default.
 DEFAULT_POST_COMMAND_TIMEOUT = 3600.0
 _KILL_GRACE = 5.0
+#: Seconds between SIGTERM and SIGKILL when the caller asks the command to stop (its own process is being ended and
+#: has only a few seconds itself).
+_STOP_GRACE = 2.0
+#: The placeholders a command may use.
+PLACEHOLDERS = ("output", "format", "global_step", "checkpoint")
 _METADATA = "metadata.json"
 
 
@@ -65,7 +79,9 @@ class PostCommandResult:
         timed_out: whether it was stopped at its timeout.
         log: the log file's path (stdout and stderr).
         metrics: name -> value from the JSON lines it printed.
-        error: why it could not be started, else ``None``.
+        error: why it could not be started, else ``None``; with ``stopped``, why it was stopped, if known.
+        stopped: whether it was stopped before its end because the process that ran it was being ended (the end of
+            ``fit`` stopped waiting for consolidations, or that process died).
     """
 
     command: str
@@ -75,15 +91,20 @@ class PostCommandResult:
     log: str
     metrics: Dict[str, float] = field(default_factory=dict)
     error: Optional[str] = None
+    stopped: bool = False
 
     @property
     def ok(self) -> bool:
         """Whether it ran to the end and exited 0."""
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and not self.stopped and self.error is None
 
     def describe(self) -> str:
         """One line for a log: how it ended and where its output is."""
-        if self.error is not None:
+        if self.stopped:
+            how = (
+                f"was stopped after {self.seconds:.1f} s ({self.error or 'its consolidation process was being ended'})"
+            )
+        elif self.error is not None:
             how = f"could not start: {self.error}"
         elif self.timed_out:
             how = f"timed out after {self.seconds:.1f} s and was stopped"
@@ -94,6 +115,33 @@ class PostCommandResult:
     def to_json(self) -> Dict[str, object]:
         """The JSON form recorded in ``metadata.json``."""
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "PostCommandResult":
+        """The result :meth:`to_json` wrote; a missing or malformed field takes its empty value (never raises for a
+        mapping)."""
+
+        def number(value: Any) -> Optional[float]:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            return float(value) if ok else None
+
+        metrics = data.get("metrics")
+        returncode = data.get("returncode")
+        error = data.get("error")
+        return cls(
+            command=str(data.get("command", "")),
+            returncode=returncode if isinstance(returncode, int) and not isinstance(returncode, bool) else None,
+            seconds=number(data.get("seconds")) or 0.0,
+            timed_out=data.get("timed_out") is True,
+            log=str(data.get("log", "")),
+            metrics={
+                str(name): value
+                for name, value in (metrics.items() if isinstance(metrics, dict) else ())
+                if number(value) is not None
+            },
+            error=None if error is None else str(error),
+            stopped=data.get("stopped") is True,
+        )
 
 
 def parse_metrics_line(line: str) -> Optional[Dict[str, float]]:
@@ -116,8 +164,29 @@ def parse_metrics_line(line: str) -> Optional[Dict[str, float]]:
     return metrics
 
 
-def _record(output_dir: Path, result: PostCommandResult) -> None:
-    """Add the result to ``metadata.json``, atomically (a temporary file renamed over it)."""
+def check_placeholders(command: str) -> str:
+    """``command`` with its placeholders replaced by empty values: a check that it names only the four.
+
+    Raises:
+        ValueError: ``command`` names another placeholder (or has a lone brace); the message lists the four.
+    """
+    return _expand(command, {name: "" for name in PLACEHOLDERS})
+
+
+def _expand(command: str, values: Mapping[str, str]) -> str:
+    try:
+        return command.format(**{name: shlex.quote(value) for name, value in values.items()})
+    except (KeyError, IndexError, ValueError) as error:
+        raise ValueError(
+            f"post command {command!r}: unknown placeholder {error}; use {{output}}, {{format}}, {{global_step}} "
+            "or {checkpoint} (double the braces for literal ones)"
+        ) from None
+
+
+def record_result(output_dir: Union[str, Path], result: PostCommandResult) -> None:
+    """Add ``result`` to the output's ``metadata.json`` under ``"post_command"``, atomically (a temporary file renamed
+    over it); nothing when there is no readable ``metadata.json``."""
+    output_dir = Path(output_dir)
     path = output_dir / _METADATA
     try:
         manifest = json.loads(path.read_text())
@@ -141,6 +210,7 @@ def run_post_command(
     global_step: Optional[int],
     checkpoint_dir: Union[str, Path],
     timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> PostCommandResult:
     """Run ``command`` for a published output and record the result in its ``metadata.json`` (module docstring).
 
@@ -151,6 +221,8 @@ def run_post_command(
         global_step: the checkpoint's global step, ``None`` if unknown.
         checkpoint_dir: the checkpoint the output was made from.
         timeout: seconds before the command's process group is stopped (> 0).
+        should_stop: asked about once a second while the command runs; when it returns ``True`` the command's process
+            group is stopped (SIGTERM, SIGKILL 2 s later) and the result says ``stopped``.
 
     Returns:
         A :class:`PostCommandResult`. Never raises for anything the command does.
@@ -167,13 +239,7 @@ def run_post_command(
         "global_step": "" if global_step is None else str(global_step),
         "checkpoint": str(checkpoint_dir),
     }
-    try:
-        expanded = command.format(**{name: shlex.quote(value) for name, value in values.items()})
-    except (KeyError, IndexError, ValueError) as error:
-        raise ValueError(
-            f"post command {command!r}: unknown placeholder {error}; use {{output}}, {{format}}, {{global_step}} "
-            "or {checkpoint} (double the braces for literal ones)"
-        ) from None
+    expanded = _expand(command, values)
     env = dict(os.environ)
     env.update({f"NEMO_CONSOLIDATED_{name.upper()}": value for name, value in values.items()})
     log_path = output_dir.parent / f"{output_dir.name}.post-command.log"
@@ -190,33 +256,47 @@ def run_post_command(
                 cwd=str(output_dir.parent),
                 start_new_session=True,  # its own process group: a timeout stops everything it started
             )
-            timed_out = _collect(process, log, metrics, started + timeout)
+            try:
+                timed_out, stopped = _collect(process, log, metrics, started + timeout, should_stop)
+            except BaseException:  # e.g. KeyboardInterrupt: nothing the command started outlives this call
+                _stop(process, _STOP_GRACE)
+                raise
     except OSError as error:
         result = PostCommandResult(command, None, time.monotonic() - started, False, str(log_path), error=str(error))
-        _record(output_dir, result)
+        record_result(output_dir, result)
         return result
     result = PostCommandResult(
-        command, process.returncode, time.monotonic() - started, timed_out, str(log_path), metrics
+        command, process.returncode, time.monotonic() - started, timed_out, str(log_path), metrics, stopped=stopped
     )
-    _record(output_dir, result)
+    record_result(output_dir, result)
     return result
 
 
-def _collect(process: subprocess.Popen, log: BinaryIO, metrics: Dict[str, float], deadline: float) -> bool:
-    """Copy the command's stdout into ``log`` line by line (collecting metrics) until it ends or ``deadline``
-    passes; returns whether it was stopped at the deadline."""
+def _collect(
+    process: subprocess.Popen,
+    log: BinaryIO,
+    metrics: Dict[str, float],
+    deadline: float,
+    should_stop: Optional[Callable[[], bool]] = None,
+) -> Tuple[bool, bool]:
+    """Copy the command's stdout into ``log`` line by line (collecting metrics) until it ends, ``deadline`` passes or
+    ``should_stop`` says so; returns ``(timed_out, stopped)``."""
     import selectors
 
     if process.stdout is None:
         raise ValueError("the post command's stdout is not a pipe")
+    asked = should_stop or (lambda: False)
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
     pending = b""
-    timed_out = False
+    timed_out = stopped = False
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             timed_out = True
+            break
+        if asked():
+            stopped = True
             break
         if not selector.select(timeout=min(remaining, 1.0)):
             continue
@@ -238,20 +318,22 @@ def _collect(process: subprocess.Popen, log: BinaryIO, metrics: Dict[str, float]
             metrics.update(found)
     selector.close()
     process.stdout.close()
-    if not timed_out:
+    while not (timed_out or stopped):  # it may have closed its stdout and run on
         try:
-            process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:  # it closed its stdout but runs on
-            timed_out = True
-    if timed_out:
-        _stop(process)
+            process.wait(timeout=min(max(deadline - time.monotonic(), 0.0), 1.0))
+            break
+        except subprocess.TimeoutExpired:
+            timed_out = time.monotonic() >= deadline
+            stopped = not timed_out and asked()
+    if timed_out or stopped:
+        _stop(process, _STOP_GRACE if stopped else _KILL_GRACE)
         process.wait()
-    return timed_out
+    return timed_out, stopped
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group, SIGKILL after a grace period."""
-    for sig, wait in ((signal.SIGTERM, _KILL_GRACE), (signal.SIGKILL, None)):
+def _stop(process: subprocess.Popen, grace: float = _KILL_GRACE) -> None:
+    """SIGTERM to the command's process group, SIGKILL after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CHECKPOINT_FILENAME", "MONITORED_FILENAME", "checkpoint_report", "retained_report", "run_tiny_fit"]
 
@@ -133,6 +133,10 @@ def run_tiny_fit(
     tensorboard: bool = False,
     barrier_after_fit: bool = False,
     pg_timeout: Optional[float] = None,
+    post_command: Optional[str] = None,
+    post_command_timeout: Optional[float] = None,
+    record_hooks: bool = False,
+    raising_hook: bool = False,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -203,6 +207,13 @@ def run_tiny_fit(
             ``<out>/after-fit-rank<r>.json`` (:func:`nemo_patch.testing.collectives.barrier_after_fit`).
         pg_timeout: from the start of training, the job's process group times out after this many seconds
             (:class:`nemo_patch.testing.collectives.ProcessGroupTimeout`).
+        post_command: ``ckpt_consolidation_post_command`` (``None``: not passed).
+        post_command_timeout: ``ckpt_consolidation_post_command_timeout`` (``None``: not passed).
+        record_hooks: record every ``on_consolidation_end``/``on_consolidation_failed`` call in ``<out>/hooks.jsonl``
+            (:class:`nemo_patch.testing.hook_recorder.RecordConsolidationHooks`).
+        raising_hook: add a callback whose ``on_consolidation_end`` raises
+            (:class:`nemo_patch.testing.hook_recorder.RaisingConsolidationHook`); the report's ``raising_hook_calls``
+            counts its calls.
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -224,8 +235,10 @@ def run_tiny_fit(
         kwargs["ckpt_consolidation_frequency"] = frequency
     if save_consolidated is not None:
         kwargs["save_consolidated"] = save_consolidated
-    options = (("max_pending", max_pending), ("max_shard_size", max_shard_size), ("timeout", timeout), ("keep", keep))
-    for name, value in options + (("format", output_format),):
+    options: List[Tuple[str, Any]] = [("max_pending", max_pending), ("max_shard_size", max_shard_size)]
+    options += [("timeout", timeout), ("keep", keep), ("post_command", post_command)]
+    options += [("post_command_timeout", post_command_timeout)]
+    for name, value in options + [("format", output_format)]:
         if value is not None:
             kwargs[f"ckpt_consolidation_{name}"] = value
     if stock and nemo_patch.overlay_applied():
@@ -255,6 +268,15 @@ def run_tiny_fit(
         from nemo_patch.testing.pacing import WaitForConsolidation
 
         callbacks.append(WaitForConsolidation())
+    raising = None
+    if record_hooks or raising_hook:
+        from nemo_patch.testing.hook_recorder import RaisingConsolidationHook, RecordConsolidationHooks
+
+        if record_hooks:
+            callbacks.append(RecordConsolidationHooks(out / "hooks.jsonl"))
+        if raising_hook:
+            raising = RaisingConsolidationHook()
+            callbacks.append(raising)
     if pg_timeout is not None:
         from nemo_patch.testing.collectives import ProcessGroupTimeout
 
@@ -365,6 +387,7 @@ def run_tiny_fit(
     report["consolidation_errors"] = [error for _, _, error in queue.completed if error] if queue else []
     report["end_wait_seconds"] = queue.waited_seconds if queue else 0.0
     report["fit_seconds"] = fit_seconds
+    report["raising_hook_calls"] = raising.calls if raising is not None else None
     report["global_rank_zero"] = trainer.is_global_zero
     report["global_step"] = trainer.global_step
     return report
@@ -505,6 +528,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tensorboard", action="store_true")
     parser.add_argument("--barrier-after-fit", action="store_true")
     parser.add_argument("--pg-timeout", type=float, default=None)
+    parser.add_argument("--post-command", default=None)
+    parser.add_argument("--post-command-timeout", type=float, default=None)
+    parser.add_argument("--record-hooks", action="store_true")
+    parser.add_argument("--raising-hook", action="store_true")
     parser.add_argument("--info-logs", action="store_true", help="show nemo_patch's INFO log lines")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -558,6 +585,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         tensorboard=args.tensorboard,
         barrier_after_fit=args.barrier_after_fit,
         pg_timeout=args.pg_timeout,
+        post_command=args.post_command,
+        post_command_timeout=args.post_command_timeout,
+        record_hooks=args.record_hooks,
+        raising_hook=args.raising_hook,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from nemo_patch.engine.best_checkpoint import NOT_A_METRIC
 from nemo_patch.engine.publish import remove_stale_tmp_dirs
 from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
+from nemo_patch.training.hooks import HookCaller
 from nemo_patch.training.io_chain import find_base_checkpoint_io
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.retention import RETAINED_DIRNAME
@@ -153,6 +154,13 @@ class ConsolidationCallback(Callback):
     consolidation process), ``consolidation/bytes_per_second`` (output bytes on disk per second) and
     ``consolidation/skipped`` (due consolidations of the run that did not happen so far, cumulative).
 
+    After each consolidation, reaped at the same moments (:meth:`report_consolidations`, global rank 0): the metrics
+    its post command printed (``ckpt_consolidation_post_command``) are logged to the trainer's loggers at the
+    checkpoint's global step, and every callback of the trainer that defines ``on_consolidation_end(trainer,
+    pl_module, result)`` (a published output) or ``on_consolidation_failed(trainer, pl_module, result)`` (one that ran
+    and published nothing) is called once with its :class:`~nemo_patch.training.hooks.ConsolidationOutcome`. The hooks
+    run in the training loop: for quick work only. An exception in one is logged once and never fails training.
+
     Args:
         trainer: the trainer it is attached to (callbacks appended during ``strategy.setup`` miss Lightning's own
             ``setup`` hook, so the strategy passes it here).
@@ -164,6 +172,8 @@ class ConsolidationCallback(Callback):
         self.blocked_seconds = 0.0
         self._logged_records = 0
         self._logged_skipped = 0
+        self._reported_outcomes = 0
+        self._call_hooks = HookCaller()
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Remember the trainer (for :meth:`state_dict`); for ``fit``, on global rank 0, start the run's consolidation
@@ -223,9 +233,30 @@ class ConsolidationCallback(Callback):
         if io is not None:
             with _never_fails_training("handing finished checkpoints to the consolidation process"):
                 io.consolidate_finished()
-            with _never_fails_training("logging consolidation metrics"):
-                self.log_consolidation_metrics(trainer)
+            self.report_consolidations(trainer)
         self.blocked_seconds += time.perf_counter() - start
+
+    def report_consolidations(self, trainer: "pl.Trainer") -> None:
+        """On global rank 0, for the consolidations that ended since the last call: :meth:`log_consolidation_metrics`,
+        then, for each in turn, its post command's metrics to ``trainer.loggers`` at its checkpoint's global step and
+        the callbacks' ``on_consolidation_end``/``on_consolidation_failed`` hooks. Never raises."""
+        with _never_fails_training("logging consolidation metrics"):
+            self.log_consolidation_metrics(trainer)
+        io = _consolidating_io(trainer)
+        if io is None or not trainer.is_global_zero:
+            return
+        if self._reported_outcomes > io.consolidations_ended:  # a new run's bookkeeping (new settings on the IO)
+            self._reported_outcomes = 0
+        new = io.consolidation_outcomes(self._reported_outcomes)
+        self._reported_outcomes += len(new)
+        pl_module = getattr(trainer, "lightning_module", None)
+        for outcome in new:
+            if outcome.metrics:
+                step = outcome.global_step if outcome.global_step >= 0 else trainer.global_step
+                with _never_fails_training("logging the post command's metrics"):
+                    for trainer_logger in trainer.loggers:
+                        trainer_logger.log_metrics(outcome.metrics, step=step)
+            self._call_hooks(trainer, pl_module, outcome)
 
     def log_consolidation_metrics(self, trainer: "pl.Trainer") -> None:
         """Log the consolidations published since the last call to ``trainer.loggers`` (global rank 0), at
@@ -268,8 +299,7 @@ class ConsolidationCallback(Callback):
             finalize(blocking=True)
         with _never_fails_training("queueing the end-of-fit consolidation"):
             io.finish_fit()
-        with _never_fails_training("logging consolidation metrics"):
-            self.log_consolidation_metrics(trainer)
+        self.report_consolidations(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """``fit`` is ending by an exception: with ``latest``, still queue the newest finished checkpoint, with

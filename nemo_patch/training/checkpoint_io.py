@@ -32,6 +32,7 @@ from nemo.utils.get_rank import is_global_rank_zero
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
 from nemo_patch.training.coordinator import ConsolidationCoordinator, ConsolidationRecord, best_record
+from nemo_patch.training.hooks import ConsolidationOutcome
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationSchedule
@@ -39,6 +40,7 @@ from nemo_patch.training.settings import (
     CHECKPOINT_IO_ARGUMENTS,
     DEFAULT_FORMAT,
     DEFAULT_MAX_PENDING,
+    DEFAULT_POST_COMMAND_TIMEOUT,
     ConsolidationSettings,
     setting_view,
 )
@@ -71,8 +73,11 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_dtype: output dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default ``None``: the checkpoint's).
         consolidation_merge_adapters: merge LoRA adapters into the base model (default ``False``: adapters alone).
         consolidation_workers: writer processes per writing node (default ``None``: a quarter of its cores, 1 to 8).
+        consolidation_post_command: a shell command the consolidation process runs after each output it publishes
+            (default ``None``: none; see ``MegatronStrategy``'s ``ckpt_consolidation_post_command``).
+        consolidation_post_command_timeout: seconds that command may run (default 3600).
         consolidation_settings: all of the above as one already validated value (what
-            :class:`nemo_patch.MegatronStrategy` passes); when given, the nine arguments above must not be.
+            :class:`nemo_patch.MegatronStrategy` passes); when given, the arguments above must not be.
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
@@ -92,6 +97,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         consolidation_dtype: Optional[Any] = None,
         consolidation_merge_adapters: bool = False,
         consolidation_workers: Optional[int] = None,
+        consolidation_post_command: Optional[str] = None,
+        consolidation_post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
         consolidation_settings: Optional[ConsolidationSettings] = None,
         **kwargs: Any,
     ) -> None:
@@ -105,6 +112,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             dtype=consolidation_dtype,
             merge_adapters=consolidation_merge_adapters,
             workers=consolidation_workers,
+            post_command=consolidation_post_command,
+            post_command_timeout=consolidation_post_command_timeout,
             names=CHECKPOINT_IO_ARGUMENTS,
         )
         if consolidation_settings is not None and given != ConsolidationSettings():
@@ -112,7 +121,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                 "Pass either consolidation_settings or the individual consolidation arguments "
                 "(save_consolidated, ckpt_consolidation_frequency, consolidation_max_shard_size, "
                 "consolidation_max_pending, consolidation_format, consolidation_keep, consolidation_dtype, "
-                "consolidation_merge_adapters, consolidation_workers), not both."
+                "consolidation_merge_adapters, consolidation_workers, consolidation_post_command, "
+                "consolidation_post_command_timeout), not both."
             )
         super().__init__(*args, **kwargs)
         self.set_consolidation_settings(consolidation_settings or given)
@@ -169,6 +179,8 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
     consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
     consolidation_workers = setting_view("workers", "Writer processes per node (``None``: a quarter of cores).")
+    consolidation_post_command = setting_view("post_command", "Command run after each publish (``None``: none).")
+    consolidation_post_command_timeout = setting_view("post_command_timeout", "Seconds the post command may run.")
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> Any:
         """Save as NeMo does; with consolidation on, global rank 0 also records the save for consolidation (and
@@ -230,6 +242,16 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     def consolidation_records(self) -> List[ConsolidationRecord]:
         """One :class:`ConsolidationRecord` per published consolidation of this run, oldest first."""
         return self.coordinator.records if self.coordinator is not None else []
+
+    def consolidation_outcomes(self, start: int = 0) -> List[ConsolidationOutcome]:
+        """One :class:`~nemo_patch.training.hooks.ConsolidationOutcome` per consolidation of this run that ended
+        (published or not), oldest first, from the ``start``-th on (:meth:`ConsolidationCoordinator.outcomes`)."""
+        return self.coordinator.outcomes(start) if self.coordinator is not None else []
+
+    @property
+    def consolidations_ended(self) -> int:
+        """How many consolidations of this run have ended (published or not)."""
+        return self.coordinator.ended_count if self.coordinator is not None else 0
 
     @property
     def skipped_count(self) -> int:

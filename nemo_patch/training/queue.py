@@ -23,7 +23,9 @@ per run, not once per checkpoint.
 
 The protocol is one JSON line per request on the process's stdin, ``{"checkpoint", "global_step", "best"}``, and on
 its stdout one line ``{"ready": true}`` once it has imported what it needs, then one JSON line per ended request,
-``{"error": null | "<one-line reason>"}``; everything else the process prints goes to an anonymous temporary file.
+``{"error": null | "<one-line reason>"}`` (with a post command, ``{"published": true}`` before it and the command's
+result in it, which the queue keeps in the request's ``post_command``); everything else the process prints goes to an
+anonymous temporary file.
 Requests that arrive before the process is ready are not skipped for the queue bound: they wait for a start that is
 paid once per run, not for consolidations that cannot keep up.
 
@@ -124,6 +126,7 @@ class _Process:
         self.log_file = log_file
         self.retire = False  # end it once the request it serves has ended
         self.ready = False  # it has imported what it needs and serves requests
+        self.published = False  # the request it serves published its output (its post command runs)
         self._received = b""
         assert process.stdout is not None
         os.set_blocking(process.stdout.fileno(), False)
@@ -142,9 +145,9 @@ class _Process:
             return False
         return True
 
-    def result(self) -> Optional[Tuple[Optional[str]]]:
-        """The next result line as ``(error,)``, or ``None`` while none has arrived (never blocks); notes the
-        ``ready`` line on the way."""
+    def result(self) -> Optional[Tuple[Optional[str], Dict[str, object]]]:
+        """The next result line as ``(error, line)``, or ``None`` while none has arrived (never blocks); notes the
+        ``ready`` and ``published`` lines on the way."""
         assert self.process.stdout is not None
         while True:
             while b"\n" not in self._received:
@@ -161,10 +164,24 @@ class _Process:
                 if message.get("ready") is True:
                     self.ready = True
                     continue
+                if message.get("published") is True:
+                    self.published = True
+                    continue
                 error = message["error"]
             except (ValueError, KeyError, TypeError, AttributeError):
-                return (f"unreadable result line from the consolidation process: {line[:200]!r}",)
-            return (None if error is None else str(error),)
+                self.published = False
+                return (f"unreadable result line from the consolidation process: {line[:200]!r}", {})
+            self.published = False
+            return (None if error is None else str(error), message)
+
+    def lost_result(self) -> Tuple[Optional[str], Dict[str, object]]:
+        """The result of the request the (ended) process served without answering: its death's reason, or, when it
+        had published the output already and died in its post command, success with the post command's loss."""
+        reason = self.death_reason()
+        if not self.published:
+            return (reason, {})
+        self.published = False
+        return (None, {"post_command": {"stopped": True, "error": f"the consolidation process ended: {reason}"}})
 
     def last_line(self) -> Optional[str]:
         """The last non-empty line the process printed; read only once it has exited (the file offset is shared)."""
@@ -386,9 +403,9 @@ class ConsolidationQueue:
         if running is not None and running.server is not None:
             result = running.server.result()
             if result is None and not running.server.alive:
-                result = running.server.result() or (running.server.death_reason(),)  # it may have answered first
+                result = running.server.result() or running.server.lost_result()  # it may have answered first
             if result is not None:
-                self._finish(running, result[0])
+                self._finish(running, *result)
         dropped, start = [], None
         with self._lock:
             while self._running is None and self._pending:
@@ -502,8 +519,8 @@ class ConsolidationQueue:
             if running.server is None:  # never handed over (cannot happen between the training thread's calls)
                 self._finish(running, "stopped before it was handed to the consolidation process")
                 return
-            running.server.terminate()
-            self._finish(running, running.server.death_reason())
+            running.server.terminate()  # a post command running is stopped and answered for (worker.py)
+            self._finish(running, *(running.server.result() or running.server.lost_result()))
 
     def _spawn(self) -> _Process:
         """Start a consolidation process in ``--serve`` mode: it imports what it needs, then serves requests.
@@ -553,7 +570,7 @@ class ConsolidationQueue:
             try:
                 self._server = self._spawn()
             except OSError as error:
-                self._finish(running, f"cannot start the consolidation process: {error}")
+                self._finish(running, f"cannot start the consolidation process: {error}", {})
                 return
             self._server.send(line.encode())  # if it died at once, reaping it reports why
         assert self._server is not None
@@ -567,7 +584,9 @@ class ConsolidationQueue:
             "" if warm else " (started for it)",
         )
 
-    def _finish(self, running: _Running, error: Optional[str]) -> None:
+    def _finish(self, running: _Running, error: Optional[str], reply: Optional[Mapping[str, object]] = None) -> None:
+        post_command = (reply or {}).get("post_command")
+        running.save.post_command = post_command if isinstance(post_command, dict) else None
         with self._lock:
             self._running = None
             self._move(running.save, RequestState.FAILED if error is not None else RequestState.PUBLISHED)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
+from nemo_patch.engine.post_command import DEFAULT_POST_COMMAND_TIMEOUT, check_placeholders
 from nemo_patch.training.policy import ConsolidationPolicy, parse_consolidation_frequency, resolve_policy
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "CHECKPOINT_IO_ARGUMENTS",
     "DEFAULT_FORMAT",
     "DEFAULT_MAX_PENDING",
+    "DEFAULT_POST_COMMAND_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "STRATEGY_ARGUMENTS",
     "ConsolidationSettings",
@@ -46,6 +48,7 @@ __all__ = [
     "validate_keep",
     "validate_max_pending",
     "validate_max_shard_size",
+    "validate_post_command",
     "WORKER_NICENESS",
     "validate_count",
     "validate_timeout",
@@ -74,6 +77,8 @@ STRATEGY_ARGUMENTS: Mapping[str, str] = {
     "dtype": "ckpt_consolidation_dtype",
     "merge_adapters": "ckpt_consolidation_merge_adapters",
     "workers": "ckpt_consolidation_workers",
+    "post_command": "ckpt_consolidation_post_command",
+    "post_command_timeout": "ckpt_consolidation_post_command_timeout",
 }
 #: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
 #: strategy's teardown waits).
@@ -85,6 +90,8 @@ CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
     "dtype": "consolidation_dtype",
     "merge_adapters": "consolidation_merge_adapters",
     "workers": "consolidation_workers",
+    "post_command": "consolidation_post_command",
+    "post_command_timeout": "consolidation_post_command_timeout",
 }
 
 
@@ -110,6 +117,9 @@ class ConsolidationSettings:
         workers: writer processes per node for the ``safetensors`` format (>= 1); ``None`` is
             :func:`nemo_patch.engine.parts.default_workers` with ``share=4``, a quarter of the node's cores (1 to 8),
             decided on the node that writes.
+        post_command: a shell command the consolidation process runs after each output it publishes
+            (:func:`nemo_patch.engine.post_command.run_post_command`), ``None`` for none.
+        post_command_timeout: seconds that command may run (> 0, finite).
     """
 
     save_consolidated: Optional[bool] = None
@@ -123,6 +133,8 @@ class ConsolidationSettings:
     dtype: Optional[str] = None
     merge_adapters: bool = False
     workers: Optional[int] = None
+    post_command: Optional[str] = None
+    post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT
 
     @classmethod
     def from_arguments(
@@ -138,6 +150,8 @@ class ConsolidationSettings:
         dtype: Optional[object] = None,
         merge_adapters: bool = False,
         workers: Optional[int] = None,
+        post_command: Optional[str] = None,
+        post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
         names: Mapping[str, str] = STRATEGY_ARGUMENTS,
     ) -> "ConsolidationSettings":
         """Validate the user's values and make the settings.
@@ -154,6 +168,9 @@ class ConsolidationSettings:
                 (:func:`nemo_patch.engine.output_layout.dtype_name`); kept as the short name.
             merge_adapters: ``True`` or ``False``.
             workers: ``None`` or an ``int`` >= 1.
+            post_command: ``None`` or a non-empty shell command using only the placeholders ``{output}``,
+                ``{format}``, ``{global_step}``, ``{checkpoint}``.
+            post_command_timeout: seconds, a number > 0.
             names: the argument names to use in error messages (:data:`STRATEGY_ARGUMENTS` or
                 :data:`CHECKPOINT_IO_ARGUMENTS`).
 
@@ -172,6 +189,8 @@ class ConsolidationSettings:
             dtype=validate_dtype(dtype, names["dtype"]),
             merge_adapters=validate_flag(merge_adapters, names["merge_adapters"]),
             workers=None if workers is None else validate_count(workers, names["workers"], "writer processes"),
+            post_command=validate_post_command(post_command, names["post_command"]),
+            post_command_timeout=validate_timeout(post_command_timeout, names["post_command_timeout"]),
         )
 
     @property
@@ -322,6 +341,24 @@ def validate_keep(value: object, name: str = STRATEGY_ARGUMENTS["keep"]) -> Opti
     if value is None or (isinstance(value, int) and _is_int(value, 0)):
         return value
     raise _invalid(name, value, "None (keep every consolidated output) or an integer >= 0 (e.g. 3)")
+
+
+def validate_post_command(value: object, name: str = STRATEGY_ARGUMENTS["post_command"]) -> Optional[str]:
+    """Return ``value``: ``None`` (no command), or a shell command (a non-empty string) whose placeholders are among
+    ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` (literal braces doubled).
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted form.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise _invalid(name, value, "None or a shell command such as 'python eval.py {output}'")
+    try:
+        check_placeholders(value)
+    except ValueError as error:
+        raise ValueError(f"Invalid {name}: {error}.") from None
+    return value
 
 
 def validate_max_pending(value: object, name: str = STRATEGY_ARGUMENTS["max_pending"]) -> int:

@@ -38,6 +38,7 @@ from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.settings import (
     DEFAULT_FORMAT,
     DEFAULT_MAX_PENDING,
+    DEFAULT_POST_COMMAND_TIMEOUT,
     DEFAULT_TIMEOUT,
     STRATEGY_ARGUMENTS,
     ConsolidationSettings,
@@ -157,6 +158,15 @@ class MegatronStrategy(NeMoMegatronStrategy):
             ``"hf"`` format).
         ckpt_consolidation_workers: writer processes on each writing node (``safetensors`` format); ``None``
             (default) is a quarter of the node's cores, 1 to 8. The output is the same whatever the number.
+        ckpt_consolidation_post_command: a shell command the consolidation process runs after each output it
+            publishes, never a training process: ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}``
+            are replaced (shell-quoted); its output goes to ``<output>.post-command.log``, its result (exit code,
+            seconds, metrics from the JSON lines of numbers it prints) into the output's ``metadata.json`` and, on
+            global rank 0, the log; the metrics go to the trainer's loggers at the checkpoint's global step. A
+            failure is a warning; training goes on. While it runs the next consolidation waits (queued requests
+            count against ``ckpt_consolidation_max_pending``). ``None`` (default): none.
+        ckpt_consolidation_post_command_timeout: seconds the post command may run before its process group is
+            stopped (recorded as timed out). Default 3600.
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
     Raises:
@@ -164,8 +174,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
             ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
             shard size that is not an integer >= 1 or a size string, a queue bound or keep count that is not an
             integer >= 0, a format other than ``"safetensors"``/``"hf"``, or a dtype other than
-            ``"bf16"``/``"fp16"``/``"fp32"``, a merge flag that is not ``True``/``False``, or a number of workers
-            that is not an integer >= 1.
+            ``"bf16"``/``"fp16"``/``"fp32"``, a merge flag that is not ``True``/``False``, a number of workers
+            that is not an integer >= 1, or a post command that is not a non-empty string using only the four
+            placeholders.
             Raised before anything else is set up.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
@@ -188,6 +199,8 @@ class MegatronStrategy(NeMoMegatronStrategy):
         ckpt_consolidation_dtype: Optional[Any] = None,
         ckpt_consolidation_merge_adapters: bool = False,
         ckpt_consolidation_workers: Optional[int] = None,
+        ckpt_consolidation_post_command: Optional[str] = None,
+        ckpt_consolidation_post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         # Validate before NeMo sets anything up.
@@ -203,6 +216,8 @@ class MegatronStrategy(NeMoMegatronStrategy):
             dtype=ckpt_consolidation_dtype,
             merge_adapters=ckpt_consolidation_merge_adapters,
             workers=ckpt_consolidation_workers,
+            post_command=ckpt_consolidation_post_command,
+            post_command_timeout=ckpt_consolidation_post_command_timeout,
         )
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
@@ -226,6 +241,8 @@ class MegatronStrategy(NeMoMegatronStrategy):
     ckpt_consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
     ckpt_consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
     ckpt_consolidation_workers = setting_view("workers", "Writer processes per node (``None``: a quarter of cores).")
+    ckpt_consolidation_post_command = setting_view("post_command", "Command run after each publish (``None``: none).")
+    ckpt_consolidation_post_command_timeout = setting_view("post_command_timeout", "Seconds the post command may run.")
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""
@@ -392,7 +409,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
         return best.path / base.consolidation_settings.output_dirname if best.consolidated else None
 
     def _log_final_consolidation_metrics(self) -> None:
-        """Log the consolidations that ended while ``fit`` was ending (after the callbacks' last hook)."""
+        """Report the consolidations that ended while ``fit`` was ending (after the callbacks' last hook): their
+        metrics, and the callbacks' ``on_consolidation_end``/``on_consolidation_failed`` hooks
+        (:meth:`ConsolidationCallback.report_consolidations`)."""
         from nemo_patch.training.callback import ConsolidationCallback
 
         trainer = getattr(self, "trainer", None)
@@ -400,7 +419,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             return
         for callback in trainer.callbacks:
             if isinstance(callback, ConsolidationCallback):
-                callback.log_consolidation_metrics(trainer)
+                callback.report_consolidations(trainer)
                 for trainer_logger in trainer.loggers:
                     trainer_logger.save()
 

@@ -19,7 +19,12 @@ needs, writes ``{"ready": true}`` on stdout, then serves requests until its stdi
 stdin, ``{"checkpoint": path, "global_step": n, "best": {...} | null}``, and one JSON line per ended request on
 stdout, ``{"error": null | "<one-line reason>"}``. Anything else printed (by this process, torch or the engine) goes to
 stderr: fd 1 is redirected to fd 2 before anything is imported, and the result lines go to a private copy of the
-original stdout. So the interpreter's start (2-5 s, mostly ``import torch``; more for the ``hf`` format, which
+original stdout. With a post command (``ckpt_consolidation_post_command``), a request whose output was published
+first gets the line ``{"published": true}``, then the command runs here
+(:func:`nemo_patch.engine.post_command.run_post_command`), and its result line carries ``"post_command"``: the
+JSON form of :class:`~nemo_patch.engine.post_command.PostCommandResult`. A SIGTERM while the command runs (the end of
+``fit`` stopped waiting) stops the command's process group, answers with its result (``stopped``) and ends this
+process. So the interpreter's start (2-5 s, mostly ``import torch``; more for the ``hf`` format, which
 imports NeMo) is paid once per run instead of once per checkpoint. ``python -m nemo_patch.training.worker <ckpt>
 --global-step N`` consolidates one checkpoint and exits (0, or 1 with the reason on stderr).
 
@@ -45,12 +50,14 @@ of ``import torch``.
 import argparse
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 from nemo_patch.engine.huge_pages import prefer_huge_pages
+from nemo_patch.engine.post_command import PostCommandResult
 from nemo_patch.engine.process_limits import die_with_parent, raise_oom_score
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
@@ -109,6 +116,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         error = consolidate(args.checkpoint, args.global_step, args.best)
         if error is not None:
             print(error, file=sys.stderr, flush=True)
+        elif settings.post_command is not None:
+            done, _ = _run_post_command(settings, args.checkpoint, args.global_step)
+            print(done.describe(), file=sys.stderr, flush=True)
         return 0 if error is None else 1
     results.write(json.dumps({"ready": True}) + "\n")
     while True:
@@ -123,7 +133,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         except BaseException as unexpected:  # answered, then raised: the process ends, the next request gets a new one
             results.write(json.dumps({"error": f"{type(unexpected).__name__}: {unexpected}"}) + "\n")
             raise
-        results.write(json.dumps({"error": error}) + "\n")
+        reply: Dict[str, Any] = {"error": error}
+        stopped = False
+        if error is None and settings.post_command is not None:
+            results.write(json.dumps({"published": True}) + "\n")  # a death from here on leaves the output published
+            done, stopped = _run_post_command(settings, Path(request["checkpoint"]), request.get("global_step"))
+            reply["post_command"] = done.to_json()
+        results.write(json.dumps(reply) + "\n")
+        if stopped:
+            return 0  # asked to end (SIGTERM) while the command ran: answered, now end
 
 
 def _consolidator(
@@ -167,6 +185,36 @@ def _consolidator(
         return None
 
     return consolidate
+
+
+def _run_post_command(
+    settings: ConsolidationSettings, checkpoint: Path, global_step: Optional[int]
+) -> Tuple[PostCommandResult, bool]:
+    """Run the post command on ``checkpoint``'s published output; returns its result and whether a SIGTERM asked this
+    process to end meanwhile (the command was then stopped: this process answers before it ends, rather than dying
+    with the command's result unsaid). Never raises for anything the command does."""
+    from nemo_patch.engine.post_command import run_post_command
+
+    assert settings.post_command is not None
+    asked: List[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
+    try:
+        result = run_post_command(
+            settings.post_command,
+            checkpoint / settings.output_dirname,
+            settings.output_format,
+            global_step if isinstance(global_step, int) and global_step >= 0 else None,
+            checkpoint,
+            timeout=settings.post_command_timeout,
+            should_stop=lambda: bool(asked),
+        )
+    except Exception as error:  # noqa: BLE001 - e.g. an unwritable log file: reported, the output stays published
+        result = PostCommandResult(
+            settings.post_command, None, 0.0, False, "", error=f"{type(error).__name__}: {error}"
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return result, bool(asked)
 
 
 def _niceness() -> int:
