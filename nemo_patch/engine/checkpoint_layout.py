@@ -188,8 +188,8 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
             resolved, home = part.resolve(), checkpoint_dir.resolve()
             if part.exists() and home not in resolved.parents:
                 raise CorruptShardError(
-                    f"{part} is a symbolic link to {resolved}, outside the checkpoint {home}; refusing to read another "
-                    "directory as this checkpoint's"
+                    f"{part} is a symbolic link to {resolved}, outside the checkpoint {home}; refusing to read "
+                    "another directory as this checkpoint's"
                 )
     backend = sharded_backend(weights_dir)
     if backend not in READABLE_BACKENDS:
