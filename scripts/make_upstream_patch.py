@@ -87,7 +87,7 @@ STAGES = [
     Stage("writers", "02-writers", "Checkpoint consolidation: parallel writer processes"),
     Stage("hf", "03-hf", "Checkpoint consolidation: Hugging Face format through the registered exporters"),
     Stage("knob", "04-knob", "MegatronStrategy: ckpt_consolidation_frequency, off the training path"),
-    # Stage("cli", "05-cli", "Checkpoint converter CLI: verify, best checkpoint, loading consolidated weights"),
+    Stage("cli", "05-cli", "Checkpoint converter CLI: verify, best checkpoint, post-command, loading the weights"),
 ]
 STAGE_KEYS = [stage.key for stage in STAGES]
 

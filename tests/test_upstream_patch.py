@@ -54,6 +54,8 @@ class PatchedTree:
 
     def __init__(self, root: Path, patches: List[Path]) -> None:
         self.root, self.patches, self.applied = root, patches, 0
+        self.cache = root.parent / "test-cache"
+        self.cache.mkdir(exist_ok=True)
 
     def apply_through(self, number: int) -> None:
         while self.applied < number:
@@ -110,7 +112,8 @@ def test_patch_applies_and_its_tests_pass_in_the_patched_tree(tree, number):
     tests = [p for p in _added_files(tree.patches[number - 1]) if re.match(r"tests/.*/test_[^/]*\.py$", p)]
     assert tests
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    env.update(NEMO_PATCH_DISABLE="1", PYTHONPATH=str(tree.root))
+    # The patches' tests share one megatron-core checkpoint (written by the first patch's tests, read by later ones).
+    env.update(NEMO_PATCH_DISABLE="1", PYTHONPATH=str(tree.root), NEMO_CONSOLIDATION_TEST_CACHE=str(tree.cache))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-W", "ignore", *tests],
         cwd=tree.root,

@@ -360,3 +360,109 @@ CHANGES = [
         'allocation\n',
     ),
 ]
+
+# --- cli/nemo_consolidate.py: one process per consolidation (multi-node launches stay in the overlay) ---------------
+
+CLI = "cli/nemo_consolidate.py"
+
+CHANGES += [
+    Edit(CLI, "Usage (also ``python -m nemo_patch``)::", "Usage::"),
+    Edit(CLI, "    nemo-consolidate --version\n", ""),
+    Edit(
+        CLI,
+        "    torchrun --nnodes N --nproc-per-node 1 ... -m nemo_patch <path> ... [--timeout SECONDS]\n"
+        "                     (or srun; see nemo_patch.cli.distributed)\n",
+        "",
+    ),
+    Edit(
+        CLI,
+        "15 a peer process of a multi-process run\n(``torchrun``/``srun``) that failed (killed, crashed), froze past "
+        "``--timeout`` or was launched with different\narguments, 16",
+        "16",
+    ),
+    Edit(
+        CLI,
+        ":mod:`nemo_patch.engine.parts`); launched by ``torchrun`` or ``srun`` on several nodes, each node runs its "
+        "share\n(:mod:`nemo_patch.cli.distributed`). The output is",
+        ":mod:`nemo_patch.engine.parts`). The output is",
+    ),
+    Edit(CLI, "    from nemo_patch.cli.distributed import LaunchedGroup\n    from nemo_patch", "    from nemo_patch"),
+    Drop(CLI, ("_installed_version", "_VersionAction")),
+    Edit(CLI, "    parser.add_argument(\"--version\", action=_VersionAction)\n", ""),
+    Edit(
+        CLI,
+        '"recorded no monitored metric, 15 a torchrun/srun peer process that failed, froze past --timeout or was "\n'
+        '        "launched with different arguments, 16 a context/',
+        '"recorded no monitored metric, 16 a context/',
+    ),
+    Edit(CLI, "at most 8); under torchrun or srun, on each node\")", "at most 8)\")"),
+    Edit(
+        CLI,
+        '    parser.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", help="under torchrun or '
+        'srun: "\n'
+        '                        "how long a rank waits for another\'s next message before the run ends with exit '
+        'code 15 "\n'
+        '                        "(default: 3600; a rank waits for the others\' parts once its own is written, so '
+        'this must "\n'
+        '                        "cover how much longer a slower node takes over its share of a large model, and '
+        'rank 0\'s "\n'
+        '                        "planning, --verify and publishing)")  # fmt: skip\n',
+        "",
+    ),
+    Edit(
+        CLI,
+        "    prefer_huge_pages()  # before torch is imported: this process exists to consolidate\n",
+        "",
+    ),
+    Edit(
+        CLI,
+        "    from nemo_patch.cli.distributed import LaunchedGroup\n\n"
+        "    try:\n"
+        "        group = LaunchedGroup.from_environment(args.timeout)\n"
+        "        if group is not None:\n"
+        "            group.join(vars(args))  # every rank's arguments compared with rank 0's, before any work\n"
+        "            if group.rank != 0:\n"
+        "                return group.serve()  # rank 0 reports the outcome, once; every rank reports a lost peer\n"
+        "    except ConsolidationError as error:\n"
+        '        print(f"{PROG}: error: {error}", file=sys.stderr)\n'
+        "        return error.exit_code\n"
+        "    if group is None:\n"
+        "        return _consolidate(args, None)\n"
+        "    code = _consolidate(args, group)\n"
+        "    group.finish(code)\n"
+        "    return code\n",
+        "    return _consolidate(args)\n",
+    ),
+    Edit(
+        CLI,
+        'def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> int:\n'
+        '    """Consolidate as ``args`` say (on rank 0 of ``group`` when launched on several nodes); returns the exit '
+        'code."""\n',
+        "def _consolidate(args: argparse.Namespace) -> int:\n"
+        '    """Consolidate as ``args`` say; returns the exit code."""\n',
+    ),
+    Edit(
+        CLI,
+        "            if group is not None:\n"
+        "                group.release()  # rank 0 verifies alone: the other ranks exit 0\n",
+        "",
+    ),
+    Edit(
+        CLI,
+        "            if group is not None:\n"
+        "                group.release()  # rank 0 exports alone: the other ranks exit 0\n",
+        "",
+    ),
+    Edit(
+        CLI,
+        "            if group is not None:\n"
+        '                options.update(parts=group.parts(options["workers"]), parts_runner=group.run)\n',
+        "",
+    ),
+    Edit(
+        CLI,
+        "            f\"{f' by {group.world_size} nodes'"
+        " if group is not None and args.format == 'safetensors' else ''}\"\n",
+        "",
+    ),
+]

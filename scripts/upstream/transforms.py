@@ -335,10 +335,45 @@ def upstream_text(text: str) -> str:
     return text
 
 
+def wrap_long_lines(text: str, width: int = 119) -> str:
+    """Break docstring and comment lines longer than ``width`` (the longer import paths of NeMo's tree make some of
+    the overlay's lines too long) at their last space that fits; code and other strings are left as they are."""
+    import io
+    import tokenize
+
+    docstring_lines = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstring_lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    comments = {
+        token.start[0]: token.start[1]
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type == tokenize.COMMENT
+    }
+    wrapped = []
+    for number, line in enumerate(text.split("\n"), 1):
+        while len(line) > width and (number in docstring_lines or number in comments):
+            indent = len(line) - len(line.lstrip())
+            start = comments.get(number, indent)
+            cut = line.rfind(" ", start + 2, width + 1)
+            if cut <= start or "fmt: skip" in line or "noqa" in line:
+                break
+            if number in comments:
+                prefix = " " * start + ("#: " if line[start:].startswith("#:") else "# ")
+            else:
+                prefix = line[:indent]
+            wrapped.append(line[:cut].rstrip())
+            line = prefix + line[cut + 1 :].lstrip()
+        wrapped.append(line)
+    return "\n".join(wrapped)
+
+
 def format_nemo(text: str) -> str:
-    """``text`` formatted as NeMo formats its code (isort, then black, with NeMo's settings)."""
+    """``text`` formatted as NeMo formats its code (isort, then black, with NeMo's settings; long docstring and
+    comment lines broken)."""
     import black
     import isort
 
+    mode = black.Mode(line_length=119, string_normalization=False)
     text = isort.code(text, config=isort.Config(**ISORT_SETTINGS))
-    return black.format_str(text, mode=black.Mode(line_length=119, string_normalization=False))
+    return black.format_str(wrap_long_lines(black.format_str(text, mode=mode)), mode=mode)

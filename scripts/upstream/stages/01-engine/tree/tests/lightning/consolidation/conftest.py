@@ -14,6 +14,7 @@
 
 """Fixtures of the checkpoint consolidation tests: real ``torch_dist`` checkpoints, written on the CPU."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -41,8 +42,12 @@ def run_python(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def dist_checkpoint(tmp_path_factory):
     """``(checkpoint dir, reference tensors)``: a checkpoint written by megatron-core's ``dist_checkpointing.save``
-    with tensor-parallel chunks and stacked layers (``write_checkpoint.py``), and its tensors as saved."""
-    checkpoint = tmp_path_factory.mktemp("dist_checkpoint") / "step=7"
-    proc = run_python(str(HERE / "write_checkpoint.py"), str(checkpoint), free_port())
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    with tensor-parallel chunks and stacked layers (``write_checkpoint.py``), and its tensors as saved. Written once
+    per session, or once into ``$NEMO_CONSOLIDATION_TEST_CACHE`` when that names a directory (and reused from
+    there). Tests read it and write their outputs elsewhere."""
+    cache = os.environ.get("NEMO_CONSOLIDATION_TEST_CACHE")
+    checkpoint = (Path(cache) if cache else tmp_path_factory.mktemp("dist_checkpoint")) / "step=7"
+    if not (checkpoint / "reference.pt").is_file():  # written last
+        proc = run_python(str(HERE / "write_checkpoint.py"), str(checkpoint), free_port())
+        assert proc.returncode == 0, proc.stderr[-4000:]
     return checkpoint, torch.load(checkpoint / "reference.pt", weights_only=True)

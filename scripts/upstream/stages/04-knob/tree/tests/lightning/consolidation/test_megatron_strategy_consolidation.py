@@ -67,3 +67,10 @@ def test_frequency_reaches_the_checkpoint_io(kwargs, frequency):
 def test_bad_values_raise_at_construction(kwargs, accepted):
     with pytest.raises(ValueError, match=accepted.replace("(", r"\(").replace(")", r"\)")):
         nl.MegatronStrategy(**kwargs)
+
+
+def test_the_arguments_are_documented_before_kwargs():
+    doc = nl.MegatronStrategy.__doc__ or ""
+    kwargs = doc.index("**kwargs")
+    for name in ("save_consolidated (", "ckpt_consolidation_frequency (", "ckpt_consolidation_workers ("):
+        assert 0 <= doc.index(name) < kwargs, name
