@@ -90,6 +90,20 @@ def tree(series, tmp_path_factory) -> PatchedTree:
     return PatchedTree(root, series)
 
 
+def test_every_argument_of_the_overlay_strategy_is_upstreamed_or_named_as_a_follow_up():
+    from upstream import nemo_edits
+
+    tree = ast.parse((REPO / "nemo_patch" / "training" / "strategy.py").read_text())
+    strategy = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MegatronStrategy")
+    init = next(f for f in strategy.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    overlay = {argument.arg for argument in init.args.kwonlyargs}
+    upstream = set(re.findall(r"^ {8}(\w+):", nemo_edits.STRATEGY_ARGS, flags=re.M))
+    assert overlay == upstream | set(nemo_edits.NOT_UPSTREAMED_ARGUMENTS), (
+        f"overlay only: {sorted(overlay - upstream - set(nemo_edits.NOT_UPSTREAMED_ARGUMENTS))}; "
+        f"upstream only: {sorted(upstream - overlay)}"
+    )
+
+
 def _added_files(patch: Path) -> List[str]:
     return re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), flags=re.M)
 

@@ -77,3 +77,25 @@ def test_the_consolidation_process_starts_in_setup_and_the_loop_does_not_wait(ev
     report = json.loads((every_second / "report.json").read_text())
     assert report["process_started_before_training"]  # the callback's setup hook ran, though added in setup
     assert len(report["blocked_seconds"]) == 1 and report["blocked_seconds"][0] < 5.0
+
+
+def test_a_lora_run_consolidates_its_adapter_checkpoints(every_second, tmp_path):
+    """NeMo's PEFT callback rebuilds the checkpoint IO in its setup: consolidation must survive that."""
+    base = sorted((every_second / "tiny_gpt" / "checkpoints").glob("*consumed_samples=8.0"))[0]
+    log_dir = tmp_path / "lora"
+    proc = run_python(
+        str(HERE / "tiny_fit.py"),
+        str(log_dir),
+        "2",
+        'ckpt_consolidation_frequency="each"',
+        f"lora_from={json.dumps(str(base))}",
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    root = log_dir / "tiny_gpt" / "checkpoints"
+    checkpoints = [p for p in root.iterdir() if (p / "weights").is_dir() and not p.is_symlink()]
+    assert len(checkpoints) == 2
+    for checkpoint in checkpoints:
+        metadata = json.loads((checkpoint / "consolidated" / "metadata.json").read_text())
+        assert metadata["kind"] == "adapter" and metadata["peft"]["method"].endswith(".LoRA")
+        adapters = load_file(checkpoint / "consolidated" / "adapter_model.safetensors")
+        assert adapters and all("adapter" in name or "lora" in name for name in adapters), sorted(adapters)[:4]

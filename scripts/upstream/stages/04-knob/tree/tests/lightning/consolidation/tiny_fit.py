@@ -14,9 +14,10 @@
 
 """Fit a tiny GPT with ``llm.train`` on the CPU, saving a checkpoint every step (a test aid).
 
-Usage: ``python tiny_fit.py <log dir> <steps> [<strategy keyword>=<JSON value> ...]``: NeMo's ``MegatronStrategy``
-with those keywords, ``ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)``, ``NeMoLogger`` under ``<log dir>``;
-everything real but CUDA (``cpu_harness.megatron_on_cpu``). Writes ``<log dir>/report.json``: whether the
+Usage: ``python tiny_fit.py <log dir> <steps> [<strategy keyword>=<JSON value> ...] [lora_from=<JSON path>]``: NeMo's
+``MegatronStrategy`` with those keywords, ``ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)``, ``NeMoLogger``
+under ``<log dir>``; everything real but CUDA (``cpu_harness.megatron_on_cpu``). With ``lora_from``, ``llm.finetune``
+with NeMo's ``LoRA`` on the model of that checkpoint, restored from it. Writes ``<log dir>/report.json``: whether the
 consolidation process had started when training started (the callback's setup hook ran), and the callback's count of
 seconds the training loop spent in it.
 """
@@ -70,7 +71,7 @@ class ProcessStarted(pl.Callback):
         self.started = consolidating_io is not None and consolidating_io.queue.process is not None
 
 
-def main(log_dir: Path, steps: int, strategy_args: dict) -> None:
+def main(log_dir: Path, steps: int, strategy_args: dict, lora_from: str = None) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from cpu_harness import megatron_on_cpu
     from megatron.core.optimizer import OptimizerConfig
@@ -99,6 +100,10 @@ def main(log_dir: Path, steps: int, strategy_args: dict) -> None:
     )
     optim = nl.MegatronOptimizerModule(config=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0))
     model = llm.GPTModel(config, optim=optim)
+    resume = None
+    if lora_from is not None:
+        restore = nl.RestoreConfig(path=lora_from, load_optim_state=False)
+        resume = nl.AutoResume(restore_config=restore, resume_if_exists=True, resume_ignore_no_checkpoint=True)
     strategy = nl.MegatronStrategy(ckpt_async_save=False, **strategy_args)
     started = ProcessStarted()
     trainer = nl.Trainer(
@@ -107,16 +112,20 @@ def main(log_dir: Path, steps: int, strategy_args: dict) -> None:
         max_steps=steps,
         strategy=strategy,
         plugins=nl.MegatronMixedPrecision(precision="32"),
-        callbacks=[started],
         limit_val_batches=0,
         num_sanity_val_steps=0,
         log_every_n_steps=1,
         enable_progress_bar=False,
     )
+    trainer.callbacks.append(started)  # not a constructor argument: NeMo's context (io.json) would record its class
     checkpoint = nl.ModelCheckpoint(every_n_train_steps=1, save_top_k=-1, save_last=False, monitor=None)
     log = nl.NeMoLogger(log_dir=str(log_dir), name="tiny_gpt", ckpt=checkpoint, use_datetime_version=False)
     with megatron_on_cpu():
-        llm.train(model, TokenData(), trainer, log=log, tokenizer=None)
+        if lora_from is None:
+            llm.train(model, TokenData(), trainer, log=log, tokenizer=None)
+        else:
+            lora = llm.peft.LoRA(target_modules=["linear_qkv", "linear_proj"], dim=4, alpha=8)
+            llm.finetune(model, TokenData(), trainer, peft=lora, log=log, resume=resume, tokenizer=None)
     blocked = [
         getattr(c, "blocked_seconds", None) for c in trainer.callbacks if type(c).__name__ == "ConsolidationCallback"
     ]
@@ -126,4 +135,4 @@ def main(log_dir: Path, steps: int, strategy_args: dict) -> None:
 
 if __name__ == "__main__":
     arguments = dict((item.split("=", 1)[0], json.loads(item.split("=", 1)[1])) for item in sys.argv[3:])
-    main(Path(sys.argv[1]), int(sys.argv[2]), arguments)
+    main(Path(sys.argv[1]), int(sys.argv[2]), arguments, arguments.pop("lora_from", None))
