@@ -21,17 +21,18 @@ codes. See ``nemo.lightning.io.consolidation.cli.nemo_consolidate``.
 
 import os
 import sys
+from typing import List, Optional
 
 # torch's allocator reads this at its first allocation: huge pages for the consolidation's large tensors
 # (nemo.lightning.io.consolidation.engine.huge_pages); a value the user set is kept.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def main() -> int:
-    """Run the converter command; returns its exit code."""
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the converter command on ``argv`` (default: the command line); returns its exit code."""
     from nemo.lightning.io.consolidation.cli.nemo_consolidate import main as consolidate
 
-    return consolidate()
+    return consolidate(argv)
 
 
 if __name__ == "__main__":
