@@ -96,6 +96,7 @@ PACKAGE_STAGES = {"engine": "engine", "export": "hf", "training": "knob", "cli":
 #: Modules that land in another stage than their subpackage's.
 MODULE_STAGES = {
     "engine/best_checkpoint.py": "knob",  # the "best" cadence; the CLI's --best
+    "engine/post_command.py": "knob",  # a command after each consolidation: the training side and the CLI use it
     "engine/load.py": "cli",  # loading a consolidated output back
     "export/context_model.py": "cli",  # --verify against the checkpoint's context
 }
