@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
@@ -103,6 +103,7 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
     for cls in metadata_classes:
         table[("torch.distributed.checkpoint.metadata", cls.__name__)] = cls
     table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    table[("torch.distributed.checkpoint.filesystem", "_StoragePrefix")] = _StoragePrefix
     planner_classes: Tuple[type, ...] = (SavePlan, WriteItem, WriteItemType, TensorWriteData, BytesIOWriteData)
     for cls in planner_classes:
         table[("torch.distributed.checkpoint.planner", cls.__name__)] = cls

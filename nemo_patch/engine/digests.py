@@ -188,11 +188,14 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
     entry_points = [
         n for stem in stems for n in (single_filename(stem), index_filename(stem)) if (output_dir / n).is_file()
     ]
+    unreadable: Optional[VerificationError] = None  # raised after the digests, which name a changed file better
     if entry_points:  # else every weights file metadata.json records is missing, which the loop below reports
         try:
             weights = set(output_weight_map(output_dir, stems=stems).values())
         except (OSError, ValueError) as error:  # FileNotFoundError, InvalidOutputError
-            raise VerificationError(f"Cannot read the weights files of {output_dir}: {error}") from error
+            unreadable = VerificationError(f"Cannot read the weights files of {output_dir}: {error}")
+            unreadable.__cause__ = error
+            weights = set()
         for name in sorted((weights | set(entry_points)) - set(files)):
             raise VerificationError(
                 f"{output_dir / name} is part of the output, but {METADATA_FILENAME} records no digest of it"
@@ -242,4 +245,6 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
             f"{output_dir / METADATA_FILENAME} is malformed ({type(error).__name__}: {error}); it cannot vouch for "
             "this output"
         ) from error
+    if unreadable is not None:
+        raise unreadable
     return checked
