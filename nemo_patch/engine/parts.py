@@ -211,8 +211,10 @@ def run_part(
 _INHERITED: Dict[str, Sources] = {}
 
 
-def _writer_main(job_json: str, connection: Any, counter: Any) -> None:
-    die_with_parent()  # a killed consolidation leaves no writers behind
+def _writer_main(job_json: str, connection: Any, counter: Any, parent: Optional[int]) -> None:
+    # A killed consolidation leaves no writers behind. The signal is asked for here, in the child, after the fork: a
+    # parent that died in between sends none, so ``parent`` (recorded before the fork) is checked once it is asked for.
+    die_with_parent(parent)
     torch.set_num_threads(1)  # one writer per core; also keeps a forked child away from the parent's thread pool
     stage_times.reset()
 
@@ -309,12 +311,17 @@ def run_parts(
     _INHERITED.clear()
     if context.get_start_method() == "fork":
         _INHERITED[jobs[0].checkpoint_dir] = sources
+    # A forked or spawned writer's parent is this process; a forkserver's writers are the forkserver's children (it
+    # exits once this process is gone, and they with it).
+    parent = os.getpid() if context.get_start_method() != "forkserver" else None
     writers = []
     try:
         for job in jobs:
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
-                target=_writer_main, args=(job.to_json(), send, counter), name=f"consolidation-part-{job.index}"
+                target=_writer_main,
+                args=(job.to_json(), send, counter, parent),
+                name=f"consolidation-part-{job.index}",
             )
             process.start()
             send.close()

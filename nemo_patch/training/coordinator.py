@@ -386,15 +386,21 @@ class ConsolidationCoordinator:
 
     def _place_copy(self, copy: CheckpointSave) -> None:
         """Give a finished ``-last`` copy its output: links of its step's output when that exists (or once it is
-        published), else, when that checkpoint was removed before it could be consolidated, its own consolidation."""
+        published), else, when that checkpoint was removed before it could be consolidated, its own consolidation.
+
+        A copy of a step the cadence did not make due (yet) waits on its step's save too: ``fit``'s end may still
+        consolidate that save (``latest``'s newest checkpoint, ``best``'s best one), and its output is then linked
+        into the copy (or, should the save be dropped first, the copy is consolidated itself)."""
         source = copy.copy_of
-        if source is None or not copy.due or not copy.path.name.endswith(_LAST_SUFFIX):
+        if source is None or not copy.path.name.endswith(_LAST_SUFFIX):
             return
         with self.lock:
             if source.output is not None and (source.output / METADATA_FILENAME).is_file():
                 self._link_copy(copy, source)
-            elif source.state.outstanding:
+            elif source.state.outstanding or (not copy.due and source.state is RequestState.NONE):
                 source.copies.append(copy)
+            elif not copy.due:
+                return
             elif source.state in (RequestState.DROPPED, RequestState.NONE) or source.output is not None:
                 self._substitute(source, copy)  # removed before it could start, or its output went with it (keep=0)
 
