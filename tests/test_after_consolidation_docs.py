@@ -76,3 +76,44 @@ def test_the_perplexity_script_prints_the_perplexity_of_the_model_on_the_text(tm
         expected = math.exp(model(ids, labels=ids).loss.item())
     assert metrics["eval/heldout_tokens"] == ids.shape[1] - 1
     assert math.isclose(metrics["eval/heldout_perplexity"], expected, rel_tol=1e-5) and expected > 1
+
+
+@pytest.mark.slow
+def test_the_perplexity_of_each_hf_output_reaches_tensorboard_at_its_step(imported_llama, tmp_path):
+    """The docs' perplexity script as the post command of a real fine-tune of the tiny Llama with ``hf`` outputs: its
+    metric is in TensorBoard at each consolidated checkpoint's global step, equal to transformers' own perplexity of
+    that output on the text."""
+    import torch
+    from conftest import run_fit
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    script = next(block for block in _python_blocks() if block.startswith("# /opt/eval/eval_perplexity.py"))
+    (tmp_path / "eval_perplexity.py").write_text(script)
+    text = " ".join(f"t{(7 * i) % 120}" for i in range(60))
+    (tmp_path / "heldout.txt").write_text(text)
+    report = run_fit(
+        tmp_path / "ft", model_from=imported_llama / "nemo", format="hf", frequency="every_n:2", max_steps=4,
+        save_every=1, max_pending=8, tensorboard=True, lr=1e-2,
+        post_command=f"{sys.executable} {tmp_path / 'eval_perplexity.py'} {{output}} {tmp_path / 'heldout.txt'}",
+    )  # fmt: skip
+    events = EventAccumulator(report["tensorboard_dir"])
+    events.Reload()
+    logged = {event.step: event.value for event in events.Scalars("eval/heldout_perplexity")}
+    root = tmp_path / "ft" / "tiny_gpt" / "checkpoints"
+    outputs = {}
+    for checkpoint in root.iterdir():
+        meta = checkpoint / "hf" / "metadata.json"
+        if meta.is_file() and not checkpoint.name.endswith("-last"):
+            recorded = json.loads(meta.read_text())
+            assert recorded["post_command"]["returncode"] == 0
+            outputs[recorded["global_step"]] = checkpoint / "hf"
+    assert sorted(outputs) == sorted(logged) == [2, 4]  # every_n:2 of the saves at steps 1 to 4
+    tokenizer = AutoTokenizer.from_pretrained(outputs[2])
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    for step, output in outputs.items():
+        model = AutoModelForCausalLM.from_pretrained(output, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = math.exp(model(ids, labels=ids).loss.item())
+        assert math.isclose(logged[step], expected, rel_tol=1e-4), (step, logged[step], expected)
+    assert logged[2] != logged[4]  # the weights trained between the two
