@@ -475,3 +475,21 @@ def test_a_weights_directory_linked_out_of_the_checkpoint_is_refused(victim, tp2
     (victim / "weights").symlink_to(tp2_checkpoint / "weights")  # another checkpoint's weights, read as this one's
     code, lines = run_cli([str(victim)])
     assert code == 8 and len(lines) == 1 and "outside the checkpoint" in lines[0], lines
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_compressed_member_is_refused_even_with_no_crc_to_check(tmp_path, checked):
+    import zipfile
+
+    from nemo_patch.engine.dcp_reader import _slice
+
+    record = io.BytesIO()
+    with zipfile.ZipFile(record, "w", compression=zipfile.ZIP_DEFLATED) as deflated:
+        deflated.writestr("archive/data/0", b"\0" * 4096)
+    data = bytearray(record.getvalue())
+    for signature, at in ((b"PK\x03\x04", 14), (b"PK\x01\x02", 16)):  # a CRC of 0 means "not checked"
+        start = data.index(signature)
+        data[start + at : start + at + 4] = b"\0\0\0\0"
+    (tmp_path / "shard").write_bytes(bytes(data))
+    with open(tmp_path / "shard", "rb") as handle, pytest.raises(zipfile.BadZipFile, match="is compressed"):
+        _slice(handle, 0, len(data), "shard, record at byte 0", checked)

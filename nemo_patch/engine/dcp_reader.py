@@ -94,30 +94,40 @@ class _Window(io.RawIOBase):
         return got
 
 
+def _refuse_compressed(archive: zipfile.ZipFile) -> None:
+    """Refuse a record with a compressed member: ``torch.save`` stores every member uncompressed, and a deflated one
+    would make ``torch.load`` allocate far more than the record's bytes (a thousandfold for zeros).
+
+    Raises:
+        zipfile.BadZipFile: naming the member.
+    """
+    for info in archive.infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise zipfile.BadZipFile(
+                f"member {info.filename} is compressed ({info.file_size} bytes from {info.compress_size}); "
+                "torch.save stores records uncompressed"
+            )
+
+
 class _CheckedWindow(_Window):
     """A :class:`_Window` over one stored ``torch.save`` archive that checks each member's CRC-32 as it is read.
 
     ``torch.load`` reads every member of the archive (``data.pkl``, ``data/0``, ...) with one ``readinto`` of exactly
     the member's size; the CRC-32 is computed on those bytes right there, so the tensor data is not read a second
-    time. A member read any other way (or compressed) is checked by streaming it through ``zipfile`` in
-    :meth:`finish`.
+    time. A member read any other way is checked by streaming it through ``zipfile`` in :meth:`finish`. A compressed
+    member (``torch.save`` never writes one) is refused when the window is made.
     """
 
     def __init__(self, file: Any, offset: int, length: int, where: str) -> None:
         super().__init__(file, offset, length)
         self.where = where
         self.pending: Dict[int, Tuple[int, int, str]] = {}  # data offset -> (size, CRC-32, member name)
-        self.unfused: List[str] = []
         self.failed: List[str] = []
         with zipfile.ZipFile(_Window(file, offset, length)) as archive:
+            _refuse_compressed(archive)
             for info in archive.infolist():
                 if info.CRC == 0 or info.file_size == 0:
                     continue
-                if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses: a crafted record
-                    raise zipfile.BadZipFile(
-                        f"member {info.filename} is compressed ({info.file_size} bytes from {info.compress_size}); "
-                        "torch.save stores records uncompressed"
-                    )
                 local = _Window(file, offset, length)
                 local.seek(info.header_offset)
                 header = local.read(30)
@@ -145,7 +155,7 @@ class _CheckedWindow(_Window):
         """
         if self.failed:
             raise zipfile.BadZipFile(f"Bad CRC-32 for file {self.failed[0]!r}")
-        names = set(self.unfused) | {name for _, _, name in self.pending.values()}
+        names = {name for _, _, name in self.pending.values()}
         if not names:
             return
         with zipfile.ZipFile(_Window(self._file, self._offset, self._length)) as archive:
@@ -154,7 +164,6 @@ class _CheckedWindow(_Window):
                     while member.read(1 << 20):
                         pass
         self.pending.clear()
-        self.unfused.clear()
 
 
 def _slice(file: Any, offset: int, length: int, where: str, checked: bool) -> Union[_Window, _CheckedWindow]:
@@ -165,8 +174,7 @@ def _slice(file: Any, offset: int, length: int, where: str, checked: bool) -> Un
     try:
         if not checked:
             with zipfile.ZipFile(_Window(file, offset, length)) as archive:
-                if any(info.compress_type != zipfile.ZIP_STORED for info in archive.infolist()):
-                    raise zipfile.BadZipFile("a member is compressed; torch.save stores records uncompressed")
+                _refuse_compressed(archive)
             return _Window(file, offset, length)
         return _CheckedWindow(file, offset, length, where)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
