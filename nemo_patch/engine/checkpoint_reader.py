@@ -90,5 +90,6 @@ def open_weights(
                 f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: "
                 f"{error}"
             ) from error
-    files = check_dcp_layout(weights_dir, metadata, model_tensor_keys(metadata))
-    return metadata, DCPRegionReader(weights_dir, metadata, files=files)
+    keys = model_tensor_keys(metadata)
+    files = check_dcp_layout(weights_dir, metadata, keys)
+    return metadata, DCPRegionReader(weights_dir, metadata, files=files, checked=keys)

@@ -43,7 +43,7 @@ import math
 import time
 import zipfile
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional, Tuple, Union, cast
+from typing import IO, Any, Dict, Iterable, List, Optional, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -189,8 +189,8 @@ class DCPRegionReader:
         metadata: its already-read, validated ``.metadata`` (:func:`nemo_patch.engine.dcp_metadata.read_dcp_metadata`).
         verify_checksums: check the CRC-32 of every stored record read, so a corrupted shard file fails instead of
             yielding wrong tensors. Costs one extra pass over the bytes read (at memory speed).
-        files: the shard files :func:`nemo_patch.engine.layout_checks.check_dcp_layout` already checked; a key read
-            for the first time is checked here otherwise.
+        files: the shard files :func:`nemo_patch.engine.layout_checks.check_dcp_layout` already checked.
+        checked: the keys that check already covered; any other key is checked here when it is first read.
     """
 
     def __init__(
@@ -199,12 +199,13 @@ class DCPRegionReader:
         metadata: Metadata,
         verify_checksums: bool = True,
         files: Optional[Dict[str, Tuple[Path, int]]] = None,
+        checked: Iterable[str] = (),
     ) -> None:
         self.path = Path(path)
         self.metadata = metadata
         self.verify_checksums = verify_checksums
         self._files: Dict[str, Tuple[Path, int]] = dict(files or {})
-        self._checked: set = set()
+        self._checked: Set[str] = set(checked)
         self._chunk_sizes: Dict[str, Dict[Tuple[int, ...], Tuple[int, ...]]] = {}
 
     def files_of(self, key: str) -> List[str]:
@@ -213,11 +214,11 @@ class DCPRegionReader:
         return sorted({str(info.relative_path) for index, info in storage.items() if index.fqn == key})
 
     def _prepare(self, key: str, item: TensorStorageMetadata) -> None:
-        if key in self._checked:
-            return
-        self._files.update(check_dcp_layout(self.path, self.metadata, [key]))
-        self._chunk_sizes[key] = {tuple(chunk.offsets): tuple(chunk.sizes) for chunk in item.chunks}
-        self._checked.add(key)
+        if key not in self._checked:
+            self._files.update(check_dcp_layout(self.path, self.metadata, [key]))
+            self._checked.add(key)
+        if key not in self._chunk_sizes:
+            self._chunk_sizes[key] = {tuple(chunk.offsets): tuple(chunk.sizes) for chunk in item.chunks}
 
     def _load_record(self, stream: Any, key: str, item: TensorStorageMetadata, request: ReadItem) -> torch.Tensor:
         info = self.metadata.storage_data[request.storage_index]
