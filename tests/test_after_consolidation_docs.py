@@ -46,7 +46,7 @@ def test_every_block_parses_and_every_post_command_is_taken():
     assert len(blocks) >= 6 and len(commands) >= 5
     assert any("huggingface-cli upload" in c for c in commands) and any("aws s3 cp" in c for c in commands)
     for command in commands:
-        assert validate_post_command(command) == command
+        assert validate_post_command(command, "--post-command") == command
 
 
 @pytest.mark.slow

@@ -231,7 +231,11 @@ def test_verify_catches_a_corrupted_output_tensor_exit_9(checkpoint_copy, capsys
     "argv, message",
     [
         (["--format", "onnx"], "argument --format: invalid choice: 'onnx' (choose from 'safetensors', 'hf')"),
-        (["--dtype", "int8"], "argument --dtype: invalid dtype 'int8': expected one of bf16, fp16, fp32"),
+        (
+            ["--dtype", "int8"],
+            "argument --dtype: Invalid --dtype 'int8': expected None (the checkpoint's dtype) or one of 'bf16', "
+            "'fp16', 'fp32'",
+        ),
         (["--max-shard-size", "lots"], 'Invalid --max-shard-size \'lots\': expected an integer number of bytes'),
         (["--frequency", "each"], "unrecognized arguments: --frequency each"),
     ],

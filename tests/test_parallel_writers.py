@@ -194,7 +194,8 @@ def test_workers_must_be_a_whole_number_of_processes(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["/nonexistent", "--workers", value])
     assert exit_info.value.code == 2
-    assert f"argument --workers: Invalid --workers {value!r}: expected a whole number of processes >= 1" in (
+    shown = value if value.isdigit() else repr(value)  # a whole number is shown as the number it parsed to
+    assert f"argument --workers: Invalid --workers {shown}: expected a whole number of writer processes >= 1" in (
         capsys.readouterr().err
     )
 

@@ -16,36 +16,25 @@
 
 Directives (usable from MyST Markdown as ```` ```{nemo-patch-strategy-arguments} ````):
 
-* ``nemo-patch-strategy-arguments``: one row per ``MegatronStrategy`` consolidation argument, read from
-  :mod:`nemo_patch.training.settings`: the arguments are the parameters of ``ConsolidationSettings.from_arguments``
-  (their defaults are the table's), named for the strategy by ``STRATEGY_ARGUMENTS`` (plus ``save_consolidated`` and
-  ``ckpt_consolidation_frequency``) and for the checkpoint IO by ``CHECKPOINT_IO_ARGUMENTS``; the meaning is the
-  argument's entry in the ``Args:`` section of ``nemo_patch.training.strategy.MegatronStrategy``'s docstring, read
-  from the module's source (without importing NeMo).
+* ``nemo-patch-strategy-arguments``: one row per ``MegatronStrategy`` consolidation argument: the declarations of
+  :data:`nemo_patch.training.settings.SETTINGS` (strategy argument, checkpoint IO argument, default, help), the same
+  ones the strategy's and the checkpoint IO's signatures and docstrings are made from.
 * ``nemo-patch-exit-codes``: one row per exit code of ``nemo-consolidate``: 0 and 2 (argparse), and every
   ``ConsolidationError`` class of :mod:`nemo_patch.engine.errors` with its ``exit_code`` and docstring.
 
-A declaration the table cannot be made from (a setting without an argument name or without an ``Args:`` entry,
-two error classes with one exit code) fails the build, naming it.
+A declaration the table cannot be made from (a setting without help, two error classes with one exit code) fails
+the build, naming it.
 """
 
-import ast
-import dataclasses
 import importlib.util
 import inspect
 import re
-import sys
 from typing import Any, Dict, List, Sequence, Tuple
 
 from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
-from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
-
-#: The two arguments of the strategy that are not in ``STRATEGY_ARGUMENTS`` (they choose the cadence; the checkpoint IO
-#: takes them under the same names).
-CADENCE_ARGUMENTS = {"save_consolidated": "save_consolidated", "frequency": "ckpt_consolidation_frequency"}
 
 #: Exit codes that no error class carries: success, and argparse's bad command line.
 FIXED_EXIT_CODES = {
@@ -82,29 +71,6 @@ def inline_nodes(text: str) -> List[nodes.Node]:
     return result
 
 
-def docstring_sections(doc: str, section: str) -> Dict[str, str]:
-    """The entries of a Google-style docstring section (``Attributes:``, ``Args:``): name -> its text, continuation
-    lines joined."""
-    lines = inspect.cleandoc(doc).splitlines()
-    entries: Dict[str, str] = {}
-    inside, name = False, ""
-    for line in lines:
-        if line.strip() == f"{section}:":
-            inside = True
-            continue
-        if not inside:
-            continue
-        if line and not line.startswith(" "):
-            break  # the next section
-        match = re.match(r"^    (\*{0,2}\w+)(?: \([^)]*\))?: ?(.*)$", line)
-        if match:
-            name = match.group(1)
-            entries[name] = match.group(2).strip()
-        elif line.strip() and name:
-            entries[name] += " " + line.strip()
-    return entries
-
-
 def format_default(value: Any) -> str:
     """A default as Python source: large integers with ``_`` separators, floats that are whole numbers as ints."""
     if isinstance(value, float) and value.is_integer():
@@ -114,49 +80,16 @@ def format_default(value: Any) -> str:
     return repr(value)
 
 
-def strategy_docstring() -> str:
-    """``MegatronStrategy``'s docstring, read from :mod:`nemo_patch.training.strategy`'s source (importing the module
-    would import NeMo)."""
-    spec = importlib.util.find_spec("nemo_patch.training.strategy")
-    if spec is None or spec.origin is None:
-        raise ExtensionError("nemo_patch.training.strategy not found")
-    tree = ast.parse(open(spec.origin).read())
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "MegatronStrategy":
-            return ast.get_docstring(node) or ""
-    raise ExtensionError(f"no class MegatronStrategy in {spec.origin}")
-
-
 def strategy_argument_rows() -> List[Tuple[str, str, str, str]]:
     """``(strategy argument, checkpoint IO argument, default, meaning)`` for every consolidation argument."""
-    from nemo_patch.training import settings
+    from nemo_patch.training.settings import SETTINGS
 
-    cls = settings.ConsolidationSettings
-    field_names = [field.name for field in dataclasses.fields(cls)]
-    parameters = inspect.signature(cls.from_arguments).parameters
-    meanings = docstring_sections(strategy_docstring(), "Args")
-    strategy_names = {**CADENCE_ARGUMENTS, **settings.STRATEGY_ARGUMENTS}
-    io_names = {**CADENCE_ARGUMENTS, **settings.CHECKPOINT_IO_ARGUMENTS}
-    unknown = set(settings.STRATEGY_ARGUMENTS) - set(field_names)
-    if unknown:
-        raise ExtensionError(f"STRATEGY_ARGUMENTS names settings ConsolidationSettings lacks: {sorted(unknown)}")
     rows = []
-    for name in field_names:
-        if name not in parameters:
-            continue  # derived from the arguments (the cadence policy), not given by the user
-        if name not in strategy_names:
-            raise ExtensionError(f"setting {name!r} has no strategy argument name in STRATEGY_ARGUMENTS")
-        if strategy_names[name] not in meanings:
-            raise ExtensionError(f"{strategy_names[name]!r} has no entry in MegatronStrategy's Args: section")
-        default = parameters[name].default
-        rows.append(
-            (
-                strategy_names[name],
-                io_names.get(name, "(none: the strategy's teardown waits)"),
-                format_default(default),
-                meanings[strategy_names[name]],
-            )
-        )
+    for spec in SETTINGS:
+        if not spec.help.strip():
+            raise ExtensionError(f"setting {spec.field!r} declares no help text")
+        io = spec.io_argument or "(none: the strategy's teardown waits)"
+        rows.append((spec.strategy_argument, io, format_default(spec.default), spec.help))
     return rows
 
 
@@ -214,10 +147,9 @@ class StrategyArguments(SphinxDirective):
     """The table of ``MegatronStrategy``'s consolidation arguments (see the module docstring)."""
 
     def run(self) -> List[nodes.Node]:
-        for module in ("nemo_patch.training.settings", "nemo_patch.training.strategy"):
-            spec = importlib.util.find_spec(module)
-            if spec is not None and spec.origin is not None:
-                self.env.note_dependency(spec.origin)
+        spec = importlib.util.find_spec("nemo_patch.training.settings")
+        if spec is not None and spec.origin is not None:
+            self.env.note_dependency(spec.origin)
         rows = [
             [
                 [nodes.literal(text=strategy)],
@@ -245,22 +177,7 @@ class ExitCodes(SphinxDirective):
         return [_table("nemo-patch-exit-codes", ["exit code", "error class", "cause"], [8, 22, 70], rows)]
 
 
-def data_docstring(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: List[str]) -> None:
-    """A constant re-exported by ``nemo_patch`` (``nemo_patch.ACCEPTED_FREQUENCIES``) gets the ``#:`` comment of the
-    module that defines it instead of its type's docstring (``str(object='') -> str ...``)."""
-    if what != "data" or not name.startswith("nemo_patch.") or lines[:1] != (type(obj).__doc__ or "").splitlines()[:1]:
-        return
-    short = name.rsplit(".", 1)[-1]
-    for module_name, module in sorted(sys.modules.items()):
-        if module_name.startswith("nemo_patch.") and getattr(module, short, None) is obj:
-            docs = ModuleAnalyzer.for_module(module_name).find_attr_docs().get(("", short))
-            if docs:
-                lines[:] = list(docs)
-                return
-
-
 def setup(app: Sphinx) -> Dict[str, Any]:
-    app.connect("autodoc-process-docstring", data_docstring)
     app.add_directive("nemo-patch-strategy-arguments", StrategyArguments)
     app.add_directive("nemo-patch-exit-codes", ExitCodes)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -72,15 +72,15 @@ import time
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
-from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
+from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES
 from nemo_patch.engine.output_target import check_output_target
 from nemo_patch.training.latest import locate_checkpoint
-from nemo_patch.training.settings import ACCEPTED_FORMATS, validate_max_shard_size
+from nemo_patch.training.settings import SETTINGS, Setting
 
 if TYPE_CHECKING:
     from nemo_patch.cli.distributed import LaunchedGroup
@@ -94,24 +94,41 @@ DTYPES = DTYPE_NAMES
 PROG = "nemo-consolidate"
 
 
-def _dtype(value: str) -> str:
-    try:
-        return dtype_name(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _setting_type(spec: Setting) -> Callable[[str], Any]:
+    """argparse's ``type=`` for a setting's option: the declared parse, then the setting's own validation (its
+    message, naming the option, is argparse's error)."""
+    if spec.cli is None:
+        raise ValueError(f"setting {spec.field!r} has no command-line option")
+    flag, parse = spec.cli.flag, spec.cli.parse
+
+    def convert(text: str) -> Any:
+        try:
+            return spec.validate(text if parse is None else parse(text), flag)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = flag.lstrip("-")  # argparse names the type in some messages
+    return convert
 
 
-def _size(value: str) -> int:
-    try:
-        return validate_max_shard_size(value, "--max-shard-size")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _workers(value: str) -> int:
-    if value.strip().isdigit() and int(value) >= 1:
-        return int(value)
-    raise argparse.ArgumentTypeError(f"Invalid --workers {value!r}: expected a whole number of processes >= 1.")
+def _add_setting_options(groups: Dict[str, Any]) -> None:
+    """One option per consolidation setting that declares one (:data:`nemo_patch.training.settings.SETTINGS`), in
+    the group it names, with its declared default."""
+    for spec in SETTINGS:
+        if spec.cli is None:
+            continue
+        group = groups[spec.cli.group]
+        if spec.default is False:
+            group.add_argument(spec.cli.flag, action="store_true", help=spec.cli.help)
+            continue
+        group.add_argument(
+            spec.cli.flag,
+            type=None if spec.cli.choices else _setting_type(spec),  # argparse checks choices after the type
+            default=spec.default,
+            choices=spec.cli.choices,
+            metavar=spec.cli.metavar,
+            help=spec.cli.help,
+        )
 
 
 def _seconds(value: str) -> float:
@@ -166,48 +183,51 @@ def build_parser() -> argparse.ArgumentParser:
         "launched with different arguments, 16 a context/ naming code outside NeMo's packages (see --trust-context), "
         "17 a --post-command that failed or timed out, 1 other.",
     )
-    parser.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
-                        "(LATEST, else the newest finished checkpoint), or the run directory holding "
-                        "checkpoints/")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: <ckpt>/consolidated, "
-                        "or <ckpt>/hf for --format hf)")  # fmt: skip
-    parser.add_argument("--format", choices=ACCEPTED_FORMATS, default="safetensors", help="output format")
-    parser.add_argument("--dtype", type=_dtype, default=None, help="cast floating-point tensors: bf16, fp16 or fp32")
-    parser.add_argument("--max-shard-size", type=_size, default=None, help='bytes per file, e.g. 5GB (default)')
-    parser.add_argument("--merge-adapters", action="store_true", help="for a PEFT (LoRA) adapter checkpoint: write "
-                        "its base model with the adapters merged instead of the adapters alone")  # fmt: skip
-    parser.add_argument("--base-checkpoint", type=Path, default=None, help="with --merge-adapters: the base model's "
-                        "checkpoint (default: the path NeMo recorded in weights/adapter_metadata.json, a relative "
-                        "one resolved against the current directory)")  # fmt: skip
-    parser.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
-                        "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
-    parser.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
-                        "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
-    parser.add_argument("--post-command", default=None, metavar="CMD", help="run CMD (with /bin/sh) after the output "
-                        "is published: {output}, {format}, {global_step}, {checkpoint} are replaced (and set as "
-                        "NEMO_CONSOLIDATED_* variables); its output goes to <output>.post-command.log, its result "
-                        "into metadata.json; a JSON line of numbers it prints is recorded as metrics")  # fmt: skip
-    parser.add_argument("--post-command-timeout", type=_seconds, default=3600.0, metavar="SECONDS",
-                        help="stop the post command after this many seconds (default 3600)")  # fmt: skip
-    parser.add_argument("--trust-context", action="store_true", help="load the checkpoint's context/ even if it names "
-                        "code outside NeMo, megatron-core, torch, transformers and Lightning (that code is imported "
-                        "and run): only for checkpoints whose writer you trust")  # fmt: skip
-    parser.add_argument("--allow-unfinished", action="store_true",
-                        help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
-    parser.add_argument("--best", action="store_true", help="path is a run's checkpoint root: consolidate its best "
-                        "finished checkpoint by the metric NeMo's ModelCheckpoint monitored (from its state in the "
-                        "checkpoints, else from the metric in their names)")  # fmt: skip
-    parser.add_argument("--monitor", default=None, help="with --best: the metric (default: the one ModelCheckpoint "
-                        "recorded, else val_loss)")  # fmt: skip
-    parser.add_argument("--mode", choices=["min", "max"], default=None, help="with --best: whether lower or higher "
-                        "is better (default: ModelCheckpoint's, else min)")  # fmt: skip
-    parser.add_argument("--workers", type=_workers, default=None, help="writer processes on this node (safetensors "
-                        "format; default: its cores, at most 8); under torchrun or srun, on each node")  # fmt: skip
-    parser.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", help="under torchrun or srun: "
-                        "how long a rank waits for another's next message before the run ends with exit code 15 "
-                        "(default: 3600; a rank waits for the others' parts once its own is written, so this must "
-                        "cover how much longer a slower node takes over its share of a large model, and rank 0's "
-                        "planning, --verify and publishing)")  # fmt: skip
+    groups = {
+        name: parser.add_argument_group(name, text)
+        for name, text in [
+            ("input", "the checkpoint to consolidate"),
+            ("output", "what is written, and where"),
+            ("adapters", "PEFT (LoRA) adapter checkpoints"),
+            ("best", "the best checkpoint of a run"),
+            ("parallelism", "writer processes, and ranks under torchrun or srun"),
+        ]
+    }
+    group = groups["input"]
+    group.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
+                       "(LATEST, else the newest finished checkpoint), or the run directory holding "
+                       "checkpoints/")  # fmt: skip
+    group.add_argument("--trust-context", action="store_true", help="load the checkpoint's context/ even if it names "
+                       "code outside NeMo, megatron-core, torch, transformers and Lightning (that code is imported "
+                       "and run): only for checkpoints whose writer you trust")  # fmt: skip
+    group.add_argument("--allow-unfinished", action="store_true",
+                       help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
+    group = groups["output"]
+    group.add_argument("--out", type=Path, default=None, help="output directory (default: <ckpt>/consolidated, "
+                       "or <ckpt>/hf for --format hf)")  # fmt: skip
+    group.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
+                       "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
+    group.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
+                       "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
+    groups["adapters"].add_argument("--base-checkpoint", type=Path, default=None, help="with --merge-adapters: the "
+                                    "base model's checkpoint (default: the path NeMo recorded in "
+                                    "weights/adapter_metadata.json, a relative one resolved against the current "
+                                    "directory)")  # fmt: skip
+    group = groups["best"]
+    group.add_argument("--best", action="store_true", help="path is a run's checkpoint root: consolidate its best "
+                       "finished checkpoint by the metric NeMo's ModelCheckpoint monitored (from its state in the "
+                       "checkpoints, else from the metric in their names)")  # fmt: skip
+    group.add_argument("--monitor", default=None, help="with --best: the metric (default: the one ModelCheckpoint "
+                       "recorded, else val_loss)")  # fmt: skip
+    group.add_argument("--mode", choices=["min", "max"], default=None, help="with --best: whether lower or higher "
+                       "is better (default: ModelCheckpoint's, else min)")  # fmt: skip
+    groups["parallelism"].add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", help="under "
+                                       "torchrun or srun: how long a rank waits for another's next message before "
+                                       "the run ends with exit code 15 (default: 3600; a rank waits for the others' "
+                                       "parts once its own is written, so this must cover how much longer a slower "
+                                       "node takes over its share of a large model, and rank 0's planning, --verify "
+                                       "and publishing)")  # fmt: skip
+    _add_setting_options(groups)
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     parser.add_argument("--version", action=_VersionAction)
     return parser

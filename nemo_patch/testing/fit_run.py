@@ -229,6 +229,7 @@ def run_tiny_fit(
     from nemo_patch.testing import tiny_gpt
     from nemo_patch.testing.cpu_harness import megatron_on_cpu
     from nemo_patch.training.io_chain import find_base_checkpoint_io
+    from nemo_patch.training.settings import STRATEGY_ARGUMENTS
 
     kwargs: Dict[str, Any] = {"ckpt_async_save": async_save}
     if frequency is not None:
@@ -238,9 +239,9 @@ def run_tiny_fit(
     options: List[Tuple[str, Any]] = [("max_pending", max_pending), ("max_shard_size", max_shard_size)]
     options += [("timeout", timeout), ("keep", keep), ("post_command", post_command)]
     options += [("post_command_timeout", post_command_timeout)]
-    for name, value in options + [("format", output_format)]:
+    for name, value in options + [("output_format", output_format)]:
         if value is not None:
-            kwargs[f"ckpt_consolidation_{name}"] = value
+            kwargs[STRATEGY_ARGUMENTS[name]] = value
     if stock and nemo_patch.overlay_applied():
         raise RuntimeError("--stock needs NEMO_PATCH_DISABLE=1, so that NeMo runs without the overlay")
     kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -22,15 +22,15 @@ Imports NeMo, Lightning and the training side's settings and coordinator; never 
 ``nemo_patch.testing``.
 """
 
+import inspect
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional
 
 from lightning.fabric.utilities.types import _PATH
 from nemo.lightning.io import pl as nemo_io_pl
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
-from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
 from nemo_patch.training.coordinator import ConsolidationCoordinator, ConsolidationRecord, best_record
 from nemo_patch.training.hooks import ConsolidationOutcome
 from nemo_patch.training.policy import ConsolidationPolicy
@@ -38,11 +38,10 @@ from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationSchedule
 from nemo_patch.training.settings import (
     CHECKPOINT_IO_ARGUMENTS,
-    DEFAULT_FORMAT,
-    DEFAULT_MAX_PENDING,
-    DEFAULT_POST_COMMAND_TIMEOUT,
     ConsolidationSettings,
-    setting_view,
+    add_setting_views,
+    arguments_docstring,
+    keyword_parameters,
 )
 
 __all__ = ["ConsolidationRecord", "MegatronCheckpointIO", "best_record"]
@@ -61,21 +60,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
 
     Args:
         *args: forwarded to NeMo's ``MegatronCheckpointIO``.
-        save_consolidated: ``None`` (default), ``True`` or ``False``; see
-            :func:`nemo_patch.training.policy.resolve_policy`.
-        ckpt_consolidation_frequency: ``None`` (default), ``"each"``, ``"latest"``, ``"best"``, ``"every_n:<k>"`` or
-            phases (:mod:`nemo_patch.training.policy`).
-        consolidation_max_shard_size: most bytes of tensor data per output safetensors file (default 5 * 10**9).
-        consolidation_max_pending: consolidation requests that may wait behind the running one (default 2).
-        consolidation_format: ``"safetensors"`` (default, ``<ckpt>/consolidated``) or ``"hf"`` (``<ckpt>/hf``).
-        consolidation_keep: consolidated outputs kept when NeMo's top-k removes their checkpoints (default ``None``:
-            all; see :mod:`nemo_patch.training.retention`).
-        consolidation_dtype: output dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (default ``None``: the checkpoint's).
-        consolidation_merge_adapters: merge LoRA adapters into the base model (default ``False``: adapters alone).
-        consolidation_workers: writer processes per writing node (default ``None``: a quarter of its cores, 1 to 8).
-        consolidation_post_command: a shell command the consolidation process runs after each output it publishes
-            (default ``None``: none; see ``MegatronStrategy``'s ``ckpt_consolidation_post_command``).
-        consolidation_post_command_timeout: seconds that command may run (default 3600).
+        {consolidation arguments}
         consolidation_settings: all of the above as one already validated value (what
             :class:`nemo_patch.MegatronStrategy` passes); when given, the arguments above must not be.
         **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
@@ -86,43 +71,18 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     """
 
     def __init__(
-        self,
-        *args: Any,
-        save_consolidated: Optional[bool] = None,
-        ckpt_consolidation_frequency: Optional[str] = None,
-        consolidation_max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-        consolidation_max_pending: int = DEFAULT_MAX_PENDING,
-        consolidation_format: str = DEFAULT_FORMAT,
-        consolidation_keep: Optional[int] = None,
-        consolidation_dtype: Optional[Any] = None,
-        consolidation_merge_adapters: bool = False,
-        consolidation_workers: Optional[int] = None,
-        consolidation_post_command: Optional[str] = None,
-        consolidation_post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
-        consolidation_settings: Optional[ConsolidationSettings] = None,
-        **kwargs: Any,
+        self, *args: Any, consolidation_settings: Optional[ConsolidationSettings] = None, **kwargs: Any
     ) -> None:
-        given = ConsolidationSettings.from_arguments(
-            save_consolidated,
-            ckpt_consolidation_frequency,
-            max_shard_size=consolidation_max_shard_size,
-            max_pending=consolidation_max_pending,
-            output_format=consolidation_format,
-            keep=consolidation_keep,
-            dtype=consolidation_dtype,
-            merge_adapters=consolidation_merge_adapters,
-            workers=consolidation_workers,
-            post_command=consolidation_post_command,
-            post_command_timeout=consolidation_post_command_timeout,
-            names=CHECKPOINT_IO_ARGUMENTS,
-        )
-        if consolidation_settings is not None and given != ConsolidationSettings():
+        # The consolidation arguments are declared in nemo_patch.training.settings (this method's __signature__ lists
+        # them).
+        own = {
+            field: kwargs.pop(argument) for field, argument in CHECKPOINT_IO_ARGUMENTS.items() if argument in kwargs
+        }
+        given = ConsolidationSettings.from_arguments(**own, names=CHECKPOINT_IO_ARGUMENTS)
+        if consolidation_settings is not None and own:
             raise ValueError(
                 "Pass either consolidation_settings or the individual consolidation arguments "
-                "(save_consolidated, ckpt_consolidation_frequency, consolidation_max_shard_size, "
-                "consolidation_max_pending, consolidation_format, consolidation_keep, consolidation_dtype, "
-                "consolidation_merge_adapters, consolidation_workers, consolidation_post_command, "
-                "consolidation_post_command_timeout), not both."
+                f"({', '.join(CHECKPOINT_IO_ARGUMENTS.values())}), not both."
             )
         super().__init__(*args, **kwargs)
         self.set_consolidation_settings(consolidation_settings or given)
@@ -170,17 +130,6 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         self._checkpoint_callback = callback
         if self.coordinator is not None:
             self.coordinator.checkpoint_callback = callback
-
-    save_consolidated = setting_view("save_consolidated", "The ``save_consolidated`` value given.")
-    ckpt_consolidation_frequency = setting_view("frequency", "The ``ckpt_consolidation_frequency`` value given.")
-    consolidation_max_shard_size = setting_view("max_shard_size", "Most tensor bytes per output file.")
-    consolidation_max_pending = setting_view("max_pending", "Requests that may wait behind the running one.")
-    consolidation_format = setting_view("output_format", '``"safetensors"`` or ``"hf"``.')
-    consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
-    consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
-    consolidation_workers = setting_view("workers", "Writer processes per node (``None``: a quarter of cores).")
-    consolidation_post_command = setting_view("post_command", "Command run after each publish (``None``: none).")
-    consolidation_post_command_timeout = setting_view("post_command_timeout", "Seconds the post command may run.")
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> Any:
         """Save as NeMo does; with consolidation on, global rank 0 also records the save for consolidation (and
@@ -321,3 +270,27 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
         """When training starts: see :meth:`ConsolidationCoordinator.reconcile`."""
         if self.coordinator is not None:
             self.coordinator.reconcile(Path(root))
+
+
+def _init_signature() -> inspect.Signature:
+    """``(self, *args, <the consolidation arguments, keyword-only>, consolidation_settings=None, **kwargs)``."""
+    kind = inspect.Parameter
+    return inspect.Signature(
+        [
+            kind("self", kind.POSITIONAL_OR_KEYWORD),
+            kind("args", kind.VAR_POSITIONAL, annotation="Any"),
+            *keyword_parameters("io"),
+            kind(
+                "consolidation_settings", kind.KEYWORD_ONLY, default=None, annotation="Optional[ConsolidationSettings]"
+            ),
+            kind("kwargs", kind.VAR_KEYWORD, annotation="Any"),
+        ],
+        return_annotation=None,
+    )
+
+
+setattr(MegatronCheckpointIO.__init__, "__signature__", _init_signature())
+MegatronCheckpointIO.__doc__ = (MegatronCheckpointIO.__doc__ or "").replace(
+    "        {consolidation arguments}", arguments_docstring("io")
+)
+add_setting_views(MegatronCheckpointIO, "io")

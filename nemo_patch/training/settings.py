@@ -12,21 +12,30 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""One frozen value holding every consolidation setting of a run, validated once where the user gives it.
+"""Every consolidation setting of a run, each declared once, and one frozen value holding them.
 
-:class:`ConsolidationSettings` is made by :meth:`ConsolidationSettings.from_arguments` in
-``MegatronStrategy.__init__`` (or ``MegatronCheckpointIO.__init__`` when a user builds the checkpoint IO), which
-validates each value and raises ``ValueError`` naming the argument and the accepted forms. From there it travels as
-one value: strategy -> checkpoint IO -> consolidation queue -> the consolidation process's command line
-(:meth:`ConsolidationSettings.to_json` once per queue, :meth:`ConsolidationSettings.from_json` once per process).
-Standard library only (plus the cadence in :mod:`nemo_patch.training.policy` and the engine's torch-free output names).
+Each setting is one field of :class:`ConsolidationSettings` whose metadata (:func:`setting`) declares everything
+else about it: its ``MegatronStrategy`` argument, its ``MegatronCheckpointIO`` argument, its default, how it is
+validated, its help text and, where ``nemo-consolidate`` has it, its command-line option. :data:`SETTINGS` lists the
+declarations in order; the strategy's and the checkpoint IO's signatures, docstrings and read-only views, the CLI's
+options, the consolidation process's JSON, the upstream series' strategy edits and the documentation's argument
+table are all made from it. Adding a setting is one field here plus its tests (and the code that uses it).
+
+:meth:`ConsolidationSettings.from_arguments` validates the user's values, once, where the user gives them
+(``MegatronStrategy.__init__``, or ``MegatronCheckpointIO.__init__`` when a user builds the checkpoint IO), and raises
+``ValueError`` naming the argument and the accepted forms. From there the settings travel as one value: strategy ->
+checkpoint IO -> consolidation queue -> the consolidation process's command line (:meth:`ConsolidationSettings.to_json`
+once per queue, :meth:`ConsolidationSettings.from_json` once per process). Standard library only (plus the cadence in
+:mod:`nemo_patch.training.policy` and the engine's torch-free output names).
 """
 
+import inspect
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Union, cast
+import textwrap
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.engine.post_command import DEFAULT_POST_COMMAND_TIMEOUT, check_placeholders
@@ -35,13 +44,19 @@ from nemo_patch.training.policy import ConsolidationPolicy, parse_consolidation_
 __all__ = [
     "ACCEPTED_FORMATS",
     "CHECKPOINT_IO_ARGUMENTS",
+    "CliOption",
     "DEFAULT_FORMAT",
     "DEFAULT_MAX_PENDING",
     "DEFAULT_POST_COMMAND_TIMEOUT",
     "DEFAULT_TIMEOUT",
+    "SETTINGS",
     "STRATEGY_ARGUMENTS",
     "ConsolidationSettings",
-    "setting_view",
+    "Setting",
+    "add_setting_views",
+    "arguments_docstring",
+    "keyword_parameters",
+    "setting",
     "validate_dtype",
     "validate_flag",
     "validate_format",
@@ -52,6 +67,7 @@ __all__ = [
     "WORKER_NICENESS",
     "validate_count",
     "validate_timeout",
+    "validate_workers",
 ]
 
 #: Output formats of a consolidation: ``ckpt_consolidation_format`` and the CLI's ``--format``.
@@ -67,74 +83,415 @@ DEFAULT_TIMEOUT = 1800.0
 #: busy node the training job's threads come first, and a consolidation uses the CPU time they leave.
 WORKER_NICENESS = 10
 
-#: Setting -> the name of the argument that gives it to ``MegatronStrategy`` (used in error messages).
-STRATEGY_ARGUMENTS: Mapping[str, str] = {
-    "timeout": "ckpt_consolidation_timeout",
-    "max_shard_size": "ckpt_consolidation_max_shard_size",
-    "max_pending": "ckpt_consolidation_max_pending",
-    "output_format": "ckpt_consolidation_format",
-    "keep": "ckpt_consolidation_keep",
-    "dtype": "ckpt_consolidation_dtype",
-    "merge_adapters": "ckpt_consolidation_merge_adapters",
-    "workers": "ckpt_consolidation_workers",
-    "post_command": "ckpt_consolidation_post_command",
-    "post_command_timeout": "ckpt_consolidation_post_command_timeout",
-}
-#: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
-#: strategy's teardown waits).
-CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
-    "max_shard_size": "consolidation_max_shard_size",
-    "max_pending": "consolidation_max_pending",
-    "output_format": "consolidation_format",
-    "keep": "consolidation_keep",
-    "dtype": "consolidation_dtype",
-    "merge_adapters": "consolidation_merge_adapters",
-    "workers": "consolidation_workers",
-    "post_command": "consolidation_post_command",
-    "post_command_timeout": "consolidation_post_command_timeout",
-}
+
+@dataclass(frozen=True)
+class CliOption:
+    """How ``nemo-consolidate`` takes a setting on its command line.
+
+    Attributes:
+        flag: the option, e.g. ``"--max-shard-size"``.
+        help: the option's help text (the CLI's own wording: its defaults may be resolved differently).
+        group: the CLI's option group it is listed in (``"output"``, ``"adapters"``, ``"parallelism"``, ...).
+        parse: turns the command-line string into the value handed to the setting's validator; a string that does
+            not parse is handed on as it is, so that the validator's message names it. ``None``: the string itself.
+            A ``bool`` setting is a flag (``store_true``) and has no parse.
+        metavar: the value's name in the usage line (``None``: argparse's).
+        choices: the accepted values, listed in the usage line (``None``: any the validator accepts).
+    """
+
+    flag: str
+    help: str
+    group: str
+    parse: Optional[Callable[[str], Any]] = None
+    metavar: Optional[str] = None
+    choices: Optional[Tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The declaration of one consolidation setting (one field of :class:`ConsolidationSettings`).
+
+    Attributes:
+        field: the :class:`ConsolidationSettings` attribute, e.g. ``"max_shard_size"``.
+        strategy_argument: ``MegatronStrategy``'s keyword argument, e.g. ``"ckpt_consolidation_max_shard_size"``.
+        io_argument: ``nemo_patch.MegatronCheckpointIO``'s keyword argument, ``None`` where it has none (the
+            timeout: the strategy's teardown waits).
+        default: the default value (also the dataclass field's default).
+        annotation: the argument's type as source text, e.g. ``"Union[int, str]"``.
+        validate: ``(value, argument name) -> value``: the accepted value in its stored form; raises ``ValueError``
+            naming the argument and the accepted forms.
+        help: what the argument means (reStructuredText; the strategy's docstring and the documentation's table).
+        cli: the ``nemo-consolidate`` option, ``None`` when the CLI has none.
+    """
+
+    field: str
+    strategy_argument: str
+    io_argument: Optional[str]
+    default: Any
+    annotation: str
+    validate: Callable[[Any, str], Any]
+    help: str
+    cli: Optional[CliOption] = None
+
+
+def setting(
+    default: Any,
+    *,
+    strategy: str,
+    io: Optional[str],
+    annotation: str,
+    validate: Callable[[Any, str], Any],
+    help: str,
+    cli: Optional[CliOption] = None,
+) -> Any:
+    """A :class:`ConsolidationSettings` field declaring one setting (see :class:`Setting` for the arguments)."""
+    declared = dict(strategy_argument=strategy, io_argument=io, annotation=annotation, validate=validate, help=help)
+    return field(default=default, metadata={"setting": dict(declared, cli=cli)})
+
+
+def _invalid(name: str, value: object, accepted: str) -> ValueError:
+    return ValueError(f"Invalid {name} {value!r}: expected {accepted}.")
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _as_given(value: object, name: str) -> Any:
+    """The cadence arguments are checked together, by :func:`nemo_patch.training.policy.resolve_policy`."""
+    return value
+
+
+def _number(text: str) -> Union[float, str]:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _whole_number(text: str) -> Union[int, str]:
+    return int(text) if text.strip().isdigit() else text
+
+
+def validate_count(value: object, name: str, what: str) -> int:
+    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``): a number of writer processes.
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted values.
+    """
+    if _is_int(value, 1):
+        return cast(int, value)
+    raise _invalid(name, value, f"a whole number of {what} >= 1")
+
+
+def validate_workers(value: object, name: str) -> Optional[int]:
+    """Return ``value``: ``None`` (the default number of writer processes) or an ``int`` >= 1 (not ``bool``).
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted values.
+    """
+    return None if value is None else validate_count(value, name, "writer processes")
+
+
+def validate_timeout(value: object, name: str) -> float:
+    """Return ``value`` (seconds, an ``int`` or ``float`` > 0 and finite; not ``bool``) as a float.
+
+    Raises:
+        ValueError: for anything else; the message names the accepted form.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise _invalid(name, value, "a number of seconds > 0 (e.g. 1800)")
+
+
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def validate_max_shard_size(value: object, name: str) -> int:
+    """Return ``value`` as bytes of tensor data per safetensors file (>= 1).
+
+    Args:
+        value: an ``int`` (not ``bool``), or a string as ``transformers``' ``save_pretrained(max_shard_size=...)``
+            takes it: a number with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000) or
+            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``.
+        name: the argument's name, for the message.
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if isinstance(value, int) and _is_int(value, 1):
+        return value
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value.strip())
+        if match:
+            size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+            if size >= 1:
+                return size
+    raise _invalid(name, value, 'an integer number of bytes >= 1 or a size such as "5GB" or "500MiB"')
+
+
+def validate_format(value: object, name: str) -> str:
+    """Return ``value`` if it is ``"safetensors"`` (this package's layout) or ``"hf"`` (a Hugging Face directory).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if isinstance(value, str) and value in ACCEPTED_FORMATS:
+        return value
+    raise _invalid(name, value, '"safetensors" or "hf"')
+
+
+def validate_dtype(value: object, name: str) -> Optional[str]:
+    """Return ``None`` (keep the checkpoint's dtype) or the short name of ``value`` (``"bf16"``, ``"fp16"``,
+    ``"fp32"``; also accepted: ``"bfloat16"``, ``"float16"``, ``"float32"`` and ``torch.dtype`` objects).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if value is None:
+        return None
+    try:
+        return dtype_name(value)
+    except ValueError:
+        raise _invalid(name, value, f"None (the checkpoint's dtype) or one of {', '.join(map(repr, DTYPE_NAMES))}")
+
+
+def validate_flag(value: object, name: str) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (not a truthy stand-in such as ``1`` or ``"yes"``).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    raise _invalid(name, value, "True or False")
+
+
+def validate_keep(value: object, name: str) -> Optional[int]:
+    """Return ``value`` (``None``: keep every consolidated output; an ``int`` >= 0, not ``bool``: keep the newest N).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if value is None or (isinstance(value, int) and _is_int(value, 0)):
+        return value
+    raise _invalid(name, value, "None (keep every consolidated output) or an integer >= 0 (e.g. 3)")
+
+
+def validate_post_command(value: object, name: str) -> Optional[str]:
+    """Return ``value``: ``None`` (no command), or a shell command (a non-empty string) whose placeholders are among
+    ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` (literal braces doubled).
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted form.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise _invalid(name, value, "None or a shell command such as 'python eval.py {output}'")
+    try:
+        check_placeholders(value)
+    except ValueError as error:
+        raise ValueError(f"Invalid {name}: {error}.") from None
+    return value
+
+
+def validate_max_pending(value: object, name: str) -> int:
+    """Return ``value`` (consolidation requests that may wait behind the running one, an ``int`` >= 0; not ``bool``).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted form.
+    """
+    if isinstance(value, int) and _is_int(value, 0):
+        return value
+    raise _invalid(name, value, "an integer >= 0 (e.g. 2)")
+
+
+_CADENCE_HELP = (
+    "``None`` (default), ``\"each\"`` (every finished checkpoint), ``\"latest\"`` (none during training; the newest "
+    "finished checkpoint once when ``fit`` ends) or ``\"every_n:<k>\"`` (the k-th, 2k-th, ... finished checkpoint of "
+    "the run, counted across resumes; k an integer >= 1), ``\"best\"`` (a finished checkpoint that NeMo's "
+    "``ModelCheckpoint`` ranked best by its ``monitor``/``mode`` when it was saved; ``<root>/BEST`` names the best "
+    "consolidated one; needs a monitored metric), or phases that change the cadence at given global steps, e.g. "
+    "``\"every_n:10; each@50000\"``, ``\"best; each@90000\"``, ``\"every_n:20; latest\"`` (grammar: "
+    ":mod:`nemo_patch.training.policy`). Giving a frequency turns consolidation on."
+)
 
 
 @dataclass(frozen=True)
 class ConsolidationSettings:
     """Every consolidation setting of a run (immutable; make it with :meth:`from_arguments`).
 
+    Each field but :attr:`policy` is one setting, declared with :func:`setting`; :data:`SETTINGS` lists the
+    declarations (their ``help`` says what each field means).
+
     Attributes:
-        save_consolidated: the user's ``save_consolidated`` (``None``, ``True`` or ``False``), as given.
-        frequency: the user's ``ckpt_consolidation_frequency`` string, as given (``None`` if not given).
-        policy: the cadence those two resolve to; ``None`` when consolidation is off.
-        output_format: ``"safetensors"`` (``<ckpt>/consolidated``) or ``"hf"`` (``<ckpt>/hf``).
-        max_shard_size: most bytes of tensor data per output safetensors file (>= 1).
-        max_pending: consolidation requests that may wait behind the running one (>= 0).
-        timeout: seconds the end of ``fit`` waits for running and queued consolidations (> 0, finite).
-        keep: how many consolidated outputs survive NeMo's top-k removal of their checkpoints
-            (:mod:`nemo_patch.training.retention`): ``None`` all of them, ``N`` while among the run's newest ``N``
-            outputs, ``0`` none (NeMo's removal deletes them).
-        dtype: the floating-point dtype of the outputs, ``"bf16"``, ``"fp16"`` or ``"fp32"``; ``None`` keeps the
-            checkpoint's. Integer and bool tensors keep theirs.
-        merge_adapters: for PEFT (LoRA) adapter checkpoints, write the base model with the adapters merged instead of
-            the adapters alone.
-        workers: writer processes per node for the ``safetensors`` format (>= 1); ``None`` is
-            :func:`nemo_patch.engine.parts.default_workers` with ``share=4``, a quarter of the node's cores (1 to 8),
-            decided on the node that writes.
-        post_command: a shell command the consolidation process runs after each output it publishes
-            (:func:`nemo_patch.engine.post_command.run_post_command`), ``None`` for none.
-        post_command_timeout: seconds that command may run (> 0, finite).
+        policy: the cadence ``save_consolidated`` and ``frequency`` resolve to; ``None`` when consolidation is off.
     """
 
-    save_consolidated: Optional[bool] = None
-    frequency: Optional[str] = None
+    save_consolidated: Optional[bool] = setting(
+        None,
+        strategy="save_consolidated",
+        io="save_consolidated",
+        annotation="Optional[bool]",
+        validate=_as_given,
+        help="``None`` (default) or ``False``: no consolidation, exactly NeMo's behaviour, unless a frequency is "
+        "given. ``True``: consolidate, at ``\"each\"`` unless a frequency is given.",
+    )
+    frequency: Optional[str] = setting(
+        None,
+        strategy="ckpt_consolidation_frequency",
+        io="ckpt_consolidation_frequency",
+        annotation="Optional[str]",
+        validate=_as_given,
+        help=_CADENCE_HELP,
+    )
+    timeout: float = setting(
+        DEFAULT_TIMEOUT,
+        strategy="ckpt_consolidation_timeout",
+        io=None,
+        annotation="float",
+        validate=validate_timeout,
+        help="how long, in seconds, the end of ``fit`` (normal or by an exception) waits for running and queued "
+        "consolidations before giving up on them (logged). Default 1800.",
+    )
+    max_shard_size: int = setting(
+        DEFAULT_MAX_SHARD_SIZE,
+        strategy="ckpt_consolidation_max_shard_size",
+        io="consolidation_max_shard_size",
+        annotation="Union[int, str]",
+        validate=validate_max_shard_size,
+        help="most bytes of tensor data per output safetensors file (Hugging Face's sharding; default 5 * 10**9): an "
+        "int, or a size string as ``save_pretrained`` takes it (``\"5GB\"``, ``\"500MiB\"``).",
+        cli=CliOption("--max-shard-size", "bytes of tensor data per file, e.g. 5GB (default) or 500MiB", "output"),
+    )
+    max_pending: int = setting(
+        DEFAULT_MAX_PENDING,
+        strategy="ckpt_consolidation_max_pending",
+        io="consolidation_max_pending",
+        annotation="int",
+        validate=validate_max_pending,
+        help="how many consolidation requests may wait behind the running one while training runs (default 2). When "
+        "one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than consolidation "
+        "never builds an unbounded backlog. Saves that finish when fit ends are all queued (the end-of-fit wait "
+        "bounds them).",
+    )
+    output_format: str = setting(
+        DEFAULT_FORMAT,
+        strategy="ckpt_consolidation_format",
+        io="consolidation_format",
+        annotation="str",
+        validate=validate_format,
+        help="``\"safetensors\"`` (default): ``<ckpt>/consolidated/`` with this package's layout (megatron-core "
+        "names, any model); ``\"hf\"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory written through NeMo's "
+        "registered exporter for the model class (e.g. Llama); see :mod:`nemo_patch.export.hf`. Either runs in the "
+        "consolidation process, off the training path.",
+        cli=CliOption(
+            "--format",
+            "output format: safetensors (default) or hf (a Hugging Face directory)",
+            "output",
+            choices=ACCEPTED_FORMATS,
+        ),
+    )
+    keep: Optional[int] = setting(
+        None,
+        strategy="ckpt_consolidation_keep",
+        io="consolidation_keep",
+        annotation="Optional[int]",
+        validate=validate_keep,
+        help="what happens to a consolidated output when NeMo's top-k retention (``ModelCheckpoint(save_top_k=...)``) "
+        "removes its checkpoint: ``None`` (default) keeps every one, as ``<root>/retained/<checkpoint name>/``; ``N`` "
+        "keeps one while it is among the run's newest ``N`` consolidated outputs; ``0`` keeps none (it goes with its "
+        "checkpoint). ``LATEST`` never names a removed checkpoint. See :mod:`nemo_patch.training.retention`.",
+    )
+    dtype: Optional[str] = setting(
+        None,
+        strategy="ckpt_consolidation_dtype",
+        io="consolidation_dtype",
+        annotation="Optional[Any]",
+        validate=validate_dtype,
+        help="floating-point dtype of the outputs, ``\"bf16\"``, ``\"fp16\"`` or ``\"fp32\"`` (or a ``torch.dtype``); "
+        "``None`` (default) keeps the checkpoint's. Integer tensors are never cast.",
+        cli=CliOption(
+            "--dtype", "cast floating-point tensors: bf16, fp16 or fp32 (default: keep the checkpoint's)", "output"
+        ),
+    )
+    merge_adapters: bool = setting(
+        False,
+        strategy="ckpt_consolidation_merge_adapters",
+        io="consolidation_merge_adapters",
+        annotation="bool",
+        validate=validate_flag,
+        help="for PEFT (LoRA) runs, whose checkpoints hold only the adapters: ``False`` (default) writes "
+        "``adapter_model.safetensors``; ``True`` writes the base model with the adapters merged as NeMo's "
+        "``LoRAMerge`` computes it (``model.safetensors``, or a full ``transformers`` directory with the ``\"hf\"`` "
+        "format).",
+        cli=CliOption(
+            "--merge-adapters",
+            "for a PEFT (LoRA) adapter checkpoint: write its base model with the "
+            "adapters merged instead of the adapters alone",
+            "adapters",
+        ),
+    )
+    workers: Optional[int] = setting(
+        None,
+        strategy="ckpt_consolidation_workers",
+        io="consolidation_workers",
+        annotation="Optional[int]",
+        validate=validate_workers,
+        help="writer processes on each writing node (``safetensors`` format); ``None`` (default) is a quarter of the "
+        "node's cores, 1 to 8 (:func:`nemo_patch.engine.parts.default_workers` with ``share=4``, decided on the node "
+        "that writes). The output is the same whatever the number.",
+        cli=CliOption(
+            "--workers",
+            "writer processes on this node (safetensors format; default: its cores, at most "
+            "8); under torchrun or srun, on each node",
+            "parallelism",
+            _whole_number,
+        ),
+    )
+    post_command: Optional[str] = setting(
+        None,
+        strategy="ckpt_consolidation_post_command",
+        io="consolidation_post_command",
+        annotation="Optional[str]",
+        validate=validate_post_command,
+        help="a shell command the consolidation process runs after each output it publishes, never a training "
+        "process: ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` are replaced (shell-quoted); its "
+        "output goes to ``<output>.post-command.log``, its result (exit code, seconds, metrics from the JSON lines of "
+        "numbers it prints) into the output's ``metadata.json`` and, on global rank 0, the log; the metrics go to the "
+        "trainer's loggers at the checkpoint's global step. A failure is a warning; training goes on. While it runs "
+        "the next consolidation waits (queued requests count against ``ckpt_consolidation_max_pending``). ``None`` "
+        "(default): none.",
+        cli=CliOption(
+            "--post-command",
+            "run CMD (with /bin/sh) after the output is published: {output}, {format}, "
+            "{global_step}, {checkpoint} are replaced (and set as NEMO_CONSOLIDATED_* variables); its output "
+            "goes to <output>.post-command.log, its result into metadata.json; a JSON line of numbers it "
+            "prints is recorded as metrics",
+            "output",
+            metavar="CMD",
+        ),
+    )
+    post_command_timeout: float = setting(
+        DEFAULT_POST_COMMAND_TIMEOUT,
+        strategy="ckpt_consolidation_post_command_timeout",
+        io="consolidation_post_command_timeout",
+        annotation="float",
+        validate=validate_timeout,
+        help="seconds the post command may run before its process group is stopped (recorded as timed out). Default "
+        "3600.",
+        cli=CliOption(
+            "--post-command-timeout",
+            "stop the post command after this many seconds (default 3600)",
+            "output",
+            _number,
+            "SECONDS",
+        ),
+    )
     policy: Optional[ConsolidationPolicy] = None
-    output_format: str = DEFAULT_FORMAT
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    max_pending: int = DEFAULT_MAX_PENDING
-    timeout: float = DEFAULT_TIMEOUT
-    keep: Optional[int] = None
-    dtype: Optional[str] = None
-    merge_adapters: bool = False
-    workers: Optional[int] = None
-    post_command: Optional[str] = None
-    post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT
 
     @classmethod
     def from_arguments(
@@ -142,56 +499,35 @@ class ConsolidationSettings:
         save_consolidated: Optional[bool] = None,
         frequency: Optional[str] = None,
         *,
-        timeout: float = DEFAULT_TIMEOUT,
-        max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-        max_pending: int = DEFAULT_MAX_PENDING,
-        output_format: str = DEFAULT_FORMAT,
-        keep: Optional[int] = None,
-        dtype: Optional[object] = None,
-        merge_adapters: bool = False,
-        workers: Optional[int] = None,
-        post_command: Optional[str] = None,
-        post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
-        names: Mapping[str, str] = STRATEGY_ARGUMENTS,
+        names: Optional[Mapping[str, str]] = None,
+        **values: Any,
     ) -> "ConsolidationSettings":
         """Validate the user's values and make the settings.
 
         Args:
             save_consolidated: ``None``, ``True`` or ``False`` (see :func:`nemo_patch.training.policy.resolve_policy`).
             frequency: ``None``, or a value :func:`nemo_patch.training.policy.parse_consolidation_frequency` accepts.
-            timeout: seconds, a number > 0.
-            max_shard_size: bytes as an ``int`` >= 1, or a size string such as ``"5GB"`` or ``"500MiB"``.
-            max_pending: an ``int`` >= 0.
-            output_format: ``"safetensors"`` or ``"hf"``.
-            keep: ``None`` or an ``int`` >= 0.
-            dtype: ``None``, ``"bf16"``, ``"fp16"``, ``"fp32"``, their torch names or a ``torch.dtype``
-                (:func:`nemo_patch.engine.output_layout.dtype_name`); kept as the short name.
-            merge_adapters: ``True`` or ``False``.
-            workers: ``None`` or an ``int`` >= 1.
-            post_command: ``None`` or a non-empty shell command using only the placeholders ``{output}``,
-                ``{format}``, ``{global_step}``, ``{checkpoint}``.
-            post_command_timeout: seconds, a number > 0.
-            names: the argument names to use in error messages (:data:`STRATEGY_ARGUMENTS` or
-                :data:`CHECKPOINT_IO_ARGUMENTS`).
+            names: the argument names to use in error messages, by field (:data:`STRATEGY_ARGUMENTS`, the default,
+                or :data:`CHECKPOINT_IO_ARGUMENTS`).
+            **values: the other settings by field name (``timeout=``, ``max_shard_size=``, ...; see
+                :data:`SETTINGS`); a setting not given takes its default.
 
         Raises:
+            TypeError: a keyword that is not a setting's field.
             ValueError: for any invalid or contradictory value; the message names the argument and what is accepted.
         """
-        return cls(
-            save_consolidated=save_consolidated,
-            frequency=frequency,
-            policy=resolve_policy(save_consolidated, frequency),
-            output_format=validate_format(output_format, names["output_format"]),
-            max_shard_size=validate_max_shard_size(max_shard_size, names["max_shard_size"]),
-            max_pending=validate_max_pending(max_pending, names["max_pending"]),
-            timeout=validate_timeout(timeout, names.get("timeout", STRATEGY_ARGUMENTS["timeout"])),
-            keep=validate_keep(keep, names["keep"]),
-            dtype=validate_dtype(dtype, names["dtype"]),
-            merge_adapters=validate_flag(merge_adapters, names["merge_adapters"]),
-            workers=None if workers is None else validate_count(workers, names["workers"], "writer processes"),
-            post_command=validate_post_command(post_command, names["post_command"]),
-            post_command_timeout=validate_timeout(post_command_timeout, names["post_command_timeout"]),
-        )
+        unknown = set(values) - {spec.field for spec in SETTINGS}
+        if unknown:
+            raise TypeError(f"not a consolidation setting: {', '.join(sorted(unknown))}")
+        names = STRATEGY_ARGUMENTS if names is None else names
+        given = dict(values, save_consolidated=save_consolidated, frequency=frequency)
+        validated = {
+            spec.field: spec.validate(
+                given.get(spec.field, spec.default), names.get(spec.field) or spec.strategy_argument
+            )
+            for spec in SETTINGS
+        }
+        return cls(**validated, policy=resolve_policy(save_consolidated, frequency))
 
     @property
     def requested(self) -> bool:
@@ -222,7 +558,7 @@ class ConsolidationSettings:
             ValueError: ``text`` is not such a JSON object (malformed, or with fields this version does not know).
         """
         data: Dict[str, Any] = json.loads(text)
-        known = {field.name for field in fields(cls)}
+        known = {field_.name for field_ in fields(cls)}
         if not isinstance(data, dict) or set(data) - known:
             raise ValueError(f"not nemo_patch consolidation settings: {text[:200]!r}")
         policy = data.get("policy")
@@ -230,143 +566,78 @@ class ConsolidationSettings:
         return cls(**data)
 
 
-def setting_view(setting: str, doc: str) -> Any:
-    """A read-only property that returns ``self.consolidation_settings.<setting>``: how the strategy and the checkpoint
-    IO expose their settings under their own argument names (``ckpt_consolidation_timeout``,
-    ``consolidation_max_pending``, ...)."""
-    return property(lambda self: getattr(self.consolidation_settings, setting), doc=doc)
+#: The declarations of every setting, in the order of the strategy's arguments.
+SETTINGS: Tuple[Setting, ...] = tuple(
+    Setting(field=field_.name, default=field_.default, **field_.metadata["setting"])
+    for field_ in fields(ConsolidationSettings)
+    if "setting" in field_.metadata
+)
+#: Setting -> the name of the argument that gives it to ``MegatronStrategy`` (used in error messages).
+STRATEGY_ARGUMENTS: Mapping[str, str] = {spec.field: spec.strategy_argument for spec in SETTINGS}
+#: Setting -> the name of the argument that gives it to ``nemo_patch.MegatronCheckpointIO`` (which has no timeout: the
+#: strategy's teardown waits).
+CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
+    spec.field: spec.io_argument for spec in SETTINGS if spec.io_argument is not None
+}
 
 
-def _invalid(name: str, value: object, accepted: str) -> ValueError:
-    return ValueError(f"Invalid {name} {value!r}: expected {accepted}.")
+def _argument(spec: Setting, owner: str) -> Optional[str]:
+    if owner not in ("strategy", "io"):
+        raise ValueError(f"owner must be 'strategy' or 'io', not {owner!r}")
+    return spec.strategy_argument if owner == "strategy" else spec.io_argument
 
 
-def _is_int(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def validate_count(value: object, name: str, what: str) -> int:
-    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``): a number of writer processes.
-
-    Raises:
-        ValueError: for anything else; the message names the argument and the accepted values.
-    """
-    if _is_int(value, 1):
-        return cast(int, value)
-    raise _invalid(name, value, f"a whole number of {what} >= 1")
-
-
-def validate_timeout(value: object, name: str = STRATEGY_ARGUMENTS["timeout"]) -> float:
-    """Return ``value`` (seconds, an ``int`` or ``float`` > 0 and finite; not ``bool``) as a float.
+def keyword_parameters(owner: str) -> List[inspect.Parameter]:
+    """The keyword-only parameters that ``owner`` (``"strategy"`` or ``"io"``) adds to its ``__init__``: one per
+    setting it takes, with the declared default and annotation (for its ``__signature__``).
 
     Raises:
-        ValueError: for anything else; the message names the accepted form.
+        ValueError: ``owner`` is neither.
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-        return float(value)
-    raise _invalid(name, value, "a number of seconds > 0 (e.g. 1800)")
+    return [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=spec.default, annotation=spec.annotation)
+        for spec in SETTINGS
+        for name in [_argument(spec, owner)]
+        if name is not None
+    ]
 
 
-_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def validate_max_shard_size(value: object, name: str = STRATEGY_ARGUMENTS["max_shard_size"]) -> int:
-    """Return ``value`` as bytes of tensor data per safetensors file (>= 1).
-
-    Args:
-        value: an ``int`` (not ``bool``), or a string as ``transformers``' ``save_pretrained(max_shard_size=...)``
-            takes it: a number with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000) or
-            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``.
-        name: the argument's name, for the message.
+def arguments_docstring(owner: str, indent: int = 8, width: int = 119) -> str:
+    """The ``Args:`` entries of ``owner``'s (``"strategy"`` or ``"io"``) settings, Google style: one
+    ``name: help`` entry per setting, wrapped at ``width`` columns, continuation lines indented four more.
 
     Raises:
-        ValueError: for anything else; the message names the accepted forms.
+        ValueError: ``owner`` is neither.
     """
-    if isinstance(value, int) and _is_int(value, 1):
-        return value
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value.strip())
-        if match:
-            size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
-            if size >= 1:
-                return size
-    raise _invalid(name, value, 'an integer number of bytes >= 1 or a size such as "5GB" or "500MiB"')
+    entries = []
+    for spec in SETTINGS:
+        name = _argument(spec, owner)
+        if name is None:
+            continue
+        lines = textwrap.wrap(
+            f"{name}: {spec.help}",
+            width=width,
+            initial_indent=" " * indent,
+            subsequent_indent=" " * (indent + 4),
+            break_on_hyphens=False,
+        )
+        entries.append("\n".join(lines))
+    return "\n".join(entries)
 
 
-def validate_format(value: object, name: str = STRATEGY_ARGUMENTS["output_format"]) -> str:
-    """Return ``value`` if it is ``"safetensors"`` (this package's layout) or ``"hf"`` (a Hugging Face directory).
+def add_setting_views(cls: type, owner: str) -> type:
+    """Give ``cls`` (the strategy or the checkpoint IO, per ``owner``) one read-only property per setting, named as
+    its argument, returning ``self.consolidation_settings.<field>``.
 
     Raises:
-        ValueError: for anything else; the message names the accepted forms.
+        ValueError: ``owner`` is neither ``"strategy"`` nor ``"io"``.
     """
-    if isinstance(value, str) and value in ACCEPTED_FORMATS:
-        return value
-    raise _invalid(name, value, '"safetensors" or "hf"')
 
+    def view(field_: str) -> Callable[[Any], Any]:
+        return lambda self: getattr(self.consolidation_settings, field_)
 
-def validate_dtype(value: object, name: str = STRATEGY_ARGUMENTS["dtype"]) -> Optional[str]:
-    """Return ``None`` (keep the checkpoint's dtype) or the short name of ``value`` (``"bf16"``, ``"fp16"``,
-    ``"fp32"``; also accepted: ``"bfloat16"``, ``"float16"``, ``"float32"`` and ``torch.dtype`` objects).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms.
-    """
-    if value is None:
-        return None
-    try:
-        return dtype_name(value)
-    except ValueError:
-        raise _invalid(name, value, f"None (the checkpoint's dtype) or one of {', '.join(map(repr, DTYPE_NAMES))}")
-
-
-def validate_flag(value: object, name: str) -> bool:
-    """Return ``value`` if it is ``True`` or ``False`` (not a truthy stand-in such as ``1`` or ``"yes"``).
-
-    Raises:
-        ValueError: for anything else.
-    """
-    if isinstance(value, bool):
-        return value
-    raise _invalid(name, value, "True or False")
-
-
-def validate_keep(value: object, name: str = STRATEGY_ARGUMENTS["keep"]) -> Optional[int]:
-    """Return ``value`` (``None``: keep every consolidated output; an ``int`` >= 0, not ``bool``: keep the newest N).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms.
-    """
-    if value is None or (isinstance(value, int) and _is_int(value, 0)):
-        return value
-    raise _invalid(name, value, "None (keep every consolidated output) or an integer >= 0 (e.g. 3)")
-
-
-def validate_post_command(value: object, name: str = STRATEGY_ARGUMENTS["post_command"]) -> Optional[str]:
-    """Return ``value``: ``None`` (no command), or a shell command (a non-empty string) whose placeholders are among
-    ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` (literal braces doubled).
-
-    Raises:
-        ValueError: for anything else; the message names the argument and the accepted form.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip():
-        raise _invalid(name, value, "None or a shell command such as 'python eval.py {output}'")
-    try:
-        check_placeholders(value)
-    except ValueError as error:
-        raise ValueError(f"Invalid {name}: {error}.") from None
-    return value
-
-
-def validate_max_pending(value: object, name: str = STRATEGY_ARGUMENTS["max_pending"]) -> int:
-    """Return ``value`` (consolidation requests that may wait behind the running one, an ``int`` >= 0; not ``bool``).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted form.
-    """
-    if isinstance(value, int) and _is_int(value, 0):
-        return value
-    raise _invalid(name, value, "an integer >= 0 (e.g. 2)")
+    for spec in SETTINGS:
+        name = _argument(spec, owner)
+        if name is not None:
+            setattr(cls, name, property(view(spec.field), doc=f"The ``{name}`` setting (read-only)."))
+    return cls

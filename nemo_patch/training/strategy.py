@@ -31,18 +31,16 @@ from nemo.lightning.io import pl as nemo_io_pl
 from nemo.lightning.io.mixin import _io_transform_args
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 
-from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE
 from nemo_patch.training.fit_end import FitEnd
 from nemo_patch.training.io_chain import find_base_checkpoint_io, replace_base_checkpoint_io
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.settings import (
-    DEFAULT_FORMAT,
-    DEFAULT_MAX_PENDING,
-    DEFAULT_POST_COMMAND_TIMEOUT,
     DEFAULT_TIMEOUT,
     STRATEGY_ARGUMENTS,
     ConsolidationSettings,
-    setting_view,
+    add_setting_views,
+    arguments_docstring,
+    keyword_parameters,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
@@ -57,11 +55,7 @@ def _consolidating_io_class() -> Type["MegatronCheckpointIO"]:
 
 
 #: The strategy's own arguments: setting name -> argument name (``save_consolidated`` and the frequency included).
-_OWN_ARGS = {
-    "save_consolidated": "save_consolidated",
-    "frequency": "ckpt_consolidation_frequency",
-    **STRATEGY_ARGUMENTS,
-}
+_OWN_ARGS = dict(STRATEGY_ARGUMENTS)
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +90,7 @@ def _refuse_misspelt_arguments(kwargs: Dict[str, Any]) -> None:
     Raises:
         TypeError: naming the keyword and the closest of this strategy's arguments.
     """
-    ours = ["save_consolidated", *_OWN_ARGS.values()]
+    ours = list(_OWN_ARGS.values())
     nemo = set(inspect.signature(NeMoMegatronStrategy.__init__).parameters)
     for name in kwargs:
         if name in nemo:
@@ -122,51 +116,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
 
     Args:
         *args: NeMo's ``MegatronStrategy`` arguments, unchanged.
-        save_consolidated: ``None`` (default) or ``False``: no consolidation, exactly NeMo's behaviour, unless a
-            frequency is given. ``True``: consolidate, at ``"each"`` unless a frequency is given.
-        ckpt_consolidation_frequency: ``None`` (default), ``"each"`` (every finished checkpoint), ``"latest"`` (none
-            during training; the newest finished checkpoint once when ``fit`` ends) or ``"every_n:<k>"`` (the k-th,
-            2k-th, ... finished checkpoint of the run, counted across resumes; k an integer >= 1), ``"best"`` (a
-            finished checkpoint that NeMo's ``ModelCheckpoint`` ranked best by its ``monitor``/``mode`` when it was
-            saved; ``<root>/BEST`` names the best consolidated one; needs a monitored metric), or phases that change
-            the cadence at given global steps, e.g. ``"every_n:10; each@50000"``, ``"best; each@90000"``,
-            ``"every_n:20; latest"`` (grammar: :mod:`nemo_patch.training.policy`). Giving a frequency turns
-            consolidation on.
-        ckpt_consolidation_timeout: how long, in seconds, the end of ``fit`` (normal or by an exception) waits for
-            running and queued consolidations before giving up on them (logged). Default 1800.
-        ckpt_consolidation_max_shard_size: most bytes of tensor data per output safetensors file (Hugging Face's
-            sharding; default 5 * 10**9): an int, or a size string as ``save_pretrained`` takes it (``"5GB"``,
-            ``"500MiB"``).
-        ckpt_consolidation_max_pending: how many consolidation requests may wait behind the running one while training
-            runs (default 2). When one more arrives, the oldest waiting request is skipped (logged), so a cadence
-            faster than consolidation never builds an unbounded backlog. Saves that finish when fit ends are all
-            queued (the end-of-fit wait bounds them).
-        ckpt_consolidation_format: ``"safetensors"`` (default): ``<ckpt>/consolidated/`` with this package's layout
-            (megatron-core names, any model); ``"hf"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory
-            written through NeMo's registered exporter for the model class (e.g. Llama); see
-            :mod:`nemo_patch.export.hf`. Either runs in the consolidation process, off the training path.
-        ckpt_consolidation_keep: what happens to a consolidated output when NeMo's top-k retention
-            (``ModelCheckpoint(save_top_k=...)``) removes its checkpoint: ``None`` (default) keeps every one, as
-            ``<root>/retained/<checkpoint name>/``; ``N`` keeps one while it is among the run's newest ``N``
-            consolidated outputs; ``0`` keeps none (it goes with its checkpoint). ``LATEST`` never names a removed
-            checkpoint. See :mod:`nemo_patch.training.retention`.
-        ckpt_consolidation_dtype: floating-point dtype of the outputs, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or a
-            ``torch.dtype``); ``None`` (default) keeps the checkpoint's. Integer tensors are never cast.
-        ckpt_consolidation_merge_adapters: for PEFT (LoRA) runs, whose checkpoints hold only the adapters: ``False``
-            (default) writes ``adapter_model.safetensors``; ``True`` writes the base model with the adapters merged as
-            NeMo's ``LoRAMerge`` computes it (``model.safetensors``, or a full ``transformers`` directory with the
-            ``"hf"`` format).
-        ckpt_consolidation_workers: writer processes on each writing node (``safetensors`` format); ``None``
-            (default) is a quarter of the node's cores, 1 to 8. The output is the same whatever the number.
-        ckpt_consolidation_post_command: a shell command the consolidation process runs after each output it
-            publishes, never a training process: ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}``
-            are replaced (shell-quoted); its output goes to ``<output>.post-command.log``, its result (exit code,
-            seconds, metrics from the JSON lines of numbers it prints) into the output's ``metadata.json`` and, on
-            global rank 0, the log; the metrics go to the trainer's loggers at the checkpoint's global step. A
-            failure is a warning; training goes on. While it runs the next consolidation waits (queued requests
-            count against ``ckpt_consolidation_max_pending``). ``None`` (default): none.
-        ckpt_consolidation_post_command_timeout: seconds the post command may run before its process group is
-            stopped (recorded as timed out). Default 3600.
+        {consolidation arguments}
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
     Raises:
@@ -186,39 +136,12 @@ class MegatronStrategy(NeMoMegatronStrategy):
     gets the step's consolidated files (hard links), not a second consolidation.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        save_consolidated: Optional[bool] = None,
-        ckpt_consolidation_frequency: Optional[str] = None,
-        ckpt_consolidation_timeout: float = DEFAULT_TIMEOUT,
-        ckpt_consolidation_max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-        ckpt_consolidation_max_pending: int = DEFAULT_MAX_PENDING,
-        ckpt_consolidation_format: str = DEFAULT_FORMAT,
-        ckpt_consolidation_keep: Optional[int] = None,
-        ckpt_consolidation_dtype: Optional[Any] = None,
-        ckpt_consolidation_merge_adapters: bool = False,
-        ckpt_consolidation_workers: Optional[int] = None,
-        ckpt_consolidation_post_command: Optional[str] = None,
-        ckpt_consolidation_post_command_timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
-        **kwargs: Any,
-    ) -> None:
-        # Validate before NeMo sets anything up.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The consolidation arguments are declared in nemo_patch.training.settings (this method's __signature__ lists
+        # them); they are validated before NeMo sets anything up.
+        own = {field: kwargs.pop(argument) for field, argument in _OWN_ARGS.items() if argument in kwargs}
         _refuse_misspelt_arguments(kwargs)
-        self.consolidation_settings = ConsolidationSettings.from_arguments(
-            save_consolidated,
-            ckpt_consolidation_frequency,
-            timeout=ckpt_consolidation_timeout,
-            max_shard_size=ckpt_consolidation_max_shard_size,
-            max_pending=ckpt_consolidation_max_pending,
-            output_format=ckpt_consolidation_format,
-            keep=ckpt_consolidation_keep,
-            dtype=ckpt_consolidation_dtype,
-            merge_adapters=ckpt_consolidation_merge_adapters,
-            workers=ckpt_consolidation_workers,
-            post_command=ckpt_consolidation_post_command,
-            post_command_timeout=ckpt_consolidation_post_command_timeout,
-        )
+        self.consolidation_settings = ConsolidationSettings.from_arguments(**own)
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
         io_config = getattr(self, "__io__", None)
@@ -228,21 +151,6 @@ class MegatronStrategy(NeMoMegatronStrategy):
         checkpoint_io: Optional[CheckpointIO] = getattr(self, "_checkpoint_io", None)
         if checkpoint_io is not None:
             self._checkpoint_io = self._with_consolidation(checkpoint_io)
-
-    save_consolidated = setting_view("save_consolidated", "The ``save_consolidated`` argument as given.")
-    ckpt_consolidation_frequency = setting_view("frequency", "The ``ckpt_consolidation_frequency`` argument as given.")
-    ckpt_consolidation_timeout = setting_view("timeout", "Seconds the end of ``fit`` waits for consolidations.")
-    ckpt_consolidation_max_shard_size = setting_view("max_shard_size", "Most tensor bytes per output file.")
-    ckpt_consolidation_max_pending = setting_view("max_pending", "Requests that may wait behind the running one.")
-    ckpt_consolidation_format = setting_view("output_format", '``"safetensors"`` or ``"hf"``.')
-    ckpt_consolidation_keep = setting_view(
-        "keep", "Outputs kept when top-k removes their checkpoints (``None``: all)."
-    )
-    ckpt_consolidation_dtype = setting_view("dtype", "Output dtype (``None``: the checkpoint's).")
-    ckpt_consolidation_merge_adapters = setting_view("merge_adapters", "Merge LoRA adapters into the base model.")
-    ckpt_consolidation_workers = setting_view("workers", "Writer processes per node (``None``: a quarter of cores).")
-    ckpt_consolidation_post_command = setting_view("post_command", "Command run after each publish (``None``: none).")
-    ckpt_consolidation_post_command_timeout = setting_view("post_command_timeout", "Seconds the post command may run.")
 
     def _own_io_args(self) -> Dict[str, Any]:
         """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""
@@ -373,7 +281,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if not isinstance(base, _consolidating_io_class()) or not base.consolidate_newest():
             return None
         if wait:
-            base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+            base.wait_for_consolidation(self.consolidation_settings.timeout)
             base.end_consolidation_process_unless_fitting()
         newest = base.consolidation.newest_finished if base.consolidation is not None else None
         if newest is None:
@@ -404,7 +312,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if best is None:
             return None
         if wait:
-            base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+            base.wait_for_consolidation(self.consolidation_settings.timeout)
             base.end_consolidation_process_unless_fitting()
         return best.path / base.consolidation_settings.output_dirname if best.consolidated else None
 
@@ -441,13 +349,13 @@ class MegatronStrategy(NeMoMegatronStrategy):
         With consolidation on and several ranks, the other ranks wait here too, until global rank 0 is done (on the
         job's rendezvous store, not in a collective: :mod:`nemo_patch.training.fit_end`), so that every rank leaves
         ``fit`` together and a collective right after it does not time out on rank 0."""
-        fit_end = FitEnd(self.ckpt_consolidation_timeout) if self.consolidation_settings.enabled else None
+        fit_end = FitEnd(self.consolidation_settings.timeout) if self.consolidation_settings.enabled else None
         try:
             if fit_end is not None and not self.is_global_zero:
                 fit_end.wait()
             base = find_base_checkpoint_io(self._checkpoint_io) if self._checkpoint_io else None
             if isinstance(base, _consolidating_io_class()):
-                base.wait_for_consolidation(self.ckpt_consolidation_timeout)
+                base.wait_for_consolidation(self.consolidation_settings.timeout)
                 base.close_consolidation_queue()
                 self._log_final_consolidation_metrics()
         except Exception:  # a consolidation problem never fails the run; NeMo's teardown still runs
@@ -456,3 +364,26 @@ class MegatronStrategy(NeMoMegatronStrategy):
             if fit_end is not None and self.is_global_zero:
                 fit_end.release()
             super().teardown()
+
+
+def _init_signature() -> inspect.Signature:
+    """``(self, *args, <the consolidation arguments, keyword-only>, **kwargs)``: what ``MegatronStrategy.__init__``
+    takes, for ``help()``, IDEs and NeMo's configuration tools (the arguments are declared in
+    :mod:`nemo_patch.training.settings`)."""
+    kind = inspect.Parameter
+    return inspect.Signature(
+        [
+            kind("self", kind.POSITIONAL_OR_KEYWORD),
+            kind("args", kind.VAR_POSITIONAL, annotation="Any"),
+            *keyword_parameters("strategy"),
+            kind("kwargs", kind.VAR_KEYWORD, annotation="Any"),
+        ],
+        return_annotation=None,
+    )
+
+
+setattr(MegatronStrategy.__init__, "__signature__", _init_signature())
+MegatronStrategy.__doc__ = (MegatronStrategy.__doc__ or "").replace(
+    "        {consolidation arguments}", arguments_docstring("strategy")
+)
+add_setting_views(MegatronStrategy, "strategy")
