@@ -28,10 +28,11 @@ docs/how-it-works.md):
 * :mod:`nemo_patch.overlay`: the import hook and the version gate (standard library until NeMo is imported);
 * :mod:`nemo_patch.export` (Hugging Face) and :mod:`nemo_patch.cli` (``nemo-consolidate``).
 
-The NeMo-dependent names (:class:`MegatronStrategy`, :class:`MegatronCheckpointIO`, :class:`ConsolidationCallback`,
-:func:`apply_overlay`, :func:`overlay_applied`) are imported on first use, so that the consolidation engine
+The public names (``__all__``) are those the API reference documents. The NeMo-dependent ones
+(:class:`MegatronStrategy`, :class:`MegatronCheckpointIO`) are imported on first use, so that the consolidation engine
 (:func:`consolidate_checkpoint`) can run in a process that never imports NeMo; so are the torch-dependent ones, so
-that ``import nemo_patch`` itself imports neither.
+that ``import nemo_patch`` itself imports neither. Everything else lives in the subpackages and may change between
+releases.
 """
 
 import importlib
@@ -44,14 +45,9 @@ from nemo_patch.overlay.version import check_nemo_version
 __nemo_version__ = check_nemo_version()
 
 from nemo_patch.engine.errors import ConsolidationError  # noqa: E402
-from nemo_patch.overlay.apply import apply_overlay, overlay_applied  # noqa: E402
+from nemo_patch.overlay.apply import apply_overlay as _apply_overlay  # noqa: E402
+from nemo_patch.overlay.apply import overlay_applied  # noqa: E402
 from nemo_patch.training.latest import locate_checkpoint, read_latest_pointer  # noqa: E402
-from nemo_patch.training.policy import (  # noqa: E402
-    ACCEPTED_FREQUENCIES,
-    ConsolidationPolicy,
-    parse_consolidation_frequency,
-    resolve_policy,
-)
 from nemo_patch.training.settings import ConsolidationSettings  # noqa: E402
 
 __version__ = "0.1.0"
@@ -65,22 +61,17 @@ _LAZY = {
     "export_hf_checkpoint": "nemo_patch.export.hf",
     "MegatronStrategy": "nemo_patch.training.strategy",
     "MegatronCheckpointIO": "nemo_patch.training.checkpoint_io",
-    "ConsolidationCallback": "nemo_patch.training.callback",
     "ConsolidationOutcome": "nemo_patch.training.hooks",
     "find_best_checkpoint": "nemo_patch.engine.best_checkpoint",
 }
 
 __all__ = [
-    "ACCEPTED_FREQUENCIES",
-    "ConsolidationCallback",
     "ConsolidationError",
     "ConsolidationOutcome",
-    "ConsolidationPolicy",
     "ConsolidationResult",
     "ConsolidationSettings",
     "MegatronCheckpointIO",
     "MegatronStrategy",
-    "apply_overlay",
     "consolidate_checkpoint",
     "export_hf_checkpoint",
     "find_best_checkpoint",
@@ -88,9 +79,7 @@ __all__ = [
     "load_consolidated_state_dict",
     "locate_checkpoint",
     "overlay_applied",
-    "parse_consolidation_frequency",
     "read_latest_pointer",
-    "resolve_policy",
     "verify_consolidated",
 ]
 
@@ -105,6 +94,6 @@ def __getattr__(name: str) -> Any:
 
 if not hook.overlay_disabled():
     if hook.TARGET_MODULE in sys.modules:
-        apply_overlay()
+        _apply_overlay()
     else:
-        hook.install(apply_overlay)
+        hook.install(_apply_overlay)

@@ -199,6 +199,8 @@ def test_the_api_page_documents_every_public_name(site):
     page = (site / "api.html").read_text()
     missing = [name for name in nemo_patch.__all__ if f'id="nemo_patch.{name}"' not in page]
     assert not missing
+    documented = set(re.findall(r'id="nemo_patch\.(\w+)"', page))
+    assert documented == set(nemo_patch.__all__)  # and nothing else: the rest is internal
 
 
 def _quoted_values(text: str) -> List[str]:

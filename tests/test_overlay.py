@@ -86,7 +86,7 @@ def test_disable_env_turns_the_overlay_off():
             **before,
             "new_argument_ignored": ignored,
             "still_stock_after_import": nl.MegatronStrategy is not nemo_patch.MegatronStrategy,
-            "applied": nemo_patch.apply_overlay(),
+            "applied": nemo_patch.overlay.apply.apply_overlay(),
             "explicit_class_works": str(nemo_patch.MegatronStrategy(ckpt_consolidation_frequency="every_n:2")
                                         .consolidation_policy),
             "explicit_class_module": nemo_patch.MegatronStrategy.__module__,
@@ -112,7 +112,7 @@ def test_explicit_import_applies_and_applying_twice_is_harmless():
         import nemo_patch
         import nemo.lightning as nl
         first = nl.MegatronStrategy
-        assert nemo_patch.apply_overlay() and nemo_patch.apply_overlay()
+        assert nemo_patch.overlay.apply.apply_overlay() and nemo_patch.overlay.apply.apply_overlay()
         importlib.reload(sys.modules["nemo_patch.overlay.apply"]).apply_overlay()
         print(json.dumps({
             "stable": nl.MegatronStrategy is first is nemo_patch.MegatronStrategy,

@@ -21,15 +21,10 @@ from nemo.lightning.io.pl import MegatronCheckpointIO as NeMoMegatronCheckpointI
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 import nemo_patch
-from nemo_patch import (
-    ACCEPTED_FREQUENCIES,
-    ConsolidationSettings,
-    MegatronCheckpointIO,
-    MegatronStrategy,
-    parse_consolidation_frequency,
-)
+from nemo_patch import ConsolidationSettings, MegatronCheckpointIO, MegatronStrategy
 from nemo_patch.engine.output_layout import DTYPE_NAMES
 from nemo_patch.training.io_chain import find_base_checkpoint_io
+from nemo_patch.training.policy import ACCEPTED_FREQUENCIES, parse_consolidation_frequency
 
 
 @pytest.mark.parametrize(
