@@ -36,15 +36,8 @@ only a previous output of this command or an empty directory; an ``--out`` that 
 directory above them, or on or inside its ``weights/`` or ``context/`` (symbolic links resolved), or that holds
 anything else, exits 7 before anything is written (:mod:`nemo_patch.engine.output_target`).
 
-Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr:
-see :mod:`nemo_patch.engine.errors` (3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint,
-6 unsupported format, 7 output exists, 8 truncated or corrupt shard file, 9 verification mismatch, 10 no Hugging Face
-exporter, 11 a checkpoint entry whose layout cannot be named safely, 12 a PEFT adapter checkpoint in the ``hf``
-format whose model class has no ``hf-peft`` exporter, 13 adapters that cannot be merged (e.g. the base checkpoint is
-missing), 14 ``--best`` for a run that recorded no monitored metric, 15 a peer process of a multi-process run
-(``torchrun``/``srun``) that failed (killed, crashed), froze past ``--timeout`` or was launched with different
-arguments, 16 a ``context/`` that names code outside NeMo's packages (``--format hf`` without ``--trust-context``),
-17 a ``--post-command`` that failed or timed out (the output stays published), 1 anything else). An adapter
+Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr: the
+error classes of :mod:`nemo_patch.engine.errors` carry them (``--help`` lists them). An adapter
 checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging Face PEFT directory (``hf``), or with
 ``--merge-adapters`` the merged model.
 
@@ -169,19 +162,24 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+def _exit_codes_epilog() -> str:
+    """``Exit codes: 0 ok, 2 usage, 3 path missing, ..., 1 other.``: from the error classes' ``exit_code`` and
+    ``summary`` (:mod:`nemo_patch.engine.errors`)."""
+    from nemo_patch.engine import errors
+
+    classes = [getattr(errors, name) for name in errors.__all__]
+    causes = sorted((cls.exit_code, cls.summary) for cls in classes if cls is not errors.ConsolidationError)
+    causes.append((errors.ConsolidationError.exit_code, errors.ConsolidationError.summary))
+    return "Exit codes: 0 ok, 2 usage, " + ", ".join(f"{code} {summary}" for code, summary in causes) + "."
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``nemo-consolidate``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Consolidate a NeMo 2 distributed checkpoint (torch_dist or zarr) into unsharded safetensors "
         "(or a Hugging Face model directory).",
-        epilog="Exit codes: 0 ok, 2 usage, 3 path missing, 4 not a NeMo checkpoint, 5 unfinished checkpoint, "
-        "6 unsupported format, 7 output exists, 8 corrupt shard, 9 verification failed, 10 no HF exporter, "
-        "11 a layout that cannot be named safely, 12 an adapter checkpoint whose model class has no hf-peft "
-        "exporter, 13 adapters that cannot be merged (e.g. base checkpoint missing), 14 --best for a run that "
-        "recorded no monitored metric, 15 a torchrun/srun peer process that failed, froze past --timeout or was "
-        "launched with different arguments, 16 a context/ naming code outside NeMo's packages (see --trust-context), "
-        "17 a --post-command that failed or timed out, 1 other.",
+        epilog=_exit_codes_epilog(),
     )
     groups = {
         name: parser.add_argument_group(name, text)

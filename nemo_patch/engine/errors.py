@@ -15,7 +15,9 @@
 """The errors a consolidation can raise, one class per cause, each with the process exit code the CLI uses.
 
 Every class derives from :class:`ConsolidationError`, so a caller that does not care about the cause catches that one.
-Exit code 2 is left to ``argparse`` (bad command line) and 1 to causes without a class of their own.
+Exit code 2 is left to ``argparse`` (bad command line) and 1 to causes without a class of their own. Each class's
+``exit_code`` and ``summary`` are the one list of exit codes: ``nemo-consolidate --help`` and the documentation's table
+are made from them.
 
 Standard library only (no torch); never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
@@ -45,24 +47,29 @@ class ConsolidationError(RuntimeError):
 
     #: Exit code of ``nemo-consolidate`` for this cause.
     exit_code = 1
+    #: A few words for ``nemo-consolidate --help``'s list of exit codes.
+    summary = "other"
 
 
 class CheckpointNotFoundError(ConsolidationError):
     """The given path does not exist."""
 
     exit_code = 3
+    summary = "path missing"
 
 
 class NotACheckpointError(ConsolidationError):
     """The path exists but holds no NeMo 2 distributed checkpoint."""
 
     exit_code = 4
+    summary = "not a NeMo checkpoint"
 
 
 class UnfinishedCheckpointError(ConsolidationError):
     """NeMo's ``<ckpt>-unfinished`` marker is present (or DCP's ``.metadata`` is missing): the save never finished."""
 
     exit_code = 5
+    summary = "unfinished checkpoint"
 
 
 class UnsupportedFormatError(ConsolidationError):
@@ -70,24 +77,28 @@ class UnsupportedFormatError(ConsolidationError):
     array whose layout cannot be read safely; the message names it."""
 
     exit_code = 6
+    summary = "unsupported format"
 
 
 class OutputExistsError(ConsolidationError):
     """The output directory exists and overwriting was not asked for."""
 
     exit_code = 7
+    summary = "output exists"
 
 
 class CorruptShardError(ConsolidationError):
     """A shard file (or the ``.metadata`` file) is truncated or corrupt; the message names the file."""
 
     exit_code = 8
+    summary = "corrupt shard"
 
 
 class VerificationError(ConsolidationError):
     """A consolidated tensor differs from its source; the message names the tensor and the output file."""
 
     exit_code = 9
+    summary = "verification failed"
 
 
 class UnknownLayoutError(ConsolidationError):
@@ -96,6 +107,7 @@ class UnknownLayoutError(ConsolidationError):
     consolidation fails instead of writing a misnamed or partly filled tensor."""
 
     exit_code = 11
+    summary = "a layout that cannot be named safely"
 
 
 class AdapterCheckpointError(ConsolidationError):
@@ -105,6 +117,7 @@ class AdapterCheckpointError(ConsolidationError):
     written as a model."""
 
     exit_code = 12
+    summary = "an adapter checkpoint whose model class has no hf-peft exporter"
 
 
 class AdapterMergeError(ConsolidationError):
@@ -113,6 +126,7 @@ class AdapterMergeError(ConsolidationError):
     the message names the path, method or tensor. Nothing is written."""
 
     exit_code = 13
+    summary = "adapters that cannot be merged (e.g. base checkpoint missing)"
 
 
 class NoMonitoredMetricError(ConsolidationError):
@@ -120,6 +134,7 @@ class NoMonitoredMetricError(ConsolidationError):
     metric: no ``ModelCheckpoint(monitor=...)`` metric in its checkpoints' state and none in their names."""
 
     exit_code = 14
+    summary = "--best for a run that recorded no monitored metric"
 
 
 class PeerError(ConsolidationError):
@@ -128,6 +143,7 @@ class PeerError(ConsolidationError):
     the message names the rank(s). Rank 0 publishes nothing unless every rank reported its part written."""
 
     exit_code = 15
+    summary = "a torchrun/srun peer process that failed, froze past --timeout or was launched with different arguments"
 
 
 class UntrustedContextError(ConsolidationError):
@@ -136,6 +152,7 @@ class UntrustedContextError(ConsolidationError):
     user trusts the checkpoint (``--trust-context``)."""
 
     exit_code = 16
+    summary = "a context/ naming code outside NeMo's packages (see --trust-context)"
 
 
 class PostCommandError(ConsolidationError):
@@ -143,9 +160,11 @@ class PostCommandError(ConsolidationError):
     or timed out; the output itself is complete and stays published, and its ``metadata.json`` records the result."""
 
     exit_code = 17
+    summary = "a --post-command that failed or timed out"
 
 
 class ExportError(ConsolidationError):
     """A Hugging Face export is not possible, e.g. NeMo has no exporter for the checkpoint's model class."""
 
     exit_code = 10
+    summary = "no HF exporter"
