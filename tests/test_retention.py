@@ -78,6 +78,24 @@ def test_retained_output_keeps_its_files_step_and_origin(tmp_path):
     assert [p.name for p in (tmp_path / RETAINED_DIRNAME / checkpoint.name).iterdir()] == ["consolidated"]
 
 
+def test_the_post_command_log_is_retained_beside_the_output_and_metadata_names_it(tmp_path):
+    checkpoint = _checkpoint(tmp_path, 6)
+    log = checkpoint / "consolidated.post-command.log"
+    log.write_text("perplexity 12.3\n")
+    metadata_path = checkpoint / "consolidated" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["post_command"] = {"command": "eval", "returncode": 0, "log": str(log)}
+    metadata_path.write_text(json.dumps(metadata))
+    _removing(checkpoint)
+    entry = retain_output(checkpoint, "consolidated")
+    kept_log = entry / "consolidated.post-command.log"
+    assert kept_log.read_text() == "perplexity 12.3\n"
+    kept = json.loads((entry / "consolidated" / "metadata.json").read_text())
+    assert kept["post_command"]["log"] == str(kept_log)
+    shutil.rmtree(checkpoint)  # what NeMo's removal does next: the retained log survives it
+    assert kept_log.read_text() == "perplexity 12.3\n"
+
+
 def test_a_last_copy_is_retained_once_under_its_steps_name(tmp_path):
     own = _checkpoint(tmp_path, 10)
     last = _checkpoint(tmp_path, 10, last=True, linked_from=own)

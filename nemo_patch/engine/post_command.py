@@ -53,6 +53,7 @@ __all__ = [
     "PostCommandResult",
     "check_placeholders",
     "parse_metrics_line",
+    "post_command_log_path",
     "record_result",
     "run_post_command",
 ]
@@ -183,6 +184,13 @@ def _expand(command: str, values: Mapping[str, str]) -> str:
         ) from None
 
 
+def post_command_log_path(output_dir: Union[str, Path]) -> Path:
+    """Where the post command of the output ``output_dir`` writes its stdout and stderr: ``<output>.post-command.log``
+    beside it."""
+    output_dir = Path(output_dir)
+    return output_dir.parent / f"{output_dir.name}.post-command.log"
+
+
 def record_result(output_dir: Union[str, Path], result: PostCommandResult) -> None:
     """Add ``result`` to the output's ``metadata.json`` under ``"post_command"``, atomically (a temporary file renamed
     over it); nothing when there is no readable ``metadata.json``."""
@@ -242,7 +250,7 @@ def run_post_command(
     expanded = _expand(command, values)
     env = dict(os.environ)
     env.update({f"NEMO_CONSOLIDATED_{name.upper()}": value for name, value in values.items()})
-    log_path = output_dir.parent / f"{output_dir.name}.post-command.log"
+    log_path = post_command_log_path(output_dir)
     started = time.monotonic()
     metrics: Dict[str, float] = {}
     try:

@@ -51,6 +51,7 @@ from typing import List, Optional
 
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
+from nemo_patch.engine.post_command import post_command_log_path
 from nemo_patch.engine.publish import link_output
 from nemo_patch.training.latest import BEST_NAME, LATEST_NAME, remove_latest_pointer, update_latest_pointer
 
@@ -176,6 +177,10 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     created = not entry.exists()
     entry.mkdir(parents=True, exist_ok=True)
     metadata["retained_from"] = checkpoint_dir.name
+    log = post_command_log_path(source)
+    post_command = metadata.get("post_command")
+    if isinstance(post_command, dict) and log.is_file():  # the log's new home, linked below
+        post_command["log"] = str(post_command_log_path(entry / output_name))
     if isinstance(metadata.get("source_checkpoint"), str):  # still names the removed checkpoint's weights
         original = (source / metadata["source_checkpoint"]).resolve()
         metadata["source_checkpoint"] = os.path.relpath(original, entry / output_name)
@@ -189,7 +194,22 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
             except OSError:
                 pass
         raise
+    _keep_post_command_log(log, post_command_log_path(entry / output_name))
     return entry
+
+
+def _keep_post_command_log(log: Path, kept: Path) -> None:
+    """Give the post command's log of a retained output a second home beside it (a hard link, else a copy); a log
+    that cannot be kept is logged, never raised: the output is what is retained."""
+    if not log.is_file() or kept.exists():
+        return
+    try:
+        os.link(log, kept)
+    except OSError:
+        try:
+            shutil.copy2(log, kept)
+        except OSError as error:
+            logger.warning("Could not keep the post command's log %s beside %s: %s", log, kept.parent, error)
 
 
 def prune_retained(root: Path, output_name: str, keep: Optional[int]) -> List[Path]:
