@@ -179,7 +179,7 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     metadata["retained_from"] = checkpoint_dir.name
     log = post_command_log_path(source)
     post_command = metadata.get("post_command")
-    if isinstance(post_command, dict) and log.is_file():  # the log's new home, linked below
+    if isinstance(post_command, dict) and _is_plain_file(log):  # the log's new home, linked below
         post_command["log"] = str(post_command_log_path(entry / output_name))
     if isinstance(metadata.get("source_checkpoint"), str):  # still names the removed checkpoint's weights
         original = (source / metadata["source_checkpoint"]).resolve()
@@ -198,13 +198,17 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     return entry
 
 
+def _is_plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
 def _keep_post_command_log(log: Path, kept: Path) -> None:
     """Give the post command's log of a retained output a second home beside it (a hard link, else a copy); a log
     that cannot be kept is logged, never raised: the output is what is retained."""
-    if not log.is_file() or kept.exists():
+    if not _is_plain_file(log) or kept.exists():
         return
     try:
-        os.link(log, kept)
+        os.link(log, kept, follow_symlinks=False)
     except OSError:
         try:
             shutil.copy2(log, kept)
