@@ -41,7 +41,7 @@ from nemo_patch.training.settings import (
     ConsolidationSettings,
     add_setting_views,
     arguments_docstring,
-    keyword_parameters,
+    init_signature,
 )
 
 __all__ = ["ConsolidationRecord", "MegatronCheckpointIO", "best_record"]
@@ -272,24 +272,13 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
             self.coordinator.reconcile(Path(root))
 
 
-def _init_signature() -> inspect.Signature:
-    """``(self, *args, <the consolidation arguments, keyword-only>, consolidation_settings=None, **kwargs)``."""
-    kind = inspect.Parameter
-    return inspect.Signature(
-        [
-            kind("self", kind.POSITIONAL_OR_KEYWORD),
-            kind("args", kind.VAR_POSITIONAL, annotation="Any"),
-            *keyword_parameters("io"),
-            kind(
-                "consolidation_settings", kind.KEYWORD_ONLY, default=None, annotation="Optional[ConsolidationSettings]"
-            ),
-            kind("kwargs", kind.VAR_KEYWORD, annotation="Any"),
-        ],
-        return_annotation=None,
-    )
-
-
-setattr(MegatronCheckpointIO.__init__, "__signature__", _init_signature())
+_SETTINGS_PARAMETER = inspect.Parameter(
+    "consolidation_settings",
+    inspect.Parameter.KEYWORD_ONLY,
+    default=None,
+    annotation="Optional[ConsolidationSettings]",
+)
+setattr(MegatronCheckpointIO.__init__, "__signature__", init_signature("io", [_SETTINGS_PARAMETER]))
 MegatronCheckpointIO.__doc__ = (MegatronCheckpointIO.__doc__ or "").replace(
     "        {consolidation arguments}", arguments_docstring("io")
 )

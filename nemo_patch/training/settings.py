@@ -35,7 +35,7 @@ import math
 import re
 import textwrap
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.engine.post_command import DEFAULT_POST_COMMAND_TIMEOUT, check_placeholders
@@ -55,6 +55,7 @@ __all__ = [
     "Setting",
     "add_setting_views",
     "arguments_docstring",
+    "init_signature",
     "keyword_parameters",
     "setting",
     "validate_dtype",
@@ -600,6 +601,27 @@ def keyword_parameters(owner: str) -> List[inspect.Parameter]:
         for name in [_argument(spec, owner)]
         if name is not None
     ]
+
+
+def init_signature(owner: str, extra: Sequence[inspect.Parameter] = ()) -> inspect.Signature:
+    """``(self, *args, <owner's settings, keyword-only>, <extra>, **kwargs)``: the signature of ``owner``'s
+    (``"strategy"`` or ``"io"``) ``__init__``, which takes its settings through ``**kwargs`` (for ``help()``, IDEs and
+    NeMo's configuration tools).
+
+    Raises:
+        ValueError: ``owner`` is neither.
+    """
+    kind = inspect.Parameter
+    return inspect.Signature(
+        [
+            kind("self", kind.POSITIONAL_OR_KEYWORD),
+            kind("args", kind.VAR_POSITIONAL, annotation="Any"),
+            *keyword_parameters(owner),
+            *extra,
+            kind("kwargs", kind.VAR_KEYWORD, annotation="Any"),
+        ],
+        return_annotation=None,
+    )
 
 
 def arguments_docstring(owner: str, indent: int = 8, width: int = 119) -> str:

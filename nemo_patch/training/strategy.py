@@ -40,7 +40,7 @@ from nemo_patch.training.settings import (
     ConsolidationSettings,
     add_setting_views,
     arguments_docstring,
-    keyword_parameters,
+    init_signature,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
@@ -366,23 +366,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             super().teardown()
 
 
-def _init_signature() -> inspect.Signature:
-    """``(self, *args, <the consolidation arguments, keyword-only>, **kwargs)``: what ``MegatronStrategy.__init__``
-    takes, for ``help()``, IDEs and NeMo's configuration tools (the arguments are declared in
-    :mod:`nemo_patch.training.settings`)."""
-    kind = inspect.Parameter
-    return inspect.Signature(
-        [
-            kind("self", kind.POSITIONAL_OR_KEYWORD),
-            kind("args", kind.VAR_POSITIONAL, annotation="Any"),
-            *keyword_parameters("strategy"),
-            kind("kwargs", kind.VAR_KEYWORD, annotation="Any"),
-        ],
-        return_annotation=None,
-    )
-
-
-setattr(MegatronStrategy.__init__, "__signature__", _init_signature())
+setattr(MegatronStrategy.__init__, "__signature__", init_signature("strategy"))
 MegatronStrategy.__doc__ = (MegatronStrategy.__doc__ or "").replace(
     "        {consolidation arguments}", arguments_docstring("strategy")
 )
