@@ -5,7 +5,7 @@
 #
 # Usage: bash scripts/setup_env.sh            # venv in .venv (override with NEMO_PATCH_VENV=path)
 #        NEMO_PATCH_CONSTRAINTS=constraints/nemo-2.5.3.txt NEMO_PATCH_VENV=.venv-nemo-2.5 bash scripts/setup_env.sh
-#                                             # the other supported NeMo line (see the README's version matrix)
+#                                             # the other supported NeMo line (docs/installation.md, "Supported stack")
 # Idempotent: a stamp records the hash of what the install copies (pyproject.toml, the constraints, the start-up
 # hook files); nothing is done when they are unchanged.
 set -euo pipefail

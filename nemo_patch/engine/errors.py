@@ -81,10 +81,12 @@ class UnsupportedFormatError(ConsolidationError):
 
 
 class OutputExistsError(ConsolidationError):
-    """The output directory exists and overwriting was not asked for."""
+    """The output directory exists and overwriting was not asked for (or ``--force`` was asked for an output that is
+    not a previous output or an empty directory), or the output would be the checkpoint, its root or a directory above
+    them, or lie on or inside its ``weights/`` or ``context/``; nothing is written."""
 
     exit_code = 7
-    summary = "output exists"
+    summary = "output exists or would overwrite the checkpoint"
 
 
 class CorruptShardError(ConsolidationError):

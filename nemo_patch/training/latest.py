@@ -137,9 +137,9 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
         The checkpoint's :class:`nemo_patch.engine.checkpoint_layout.CheckpointLocation`.
 
     Raises:
-        The errors of :func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`; :class:`NotACheckpointError` for
-        a root with no checkpoint and :class:`UnfinishedCheckpointError` for a root whose checkpoints are all
-        unfinished.
+        ConsolidationError: those of :func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`;
+            :class:`NotACheckpointError` for a root with no checkpoint and :class:`UnfinishedCheckpointError` for a
+            root whose checkpoints are all unfinished.
     """
     path = Path(path)
     if not path.exists():
