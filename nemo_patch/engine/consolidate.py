@@ -250,7 +250,8 @@ def consolidate_checkpoint(
         ConsolidationError: or one of its subclasses in :mod:`nemo_patch.engine.errors` naming the cause: not
             a checkpoint, unfinished, unsupported format (``fsdp_dtensor``, a ``zarr`` array it cannot read safely),
             output exists, a shard file that cannot be read (:class:`CorruptShardError`, naming the file), a
-            verification mismatch, or an output that cannot be written. Nothing is left under ``output_dir``'s name or in a temporary directory.
+            verification mismatch, or an output that cannot be written. Nothing is left under ``output_dir``'s name
+            or in a temporary directory.
         ValueError: if ``max_shard_size`` < 1, ``workers`` < 1 or ``dtype`` is not a floating-point dtype.
     """
     if max_shard_size < 1:
