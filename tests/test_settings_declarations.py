@@ -112,9 +112,9 @@ def test_one_new_field_is_a_new_setting_everywhere(tmp_path):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["package"] == str(copy / "__init__.py")
     assert report["strategy_value"] == report["strategy_view"] == 3
-    assert "ckpt_consolidation_example_count: 'int' = 7" in report["strategy_signature"]
+    assert "ckpt_consolidation_example_count: int = 7" in report["strategy_signature"]
     assert report["strategy_doc"]
-    assert report["io_value"] == 4 and "consolidation_example_count: 'int' = 7" in report["io_signature"]
+    assert report["io_value"] == 4 and "consolidation_example_count: int = 7" in report["io_signature"]
     assert report["json"] == 3
     assert report["errors"] == [
         "ValueError: Invalid ckpt_consolidation_example_count -1: expected an integer >= 0 (e.g. 2).",

@@ -14,7 +14,9 @@
 
 """Constructing the strategy and its checkpoint IO: arguments, validation and the checkpoint IO chain."""
 
+import inspect
 import logging
+from typing import Optional
 
 import pytest
 from nemo.lightning.io.pl import MegatronCheckpointIO as NeMoMegatronCheckpointIO
@@ -25,6 +27,8 @@ from nemo_patch import ConsolidationSettings, MegatronCheckpointIO, MegatronStra
 from nemo_patch.engine.output_layout import DTYPE_NAMES
 from nemo_patch.training.io_chain import find_base_checkpoint_io
 from nemo_patch.training.policy import ACCEPTED_FREQUENCIES, parse_consolidation_frequency
+from nemo_patch.training.settings import CHECKPOINT_IO_ARGUMENTS
+from nemo_patch.training.strategy import NeMoMegatronStrategy
 
 
 @pytest.mark.parametrize(
@@ -301,3 +305,43 @@ def test_a_phased_frequency_round_trips_through_a_nemo_run_config(frequency):
     strategy = fdl.build(run.Config(nl.MegatronStrategy, ckpt_consolidation_frequency=frequency))
     assert strategy.consolidation_policy == parse_consolidation_frequency(frequency)
     assert strategy.ckpt_consolidation_frequency == frequency
+
+
+def test_nemo_run_command_line_overrides_parse_every_argument_by_its_type():
+    """``nemo llm ... trainer.strategy.<name>=<text>`` goes through NeMo-Run's parser, which converts the text by the
+    signature's annotations: ours, and NeMo's own, which the strategy passes on (stock NeMo parses them the same)."""
+    import fiddle as fdl
+    import nemo_run as run
+    from nemo import lightning as nl
+    from nemo_run.cli.cli_parser import parse_cli_args
+
+    overrides = {
+        "ckpt_consolidation_frequency=each": "each",
+        "ckpt_consolidation_keep=3": 3,
+        "ckpt_consolidation_merge_adapters=true": True,
+        "ckpt_consolidation_timeout=60": 60.0,
+        "ckpt_consolidation_workers=4": 4,
+        "ckpt_consolidation_max_shard_size=5GB": "5GB",  # validated into bytes when built
+        "ckpt_async_save=false": False,  # NeMo's: a string "false" would turn async save on
+        "tensor_model_parallel_size=1": 1,
+    }
+    config = parse_cli_args(run.Config(nl.MegatronStrategy), list(overrides))
+    for override, value in overrides.items():
+        name = override.split("=")[0]
+        assert getattr(config, name) == value and type(getattr(config, name)) is type(value), override
+    strategy = fdl.build(config)
+    assert strategy.ckpt_consolidation_keep == 3 and strategy.ckpt_consolidation_max_shard_size == 5 * 10**9
+
+
+def test_the_signatures_are_nemo_s_plus_the_consolidation_arguments():
+    nemo = inspect.signature(NeMoMegatronStrategy.__init__).parameters
+    ours = inspect.signature(MegatronStrategy.__init__).parameters
+    assert [name for name in ours if name in nemo] == list(nemo)  # NeMo's, in NeMo's order, positional ones first
+    assert MegatronStrategy(2).tensor_model_parallel_size == 2
+    assert ours["ckpt_consolidation_keep"].annotation == Optional[int]
+    assert ours["ckpt_consolidation_keep"].kind is inspect.Parameter.KEYWORD_ONLY
+    io = inspect.signature(MegatronCheckpointIO.__init__).parameters
+    own = [*CHECKPOINT_IO_ARGUMENTS.values(), "consolidation_settings"]
+    assert list(io) == [*inspect.signature(NeMoMegatronCheckpointIO.__init__).parameters, *own]  # no **kwargs
+    assert io["consolidation_settings"].annotation == Optional[ConsolidationSettings]
+    assert MegatronCheckpointIO("zarr").save_ckpt_format == "zarr"

@@ -276,9 +276,13 @@ _SETTINGS_PARAMETER = inspect.Parameter(
     "consolidation_settings",
     inspect.Parameter.KEYWORD_ONLY,
     default=None,
-    annotation="Optional[ConsolidationSettings]",
+    annotation=Optional[ConsolidationSettings],
 )
-setattr(MegatronCheckpointIO.__init__, "__signature__", init_signature("io", [_SETTINGS_PARAMETER]))
+setattr(
+    MegatronCheckpointIO.__init__,
+    "__signature__",
+    init_signature("io", nemo_io_pl.MegatronCheckpointIO.__init__, [_SETTINGS_PARAMETER]),
+)
 MegatronCheckpointIO.__doc__ = (MegatronCheckpointIO.__doc__ or "").replace(
     "        {consolidation arguments}", arguments_docstring("io")
 )

@@ -34,6 +34,7 @@ import json
 import math
 import re
 import textwrap
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
@@ -596,32 +597,36 @@ def keyword_parameters(owner: str) -> List[inspect.Parameter]:
         ValueError: ``owner`` is neither.
     """
     return [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=spec.default, annotation=spec.annotation)
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=spec.default, annotation=_annotation(spec.annotation)
+        )
         for spec in SETTINGS
         for name in [_argument(spec, owner)]
         if name is not None
     ]
 
 
-def init_signature(owner: str, extra: Sequence[inspect.Parameter] = ()) -> inspect.Signature:
-    """``(self, *args, <owner's settings, keyword-only>, <extra>, **kwargs)``: the signature of ``owner``'s
-    (``"strategy"`` or ``"io"``) ``__init__``, which takes its settings through ``**kwargs`` (for ``help()``, IDEs and
-    NeMo's configuration tools).
+def _annotation(text: str) -> Any:
+    """The typing object a declared annotation names (``"Optional[int]"`` -> ``Optional[int]``), as a signature
+    written out in source holds it: NeMo-Run's command-line overrides convert values by it and cannot use the text."""
+    holder = type("Annotated", (), {"__annotations__": {"value": text}})
+    return typing.get_type_hints(holder, vars(typing))["value"]
+
+
+def init_signature(owner: str, base: Callable[..., Any], extra: Sequence[inspect.Parameter] = ()) -> inspect.Signature:
+    """``(self, <base's arguments>, *, <owner's settings>, <extra>, <base's **kwargs>)``: the signature of ``owner``'s
+    (``"strategy"`` or ``"io"``) ``__init__``, which takes its settings through ``**kwargs`` and passes the rest on to
+    ``base`` (NeMo's ``__init__``), for ``help()``, IDEs and NeMo's configuration tools (NeMo-Run converts command-line
+    values by the annotations of NeMo's arguments too). A parameter of ``base`` named as one of ours is left out.
 
     Raises:
         ValueError: ``owner`` is neither.
     """
-    kind = inspect.Parameter
-    return inspect.Signature(
-        [
-            kind("self", kind.POSITIONAL_OR_KEYWORD),
-            kind("args", kind.VAR_POSITIONAL, annotation="Any"),
-            *keyword_parameters(owner),
-            *extra,
-            kind("kwargs", kind.VAR_KEYWORD, annotation="Any"),
-        ],
-        return_annotation=None,
-    )
+    ours = [*keyword_parameters(owner), *extra]
+    names = {parameter.name for parameter in ours}
+    inherited = [parameter for parameter in inspect.signature(base).parameters.values() if parameter.name not in names]
+    # A stable sort by kind: base's positional ones, its *args and keyword-only ones, then ours, then its **kwargs.
+    return inspect.Signature(sorted([*inherited, *ours], key=lambda parameter: parameter.kind), return_annotation=None)
 
 
 def arguments_docstring(owner: str, indent: int = 8, width: int = 119) -> str:

@@ -366,7 +366,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
             super().teardown()
 
 
-setattr(MegatronStrategy.__init__, "__signature__", init_signature("strategy"))
+setattr(MegatronStrategy.__init__, "__signature__", init_signature("strategy", NeMoMegatronStrategy.__init__))
 MegatronStrategy.__doc__ = (MegatronStrategy.__doc__ or "").replace(
     "        {consolidation arguments}", arguments_docstring("strategy")
 )
