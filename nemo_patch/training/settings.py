@@ -366,7 +366,7 @@ class ConsolidationSettings:
         annotation="Union[int, str]",
         validate=validate_max_shard_size,
         help="most bytes of tensor data per output safetensors file (Hugging Face's sharding; default 5 * 10**9): an "
-        "int, or a size string as ``save_pretrained`` takes it (``\"5GB\"``, ``\"500MiB\"``).",
+        "int, or a size string as ``save_pretrained(max_shard_size=...)`` takes it (``\"5GB\"``, ``\"500MiB\"``).",
         cli=CliOption("--max-shard-size", "bytes of tensor data per file, e.g. 5GB (default) or 500MiB", "output"),
     )
     max_pending: int = setting(
