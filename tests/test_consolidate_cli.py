@@ -313,3 +313,17 @@ def test_full_disk_fails_cleanly(checkpoint_copy, tmp_path, capsys):
         assert os.listdir(mount_point) == []
     finally:
         subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_verify_with_writer_processes_prints_only_the_summary(checkpoint_copy, tmp_path):
+    # --verify imports NeMo for the context, so the writers start from a fresh interpreter (forkserver or spawn),
+    # whose torch import must not print torch's pynvml FutureWarning either.
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_patch", str(checkpoint_copy), "--verify", "--workers", "2", "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]

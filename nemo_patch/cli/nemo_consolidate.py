@@ -85,6 +85,8 @@ __all__ = ["DTYPES", "main"]
 DTYPES = DTYPE_NAMES
 
 PROG = "nemo-consolidate"
+#: ``-W`` filter for torch's import-time warning about the ``pynvml`` package.
+_PYNVML_WARNING = "ignore:The pynvml package is deprecated:FutureWarning"
 
 
 def _setting_type(spec: Setting) -> Callable[[str], Any]:
@@ -353,8 +355,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if (args.monitor is not None or args.mode is not None) and not args.best:
         parser.error("--monitor and --mode are only used with --best")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # torch's own import warns about an old NVML binding on some machines; it says nothing about this command.
+    # torch's own import warns about an old NVML binding on some machines; it says nothing about this command. The
+    # -W option also reaches the writer processes' interpreters (multiprocessing passes sys.warnoptions on).
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+    if _PYNVML_WARNING not in sys.warnoptions:
+        sys.warnoptions.append(_PYNVML_WARNING)
     prefer_huge_pages()  # before torch is imported: this process exists to consolidate
     from nemo_patch.cli.distributed import LaunchedGroup
 
