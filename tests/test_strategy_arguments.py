@@ -224,6 +224,23 @@ def test_shard_sizes_take_hugging_face_style_strings(value, size):
 
 
 @pytest.mark.parametrize(
+    "text, size",
+    [
+        ("9" * 400, int("9" * 400)),
+        ("9" * 400 + "TB", int("9" * 400) * 10**12),
+        ("123456789012345678901", 123456789012345678901),
+    ],
+)
+def test_shard_sizes_beyond_a_float_are_whole_numbers_not_an_overflow(text, size):
+    """A size string is counted exactly: no float, whose overflow was an OverflowError (a traceback and exit code 1 in
+    nemo-consolidate) and whose rounding changed sizes above 2**53."""
+    from nemo_patch.cli.nemo_consolidate import build_parser
+
+    assert MegatronStrategy(ckpt_consolidation_max_shard_size=text).ckpt_consolidation_max_shard_size == size
+    assert build_parser().parse_args(["ckpt", "--max-shard-size", text]).max_shard_size == size
+
+
+@pytest.mark.parametrize(
     "value, name", [("bf16", "bf16"), ("bfloat16", "bf16"), ("FP16", "fp16"), ("half", "fp16"), ("float32", "fp32")]
 )
 def test_dtypes_take_short_torch_and_dtype_forms(value, name):

@@ -36,6 +36,7 @@ import re
 import textwrap
 import typing
 from dataclasses import asdict, dataclass, field, fields
+from fractions import Fraction
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
@@ -228,7 +229,7 @@ def validate_max_shard_size(value: object, name: str) -> int:
     if isinstance(value, str):
         match = _SIZE.fullmatch(value.strip())
         if match:
-            size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+            size = int(Fraction(match.group(1)) * _UNITS[(match.group(2) or "").upper()])  # exact, any size
             if size >= 1:
                 return size
     raise _invalid(name, value, 'an integer number of bytes >= 1 or a size such as "5GB" or "500MiB"')
