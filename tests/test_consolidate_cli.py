@@ -247,6 +247,16 @@ def test_bad_arguments_exit_2_with_usage(checkpoint_copy, capsys, argv, message)
     assert info.value.code == 2 and err.startswith("usage: nemo-consolidate ") and message in err
 
 
+@pytest.mark.parametrize("text", ["\u00b2", "1\u00b2", "\u2460"])
+def test_workers_in_digits_int_cannot_read_exit_2_with_the_option_s_message(capsys, text):
+    """Superscript and circled digits are digits to ``str.isdigit`` but not to ``int``: the option's own message,
+    not int()'s."""
+    with pytest.raises(SystemExit) as info:
+        main(["ckpt", "--workers", text])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"Invalid --workers {text!r}: expected a whole number of writer processes" in err
+
+
 def test_console_script_and_module_entry_points(checkpoint_copy, tmp_path):
     """The installed ``nemo-consolidate`` script and ``python -m nemo_patch`` are the same command."""
     script = shutil.which("nemo-consolidate", path=os.path.dirname(sys.executable))

@@ -173,7 +173,7 @@ def _number(text: str) -> Union[float, str]:
 
 
 def _whole_number(text: str) -> Union[int, str]:
-    return int(text) if text.strip().isdigit() else text
+    return int(text) if text.strip().isdecimal() else text  # isdigit() also takes "²", which int() does not
 
 
 def validate_count(value: object, name: str, what: str) -> int:
