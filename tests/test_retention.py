@@ -96,6 +96,47 @@ def test_the_post_command_log_is_retained_beside_the_output_and_metadata_names_i
     assert kept_log.read_text() == "perplexity 12.3\n"
 
 
+def _with_post_command_log(checkpoint: Path, text: str) -> Path:
+    log = checkpoint / "consolidated.post-command.log"
+    log.write_text(text)
+    metadata_path = checkpoint / "consolidated" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["post_command"] = {"command": "eval", "returncode": 0, "log": str(log)}
+    metadata_path.write_text(json.dumps(metadata))
+    return log
+
+
+@pytest.mark.parametrize("left_there", ["stale log", "dangling symlink", "symlink to a file"])
+def test_a_file_or_link_left_where_the_log_is_kept_is_replaced_never_written_through(tmp_path, left_there):
+    checkpoint = _checkpoint(tmp_path, 6)
+    _with_post_command_log(checkpoint, "perplexity 12.3\n")
+    kept_log = tmp_path / RETAINED_DIRNAME / checkpoint.name / "consolidated.post-command.log"
+    kept_log.parent.mkdir(parents=True)  # an entry without its output: e.g. the output was deleted by hand
+    outside = tmp_path / "outside.txt"
+    if left_there == "stale log":
+        kept_log.write_text("an older run's log\n")
+    else:
+        if left_there == "symlink to a file":
+            outside.write_text("not the log\n")
+        kept_log.symlink_to(outside)
+    _removing(checkpoint)
+    entry = retain_output(checkpoint, "consolidated")
+    assert not kept_log.is_symlink() and kept_log.read_text() == "perplexity 12.3\n"
+    assert not outside.exists() or outside.read_text() == "not the log\n"
+    assert json.loads((entry / "consolidated" / "metadata.json").read_text())["post_command"]["log"] == str(kept_log)
+
+
+def test_a_log_that_cannot_be_kept_is_not_named_in_the_retained_metadata(tmp_path, caplog):
+    checkpoint = _checkpoint(tmp_path, 6)
+    log = _with_post_command_log(checkpoint, "perplexity 12.3\n")
+    kept_log = tmp_path / RETAINED_DIRNAME / checkpoint.name / "consolidated.post-command.log"
+    kept_log.mkdir(parents=True)  # a directory of that name: the log cannot go there
+    _removing(checkpoint)
+    entry = retain_output(checkpoint, "consolidated")
+    assert kept_log.is_dir() and "Could not keep the post command's log" in caplog.text
+    assert json.loads((entry / "consolidated" / "metadata.json").read_text())["post_command"]["log"] == str(log)
+
+
 def test_a_last_copy_is_retained_once_under_its_steps_name(tmp_path):
     own = _checkpoint(tmp_path, 10)
     last = _checkpoint(tmp_path, 10, last=True, linked_from=own)

@@ -177,10 +177,11 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     created = not entry.exists()
     entry.mkdir(parents=True, exist_ok=True)
     metadata["retained_from"] = checkpoint_dir.name
-    log = post_command_log_path(source)
+    kept_log = post_command_log_path(entry / output_name)
+    log_kept = _keep_post_command_log(post_command_log_path(source), kept_log)
     post_command = metadata.get("post_command")
-    if isinstance(post_command, dict) and _is_plain_file(log):  # the log's new home, linked below
-        post_command["log"] = str(post_command_log_path(entry / output_name))
+    if isinstance(post_command, dict) and log_kept:  # the metadata names the log's new home once it is there
+        post_command["log"] = str(kept_log)
     if isinstance(metadata.get("source_checkpoint"), str):  # still names the removed checkpoint's weights
         original = (source / metadata["source_checkpoint"]).resolve()
         metadata["source_checkpoint"] = os.path.relpath(original, entry / output_name)
@@ -188,13 +189,14 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     try:
         link_output(source, entry / output_name, replace_files={METADATA_FILENAME: rewritten})
     except BaseException:
+        if log_kept:
+            kept_log.unlink(missing_ok=True)
         if created:  # link_output removed its staging directory: the entry is empty again
             try:
                 entry.rmdir()
             except OSError:
                 pass
         raise
-    _keep_post_command_log(log, post_command_log_path(entry / output_name))
     return entry
 
 
@@ -202,18 +204,30 @@ def _is_plain_file(path: Path) -> bool:
     return path.is_file() and not path.is_symlink()
 
 
-def _keep_post_command_log(log: Path, kept: Path) -> None:
-    """Give the post command's log of a retained output a second home beside it (a hard link, else a copy); a log
-    that cannot be kept is logged, never raised: the output is what is retained."""
-    if not _is_plain_file(log) or kept.exists():
-        return
+def _keep_post_command_log(log: Path, kept: Path) -> bool:
+    """Give the post command's log of a retained output a second home beside it (a hard link, else a copy), made
+    under a temporary name and renamed over whatever ``kept`` is (a file or link left there is not this output's:
+    an output is retained once), so nothing is written through a link. A log that cannot be kept is logged, never
+    raised: the output is what is retained.
+
+    Returns:
+        Whether ``kept`` is now the log.
+    """
+    if not _is_plain_file(log):
+        return False
+    staging = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
     try:
-        os.link(log, kept, follow_symlinks=False)
-    except OSError:
+        staging.unlink(missing_ok=True)
         try:
-            shutil.copy2(log, kept)
-        except OSError as error:
-            logger.warning("Could not keep the post command's log %s beside %s: %s", log, kept.parent, error)
+            os.link(log, staging, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(log, staging)
+        os.replace(staging, kept)
+        return True
+    except OSError as error:
+        staging.unlink(missing_ok=True)
+        logger.warning("Could not keep the post command's log %s beside %s: %s", log, kept.parent, error)
+        return False
 
 
 def prune_retained(root: Path, output_name: str, keep: Optional[int]) -> List[Path]:
