@@ -17,8 +17,8 @@ post command's metrics.
 
 When the consolidation process answers a request (global rank 0, reaped in the training loop's hooks or, for those
 still running when ``fit`` ends, in the strategy's teardown), the coordinator makes a :class:`ConsolidationOutcome`;
-:class:`nemo_patch.ConsolidationCallback` then logs the post command's metrics to the trainer's loggers at the
-checkpoint's global step and calls, on every callback of the trainer that defines it,
+:class:`nemo_patch.training.callback.ConsolidationCallback` then logs the post command's metrics to the trainer's
+loggers at the checkpoint's global step and calls, on every callback of the trainer that defines it,
 
 * ``on_consolidation_end(trainer, pl_module, result)`` once per published output, and
 * ``on_consolidation_failed(trainer, pl_module, result)`` once per consolidation that ran and published nothing
