@@ -362,3 +362,14 @@ def test_the_signatures_are_nemo_s_plus_the_consolidation_arguments():
     assert list(io) == [*inspect.signature(NeMoMegatronCheckpointIO.__init__).parameters, *own]  # no **kwargs
     assert io["consolidation_settings"].annotation == Optional[ConsolidationSettings]
     assert MegatronCheckpointIO("zarr").save_ckpt_format == "zarr"
+
+
+def test_a_checkpoint_io_built_with_positional_arguments_is_restored_from_its_context(tmp_path):
+    """NeMo's IOMixin records the constructor's arguments by the signature's names; under ``(*args, ...)`` a
+    positional ``save_ckpt_format`` was recorded as ``args`` and restored as the default ("torch_dist")."""
+    from nemo.lightning.io import load_context
+
+    io = MegatronCheckpointIO("zarr", ckpt_consolidation_frequency="each", consolidation_keep=3)
+    io.io_dump(tmp_path, yaml_attrs=[])
+    restored = load_context(tmp_path)
+    assert restored.save_ckpt_format == "zarr" and restored.consolidation_settings == io.consolidation_settings
