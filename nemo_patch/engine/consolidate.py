@@ -56,7 +56,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -76,7 +76,7 @@ from nemo_patch.engine.output_layout import (
     index_filename,
 )
 from nemo_patch.engine.output_target import check_output_target
-from nemo_patch.engine.part_writer import split_parts
+from nemo_patch.engine.part_writer import placements_of, split_parts
 from nemo_patch.engine.parts import PartJob, PartResult, run_parts, validate_workers
 from nemo_patch.engine.plan import OutputTensor
 from nemo_patch.engine.publish import staged_output
@@ -186,6 +186,12 @@ ProgressCallback = Callable[[int, int], None]
 PartsRunner = Callable[[List[PartJob], Sources], List[PartResult]]
 
 
+def _useful_workers(layout: Sequence[Any], workers: int) -> int:
+    """``workers``, but no more than there are tensors to write (at least 1): a writer without a tensor would be a
+    process started for nothing, and a huge number of them exhausts the machine."""
+    return max(1, min(workers, len(placements_of(layout))))
+
+
 def consolidate_checkpoint(
     checkpoint_dir: Union[str, Path],
     output_dir: Optional[Union[str, Path]] = None,
@@ -285,7 +291,7 @@ def consolidate_checkpoint(
                 None if base_checkpoint is None else str(base_checkpoint),
                 index,
             )
-            for index, placements in enumerate(split_parts(layout, parts or workers))
+            for index, placements in enumerate(split_parts(layout, parts or _useful_workers(layout, workers)))
         ]
         if parts_runner is None:
             report = None if progress is None else (lambda done: progress(done, total_bytes))
