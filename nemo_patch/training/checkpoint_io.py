@@ -85,6 +85,13 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
                 f"({', '.join(CHECKPOINT_IO_ARGUMENTS.values())}), not both."
             )
         super().__init__(*args, **kwargs)
+        # NeMo's IOMixin wraps the __init__ of the first class of the hierarchy it sees built: once NeMo's own
+        # MegatronCheckpointIO was built in this process, it records the arguments from inside NeMo's __init__,
+        # without ours. The context (io.json) must restore this IO as it was built.
+        io_config = getattr(self, "__io__", None)
+        if io_config is not None:
+            for field, value in own.items():
+                setattr(io_config, CHECKPOINT_IO_ARGUMENTS[field], value)
         self.set_consolidation_settings(consolidation_settings or given)
 
     def set_consolidation_settings(self, settings: ConsolidationSettings) -> None:
