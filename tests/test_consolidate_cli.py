@@ -233,8 +233,11 @@ def test_verify_catches_a_corrupted_output_tensor_exit_9(checkpoint_copy, capsys
         (["--format", "onnx"], "argument --format: invalid choice: 'onnx' (choose from 'safetensors', 'hf')"),
         (
             ["--dtype", "int8"],
-            "argument --dtype: Invalid --dtype 'int8': expected None (the checkpoint's dtype) or one of 'bf16', "
-            "'fp16', 'fp32'",
+            "argument --dtype: Invalid --dtype 'int8': expected one of 'bf16', 'fp16', 'fp32'.",
+        ),
+        (
+            ["--post-command", " "],
+            "argument --post-command: Invalid --post-command ' ': expected a shell command such",
         ),
         (["--max-shard-size", "lots"], 'Invalid --max-shard-size \'lots\': expected an integer number of bytes'),
         (["--frequency", "each"], "unrecognized arguments: --frequency each"),

@@ -112,6 +112,23 @@ def test_false_with_frequency_raises_naming_both(cls):
         cls(save_consolidated=False, ckpt_consolidation_frequency="latest")
 
 
+@pytest.mark.parametrize("switch", [{}, {"save_consolidated": False}])
+def test_settings_without_a_frequency_warn_that_they_do_nothing(switch, caplog):
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.strategy"):
+        strategy = MegatronStrategy(ckpt_consolidation_dtype="bf16", ckpt_consolidation_keep=2, **switch)
+    assert strategy.consolidation_policy is None
+    warnings = [r.getMessage() for r in caplog.records if "consolidation is off" in r.getMessage()]
+    assert warnings == [
+        "ckpt_consolidation_keep, ckpt_consolidation_dtype given, but checkpoint consolidation is off: pass "
+        "ckpt_consolidation_frequency (or save_consolidated=True) to consolidate checkpoints."
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.strategy"):
+        MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation_dtype="bf16")
+        MegatronStrategy(save_consolidated=False)
+    assert not [r for r in caplog.records if "consolidation is off" in r.getMessage()]
+
+
 def test_user_supplied_stock_checkpoint_io_is_upgraded_with_its_settings():
     user_io = NeMoMegatronCheckpointIO(save_ckpt_format="torch_dist", parallel_save=False)
     strategy = MegatronStrategy(checkpoint_io=user_io, ckpt_consolidation_frequency="every_n:3")
@@ -369,6 +386,7 @@ def test_a_checkpoint_io_built_with_positional_arguments_is_restored_from_its_co
     positional ``save_ckpt_format`` was recorded as ``args`` and restored as the default ("torch_dist")."""
     from nemo.lightning.io import load_context
 
+    NeMoMegatronCheckpointIO()  # NeMo's IOMixin then records from NeMo's __init__, for every subclass built after
     io = MegatronCheckpointIO("zarr", ckpt_consolidation_frequency="each", consolidation_keep=3)
     io.io_dump(tmp_path, yaml_attrs=[])
     restored = load_context(tmp_path)

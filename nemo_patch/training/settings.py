@@ -160,6 +160,11 @@ def _is_int(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def _is_option(name: str) -> bool:
+    """Whether ``name`` is a command-line option (``--dtype``) rather than a Python argument."""
+    return name.startswith("--")
+
+
 def _as_given(value: object, name: str) -> Any:
     """The cadence arguments are checked together, by :func:`nemo_patch.training.policy.resolve_policy`."""
     return value
@@ -248,17 +253,20 @@ def validate_format(value: object, name: str) -> str:
 
 def validate_dtype(value: object, name: str) -> Optional[str]:
     """Return ``None`` (keep the checkpoint's dtype) or the short name of ``value`` (``"bf16"``, ``"fp16"``,
-    ``"fp32"``; also accepted: ``"bfloat16"``, ``"float16"``, ``"float32"`` and ``torch.dtype`` objects).
+    ``"fp32"``; also accepted, case-insensitive, with or without ``torch.``: ``"bfloat16"``, ``"float16"``/``"half"``,
+    ``"float32"``/``"float"``, and ``torch.dtype`` objects: :func:`nemo_patch.engine.output_layout.dtype_name`).
 
     Raises:
-        ValueError: for anything else; the message names the accepted forms.
+        ValueError: for anything else; the message names the accepted forms (for a command-line option, ``name``
+            starting with ``--``, without ``None``, which a command line cannot give).
     """
     if value is None:
         return None
     try:
         return dtype_name(value)
     except ValueError:
-        raise _invalid(name, value, f"None (the checkpoint's dtype) or one of {', '.join(map(repr, DTYPE_NAMES))}")
+        accepted = f"one of {', '.join(map(repr, DTYPE_NAMES))}"
+        raise _invalid(name, value, accepted if _is_option(name) else f"None (the checkpoint's dtype) or {accepted}")
 
 
 def validate_flag(value: object, name: str) -> bool:
@@ -293,7 +301,8 @@ def validate_post_command(value: object, name: str) -> Optional[str]:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise _invalid(name, value, "None or a shell command such as 'python eval.py {output}'")
+        accepted = "a shell command such as 'python eval.py {output}'"
+        raise _invalid(name, value, accepted if _is_option(name) else f"None or {accepted}")
     try:
         check_placeholders(value)
     except ValueError as error:
@@ -318,8 +327,9 @@ _CADENCE_HELP = (
     "the run, counted across resumes; k an integer >= 1), ``\"best\"`` (a finished checkpoint that NeMo's "
     "``ModelCheckpoint`` ranked best by its ``monitor``/``mode`` when it was saved; ``<root>/BEST`` names the best "
     "consolidated one; needs a monitored metric), or phases that change the cadence at given global steps, e.g. "
-    "``\"every_n:10; each@50000\"``, ``\"best; each@90000\"``, ``\"every_n:20; latest\"`` (grammar: "
-    ":mod:`nemo_patch.training.policy`). Giving a frequency turns consolidation on."
+    "``\"every_n:10; each@50000\"``, ``\"best; each@90000\"``, ``\"every_n:20; latest\"`` (the grammar is on the "
+    "documentation's Cadences page). Giving a frequency turns consolidation on; the other consolidation arguments "
+    "have no effect without it (a warning says so)."
 )
 
 
@@ -389,8 +399,8 @@ class ConsolidationSettings:
         validate=validate_format,
         help="``\"safetensors\"`` (default): ``<ckpt>/consolidated/`` with this package's layout (megatron-core "
         "names, any model); ``\"hf\"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory written through NeMo's "
-        "registered exporter for the model class (e.g. Llama); see :mod:`nemo_patch.export.hf`. Either runs in the "
-        "consolidation process, off the training path.",
+        "registered exporter for the model class (e.g. Llama); see the documentation's Outputs page. Either runs in "
+        "the consolidation process, off the training path.",
         cli=CliOption(
             "--format",
             "output format: safetensors (default) or hf (a Hugging Face directory)",
@@ -407,7 +417,7 @@ class ConsolidationSettings:
         help="what happens to a consolidated output when NeMo's top-k retention (``ModelCheckpoint(save_top_k=...)``) "
         "removes its checkpoint: ``None`` (default) keeps every one, as ``<root>/retained/<checkpoint name>/``; ``N`` "
         "keeps one while it is among the run's newest ``N`` consolidated outputs; ``0`` keeps none (it goes with its "
-        "checkpoint). ``LATEST`` never names a removed checkpoint. See :mod:`nemo_patch.training.retention`.",
+        "checkpoint). ``LATEST`` never names a removed checkpoint. See the documentation's Retention page.",
     )
     dtype: Optional[str] = setting(
         None,
@@ -445,8 +455,8 @@ class ConsolidationSettings:
         annotation="Optional[int]",
         validate=validate_workers,
         help="writer processes on each writing node (``safetensors`` format); ``None`` (default) is a quarter of the "
-        "node's cores, 1 to 8 (:func:`nemo_patch.engine.parts.default_workers` with ``share=4``, decided on the node "
-        "that writes). The output is the same whatever the number.",
+        "node's cores, 1 to 8, decided on the node that writes; never more than the output has tensors. The output is "
+        "the same whatever the number.",
         cli=CliOption(
             "--workers",
             "writer processes on this node (safetensors format; default: its cores, at most "

@@ -104,6 +104,18 @@ def _refuse_misspelt_arguments(kwargs: Dict[str, Any]) -> None:
             )
 
 
+def _warn_without_effect(given: Dict[str, Any], settings: ConsolidationSettings) -> None:
+    """A consolidation setting given while consolidation is off (no frequency, no ``save_consolidated=True``) does
+    nothing; say so once, naming them, instead of leaving the user to find out that nothing was consolidated."""
+    idle = [_OWN_ARGS[field] for field in given if field not in ("save_consolidated", "frequency")]
+    if idle and not settings.enabled:
+        logger.warning(
+            "%s given, but checkpoint consolidation is off: pass ckpt_consolidation_frequency (or "
+            "save_consolidated=True) to consolidate checkpoints.",
+            ", ".join(idle),
+        )
+
+
 class MegatronStrategy(NeMoMegatronStrategy):
     """NeMo's ``MegatronStrategy`` plus a choice of when finished checkpoints are consolidated.
 
@@ -142,6 +154,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         own = {field: kwargs.pop(argument) for field, argument in _OWN_ARGS.items() if argument in kwargs}
         _refuse_misspelt_arguments(kwargs)
         self.consolidation_settings = ConsolidationSettings.from_arguments(**own)
+        _warn_without_effect(own, self.consolidation_settings)
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
         io_config = getattr(self, "__io__", None)
