@@ -138,7 +138,7 @@ def test_the_site_builds_with_no_warning_and_has_every_page(site):
 def test_the_exit_code_table_is_the_errors_module(site):
     rows = _table_rows(site / "troubleshooting.html", "nemo-patch-exit-codes")
     table = [(int(code), name) for code, name, _ in rows]
-    expected = sorted([(0, ""), (2, "")] + [(code, name) for name, code in _error_classes().items()])
+    expected = sorted([(0, ""), (2, ""), (130, "")] + [(code, name) for name, code in _error_classes().items()])
     assert table == expected
     causes = {name: cause.replace("\u2019", "'") for _, name, cause in rows}  # Sphinx's typographic apostrophes
     for name in _error_classes():  # each row says what its class's docstring says
@@ -151,7 +151,7 @@ def test_the_cli_epilog_names_every_exit_code():
     epilog = build_parser().epilog
     assert epilog.startswith("Exit codes: ")
     named = [int(code) for code in re.findall(r"(?:^Exit codes: |, )(\d+) ", epilog)]
-    assert sorted(named) == sorted({0, 2} | set(_error_classes().values()))
+    assert sorted(named) == sorted({0, 2, 130} | set(_error_classes().values()))
     assert len(named) == len(set(named))
 
 

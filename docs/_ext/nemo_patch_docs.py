@@ -19,8 +19,8 @@ Directives (usable from MyST Markdown as ```` ```{nemo-patch-strategy-arguments}
 * ``nemo-patch-strategy-arguments``: one row per ``MegatronStrategy`` consolidation argument: the declarations of
   :data:`nemo_patch.training.settings.SETTINGS` (strategy argument, checkpoint IO argument, default, help), the same
   ones the strategy's and the checkpoint IO's signatures and docstrings are made from.
-* ``nemo-patch-exit-codes``: one row per exit code of ``nemo-consolidate``: 0 and 2 (argparse), and every
-  ``ConsolidationError`` class of :mod:`nemo_patch.engine.errors` with its ``exit_code`` and docstring.
+* ``nemo-patch-exit-codes``: one row per exit code of ``nemo-consolidate``: those of its ``CLI_EXIT_CODES`` (0, 2,
+  130), and every ``ConsolidationError`` class of :mod:`nemo_patch.engine.errors` with its ``exit_code`` and docstring.
 
 A declaration the table cannot be made from (a setting without help, two error classes with one exit code) fails
 the build, naming it.
@@ -35,15 +35,6 @@ from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 from sphinx.util.docutils import SphinxDirective
-
-#: Exit codes that no error class carries: success, and argparse's bad command line.
-FIXED_EXIT_CODES = {
-    0: (
-        "",
-        "Success: the output was written and published (or, with ``--verify`` of an existing output, it matched).",
-    ),
-    2: ("", "Bad command line: ``argparse`` prints the usage and the reason."),
-}
 
 _INLINE = re.compile(r"``(?P<literal>.+?)``|:[\w:]+:`~?(?P<role>[^`]+?)`|`(?P<plain>[^`]+)`")
 
@@ -95,10 +86,11 @@ def strategy_argument_rows() -> List[Tuple[str, str, str, str]]:
 
 def exit_code_rows() -> List[Tuple[int, str, str]]:
     """``(exit code, error class, meaning)`` for every exit code of ``nemo-consolidate``, by code."""
+    from nemo_patch.cli.nemo_consolidate import CLI_EXIT_CODES
     from nemo_patch.engine import errors
 
-    rows = [(code, name, text) for code, (name, text) in FIXED_EXIT_CODES.items()]
-    seen = {code: "(fixed)" for code in FIXED_EXIT_CODES}
+    rows = [(code, "", text) for code, (_, text) in CLI_EXIT_CODES.items()]
+    seen = {code: "(fixed)" for code in CLI_EXIT_CODES}
     for name in sorted(errors.__all__):
         cls = getattr(errors, name)
         if not (isinstance(cls, type) and issubclass(cls, errors.ConsolidationError)):

@@ -85,6 +85,16 @@ __all__ = ["DTYPES", "main"]
 DTYPES = DTYPE_NAMES
 
 PROG = "nemo-consolidate"
+#: Exit codes that no error class carries (:mod:`nemo_patch.engine.errors` has the others): code -> (a few words for
+#: ``--help``, what it means).
+CLI_EXIT_CODES = {
+    0: (
+        "ok",
+        "Success: the output was written and published (or, with ``--verify`` of an existing output, it matched).",
+    ),
+    2: ("usage", "Bad command line: ``argparse`` prints the usage and the reason."),
+    130: ("interrupted", "Interrupted (Ctrl-C, ``SIGINT``): nothing was published."),
+}
 #: ``-W`` filter for torch's import-time warning about the ``pynvml`` package.
 _PYNVML_WARNING = "ignore:The pynvml package is deprecated:FutureWarning"
 
@@ -172,7 +182,9 @@ def _exit_codes_epilog() -> str:
     classes = [getattr(errors, name) for name in errors.__all__]
     causes = sorted((cls.exit_code, cls.summary) for cls in classes if cls is not errors.ConsolidationError)
     causes.append((errors.ConsolidationError.exit_code, errors.ConsolidationError.summary))
-    return "Exit codes: 0 ok, 2 usage, " + ", ".join(f"{code} {summary}" for code, summary in causes) + "."
+    fixed = [(code, CLI_EXIT_CODES[code][0]) for code in (0, 2)]
+    interrupted = [(130, CLI_EXIT_CODES[130][0])]
+    return "Exit codes: " + ", ".join(f"{code} {summary}" for code, summary in fixed + causes + interrupted) + "."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -457,7 +469,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
     except KeyboardInterrupt:
         close()
         print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        return 130  # CLI_EXIT_CODES
     except Exception as error:  # noqa: BLE001 - a bug, not bad input: still one line and the documented exit code 1
         close()
         print(f"{PROG}: error: unexpected {type(error).__name__}: {error} (nothing was written; please report this "
