@@ -31,24 +31,31 @@ one adds is declared here:
 * the overlay's modules move into ``nemo/lightning/io/consolidation/`` (``engine/``, ``export/``, ``training/``,
   ``cli/``; imports renamed, NeMo's logging, no overlay leftovers), each at the stage :func:`module_stage` gives it;
   modules that stay in the overlay as follow-ups are listed in :data:`FOLLOW_UPS`;
-* the changes of :mod:`upstream.transforms` (``scripts/upstream/changes.py``) hold back, until its stage, what a
-  later stage adds inside a module that an earlier stage already has, and make the permanent upstream differences;
-* the knob stage edits NeMo's ``megatron_strategy.py``, ``strategies/utils.py`` and ``io/pl.py``
-  (:mod:`upstream.nemo_edits`);
+* the changes of :mod:`upstream.transforms` (``scripts/upstream/changes.py``, with ``changes_retention.py`` and
+  ``changes_peft.py``) hold back, until its stage, what a later stage adds inside a module (or a test, or a docs
+  section) that an earlier stage already has, and make the permanent upstream differences;
+* the knob stage edits NeMo's ``megatron_strategy.py`` (its new arguments made from the settings module's
+  declarations at each stage), ``strategies/utils.py`` and ``io/pl.py``, the retention stage adds
+  ``consolidate_best_checkpoint``, the PEFT stage edits ``callbacks/peft.py``, and from a NeMo source checkout the
+  first stage lists the docs page in ``docs/source/checkpoints/intro.rst`` (:mod:`upstream.nemo_edits`);
 * each stage's directory ``scripts/upstream/stages/<nn>-<name>/`` holds its pull request description
   (``description.md``), its section of the NeMo docs page ``docs/source/checkpoints/consolidation.rst``
   (``docs.rst``), and the new files it adds to NeMo's tree (``tree/``: tests, the converter script), which replace
   those of earlier stages at the same path.
 
-``tests/test_upstream_patch.py`` applies the series to a git copy of the installed NeMo one patch at a time and runs
-each patch's own tests in the patched tree, with the overlay off.
+Every stage is checked before it is written: no overlay name left, no pyflakes complaint (an undefined name or an
+unused import a held-back feature left behind), no import of a module the tree does not have yet; and every change
+must have applied to some stage. ``tests/test_upstream_patch.py`` applies the series to a git copy of the installed
+NeMo one patch at a time and runs each patch's own tests in the patched tree, with the overlay off.
 """
 
 import argparse
 import base64
 import csv
 import difflib
+import functools
 import hashlib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +66,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from upstream import changes, nemo_edits  # noqa: E402
 from upstream.transforms import (  # noqa: E402
+    APPLIED,
     LEFTOVERS,
     PACKAGE,
     apply_changes,
@@ -81,13 +89,23 @@ class Stage:
     subject: str
 
 
-#: The series, in order. The keys are what ``until`` of a change in ``scripts/upstream/changes.py`` names.
+#: The series, in order. The keys are what ``until`` of a change in ``scripts/upstream/changes.py`` names. Why this
+#: order: each stage needs only the ones before it. Retention/``best`` and PEFT come right after the knob because
+#: both extend the training side it adds (the coordinator's removals and pointers; NeMo's PEFT callback, which
+#: rebuilds the knob's checkpoint IO), and the CLI comes last because its options use all of them (``--best``, a
+#: run's root resolved through ``LATEST``, ``--merge-adapters``), so that no stage holds back a part of the CLI.
 STAGES = [
     Stage("engine", "01-engine", "Checkpoint consolidation: torch_dist checkpoints to safetensors, offline"),
     Stage("writers", "02-writers", "Checkpoint consolidation: parallel writer processes"),
     Stage("hf", "03-hf", "Checkpoint consolidation: Hugging Face format through the registered exporters"),
     Stage("knob", "04-knob", "MegatronStrategy: ckpt_consolidation_frequency, off the training path"),
-    Stage("cli", "05-cli", "Checkpoint converter CLI: verify, best checkpoint, post-command, loading the weights"),
+    Stage(
+        "retention",
+        "05-retention",
+        'Checkpoint consolidation: outputs kept past top-k removal, LATEST/BEST and the "best" cadence',
+    ),
+    Stage("peft", "06-peft", "Checkpoint consolidation: PEFT adapter checkpoints and merged LoRA adapters"),
+    Stage("cli", "07-cli", "Checkpoint converter CLI: verify, best checkpoint, post-command, loading the weights"),
 ]
 STAGE_KEYS = [stage.key for stage in STAGES]
 
@@ -95,7 +113,11 @@ STAGE_KEYS = [stage.key for stage in STAGES]
 PACKAGE_STAGES = {"engine": "engine", "export": "hf", "training": "knob", "cli": "cli"}
 #: Modules that land in another stage than their subpackage's.
 MODULE_STAGES = {
-    "engine/best_checkpoint.py": "knob",  # the "best" cadence; the CLI's --best
+    "engine/best_checkpoint.py": "retention",  # the "best" cadence; the CLI's --best
+    "training/latest.py": "retention",  # LATEST and BEST
+    "training/retention.py": "retention",  # outputs kept under retained/ when top-k removes their checkpoints
+    "engine/adapter_merge.py": "peft",  # LoRA adapters merged into the base model
+    "engine/adapter_settings.py": "peft",  # the PEFT method and settings an adapter checkpoint's context records
     "engine/post_command.py": "knob",  # a command after each consolidation: the training side and the CLI use it
     "engine/load.py": "cli",  # loading a consolidated output back
     "export/context_model.py": "cli",  # --verify against the checkpoint's context
@@ -160,45 +182,116 @@ def _init_text(doc: str) -> str:
     return HEADER + '"""' + doc + '\n"""\n'
 
 
+@functools.lru_cache(maxsize=None)
+def _nemo_form(text: str, relative: str) -> str:
+    """A module's text (its changes applied) in NeMo's form: renamed, unused imports removed, formatted. The same
+    text recurs from stage to stage, so it is formatted once."""
+    return format_nemo(remove_unused_imports(upstream_text(text), relative))
+
+
+@functools.lru_cache(maxsize=None)
+def _formatted(text: str) -> str:
+    return format_nemo(text)
+
+
 def module_files(stage: str) -> Dict[str, str]:
     """NeMo tree path -> content of every moved module present at ``stage``."""
     has = landed(stage)
     files: Dict[str, str] = {}
     for sub, (since, doc) in INITS.items():
-        if since in STAGE_KEYS and (has(since) or since == stage):
-            files[f"{PACKAGE_DIR}/{sub}/__init__.py".replace("//", "/")] = format_nemo(_init_text(doc))
+        if since in STAGE_KEYS and has(since):
+            files[f"{PACKAGE_DIR}/{sub}/__init__.py".replace("//", "/")] = _formatted(_init_text(doc))
     for package in PACKAGE_STAGES:
         for source in sorted((REPO / "nemo_patch" / package).glob("*.py")):
             relative = f"{package}/{source.name}"
             if source.name == "__init__.py":
                 continue
             since = module_stage(relative)
-            if since is None or since not in STAGE_KEYS or not (has(since) or since == stage):
+            if since is None or since not in STAGE_KEYS or not has(since):
                 continue
             text = apply_changes(source.read_text(), relative, changes.CHANGES, has)
-            text = remove_unused_imports(upstream_text(text), relative)
-            files[f"{PACKAGE_DIR}/{relative}"] = format_nemo(text)
+            files[f"{PACKAGE_DIR}/{relative}"] = _nemo_form(text, relative)
     return files
+
+
+#: Files of a stage's ``tree/`` that a later stage removes (NeMo tree path -> that stage): a test of what the later
+#: stage changes.
+TREE_REMOVED = {
+    # until the PEFT stage, which consolidates adapters:
+    "tests/lightning/consolidation/test_consolidation_adapters_refused.py": "peft",
+}
 
 
 def stage_dir(stage: Stage) -> Path:
     return STAGES_DIR / stage.directory
 
 
-def added_files(stage: str) -> Dict[str, str]:
+def added_files(stage: str) -> Dict[str, Optional[str]]:
     """NeMo tree path -> content of the files the stages up to ``stage`` add besides the modules: tests, the
-    converter script and the docs page (a later stage's file replaces an earlier one at the same path)."""
+    converter script and the docs page. A later stage's file replaces an earlier one at the same path; a file that
+    grows with later stages is kept once, in full, in the stage that adds it, and the changes of
+    ``scripts/upstream/changes.py`` for ``tree/<path>`` hold back what later stages add to it (``docs/<nn>-<name>.rst``
+    for a stage's docs section); a file :data:`TREE_REMOVED` names is ``None`` from that stage on (the stage removes
+    it)."""
+    has = landed(stage)
     files: Dict[str, str] = {}
     sections = []
     for item in STAGES[: STAGE_KEYS.index(stage) + 1]:
         tree = stage_dir(item) / "tree"
         for path in sorted(p for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             relative = str(path.relative_to(tree))
-            text = path.read_text()
-            files[relative] = format_nemo(text) if relative.endswith(".py") else text
-        sections.append((stage_dir(item) / "docs.rst").read_text().strip("\n"))
+            if relative in TREE_REMOVED and has(TREE_REMOVED[relative]):
+                files[relative] = None
+                continue
+            text = apply_changes(path.read_text(), f"tree/{relative}", changes.CHANGES, has)
+            files[relative] = _formatted(text) if relative.endswith(".py") else text
+        section = (stage_dir(item) / "docs.rst").read_text()
+        sections.append(apply_changes(section, f"docs/{item.directory}.rst", changes.CHANGES, has).strip("\n"))
     files[DOCS_PAGE] = "\n\n".join(sections) + "\n"
     return files
+
+
+@functools.lru_cache(maxsize=None)
+def _pyflakes_messages(text: str, path: str) -> Tuple[str, ...]:
+    """pyflakes' complaints about ``text`` (line numbers left out, so that they compare across edits)."""
+    import ast as ast_module
+
+    from pyflakes import checker
+
+    found = checker.Checker(ast_module.parse(text), filename=path)
+    return tuple(sorted(f"{path}: {type(m).__name__}: {m.message % m.message_args}" for m in found.messages))
+
+
+_IMPORT = re.compile(r"^\s*(?:from|import) (nemo\.lightning\.io\.consolidation(?:\.\w+)*)", re.M)
+
+
+def check_imports(state: Dict[str, Optional[str]], stage: str) -> None:
+    """Every module of the package that a file of the patched tree imports is in the tree at this stage (a change
+    that holds back a later stage's module must hold back its imports too)."""
+    missing = []
+    for path, text in sorted(state.items()):
+        if text is None or not path.endswith(".py"):
+            continue
+        for module in _IMPORT.findall(text):
+            base = module.replace(".", "/")
+            if state.get(f"{base}.py") is None and state.get(f"{base}/__init__.py") is None:
+                missing.append(f"{path} imports {module}")
+    if missing:
+        raise SystemExit(f"after the {stage!r} stage, modules not in the tree are imported:\n" + "\n".join(missing))
+
+
+def check_pyflakes(state: Dict[str, Optional[str]], original: Dict[str, Optional[str]], stage: str) -> None:
+    """Every Python file a stage adds or changes is clean for pyflakes (no undefined name, no unused import or
+    variable: what a change holding back a later stage's feature can leave behind); for NeMo's own files, no new
+    complaint."""
+    found = []
+    for path, text in sorted(state.items()):
+        if text is None or not path.endswith(".py") or text == original.get(path):
+            continue
+        before = set(_pyflakes_messages(original[path], path)) if original.get(path) else set()
+        found += [message for message in _pyflakes_messages(text, path) if message not in before]
+    if found:
+        raise SystemExit(f"after the {stage!r} stage, pyflakes finds:\n" + "\n".join(found))
 
 
 def tree_state(nemo_src: Path, stage: Optional[str]) -> Dict[str, Optional[str]]:
@@ -207,11 +300,15 @@ def tree_state(nemo_src: Path, stage: Optional[str]) -> Dict[str, Optional[str]]
     state: Dict[str, Optional[str]] = {}
     for path in nemo_edits.EDITED:
         state[path] = (nemo_src / path).read_text()
+    index = nemo_src / nemo_edits.DOCS_INDEX  # a source checkout's; the wheel has no docs/
+    state[nemo_edits.DOCS_INDEX] = index.read_text() if index.is_file() else None
     if stage is None:
         return state
-    for path, edit in nemo_edits.edits(STAGE_KEYS, stage).items():
-        state[path] = edit(state[path])
-    state.update(module_files(stage))
+    modules = module_files(stage)
+    for path, edit in nemo_edits.edits(landed(stage), modules.get(nemo_edits.SETTINGS_MODULE)).items():
+        if state[path] is not None:
+            state[path] = edit(state[path])
+    state.update(modules)
     state.update(added_files(stage))
     return state
 
@@ -283,10 +380,14 @@ def write_series(nemo_src: Path, out: Path) -> List[Path]:
     """Write the series into ``out``; returns the patch files in order."""
     original = tree_state(nemo_src, None)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("[0-9][0-9][0-9][0-9]-*.patch"), *out.glob("[0-9][0-9][0-9][0-9]-*.md")]:
+        stale.unlink()  # an earlier series' (``git am OUTDIR/*.patch`` must find this one's only)
     previous, written, names = original, [], []
     for number, stage in enumerate(STAGES, 1):
         state = tree_state(nemo_src, stage.key)
         check_leftovers(state, original)
+        check_pyflakes(state, original, stage.key)
+        check_imports(state, stage.key)
         patch, paths = diff_states(previous, state)
         name = f"{number:04d}-{stage.directory.split('-', 1)[1]}"
         text = description(stage)
@@ -302,7 +403,19 @@ def write_series(nemo_src: Path, out: Path) -> List[Path]:
         names.append(f"{name}.patch")
         previous = state
     (out / "series").write_text("".join(f"{name}\n" for name in names))
+    check_every_change_applied()
     return written
+
+
+def check_every_change_applied() -> None:
+    """Every change of ``scripts/upstream/changes.py`` applied to some stage: one that applies nowhere (its module or
+    tree file renamed, moved to another stage, or its ``until`` a stage at or before its module's) is an error."""
+    unused = [change for change in changes.CHANGES if id(change) not in APPLIED]
+    if unused:
+        raise SystemExit(
+            "changes that apply to no stage (their module or stage moved?):\n"
+            + "\n".join(f"{change.path} (until {change.until!r}): {change!r}"[:300] for change in unused)
+        )
 
 
 def installed_nemo_src() -> Path:

@@ -16,8 +16,11 @@
 time, and after each patch that patch's own tests pass in the patched tree, with the overlay off.
 
 The installed NeMo is 2.7.3 in ``.venv`` and 2.5.3 in CI's ``.venv-nemo-2.5`` (the ``matrix`` mark runs this file in
-both). Each patch's tests are the test files it adds under ``tests/``: real consolidations of real checkpoints, and
-for the strategy a CPU fit of the patched NeMo (see each stage's ``description.md`` under ``scripts/upstream/stages``).
+both). Each patch's tests are the test files it adds or changes under ``tests/``, run once, in the tree patched up to
+it: real consolidations of real checkpoints, and for the strategy, retention and PEFT patches a CPU fit of the patched
+NeMo each (see each stage's ``description.md`` under ``scripts/upstream/stages``). What is expensive to make is made
+once and shared by the patches' tests (``NEMO_CONSOLIDATION_TEST_CACHE``): the megatron-core checkpoint of the first
+patch's tests and the knob's fit, which the PEFT patch's LoRA fit starts from.
 """
 
 import ast
@@ -40,8 +43,6 @@ from upstream.transforms import BLACK_ARGS, FLAKE8_ARGS, ISORT_SETTINGS, LEFTOVE
 pytestmark = [pytest.mark.slow, pytest.mark.matrix]
 
 STAGES = make_upstream_patch.STAGES
-#: The test file the whole-series run leaves out: the CPU fits (about a minute); patch 4's own run has just run it.
-SLOWEST = "test_consolidation_fit.py"
 GIT_ENV = dict(
     os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t"
 )
@@ -70,12 +71,9 @@ class PatchedTree:
 @pytest.fixture(scope="module")
 def series(tmp_path_factory) -> List[Path]:
     out = tmp_path_factory.mktemp("series")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_upstream_patch.py"), "--series", str(out)],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr  # includes the check against the installed wheel's RECORD hashes
+    # In this process (the tests below reuse its formatted modules); includes the check of the NeMo files it edits
+    # against the installed wheel's RECORD hashes, and each stage's pyflakes and import checks.
+    assert make_upstream_patch.main(["--series", str(out)]) == 0
     return [out / name for name in (out / "series").read_text().split()]
 
 
@@ -92,18 +90,25 @@ def tree(series, tmp_path_factory) -> PatchedTree:
     return PatchedTree(root, series)
 
 
-def test_every_argument_of_the_overlay_strategy_is_upstreamed_or_named_as_a_follow_up():
+def test_every_setting_of_the_overlay_is_an_argument_of_nemos_strategy_or_named_as_a_follow_up(series):
+    """The patched ``MegatronStrategy.__init__`` (the whole series) takes every setting the overlay declares, with its
+    declared default, except the ones named as follow-ups."""
     from upstream import nemo_edits
 
-    tree = ast.parse((REPO / "nemo_patch" / "training" / "strategy.py").read_text())
+    from nemo_patch.training.settings import SETTINGS
+
+    state = make_upstream_patch.tree_state(make_upstream_patch.installed_nemo_src(), STAGES[-1].key)
+    tree = ast.parse(state[nemo_edits.STRATEGY])
     strategy = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MegatronStrategy")
     init = next(f for f in strategy.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-    overlay = {argument.arg for argument in init.args.kwonlyargs}
-    upstream = set(re.findall(r"^ {8}(\w+):", nemo_edits.STRATEGY_ARGS, flags=re.M))
-    assert overlay == upstream | set(nemo_edits.NOT_UPSTREAMED_ARGUMENTS), (
-        f"overlay only: {sorted(overlay - upstream - set(nemo_edits.NOT_UPSTREAMED_ARGUMENTS))}; "
-        f"upstream only: {sorted(upstream - overlay)}"
-    )
+    defaults = dict(zip([a.arg for a in init.args.args][-len(init.args.defaults) :], init.args.defaults))
+    upstream = {name: ast.literal_eval(default) for name, default in defaults.items()}
+    for spec in SETTINGS:
+        if spec.strategy_argument in nemo_edits.NOT_UPSTREAMED_ARGUMENTS:
+            assert spec.strategy_argument not in upstream
+        else:
+            assert upstream[spec.strategy_argument] == spec.default, spec.strategy_argument
+    assert set(nemo_edits.NOT_UPSTREAMED_ARGUMENTS) <= {spec.strategy_argument for spec in SETTINGS}
 
 
 def _added_files(patch: Path) -> List[str]:
@@ -124,14 +129,13 @@ def test_series_is_one_described_patch_per_stage(series):
 
 @pytest.mark.parametrize("number", range(1, len(STAGES) + 1), ids=[stage.key for stage in STAGES])
 def test_patch_applies_and_its_tests_pass_in_the_patched_tree(tree, number):
+    """Each patch's own tests (the test files it adds or changes), once, in the tree patched up to it."""
     tree.apply_through(number)
     tests = [p for p in _added_files(tree.patches[number - 1]) if re.match(r"tests/.*/test_[^/]*\.py$", p)]
     assert tests
-    if number == len(STAGES):  # the whole series: the earlier patches' tests still pass (the fit's: patch 4's run)
-        earlier = {p for patch in tree.patches[:-1] for p in _added_files(patch) if re.match(r"tests/.*/test_", p)}
-        tests += sorted(p for p in earlier - set(tests) if not p.endswith(SLOWEST))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    # The patches' tests share one megatron-core checkpoint (written by the first patch's tests, read by later ones).
+    # The patches' tests share what is expensive to make (NEMO_CONSOLIDATION_TEST_CACHE): one megatron-core checkpoint
+    # (written by the first patch's tests) and the knob's CPU fit (which the PEFT patch's LoRA fit starts from).
     env.update(NEMO_PATCH_DISABLE="1", PYTHONPATH=str(tree.root), NEMO_CONSOLIDATION_TEST_CACHE=str(tree.cache))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-W", "ignore", *tests],
@@ -179,6 +183,14 @@ def test_patched_files_follow_nemos_formatting_and_lint(tree):
     known = {position.sub(":", line) for line in old.stdout.splitlines()}
     new = [line for line in complaints.splitlines() if line.strip() and position.sub(":", line) not in known]
     assert not new, "\n".join(new)
+    # NeMo's line length: every line the series writes (NeMo's own longer lines are left as they are)
+    long_lines = [
+        f"{path}:{number}: {len(line)} characters"
+        for path, text in files.items()
+        for number, line in enumerate(text.splitlines(), 1)
+        if len(line) > 119 and line not in original[path].splitlines()
+    ]
+    assert not long_lines, "\n".join(long_lines)
 
 
 def test_no_overlay_leftovers_and_no_assert_in_library_code(tree):

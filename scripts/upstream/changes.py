@@ -19,7 +19,9 @@ overlay; upstream-only fixes). ``until="<stage>"``: held back until that stage o
 stage's module without a later stage's feature). Every change is written against the overlay's source text.
 """
 
-from upstream.transforms import Drop, Edit, Replace
+from upstream.changes_peft import PEFT
+from upstream.changes_retention import RETENTION
+from upstream.transforms import Drop, DropArgument, DropKeyword, Edit, Replace
 
 # --- engine/parts.py: the writer pool lands with the "writers" stage; multi-node shares stay in the overlay --------
 
@@ -250,7 +252,11 @@ CHANGES = [
         "        parts_runner: runs the parts instead of ``workers`` processes on this node (several nodes).\n",
         "",
     ),
-    Edit("engine/consolidate.py", "split_parts(layout, parts or workers)", "split_parts(layout, workers)"),
+    Edit(
+        "engine/consolidate.py",
+        "split_parts(layout, parts or _useful_workers(layout, workers))",
+        "split_parts(layout, _useful_workers(layout, workers))",
+    ),
     Edit(
         "engine/consolidate.py",
         "        if parts_runner is None:\n"
@@ -276,7 +282,13 @@ CHANGES = [
         "``max_shard_size`` < 1 or",
         until="writers",
     ),
-    Edit("engine/consolidate.py", "split_parts(layout, workers)", "split_parts(layout, 1)", until="writers"),
+    Edit(
+        "engine/consolidate.py",
+        "split_parts(layout, _useful_workers(layout, workers))",
+        "split_parts(layout, 1)",
+        until="writers",
+    ),
+    Drop("engine/consolidate.py", ("_useful_workers",), until="writers"),
     Edit(
         "engine/consolidate.py",
         "run_parts(jobs, sources, workers, report)",
@@ -338,6 +350,12 @@ CHANGES = [
         "    if len(items) > 1:\n"
         "        raise _invalid(value, 'one cadence is expected (\";\" separates nothing)')\n",
     ),
+    Edit(
+        "training/schedule.py",
+        " consolidates its 4th. With phases (``\"every_n:10; each@50000\"``) an\n``every_n`` phase counts the "
+        "finished checkpoints saved in it, from 1, and that count is stored and restored the same\nway.\n",
+        " consolidates its 4th.\n",
+    ),
     # training/worker.py, training/queue.py
     Replace("training/worker.py", None, WORKER_DOC),
     Drop("training/worker.py", ("_niceness",)),
@@ -367,6 +385,7 @@ CLI = "cli/nemo_consolidate.py"
 
 CHANGES += [
     Edit(CLI, "Usage (also ``python -m nemo_patch``)::", "Usage::"),
+    Edit(CLI, "distributed checkpoint (torch_dist or zarr) into", "distributed checkpoint (torch_dist) into"),
     Edit(CLI, "    nemo-consolidate --version\n", ""),
     Edit(
         CLI,
@@ -376,37 +395,31 @@ CHANGES += [
     ),
     Edit(
         CLI,
-        "15 a peer process of a multi-process run\n(``torchrun``/``srun``) that failed (killed, crashed), froze past "
-        "``--timeout`` or was launched with different\narguments, 16",
-        "16",
-    ),
-    Edit(
-        CLI,
         ":mod:`nemo_patch.engine.parts`); launched by ``torchrun`` or ``srun`` on several nodes, each node runs its "
         "share\n(:mod:`nemo_patch.cli.distributed`). The output is",
         ":mod:`nemo_patch.engine.parts`). The output is",
     ),
     Edit(CLI, "    from nemo_patch.cli.distributed import LaunchedGroup\n    from nemo_patch", "    from nemo_patch"),
-    Drop(CLI, ("_installed_version", "_VersionAction")),
-    Edit(CLI, "    parser.add_argument(\"--version\", action=_VersionAction)\n", ""),
+    Drop(CLI, ("_installed_version", "_VersionAction", "_seconds")),
+    Edit(CLI, '    parser.add_argument("--version", action=_VersionAction)\n', ""),
     Edit(
         CLI,
-        '"recorded no monitored metric, 15 a torchrun/srun peer process that failed, froze past --timeout or was "\n'
-        '        "launched with different arguments, 16 a context/',
-        '"recorded no monitored metric, 16 a context/',
+        '("parallelism", "writer processes, and ranks under torchrun or srun")',
+        '("parallelism", "writer processes")',
     ),
-    Edit(CLI, "at most 8); under torchrun or srun, on each node\")", "at most 8)\")"),
     Edit(
         CLI,
-        '    parser.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", help="under torchrun or '
-        'srun: "\n'
-        '                        "how long a rank waits for another\'s next message before the run ends with exit '
-        'code 15 "\n'
-        '                        "(default: 3600; a rank waits for the others\' parts once its own is written, so '
-        'this must "\n'
-        '                        "cover how much longer a slower node takes over its share of a large model, and '
-        'rank 0\'s "\n'
-        '                        "planning, --verify and publishing)")  # fmt: skip\n',
+        '    groups["parallelism"].add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", '
+        'help="under "\n'
+        '                                       "torchrun or srun: how long a rank waits for another\'s next message '
+        'before "\n'
+        '                                       "the run ends with exit code 15 (default: 3600; a rank waits for the '
+        'others\' "\n'
+        '                                       "parts once its own is written, so this must cover how much longer a '
+        'slower "\n'
+        '                                       "node takes over its share of a large model, and rank 0\'s planning, '
+        '--verify "\n'
+        '                                       "and publishing)")  # fmt: skip\n',
         "",
     ),
     Edit(
@@ -465,4 +478,151 @@ CHANGES += [
         " if group is not None and args.format == 'safetensors' else ''}\"\n",
         "",
     ),
+]
+
+# --- training/settings.py: one cadence; the converter command's options land with the CLI stage ---------------------
+
+SETTINGS_DOC = '''\
+"""Every consolidation setting of a run, each declared once, and one frozen value holding them.
+
+Each setting is one field of :class:`ConsolidationSettings` whose metadata (:func:`setting`) declares everything
+else about it: its ``MegatronStrategy`` argument, its ``MegatronCheckpointIO`` argument, its default, how it is
+validated and its help text. :data:`SETTINGS` lists the declarations in order; the checkpoint IO's signature,
+docstring and read-only views and the consolidation process's JSON are made from it, and ``MegatronStrategy``'s
+arguments and their documentation follow it.
+Where the converter command takes a setting, the declaration names its command-line option too.
+
+:meth:`ConsolidationSettings.from_arguments` validates the user's values, once, where the user gives them
+(``MegatronStrategy.__init__``, or ``MegatronCheckpointIO.__init__`` when a user builds the checkpoint IO), and raises
+``ValueError`` naming the argument and the accepted forms. From there the settings travel as one value: strategy ->
+checkpoint IO -> consolidation queue -> the consolidation process's command line (:meth:`ConsolidationSettings.to_json`
+once per queue, :meth:`ConsolidationSettings.from_json` once per process).
+"""'''
+
+CADENCE_HELP = '''\
+_CADENCE_HELP = (
+    "``None`` (default), ``\\"each\\"`` (every finished checkpoint), ``\\"latest\\"`` (none during training; the "
+    "newest finished checkpoint once when ``fit`` ends), ``\\"every_n:<k>\\"`` (the k-th, 2k-th, ... finished "
+    "checkpoint of the run, counted across resumes; k an integer >= 1) or ``\\"best\\"`` (a finished checkpoint that "
+    "NeMo's ``ModelCheckpoint`` ranked best by its ``monitor``/``mode`` when it was saved; ``<root>/BEST`` names the "
+    "best consolidated one; needs a monitored metric). Giving a frequency turns consolidation on."
+)'''
+
+SETTINGS = "training/settings.py"
+
+CHANGES += [
+    Replace(SETTINGS, None, SETTINGS_DOC),
+    Replace(SETTINGS, "_CADENCE_HELP", CADENCE_HELP),
+    Edit(SETTINGS, "8); under torchrun or srun, on each node", "8)"),
+    Edit(
+        SETTINGS, "``<ckpt>/consolidated/`` with this package's layout", "``<ckpt>/consolidated/`` in unsharded form"
+    ),
+    # the overlay's documentation pages (NeMo's is docs/source/checkpoints/consolidation.rst)
+    Edit(
+        SETTINGS,
+        "(e.g. Llama); see the documentation's Outputs page. Either runs in ",
+        "(e.g. Llama). Either runs in ",
+    ),
+    Edit(SETTINGS, "removed checkpoint. See the documentation's Retention page.", "removed checkpoint."),
+    # until the CLI stage: no command-line options in the declarations
+    Edit(
+        SETTINGS,
+        "\nWhere the converter command takes a setting, the declaration names its command-line option too.",
+        "",
+        until="cli",
+    ),  # fmt: skip
+    DropKeyword(SETTINGS, "setting", "cli", until="cli"),
+    DropArgument(SETTINGS, "setting", "cli", until="cli"),
+    Edit(SETTINGS, 'metadata={"setting": dict(declared, cli=cli)}', 'metadata={"setting": declared}', until="cli"),
+    Drop(SETTINGS, ("CliOption", "Setting.cli", "_number", "_whole_number"), until="cli"),
+    Edit(SETTINGS, "        cli: the ``nemo-consolidate`` option, ``None`` when the CLI has none.\n", "", until="cli"),
+]
+
+# --- engine/errors.py: the multi-node peer error stays in the overlay with cli/distributed.py -----------------------
+
+CHANGES += [
+    Drop("engine/errors.py", ("PeerError",)),
+    Edit(
+        "engine/errors.py",
+        "are the one list of exit codes: ``nemo-consolidate --help`` and the documentation's table\n"
+        "are made from them.",
+        "are the one list of exit codes.",
+    ),
+]
+
+# --- the retention and PEFT stages: what the earlier stages hold back until they land --------------------------------
+
+CHANGES += RETENTION + PEFT
+
+# --- the converter script of the engine stage, as the writers and hf stages extend it --------------------------------
+
+CONVERTER_TREE = "tree/scripts/checkpoint_converters/consolidate_nemo2_checkpoint.py"
+
+CHANGES += [
+    # until the hf stage: no --format hf, no --trust-context
+    Edit(CONVERTER_TREE, "        [--format safetensors|hf [--trust-context]]\n", "", until="hf"),
+    Edit(
+        CONVERTER_TREE,
+        "needed. ``--format hf`` writes ``<ckpt>/hf`` instead, a directory ``transformers`` loads, through the NeMo "
+        "exporter\nregistered for the model class (NeMo is imported to find it); the checkpoint's ``context/`` must "
+        "name only NeMo's,\nmegatron-core's, torch's, transformers' and Lightning's code, unless ``--trust-context`` "
+        "(loading it runs that code).\n``--workers N``",
+        "needed. ``--workers N``",
+        until="hf",
+    ),
+    Edit(
+        CONVERTER_TREE,
+        '    parser.add_argument("--format", choices=["safetensors", "hf"], default="safetensors", '
+        'help="output format")\n'
+        '    parser.add_argument("--trust-context", action="store_true", '
+        'help="load a context that names code outside NeMo")\n',
+        "",
+        until="hf",
+    ),
+    Edit(
+        CONVERTER_TREE,
+        '        if args.format == "hf":\n'
+        "            from nemo.lightning.io.consolidation.engine.checkpoint_layout import inspect_checkpoint\n"
+        "            from nemo.lightning.io.consolidation.export.context_trust import check_context_trusted\n"
+        "            from nemo.lightning.io.consolidation.export.hf import export_hf_checkpoint\n\n"
+        "            location = inspect_checkpoint(args.checkpoint)\n"
+        '            check_context_trusted(location.checkpoint_dir / "context", args.trust_context)\n'
+        "            result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)\n"
+        "        else:\n"
+        "            result = consolidate_checkpoint(\n"
+        "                args.checkpoint, args.out, workers=args.workers or default_workers(), **options\n"
+        "            )\n",
+        "        result = consolidate_checkpoint(args.checkpoint, args.out, workers=args.workers or "
+        "default_workers(), **options)\n",
+        until="hf",
+    ),
+    # until the writers stage: no --workers
+    Edit(
+        CONVERTER_TREE,
+        "[--max-shard-size BYTES] [--workers N] [--verify] [--force]",
+        "[--max-shard-size BYTES] [--verify] [--force]",
+        until="writers",
+    ),
+    Edit(
+        CONVERTER_TREE,
+        "``--workers N`` writer processes fill the output files at once (default: this node's cores, at most 8); the\n"
+        "output is the same, byte for byte, whatever the number. The exit code names the cause of a failure\n"
+        "(``nemo.lightning.io.consolidation.engine.errors``).",
+        "The exit code names the cause of a failure (``nemo.lightning.io.consolidation.engine.errors``).",
+        until="writers",
+    ),
+    Edit(
+        CONVERTER_TREE,
+        '    parser.add_argument("--workers", type=int, default=None, help="writer processes (default: cores, at most '
+        '8)")\n',
+        "",
+        until="writers",
+    ),
+    Edit(
+        CONVERTER_TREE,
+        "    from nemo.lightning.io.consolidation.engine.parts import default_workers\n",
+        "",
+        until="writers",
+    ),
+    Edit(CONVERTER_TREE, "workers=args.workers or default_workers(), ", "", until="writers"),
 ]

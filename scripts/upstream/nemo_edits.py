@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The edits of NeMo's own files (the knob stage): ``MegatronStrategy`` takes the consolidation arguments.
+"""The edits of NeMo's own files: ``MegatronStrategy`` takes the consolidation arguments (the knob stage and, for
+their arguments and methods, the retention and PEFT stages).
 
 Every edit is anchored on exact text that NeMo 2.5.3 and 2.7.3 share; a missing anchor stops the script naming it.
 The strategy gets what the overlay's ``MegatronStrategy`` subclass (``nemo_patch/training/strategy.py``) adds, in
@@ -20,10 +21,16 @@ NeMo's style: the arguments on ``__init__`` (documented before ``**kwargs``, val
 ``ConsolidationSettings``), the consolidating IO built by ``create_checkpoint_io``, the consolidation callback added in
 ``setup`` (with its ``setup`` hook run there, since Lightning ran the callbacks' hooks before the strategy's
 ``setup``), the wait for consolidations in ``teardown`` (the other ranks wait for global rank 0 on the job's store),
-the safe top-k removal, and ``consolidate_latest_checkpoint``/``consolidate_best_checkpoint``.
+the safe top-k removal and ``consolidate_latest_checkpoint`` (knob); ``ckpt_consolidation_keep`` and
+``consolidate_best_checkpoint`` (retention); ``ckpt_consolidation_merge_adapters`` and NeMo's PEFT callback keeping
+the consolidation settings when it rebuilds the checkpoint IO (PEFT).
 """
 
-from typing import Callable, Dict, List
+import json
+import sys
+import textwrap
+import types
+from typing import Any, Callable, Dict, Optional, Sequence
 
 STRATEGY = "nemo/lightning/pytorch/strategies/megatron_strategy.py"
 STRATEGY_UTILS = "nemo/lightning/pytorch/strategies/utils.py"
@@ -31,68 +38,97 @@ IO_PL = "nemo/lightning/io/pl.py"
 PEFT = "nemo/lightning/pytorch/callbacks/peft.py"
 #: NeMo files the series edits.
 EDITED = [STRATEGY, STRATEGY_UTILS, IO_PL, PEFT]
-#: The stage that edits them.
+#: NeMo's checkpoints docs index: in a NeMo source checkout, not in the ``nemo_toolkit`` wheel (no ``docs/``). Where
+#: it is there, the first patch lists its new page in the index's toctree.
+DOCS_INDEX = "docs/source/checkpoints/intro.rst"
+DOCS_PAGE_ENTRY = "consolidation"
+#: The stage that edits them first.
 STAGE = "knob"
-#: Arguments of the overlay's ``MegatronStrategy`` that the series does not give NeMo's (yet), and why. A new
-#: argument of the overlay must be added to :data:`STRATEGY_ARGS` or here (``tests/test_upstream_patch.py``).
+#: The settings module as the series writes it (its ``SETTINGS`` declare the strategy's arguments).
+SETTINGS_MODULE = "nemo/lightning/io/consolidation/training/settings.py"
+#: Arguments of the overlay's ``MegatronStrategy`` (settings it declares) that the series does not give NeMo's (yet),
+#: and why. ``tests/test_upstream_patch.py`` checks that every other declared setting reaches NeMo's strategy.
 NOT_UPSTREAMED_ARGUMENTS = {
     "ckpt_consolidation_post_command": "a command run after each consolidation (issue #31): a follow-up pull request",
     "ckpt_consolidation_post_command_timeout": "its timeout",
 }
+#: The settings passed to ``ConsolidationSettings.from_arguments`` by position.
+POSITIONAL_SETTINGS = ("save_consolidated", "frequency")
 
-STRATEGY_DOC = '''\
-        save_consolidated (Optional[bool]): None (default) or False: no checkpoint consolidation unless a frequency is
-            given; True: consolidate at "each" unless a frequency is given. False with a frequency raises ValueError.
-        ckpt_consolidation_frequency (Optional[str]): which finished checkpoints are consolidated into unsharded
-            safetensors, off the training path: "each", "every_n:<k>" (the k-th, 2k-th, ... finished checkpoint,
-            counted across resumes), "best" (those ModelCheckpoint ranked best by its monitored metric when saved;
-            <root>/BEST names the best) or "latest" (none during training, the newest finished checkpoint once when
-            fit ends). Giving one turns consolidation on; see docs/source/checkpoints/consolidation.rst.
-        ckpt_consolidation_timeout (float): seconds the end of fit waits for running and queued consolidations.
-        ckpt_consolidation_max_shard_size (Union[int, str]): most bytes per output safetensors file ("5GB").
-        ckpt_consolidation_max_pending (int): consolidation requests that may wait behind the running one.
-        ckpt_consolidation_format (str): "safetensors" (<ckpt>/consolidated) or "hf" (<ckpt>/hf, through the model's
-            registered Hugging Face exporter).
-        ckpt_consolidation_keep (Optional[int]): consolidated outputs kept (under <root>/retained/) when top-k removes
-            their checkpoints: None all, N while among the newest N outputs, 0 none.
-        ckpt_consolidation_dtype (Optional[str]): output dtype, "bf16", "fp16" or "fp32"; None keeps the
-            checkpoint's.
-        ckpt_consolidation_merge_adapters (bool): for PEFT (LoRA) adapter checkpoints, write the base model with the
-            adapters merged instead of the adapters alone.
-        ckpt_consolidation_workers (Optional[int]): writer processes of a consolidation; None is a quarter of the
-            node's cores (1 to 8).
-        **kwargs: Additional keyword arguments.
-'''
+Landed = Callable[[Optional[str]], bool]
 
-STRATEGY_ARGS = """        save_consolidated: Optional[bool] = None,
-        ckpt_consolidation_frequency: Optional[str] = None,
-        ckpt_consolidation_timeout: float = 1800.0,
-        ckpt_consolidation_max_shard_size: Union[int, str] = 5_000_000_000,
-        ckpt_consolidation_max_pending: int = 2,
-        ckpt_consolidation_format: str = "safetensors",
-        ckpt_consolidation_keep: Optional[int] = None,
-        ckpt_consolidation_dtype: Optional[str] = None,
-        ckpt_consolidation_merge_adapters: bool = False,
-        ckpt_consolidation_workers: Optional[int] = None,
-"""
 
-STRATEGY_VALIDATION = """        # Checkpoint consolidation settings: validated first, once.
-        from nemo.lightning.io.consolidation.training.settings import ConsolidationSettings
+def declarations(settings_text: str) -> Sequence[Any]:
+    """The ``SETTINGS`` of the settings module as a stage of the series writes it (``settings_text``): the module is
+    run with its package's imports pointed back at the overlay's modules, which define the same names. A setting a
+    stage holds back (``ckpt_consolidation_keep`` before the retention stage, ...) is not in it, so the strategy's
+    arguments follow the stage without a list of their own; their defaults, types and documentation are the
+    declarations'."""
+    source = settings_text.replace("from nemo.lightning.io.consolidation.", "from nemo_patch.")
+    module = types.ModuleType("_upstream_consolidation_settings")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    try:
+        exec(compile(source, SETTINGS_MODULE, "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    return [spec for spec in module.SETTINGS if spec.strategy_argument not in NOT_UPSTREAMED_ARGUMENTS]
 
-        self.consolidation_settings = ConsolidationSettings.from_arguments(
-            save_consolidated,
-            ckpt_consolidation_frequency,
-            timeout=ckpt_consolidation_timeout,
-            max_shard_size=ckpt_consolidation_max_shard_size,
-            max_pending=ckpt_consolidation_max_pending,
-            output_format=ckpt_consolidation_format,
-            keep=ckpt_consolidation_keep,
-            dtype=ckpt_consolidation_dtype,
-            merge_adapters=ckpt_consolidation_merge_adapters,
-            workers=ckpt_consolidation_workers,
+
+def _default_source(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return f"{value:_}"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def strategy_doc(settings: Sequence[Any]) -> str:
+    """The new arguments' entries in ``MegatronStrategy``'s docstring (before ``**kwargs``), in NeMo's
+    ``name (type): text`` form, from the declarations' help."""
+    entries = [
+        textwrap.fill(
+            f"{spec.strategy_argument} ({spec.annotation}): {spec.help}",
+            width=119,
+            initial_indent=" " * 8,
+            subsequent_indent=" " * 12,
+            break_on_hyphens=False,
+            break_long_words=False,
         )
-        self.consolidation_policy = self.consolidation_settings.policy
-"""
+        + "\n"
+        for spec in settings
+    ]
+    return "".join(entries) + "        **kwargs: Additional keyword arguments.\n"
+
+
+def strategy_args(settings: Sequence[Any]) -> str:
+    """The new arguments' lines in ``__init__``'s signature: the declared annotations and defaults."""
+    return "".join(
+        f"        {spec.strategy_argument}: {spec.annotation} = {_default_source(spec.default)},\n"
+        for spec in settings
+    )
+
+
+def strategy_validation(settings: Sequence[Any]) -> str:
+    """The first statements of ``__init__``: every argument validated, once, into ``self.consolidation_settings``."""
+    arguments = "".join(
+        (
+            f"            {spec.strategy_argument},\n"
+            if spec.field in POSITIONAL_SETTINGS
+            else f"            {spec.field}={spec.strategy_argument},\n"
+        )
+        for spec in settings
+    )
+    return (
+        "        # Checkpoint consolidation settings: validated first, once.\n"
+        "        from nemo.lightning.io.consolidation.training.settings import ConsolidationSettings\n\n"
+        "        self.consolidation_settings = ConsolidationSettings.from_arguments(\n"
+        f"{arguments}"
+        "        )\n"
+        "        self.consolidation_policy = self.consolidation_settings.policy\n"
+    )
+
 
 STRATEGY_CALLBACK = """
         # add the checkpoint consolidation callback if consolidation is on; Lightning ran the callbacks' setup hooks
@@ -183,7 +219,9 @@ STRATEGY_METHODS = '''
         if newest is None or not newest.consolidated:
             return None
         return newest.path / consolidating_io.consolidation_settings.output_dirname
+'''
 
+STRATEGY_BEST_METHOD = '''
     def consolidate_best_checkpoint(self, wait: bool = True) -> Optional[Path]:
         """Consolidate the run's best finished checkpoint by ModelCheckpoint's monitored metric now, unless its
         output exists, and point <root>/BEST at it (what "best" does when fit ends).
@@ -209,10 +247,12 @@ STRATEGY_METHODS = '''
         return best.path / consolidating_io.consolidation_settings.output_dirname if best.consolidated else None
 '''
 
-UTILS_FACTORY = """        from nemo.lightning.io.pl import MegatronCheckpointIO
+UTILS_FACTORY = """    elif kwargs.get("consolidation_settings") is not None:  # consolidation is on
+        from nemo.lightning.io.pl import ConsolidatingMegatronCheckpointIO
 
-        if kwargs.get("consolidation_settings") is not None:
-            from nemo.lightning.io.pl import ConsolidatingMegatronCheckpointIO as MegatronCheckpointIO
+        checkpoint_io = ConsolidatingMegatronCheckpointIO(**kwargs)
+    else:
+        from nemo.lightning.io.pl import MegatronCheckpointIO
 
         checkpoint_io = MegatronCheckpointIO(**kwargs)
 """
@@ -237,16 +277,17 @@ def _replace_once(text: str, anchor: str, replacement: str, where: str) -> str:
     return text.replace(anchor, replacement)
 
 
-def patched_strategy(text: str) -> str:
-    """NeMo's ``megatron_strategy.py`` with checkpoint consolidation built in."""
-    text = _replace_once(text, "        **kwargs: Additional keyword arguments.\n", STRATEGY_DOC, STRATEGY)
+def patched_strategy(text: str, has: Landed, settings: Sequence[Any]) -> str:
+    """NeMo's ``megatron_strategy.py`` with checkpoint consolidation built in, as far as the stages ``has`` says, with
+    the arguments the ``settings`` declare."""
+    text = _replace_once(text, "        **kwargs: Additional keyword arguments.\n", strategy_doc(settings), STRATEGY)
     text = _replace_once(
         text,
         "        use_gloo_process_groups: bool = True,\n        **kwargs,\n    ) -> None:\n",
         "        use_gloo_process_groups: bool = True,\n"
-        + STRATEGY_ARGS
+        + strategy_args(settings)
         + "        **kwargs,\n    ) -> None:\n"
-        + STRATEGY_VALIDATION,
+        + strategy_validation(settings),
         STRATEGY,
     )
     text = _replace_once(
@@ -270,10 +311,11 @@ def patched_strategy(text: str) -> str:
         "                **self._consolidation_io_kwargs(),\n            )\n",
         STRATEGY,
     )
+    methods = STRATEGY_METHODS + (STRATEGY_BEST_METHOD if has("retention") else "")
     text = _replace_once(
         text,
         '        """CheckpointIO setter"""\n        self._checkpoint_io = io\n',
-        '        """CheckpointIO setter"""\n        self._checkpoint_io = io\n' + STRATEGY_METHODS,
+        '        """CheckpointIO setter"""\n        self._checkpoint_io = io\n' + methods,
         STRATEGY,
     )
     return text
@@ -282,6 +324,7 @@ def patched_strategy(text: str) -> str:
 def patched_utils(text: str) -> str:
     """NeMo's strategy ``utils.py`` whose ``create_checkpoint_io`` builds the consolidating IO when asked to."""
     anchor = (
+        "    else:\n"
         "        from nemo.lightning.io.pl import MegatronCheckpointIO\n\n"
         "        checkpoint_io = MegatronCheckpointIO(**kwargs)\n"
     )
@@ -314,8 +357,40 @@ def patched_peft(text: str) -> str:
     return _replace_once(text, anchor, anchor + keep, PEFT)
 
 
-def edits(stage_keys: List[str], stage: str) -> Dict[str, Callable[[str], str]]:
-    """NeMo path -> edit, for the stages up to ``stage``."""
-    if stage_keys.index(stage) < stage_keys.index(STAGE):
-        return {}
-    return {STRATEGY: patched_strategy, STRATEGY_UTILS: patched_utils, IO_PL: patched_pl, PEFT: patched_peft}
+def patched_docs_index(text: str) -> str:
+    """NeMo's ``docs/source/checkpoints/intro.rst`` with ``consolidation`` as the last entry of its toctree."""
+    lines = text.splitlines(keepends=True)
+    starts = [number for number, line in enumerate(lines) if line.strip() == ".. toctree::"]
+    if len(starts) != 1:
+        raise SystemExit(f"{DOCS_INDEX}: expected one toctree, found {len(starts)}")
+    last = starts[0]
+    for number in range(starts[0] + 1, len(lines)):
+        if lines[number].strip() and not lines[number].startswith((" ", "\t")):
+            break  # the end of the directive's block
+        if lines[number].strip() and not lines[number].strip().startswith(":"):
+            last = number  # an entry
+    if last == starts[0]:
+        raise SystemExit(f"{DOCS_INDEX}: its toctree lists no page to add {DOCS_PAGE_ENTRY!r} after")
+    indent = lines[last][: len(lines[last]) - len(lines[last].lstrip())]
+    lines.insert(last + 1, f"{indent}{DOCS_PAGE_ENTRY}\n")
+    return "".join(lines)
+
+
+def edits(has: Landed, settings_text: Optional[str]) -> Dict[str, Callable[[str], str]]:
+    """NeMo path -> edit, for the stages that have landed (``has(stage)``); ``settings_text``: the settings module as
+    the series writes it at this stage (its declarations give the strategy's arguments). The docs index is edited
+    from the first stage on, where the NeMo tree has it."""
+    if not has(STAGE):
+        return {DOCS_INDEX: patched_docs_index}
+    if settings_text is None:
+        raise SystemExit(f"the {STAGE!r} stage edits MegatronStrategy from {SETTINGS_MODULE}, which it does not add")
+    settings = declarations(settings_text)
+    found = {
+        DOCS_INDEX: patched_docs_index,
+        STRATEGY: lambda text: patched_strategy(text, has, settings),
+        STRATEGY_UTILS: patched_utils,
+        IO_PL: patched_pl,
+    }
+    if has("peft"):
+        found[PEFT] = patched_peft
+    return found

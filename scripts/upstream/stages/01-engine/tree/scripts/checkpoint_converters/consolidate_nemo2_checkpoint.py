@@ -17,12 +17,18 @@
 Usage::
 
     python scripts/checkpoint_converters/consolidate_nemo2_checkpoint.py <ckpt> [--out DIR] [--dtype bf16|fp16|fp32]
-        [--max-shard-size BYTES] [--verify] [--force]
+        [--max-shard-size BYTES] [--workers N] [--verify] [--force]
+        [--format safetensors|hf [--trust-context]]
 
 ``<ckpt>`` is a checkpoint directory (``<ckpt>/weights`` and ``<ckpt>/context``) or its ``weights/`` directory. The
 output (default ``<ckpt>/consolidated``) holds ``model.safetensors`` (or shards plus ``model.safetensors.index.json``)
 and ``metadata.json``; see ``nemo.lightning.io.consolidation.engine.consolidate``. No GPU, process group or model is
-needed. The exit code names the cause of a failure (``nemo.lightning.io.consolidation.engine.errors``).
+needed. ``--format hf`` writes ``<ckpt>/hf`` instead, a directory ``transformers`` loads, through the NeMo exporter
+registered for the model class (NeMo is imported to find it); the checkpoint's ``context/`` must name only NeMo's,
+megatron-core's, torch's, transformers' and Lightning's code, unless ``--trust-context`` (loading it runs that code).
+``--workers N`` writer processes fill the output files at once (default: this node's cores, at most 8); the
+output is the same, byte for byte, whatever the number. The exit code names the cause of a failure
+(``nemo.lightning.io.consolidation.engine.errors``).
 """
 
 import os
@@ -44,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: <ckpt>/consolidated)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating-point tensors")
     parser.add_argument("--max-shard-size", type=int, default=5_000_000_000, help="most bytes per safetensors file")
+    parser.add_argument("--format", choices=["safetensors", "hf"], default="safetensors", help="output format")
+    parser.add_argument("--trust-context", action="store_true", help="load a context that names code outside NeMo")
+    parser.add_argument("--workers", type=int, default=None, help="writer processes (default: cores, at most 8)")
     parser.add_argument("--verify", action="store_true", help="compare every written tensor with the checkpoint")
     parser.add_argument("--force", action="store_true", help="replace a previous output")
     return parser
@@ -56,16 +65,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     from nemo.lightning.io.consolidation.engine.consolidate import consolidate_checkpoint
     from nemo.lightning.io.consolidation.engine.errors import ConsolidationError
     from nemo.lightning.io.consolidation.engine.output_layout import DTYPE_NAMES
+    from nemo.lightning.io.consolidation.engine.parts import default_workers
 
+    options = dict(
+        max_shard_size=args.max_shard_size,
+        dtype=None if args.dtype is None else getattr(torch, DTYPE_NAMES[args.dtype]),
+        overwrite=args.force,
+        verify=args.verify,
+    )
     try:
-        result = consolidate_checkpoint(
-            args.checkpoint,
-            args.out,
-            max_shard_size=args.max_shard_size,
-            dtype=None if args.dtype is None else getattr(torch, DTYPE_NAMES[args.dtype]),
-            overwrite=args.force,
-            verify=args.verify,
-        )
+        if args.format == "hf":
+            from nemo.lightning.io.consolidation.engine.checkpoint_layout import inspect_checkpoint
+            from nemo.lightning.io.consolidation.export.context_trust import check_context_trusted
+            from nemo.lightning.io.consolidation.export.hf import export_hf_checkpoint
+
+            location = inspect_checkpoint(args.checkpoint)
+            check_context_trusted(location.checkpoint_dir / "context", args.trust_context)
+            result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
+        else:
+            result = consolidate_checkpoint(
+                args.checkpoint, args.out, workers=args.workers or default_workers(), **options
+            )
     except ConsolidationError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code

@@ -19,54 +19,23 @@ import json
 
 import pytest
 import torch
-from conftest import HERE, run_python
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-
-def _checkpoint_tensors(weights_dir, tmp_path):
-    """The model tensors of a checkpoint according to PyTorch's own DCP converter, split per layer."""
-    dcp_to_torch_save(str(weights_dir), str(tmp_path / "reference.pt"))
-    full = torch.load(tmp_path / "reference.pt", weights_only=False)
-    tensors = {}
-    for key, value in full.items():
-        if not key.startswith("module.") or "_extra_state" in key or not isinstance(value, torch.Tensor):
-            continue
-        name = key[len("module.") :]
-        if ".layers." in name:
-            head, tail = name.split(".layers.", 1)
-            tensors.update({f"{head}.layers.{layer}.{tail}": value[layer] for layer in range(value.shape[0])})
-        else:
-            tensors[name] = value
-    return tensors
+from tiny_fit import checkpoint_tensors, checkpoints
+from tiny_fit import every_second as every_second_fit
 
 
 @pytest.fixture(scope="module")
 def every_second(tmp_path_factory):
-    """A 4-step fit saving every step, consolidating every second finished checkpoint."""
-    log_dir = tmp_path_factory.mktemp("fit")
-    proc = run_python(
-        str(HERE / "tiny_fit.py"),
-        str(log_dir),
-        "4",
-        'ckpt_consolidation_frequency="every_n:2"',
-        "ckpt_consolidation_workers=2",
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return log_dir
+    """A 4-step fit saving every step, consolidating every second finished checkpoint with two writers."""
+    return every_second_fit(tmp_path_factory)
 
 
 def test_checkpoints_due_under_the_cadence_are_consolidated(every_second, tmp_path):
-    root = every_second / "tiny_gpt" / "checkpoints"
-    checkpoints = sorted(
-        (p for p in root.iterdir() if (p / "weights").is_dir() and not p.is_symlink()),
-        key=lambda p: float(p.name.rsplit("consumed_samples=", 1)[1]),  # in the order they were saved
-    )
-    consolidated = [p for p in checkpoints if (p / "consolidated").is_dir()]
-    assert len(checkpoints) == 4 and consolidated == checkpoints[1::2]  # the 2nd and the 4th finished checkpoints
-    assert (root / "LATEST").resolve() == checkpoints[-1].resolve()
-    for checkpoint in checkpoints[1::2]:
-        expected = _checkpoint_tensors(checkpoint / "weights", tmp_path)
+    saved = checkpoints(every_second / "tiny_gpt" / "checkpoints")
+    consolidated = [p for p in saved if (p / "consolidated").is_dir()]
+    assert len(saved) == 4 and consolidated == saved[1::2]  # the 2nd and the 4th finished checkpoints
+    for checkpoint in consolidated:
+        expected = checkpoint_tensors(checkpoint / "weights", tmp_path)
         output = load_file(checkpoint / "consolidated" / "model.safetensors")
         assert set(output) == set(expected)
         for name, tensor in expected.items():
@@ -77,25 +46,3 @@ def test_the_consolidation_process_starts_in_setup_and_the_loop_does_not_wait(ev
     report = json.loads((every_second / "report.json").read_text())
     assert report["process_started_before_training"]  # the callback's setup hook ran, though added in setup
     assert len(report["blocked_seconds"]) == 1 and report["blocked_seconds"][0] < 5.0
-
-
-def test_a_lora_run_consolidates_its_adapter_checkpoints(every_second, tmp_path):
-    """NeMo's PEFT callback rebuilds the checkpoint IO in its setup: consolidation must survive that."""
-    base = sorted((every_second / "tiny_gpt" / "checkpoints").glob("*consumed_samples=8.0"))[0]
-    log_dir = tmp_path / "lora"
-    proc = run_python(
-        str(HERE / "tiny_fit.py"),
-        str(log_dir),
-        "2",
-        'ckpt_consolidation_frequency="each"',
-        f"lora_from={json.dumps(str(base))}",
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    root = log_dir / "tiny_gpt" / "checkpoints"
-    checkpoints = [p for p in root.iterdir() if (p / "weights").is_dir() and not p.is_symlink()]
-    assert len(checkpoints) == 2
-    for checkpoint in checkpoints:
-        metadata = json.loads((checkpoint / "consolidated" / "metadata.json").read_text())
-        assert metadata["kind"] == "adapter" and metadata["peft"]["method"].endswith(".LoRA")
-        adapters = load_file(checkpoint / "consolidated" / "adapter_model.safetensors")
-        assert adapters and all("adapter" in name or "lora" in name for name in adapters), sorted(adapters)[:4]

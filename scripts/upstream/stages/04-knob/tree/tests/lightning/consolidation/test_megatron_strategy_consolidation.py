@@ -61,6 +61,7 @@ def test_frequency_reaches_the_checkpoint_io(kwargs, frequency):
         ({"ckpt_consolidation_format": "onnx"}, '"safetensors" or "hf"'),
         ({"ckpt_consolidation_keep": -1}, "None (keep every consolidated output) or an integer >= 0"),
         ({"ckpt_consolidation_dtype": "int8"}, "None (the checkpoint's dtype)"),
+        ({"ckpt_consolidation_merge_adapters": 1}, "True or False"),
         ({"ckpt_consolidation_workers": 0}, "writer processes >= 1"),
     ],
 )

@@ -15,9 +15,11 @@
 """The converter command on a real checkpoint: consolidate, verify an existing output, load it back."""
 
 import json
+import runpy
 
 import pytest
 import torch
+from conftest import ROOT
 from nemo.lightning.io.consolidation.cli.nemo_consolidate import main
 from nemo.lightning.io.consolidation.engine.load import load_consolidated_state_dict
 
@@ -62,3 +64,15 @@ def test_exit_codes_name_the_cause(dist_checkpoint, tmp_path, capsys):
     assert json.loads((out / "metadata.json").read_text())["kind"] == "model"
     with pytest.raises(SystemExit):  # argparse: the multi-node launch option is not part of this command
         main([str(checkpoint), "--timeout", "10"])
+
+
+def test_the_converter_script_takes_the_options_of_the_earlier_patches(dist_checkpoint, tmp_path):
+    checkpoint, reference = dist_checkpoint
+    converter = runpy.run_path(str(ROOT / "scripts" / "checkpoint_converters" / "consolidate_nemo2_checkpoint.py"))
+    out = tmp_path / "converted"
+    assert (
+        converter["main"]([str(checkpoint), "--out", str(out), "--dtype", "fp16", "--verify", "--workers", "2"]) == 0
+    )
+    assert json.loads((out / "metadata.json").read_text())["dtype"] == "float16"
+    loaded = load_consolidated_state_dict(out)
+    assert all(torch.equal(loaded[name], tensor.to(torch.float16)) for name, tensor in reference.items())
