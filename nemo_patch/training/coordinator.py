@@ -46,6 +46,7 @@ Imports the standard library, the engine's layout and publishing helpers and the
 pointers and retention: never NeMo or Lightning.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -57,7 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from nemo_patch.engine.checkpoint_layout import global_step_in_name, is_marked_unfinished, weights_written
 from nemo_patch.engine.output_layout import METADATA_FILENAME
-from nemo_patch.engine.post_command import PostCommandResult, record_result
+from nemo_patch.engine.post_command import PostCommandResult, post_command_log_path, record_result
 from nemo_patch.engine.publish import link_output
 from nemo_patch.training.hooks import ConsolidationOutcome, read_metadata
 from nemo_patch.training.latest import (
@@ -672,6 +673,9 @@ class ConsolidationCoordinator:
                 output = save.path / self.settings.output_dirname
                 if error is None and save.output is not None and save.output.name == output.name:
                     output = save.output
+                    kept_log = post_command_log_path(output)
+                    if post is not None and kept_log.is_file():  # retention kept the command's log beside it
+                        post = dataclasses.replace(post, log=str(kept_log))
                 outcomes.append(
                     ConsolidationOutcome(
                         output_dir=output,
