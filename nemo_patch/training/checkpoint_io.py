@@ -39,9 +39,7 @@ from nemo_patch.training.schedule import CheckpointSave, ConsolidationSchedule
 from nemo_patch.training.settings import (
     CHECKPOINT_IO_ARGUMENTS,
     ConsolidationSettings,
-    add_setting_views,
-    arguments_docstring,
-    init_signature,
+    declare_settings,
 )
 
 __all__ = ["ConsolidationRecord", "MegatronCheckpointIO", "best_record"]
@@ -285,12 +283,4 @@ _SETTINGS_PARAMETER = inspect.Parameter(
     default=None,
     annotation=Optional[ConsolidationSettings],
 )
-setattr(
-    MegatronCheckpointIO.__init__,
-    "__signature__",
-    init_signature("io", nemo_io_pl.MegatronCheckpointIO.__init__, [_SETTINGS_PARAMETER]),
-)
-MegatronCheckpointIO.__doc__ = (MegatronCheckpointIO.__doc__ or "").replace(
-    "        {consolidation arguments}", arguments_docstring("io")
-)
-add_setting_views(MegatronCheckpointIO, "io")
+declare_settings(MegatronCheckpointIO, "io", nemo_io_pl.MegatronCheckpointIO.__init__, [_SETTINGS_PARAMETER])

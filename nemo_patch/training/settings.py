@@ -37,7 +37,7 @@ import textwrap
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 from nemo_patch.engine.post_command import DEFAULT_POST_COMMAND_TIMEOUT, check_placeholders
@@ -55,8 +55,8 @@ __all__ = [
     "STRATEGY_ARGUMENTS",
     "ConsolidationSettings",
     "Setting",
-    "add_setting_views",
     "arguments_docstring",
+    "declare_settings",
     "init_signature",
     "keyword_parameters",
     "setting",
@@ -594,10 +594,16 @@ CHECKPOINT_IO_ARGUMENTS: Mapping[str, str] = {
 }
 
 
-def _argument(spec: Setting, owner: str) -> Optional[str]:
+def _owned(owner: str) -> List[Tuple[str, Setting]]:
+    """``(argument name, declaration)`` of each setting ``owner`` (``"strategy"`` or ``"io"``) takes, in order.
+
+    Raises:
+        ValueError: ``owner`` is neither.
+    """
     if owner not in ("strategy", "io"):
         raise ValueError(f"owner must be 'strategy' or 'io', not {owner!r}")
-    return spec.strategy_argument if owner == "strategy" else spec.io_argument
+    names = STRATEGY_ARGUMENTS if owner == "strategy" else CHECKPOINT_IO_ARGUMENTS
+    return [(names[spec.field], spec) for spec in SETTINGS if spec.field in names]
 
 
 def keyword_parameters(owner: str) -> List[inspect.Parameter]:
@@ -611,9 +617,7 @@ def keyword_parameters(owner: str) -> List[inspect.Parameter]:
         inspect.Parameter(
             name, inspect.Parameter.KEYWORD_ONLY, default=spec.default, annotation=_annotation(spec.annotation)
         )
-        for spec in SETTINGS
-        for name in [_argument(spec, owner)]
-        if name is not None
+        for name, spec in _owned(owner)
     ]
 
 
@@ -648,10 +652,7 @@ def arguments_docstring(owner: str, indent: int = 8, width: int = 119) -> str:
         ValueError: ``owner`` is neither.
     """
     entries = []
-    for spec in SETTINGS:
-        name = _argument(spec, owner)
-        if name is None:
-            continue
+    for name, spec in _owned(owner):
         lines = textwrap.wrap(
             f"{name}: {spec.help}",
             width=width,
@@ -663,19 +664,22 @@ def arguments_docstring(owner: str, indent: int = 8, width: int = 119) -> str:
     return "\n".join(entries)
 
 
-def add_setting_views(cls: type, owner: str) -> type:
-    """Give ``cls`` (the strategy or the checkpoint IO, per ``owner``) one read-only property per setting, named as
-    its argument, returning ``self.consolidation_settings.<field>``.
+def declare_settings(
+    cls: Type[Any], owner: str, base: Callable[..., Any], extra: Sequence[inspect.Parameter] = ()
+) -> None:
+    """Make ``cls`` (the strategy or the checkpoint IO, per ``owner``) show the settings it takes through ``**kwargs``:
+    its ``__init__``'s ``__signature__`` (:func:`init_signature` with ``base`` and ``extra``), its docstring's
+    ``{consolidation arguments}`` line replaced by their ``Args:`` entries (:func:`arguments_docstring`), and one
+    read-only property per setting, named as its argument, returning ``self.consolidation_settings.<field>``.
 
     Raises:
         ValueError: ``owner`` is neither ``"strategy"`` nor ``"io"``.
     """
+    setattr(cls.__init__, "__signature__", init_signature(owner, base, extra))
+    cls.__doc__ = (cls.__doc__ or "").replace("        {consolidation arguments}", arguments_docstring(owner))
 
     def view(field_: str) -> Callable[[Any], Any]:
         return lambda self: getattr(self.consolidation_settings, field_)
 
-    for spec in SETTINGS:
-        name = _argument(spec, owner)
-        if name is not None:
-            setattr(cls, name, property(view(spec.field), doc=f"The ``{name}`` setting (read-only)."))
-    return cls
+    for name, spec in _owned(owner):
+        setattr(cls, name, property(view(spec.field), doc=f"The ``{name}`` setting (read-only)."))

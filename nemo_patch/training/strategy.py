@@ -38,9 +38,7 @@ from nemo_patch.training.settings import (
     DEFAULT_TIMEOUT,
     STRATEGY_ARGUMENTS,
     ConsolidationSettings,
-    add_setting_views,
-    arguments_docstring,
-    init_signature,
+    declare_settings,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
@@ -379,8 +377,4 @@ class MegatronStrategy(NeMoMegatronStrategy):
             super().teardown()
 
 
-setattr(MegatronStrategy.__init__, "__signature__", init_signature("strategy", NeMoMegatronStrategy.__init__))
-MegatronStrategy.__doc__ = (MegatronStrategy.__doc__ or "").replace(
-    "        {consolidation arguments}", arguments_docstring("strategy")
-)
-add_setting_views(MegatronStrategy, "strategy")
+declare_settings(MegatronStrategy, "strategy", NeMoMegatronStrategy.__init__)
