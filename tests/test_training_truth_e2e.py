@@ -145,8 +145,9 @@ def test_async_each_with_top_k_1_never_writes_into_a_checkpoint_nemo_is_removing
 
     Forced windows: NeMo's first removal of a ``-last`` copy whose step's consolidation is still waiting or running
     is held in NeMo's thread, after the strategy took it and before any file goes, until the training loop has seen
-    that consolidation end, i.e. exactly when the copy's link is due (``holdremoval:1``); nothing may appear in the
-    copy's directory meanwhile. The first keeping of an output fails (``keepfail:1``, No space left on device): the
+    that consolidation end, i.e. exactly when the copy's link is due (``holdremoval:1``; the first consolidation is
+    stopped until then, so such a removal comes whatever the machine's speed); nothing may appear in the copy's
+    directory meanwhile. The first keeping of an output fails (``keepfail:1``, No space left on device): the
     pointers must still move and no empty entry stay. Throughout: no stray directory, no error but that one, every
     output (the kept ones too) equal to its own checkpoint's weights, every due step accounted for."""
     report = run_fit(

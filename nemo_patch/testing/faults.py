@@ -37,7 +37,9 @@ moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
 * ``holdremoval:<n>``: hold NeMo's n-th asynchronous removal of a ``-last`` copy whose step's consolidation is still
   waiting or running, in NeMo's removal thread, after the strategy took the removal and before any file is deleted,
   until the training loop has seen that consolidation end (so the copy's link is due exactly while its removal is
-  under way); what appears in the copy's directory meanwhile is recorded (:attr:`FaultInjector.records`).
+  under way); what appears in the copy's directory meanwhile is recorded (:attr:`FaultInjector.records`). The window
+  is forced, not waited for: the first consolidation request's process is stopped (``SIGSTOP``) as it starts and
+  continued (``SIGCONT``) by the first held removal, so that request is still running when NeMo removes its copy.
 
 Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
@@ -187,6 +189,7 @@ class FaultInjector(Callback):
     def _hold(self, path: Path, source: Any) -> None:
         before = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
         self._held = {"path": path, "source": source}
+        self._continue_paused()  # the source's consolidation may now end, while this removal is held
         released = self._release.wait(HOLD_REMOVAL_SECONDS)
         after = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
         self.records.append(
@@ -206,10 +209,16 @@ class FaultInjector(Callback):
         if held is not None and not held["source"].state.outstanding:
             self._release.set()
 
+    def _continue_paused(self) -> None:
+        if self.paused is not None and self.paused.poll() is None:
+            self.paused.send_signal(signal.SIGCONT)
+        self.paused = None
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.kind in ("kill", "hold", "pause", "readonly", "fsize", "jobkill") and trainer.is_global_zero:
+        kinds = ("kill", "hold", "pause", "readonly", "fsize", "jobkill", "holdremoval")
+        if self.kind in kinds and trainer.is_global_zero:
             queue = find_base_checkpoint_io(trainer.strategy.checkpoint_io).queue
-            if self.kind == "pause":  # the requests made while it is paused must meet a ready, busy process
+            if self.kind in ("pause", "holdremoval"):  # requests made while it is paused must meet a ready process
                 queue.start_process()
                 deadline = time.monotonic() + 300
                 while not queue.process_ready and time.monotonic() < deadline:
@@ -218,7 +227,7 @@ class FaultInjector(Callback):
 
             def faulty_start(save: Any) -> None:
                 self.started += 1
-                if self.started != self.number:
+                if self.started != (1 if self.kind == "holdremoval" else self.number):
                     return start(save)
                 if self.kind == "readonly":
                     subprocess.run(["mount", "--bind", str(save.path), str(save.path)], check=True)
@@ -235,7 +244,7 @@ class FaultInjector(Callback):
                         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
                         queue.retire_process()  # started under the limit: the next request must not get it
                 start(save)
-                if self.kind in ("hold", "pause"):
+                if self.kind in ("hold", "pause", "holdremoval"):
                     self.paused = queue._running.process
                     queue._running.process.send_signal(signal.SIGSTOP)
                     return None
@@ -257,8 +266,8 @@ class FaultInjector(Callback):
             time.sleep(0.001)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.kind == "pause" and self.paused is not None and self.paused.poll() is None:
-            self.paused.send_signal(signal.SIGCONT)
+        if self.kind in ("pause", "holdremoval"):
+            self._continue_paused()
         self._release.set()  # a held removal never outlives the training loop
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
