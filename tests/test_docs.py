@@ -24,6 +24,7 @@ not a skip: the ``docs`` extra is part of the test environment (``scripts/setup_
 """
 
 import ast
+import html
 import inspect
 import json
 import re
@@ -201,6 +202,26 @@ def test_the_api_page_documents_every_public_name(site):
     assert not missing
     documented = set(re.findall(r'id="nemo_patch\.(\w+)"', page))
     assert documented == set(nemo_patch.__all__)  # and nothing else: the rest is internal
+
+
+def test_the_api_page_shows_the_classes_real_signatures(site):
+    """Autodoc reads NeMo's ``IOMixin.__new__(*args, **kwargs)`` first; the page shows what Python's
+    ``inspect.signature`` gives (the ``__init__``), every parameter in order, ours keyword-only, for both classes."""
+    import nemo_patch
+
+    page = (site / "api.html").read_text()
+    for name in ("MegatronStrategy", "MegatronCheckpointIO"):
+        heading = re.search(rf'id="nemo_patch\.{name}">(.*?)</dt>', page, re.S)
+        assert heading, name
+        text = " ".join(html.unescape(re.sub(r"<[^>]+>", "", heading.group(1))).split())
+        assert "*args" not in text, text[:300]
+        position = 0
+        for param in inspect.signature(getattr(nemo_patch, name)).parameters.values():
+            shown = f"**{param.name}" if param.kind is param.VAR_KEYWORD else f"{param.name}="
+            found = text.find(shown, position)
+            assert found > position, (name, shown, text[position : position + 200])
+            position = found
+        assert "*, save_consolidated=" in text, name
 
 
 def _quoted_values(text: str) -> List[str]:

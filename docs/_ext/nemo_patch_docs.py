@@ -24,6 +24,10 @@ Directives (usable from MyST Markdown as ```` ```{nemo-patch-strategy-arguments}
 
 A declaration the table cannot be made from (a setting without help, two error classes with one exit code) fails
 the build, naming it.
+
+Class signatures: autodoc looks for a class's ``__new__`` before its ``__init__``, and NeMo's ``IOMixin.__new__``
+takes ``(*args, **kwargs)``, so the strategy and the checkpoint IO would read ``(*args, **kwargs)``. Python itself
+(``inspect.signature``, which NeMo-Run and fiddle use) takes the ``__init__`` a class defines; that one is shown.
 """
 
 import importlib.util
@@ -169,7 +173,26 @@ class ExitCodes(SphinxDirective):
         return [_table("nemo-patch-exit-codes", ["exit code", "error class", "cause"], [8, 22, 70], rows)]
 
 
+def class_signature(
+    app: Sphinx, what: str, name: str, obj: Any, options: Any, signature: Any, return_annotation: Any
+) -> Any:
+    """``autodoc-process-signature``: a class whose signature autodoc read from a ``(*args, **kwargs)`` ``__new__``
+    gets the one Python gives it (its ``__init__``'s), without annotations (they are in the description)."""
+    if what not in ("class", "exception") or signature != "(*args, **kwargs)":
+        return None
+    try:
+        python = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    bare = python.replace(
+        parameters=[param.replace(annotation=inspect.Parameter.empty) for param in python.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
+    return (None, return_annotation) if str(bare) == signature else (str(bare), return_annotation)
+
+
 def setup(app: Sphinx) -> Dict[str, Any]:
+    app.connect("autodoc-process-signature", class_signature)
     app.add_directive("nemo-patch-strategy-arguments", StrategyArguments)
     app.add_directive("nemo-patch-exit-codes", ExitCodes)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
