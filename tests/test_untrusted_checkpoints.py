@@ -25,6 +25,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -444,6 +445,108 @@ def test_context_references_are_resolved_before_trust(victim, reference, why):
     _add_reference(victim, reference)
     with pytest.raises(ConsolidationError, match=why):
         check_context_trusted(victim / "context")
+
+
+def _embed_call(victim: Path, function, **arguments) -> None:
+    """Make the model config's ``moe_extended_tp`` a fiddle ``Config`` of ``function(**arguments)``, serialized by
+    fiddle itself: building the model's config (``io.load_context(..., subpath="model")``) calls it."""
+    import fiddle as fdl
+    from fiddle._src.experimental import serialization
+
+    payload = json.loads(serialization.dump_json(fdl.Config(function, **arguments)))
+    stack: List = list(payload["objects"].values())
+    while stack:  # rename the payload's keys, in its references too
+        value = stack.pop()
+        if isinstance(value, dict):
+            if value.get("type") == "ref":
+                value["key"] = f"payload_{value['key']}"
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    io_json = victim / "context" / "io.json"
+    data = json.loads(io_json.read_text())
+    for key, obj in payload["objects"].items():
+        data["objects"][f"payload_{key}"] = obj
+        data.setdefault("refcounts", {})[f"payload_{key}"] = 1
+    config = next(obj for obj in data["objects"].values() if "<root>.model.config" in obj.get("paths", []))
+    call = {"type": "ref", "key": f"payload_{payload['root']['key']}"}
+    items = [item for item in config["items"] if item[0] != "Attr(name='moe_extended_tp')"]
+    config["items"] = items + [["Attr(name='moe_extended_tp')", call]]
+    io_json.write_text(json.dumps(data))
+
+
+def test_a_trusted_package_function_that_runs_a_shell_is_refused_and_would_have_run(victim, tmp_path):
+    """``torch.utils.collect_env.run`` runs its argument in a shell: a list of what may not be named missed it. The
+    allowlist refuses it (a function defined outside the modules a model's context takes functions from); with
+    ``--trust-context`` the same file does run it, so the payload is live."""
+    from torch.utils import collect_env
+
+    from nemo_patch.export.context_trust import check_context_trusted
+
+    marker = tmp_path / "ran"
+    _embed_call(victim, collect_env.run, command=f"touch {marker}")
+    with pytest.raises(ConsolidationError, match=r"torch\.utils\.collect_env\.run \(a function defined in"):
+        check_context_trusted(victim / "context")
+    code, lines = run_cli([str(victim), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert code == 16 and len(lines) == 1 and "collect_env.run" in lines[0], lines
+    verify = [sys.executable, "-m", "nemo_patch", str(victim), "--verify", "--workers", "1"]
+    proc = subprocess.run(
+        verify + ["--out", str(tmp_path / "v")], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr[-3000:]
+    assert "collect_env.run" in proc.stderr and not marker.exists()
+    trusted = subprocess.run(
+        verify + ["--out", str(tmp_path / "t"), "--trust-context"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert marker.exists(), trusted.stderr[-3000:]  # the opt-in loads it: the payload was live
+
+
+@pytest.mark.parametrize(
+    "module, name, why",
+    [
+        ("torch.utils.collect_env", "run", "a function defined in torch.utils.collect_env"),
+        ("torch", "from_file", "a function defined in torch"),  # creates or extends the file it is given
+        ("megatron.core.datasets.utils", "compile_helpers", "a function defined in megatron.core.datasets.utils"),
+        ("nemo.utils.data_utils", "ais_binary", "a function defined in nemo.utils.data_utils"),
+        ("torch.utils.tensorboard.writer", "SummaryWriter", "a class defined in torch.utils.tensorboard.writer"),
+        ("transformers", "Trainer", "a class defined in transformers.trainer"),
+    ],
+)
+def test_only_what_a_model_context_needs_is_trusted(victim, module, name, why):
+    """Trusted packages hold functions that run shells or write files, and classes that write on construction:
+    functions and classes are taken only from the modules NeMo's model contexts use."""
+    from nemo_patch.export.context_trust import check_context_trusted
+
+    _add_reference(victim, {"type": "pyref", "module": module, "name": name})
+    with pytest.raises(ConsolidationError, match=re.escape(f"{module}.{name} ({why}")):
+        check_context_trusted(victim / "context")
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("torch.nn.functional", "silu"),
+        ("torch.nn.functional", "gelu"),  # a built-in of torch._C._nn
+        ("torch", "tanh"),
+        ("torch", "bfloat16"),
+        ("nemo.collections.llm.fn.activation", "openai_gelu"),
+        ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"),
+        ("megatron.core.transformer.enums", "AttnBackend"),
+        ("nemo.collections.common.tokenizers.tokenizer_utils", "get_nmt_tokenizer"),
+        ("nemo.collections.llm", "LlamaModel"),
+        ("nemo.collections.llm", "Qwen2Config"),
+        ("transformers", "GenerationConfig"),
+    ],
+)
+def test_what_model_contexts_name_stays_trusted(victim, module, name):
+    from nemo_patch.export.context_trust import check_context_trusted
+
+    _add_reference(victim, {"type": "pyref", "module": module, "name": name})
+    check_context_trusted(victim / "context")
 
 
 def test_a_context_asking_for_remote_code_is_not_trusted(victim):

@@ -22,17 +22,24 @@ from elsewhere can name any importable callable there (``subprocess.getoutput`` 
 ``torch`` + ``os.popen``), so loading the context of a checkpoint one did not write runs the writer's choice of code.
 
 :func:`check_context_trusted` reads ``io.json`` as plain JSON (bounded, a regular file) before NeMo sees it and checks
-every reference, whatever node holds it:
+every reference, whatever node holds it, against allowlists (a list of what may not be named could never be complete:
+``torch.utils.collect_env.run``, for one, runs its argument in a shell):
 
 * its module lies in a package a NeMo model legitimately comes from (:data:`TRUSTED_PACKAGES`: NeMo, megatron-core,
   torch, transformers, Lightning, fiddle), outside the parts of them that load or run code by design
-  (:data:`DENIED_MODULES`: ``torch.hub``, ``torch.jit``, ``torch.package``, ``transformers.dynamic_module_utils``,
-  NeMo's training API, ...), or in ``builtins`` it names a plain container or scalar type (:data:`TRUSTED_BUILTINS`);
+  (:data:`DENIED_MODULES`), or in ``builtins`` it names a plain container or scalar type (:data:`TRUSTED_BUILTINS`);
 * its name is one attribute (no dots: fiddle follows them with ``getattr``, out of the module) and not one of
   :data:`DENIED_NAMES` (``load``, ``save``, ``compile``, ...);
-* what it resolves to (the module is imported: it is trusted) is a class, function or value defined in a trusted
-  module, never a module object and never something a trusted module merely re-exports (``from subprocess import
-  ...``): its ``__module__`` is checked too;
+* what it resolves to (the module is imported: it is trusted) is never a module object, and where it is defined (its
+  ``__module__``, so that a trusted module's ``from subprocess import ...`` does not pass) fits what it is:
+
+  - a class (built, i.e. called, with the file's arguments): defined under :data:`TRUSTED_CLASS_MODULES` (model
+    configs and models, tokenizers, NeMo's trainer, strategy, plugins and callbacks, megatron-core's configs, fiddle's
+    own types, Hugging Face configs and tokenizers) or one of :data:`TRUSTED_OBJECTS`;
+  - a function or other callable (called with the file's arguments, or later by the model): defined under
+    :data:`TRUSTED_FUNCTION_MODULES` (activations, initialisers, layer specs, tokenizer factories) or one of
+    :data:`TRUSTED_OBJECTS` (torch's elementwise activations);
+  - anything else (a dtype, an enum member, a constant): defined in a trusted package;
 * and the file never asks for ``trust_remote_code`` (Hugging Face code shipped with the checkpoint would run).
 
 Anything else is refused (:class:`~nemo_patch.engine.errors.UntrustedContextError`) unless the user opts in, as with
@@ -58,6 +65,9 @@ __all__ = [
     "DENIED_MODULES",
     "DENIED_NAMES",
     "TRUSTED_BUILTINS",
+    "TRUSTED_CLASS_MODULES",
+    "TRUSTED_FUNCTION_MODULES",
+    "TRUSTED_OBJECTS",
     "TRUSTED_PACKAGES",
     "check_context_trusted",
     "context_references",
@@ -92,6 +102,62 @@ DENIED_MODULES = (
 )
 #: Functions of trusted modules that load files or compile code.
 DENIED_NAMES = frozenset({"load", "save", "compile", "hub", "jit", "exec", "eval", "system", "popen"})
+#: Where a class a trusted context names may be defined (this module or one below it): what NeMo's contexts build.
+TRUSTED_CLASS_MODULES = (
+    "fiddle._src.config",
+    "fiddle._src.partial",
+    "nemo.collections.llm",
+    "nemo.collections.vlm",
+    "nemo.collections.common.tokenizers",
+    "nemo.lightning",
+    "megatron.core",
+    "lightning.pytorch",
+    "lightning.fabric",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "transformers.models",
+    "transformers.configuration_utils",
+    "transformers.generation.configuration_utils",
+    "transformers.tokenization_utils",
+    "transformers.tokenization_utils_base",
+    "transformers.tokenization_utils_fast",
+    "torch.nn.modules",
+    "torch.optim",
+)
+#: Where a function (or other callable that is not a class) a trusted context names may be defined: activations,
+#: initialisers, layer specs and tokenizer factories, which a model's config holds and its build or forward calls.
+TRUSTED_FUNCTION_MODULES = (
+    "torch.nn.functional",
+    "torch._C._nn",
+    "torch.nn.init",
+    "megatron.core.activations",
+    "megatron.core.fusions",
+    "megatron.core.models",
+    "megatron.core.transformer",
+    "nemo.collections.llm.fn",
+    "nemo.collections.llm.gpt.model",
+    "nemo.collections.common.tokenizers",
+    "nemo.lightning.io.artifact",
+)
+#: Single objects a trusted context may name beyond those modules, as ``<defining module>.<name>``.
+TRUSTED_OBJECTS = frozenset(
+    {
+        "torch.dtype",
+        "torch.device",
+        "torch.Size",
+        "torch.tanh",
+        "torch.sigmoid",
+        "torch.relu",
+        "torch.erf",
+        "torch.exp",
+        "torch.abs",
+        "torch.square",
+        "torch.softmax",
+        "torch.log_softmax",
+        "megatron.core.utils.init_method_normal",
+        "megatron.core.utils.scaled_init_method_normal",
+    }
+)
 #: The ``builtins`` a trusted context may reference: types that build plain data, nothing that runs code.
 TRUSTED_BUILTINS = frozenset(
     {"dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bool", "slice"}
@@ -137,8 +203,12 @@ def context_references(context_dir: Union[str, Path]) -> List[Tuple[str, str]]:
     return sorted(_scan(context_dir)[0])
 
 
+def _under(module: str, prefixes: Tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
 def _denied(module: str) -> bool:
-    return any(module == denied or module.startswith(denied + ".") for denied in DENIED_MODULES)
+    return _under(module, DENIED_MODULES)
 
 
 def _why_untrusted(module: str, name: str) -> Optional[str]:
@@ -160,6 +230,15 @@ def _why_untrusted(module: str, name: str) -> Optional[str]:
     owner = getattr(value, "__module__", None) or type(value).__module__
     if not isinstance(owner, str) or owner.split(".")[0] not in TRUSTED_PACKAGES or _denied(owner):
         return f"defined in {owner}, only re-exported by {module}"
+    own_name = getattr(value, "__name__", name)
+    if f"{owner}.{own_name}" in TRUSTED_OBJECTS:
+        return None
+    if isinstance(value, type):
+        if not _under(owner, TRUSTED_CLASS_MODULES):
+            return f"a class defined in {owner}, not where the classes a NeMo model's context builds come from"
+    elif callable(value):
+        if not _under(owner, TRUSTED_FUNCTION_MODULES) or own_name in DENIED_NAMES:
+            return f"a function defined in {owner}, not where a NeMo model's activations, specs and factories live"
     return None
 
 
@@ -185,7 +264,7 @@ def check_context_trusted(context_dir: Union[str, Path], trust: bool = False) ->
         untrusted.append("trust_remote_code (Hugging Face code shipped with the checkpoint would run)")
     if untrusted:
         raise UntrustedContextError(
-            f"{Path(context_dir) / _IO_JSON} references code outside NeMo, megatron-core, torch, transformers and "
-            f"Lightning: {', '.join(untrusted[:3])}{' ...' if len(untrusted) > 3 else ''}; loading it would import "
+            f"{Path(context_dir) / _IO_JSON} references code that a NeMo model's context has no need of: "
+            f"{', '.join(untrusted[:3])}{' ...' if len(untrusted) > 3 else ''}; loading it would import "
             "and run that code. Pass --trust-context if you trust whoever wrote this checkpoint."
         )
