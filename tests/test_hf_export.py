@@ -20,6 +20,7 @@ against its checkpoint through NeMo's importer (:func:`nemo_patch.export.hf_veri
 import filecmp
 import json
 import shutil
+import stat
 
 import pytest
 import torch
@@ -88,6 +89,11 @@ def test_import_then_export_gives_back_the_original_weights(imported_llama, tmp_
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[name], exported[name]) for name in original)
+    # Every file has the mode a new file gets here (transformers wrote its safetensors file as 0o600).
+    (tmp_path / "probe").touch()
+    default = stat.S_IMODE((tmp_path / "probe").stat().st_mode)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "hf").iterdir()}
+    assert set(modes.values()) == {default}, modes
 
 
 def test_a_model_class_without_exporter_exits_10_naming_it(checkpoint_copy, capsys):

@@ -58,6 +58,7 @@ import inspect
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -465,6 +466,22 @@ def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
         raise VerificationError(f"{output_dir} lacks tensors of the exported model: {missing[:5]}")
 
 
+def _give_files_the_default_mode(directory: Path) -> None:
+    """Give every regular file under ``directory`` the mode a new file gets here (``0o666`` less the umask, found by
+    creating one, which unlike reading ``os.umask`` changes nothing for other threads). ``transformers`` writes its
+    safetensors files through a temporary file (mode ``0o600``): other users and a serving process could not read the
+    weights of an output whose other files they can read."""
+    probe = directory / ".mode-probe"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        mode = stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 def export_hf_checkpoint(
     checkpoint_dir: Union[str, Path],
     output_dir: Optional[Union[str, Path]] = None,
@@ -573,6 +590,7 @@ def export_hf_checkpoint(
         if best is not None:
             manifest.update(best=dict(best))
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _give_files_the_default_mode(tmp_dir)
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
     kind = manifest["kind"]
     return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {}, kind)
