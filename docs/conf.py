@@ -51,6 +51,7 @@ myst_enable_extensions = ["colon_fence"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"  # no bare entries for NeMo's undocumented arguments
 autodoc_default_options = {"show-inheritance": True}  # members: only those docs/api.md lists
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

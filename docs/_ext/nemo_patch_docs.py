@@ -173,6 +173,19 @@ class ExitCodes(SphinxDirective):
         return [_table("nemo-patch-exit-codes", ["exit code", "error class", "cause"], [8, 22, 70], rows)]
 
 
+def cli_parser() -> Any:
+    """``nemo-consolidate``'s parser (:func:`nemo_patch.cli.nemo_consolidate.build_parser`) for the
+    ``sphinx_argparse_cli`` directive, with ``<`` and ``>`` in its help texts written as HTML entities: the directive
+    parses help texts as Markdown, in which ``<ckpt>`` is an HTML tag and would vanish from the page."""
+    from nemo_patch.cli.nemo_consolidate import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if action.help:
+            action.help = action.help.replace("<", "&lt;").replace(">", "&gt;")
+    return parser
+
+
 def class_signature(
     app: Sphinx, what: str, name: str, obj: Any, options: Any, signature: Any, return_annotation: Any
 ) -> Any:

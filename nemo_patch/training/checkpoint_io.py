@@ -56,12 +56,13 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     :class:`nemo_patch.MegatronStrategy` drives it from Lightning's hooks. A consolidation failure is logged and
     never raised into the training loop.
 
+    NeMo's own arguments (those before ``*`` in the signature) are passed on to NeMo's ``MegatronCheckpointIO``
+    unchanged.
+
     Args:
-        *args: forwarded to NeMo's ``MegatronCheckpointIO``.
         {consolidation arguments}
         consolidation_settings: all of the above as one already validated value (what
             :class:`nemo_patch.MegatronStrategy` passes); when given, the arguments above must not be.
-        **kwargs: forwarded to NeMo's ``MegatronCheckpointIO``.
 
     Raises:
         ValueError: for an invalid or contradictory consolidation setting (the message lists the accepted forms), or

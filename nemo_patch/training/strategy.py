@@ -124,8 +124,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
     :attr:`consolidation_settings` (a frozen :class:`~nemo_patch.training.settings.ConsolidationSettings`), which the
     checkpoint IO, the queue and the consolidation process receive as one value.
 
+    NeMo's own arguments (those before ``*`` in the signature) are NeMo's ``MegatronStrategy``'s, passed on unchanged.
+
     Args:
-        *args: NeMo's ``MegatronStrategy`` arguments, unchanged.
         {consolidation arguments}
         **kwargs: NeMo's ``MegatronStrategy`` keyword arguments, unchanged.
 
