@@ -207,7 +207,10 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
     finished = weights_written(weights_dir) and not is_marked_unfinished(checkpoint_dir)
     if not finished and not allow_unfinished:
         why = "NeMo's unfinished marker is present" if is_marked_unfinished(checkpoint_dir) else f"no '{last_file}'"
-        raise UnfinishedCheckpointError(f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended")
+        raise UnfinishedCheckpointError(
+            f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended (--allow-unfinished, or "
+            "allow_unfinished=True, consolidates what it holds anyway)"
+        )
     return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend, adapter, base)
 
 
