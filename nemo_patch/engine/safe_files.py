@@ -117,6 +117,12 @@ def read_json_file(path: Union[str, Path], limit: int = MAX_JSON_BYTES) -> Any:
     Raises:
         UnsafeFileError: not a regular file, or too large.
         OSError: it cannot be read.
-        ValueError: it is not valid UTF-8 JSON (``json.JSONDecodeError`` or ``UnicodeDecodeError``).
+        ValueError: it is not valid UTF-8 JSON (``json.JSONDecodeError`` or ``UnicodeDecodeError``), or its arrays and
+            objects are nested too deeply for the parser (``json`` raises ``RecursionError`` for that, e.g. for a file
+            of 200,000 ``[``: a crafted file, never one a writer of checkpoints makes).
     """
-    return json.loads(read_regular_file(path, limit).decode("utf-8"))
+    text = read_regular_file(path, limit).decode("utf-8")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON arrays or objects nested too deeply to be parsed") from None  # callers name the file

@@ -1,0 +1,97 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Hostile or unusual inputs, second round: each once crashed or misbehaved; each test drives the real code (the CLI on
+a real checkpoint where the input is a checkpoint), one section per input."""
+
+import contextlib
+import io
+import json
+from typing import List, Tuple
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_patch.cli.nemo_consolidate import build_parser
+from nemo_patch.cli.nemo_consolidate import main as consolidate_main
+from nemo_patch.engine.errors import UntrustedContextError
+from nemo_patch.engine.safe_files import read_json_file
+
+#: 200,000 nested arrays: valid JSON, far deeper than the parser's recursion limit.
+DEEP_JSON = "[" * 200_000 + "]" * 200_000
+
+
+def run_cli(args: List[str]) -> Tuple[int, List[str], List[str]]:
+    """``nemo-consolidate`` in-process; returns (exit code, stdout lines, stderr lines)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        try:
+            code = consolidate_main(args + ["--workers", "1"])
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip() and "pynvml" not in line]
+    return code, stdout.getvalue().splitlines(), lines
+
+
+# --- 1. JSON nested too deeply -----------------------------------------------------------------------------------
+
+
+def test_json_nested_too_deeply_is_invalid_json_not_a_recursion_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text(DEEP_JSON)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_json_file(path)
+
+
+@pytest.mark.slow
+def test_weights_metadata_json_nested_too_deeply_is_read_as_one_that_is_not_json(checkpoint_copy, tmp_path):
+    """megatron-core's ``weights/metadata.json`` that cannot be read as JSON makes the directory a plain DCP one
+    (``checkpoint_layout.sharded_backend``): the same for one nested too deeply as for one that is invalid JSON."""
+    outputs = []
+    for name, text in [("invalid", "{"), ("deep", DEEP_JSON)]:
+        (checkpoint_copy / "weights" / "metadata.json").write_text(text)
+        code, out, err = run_cli([str(checkpoint_copy), "--out", str(tmp_path / name)])
+        assert code == 0 and err == [] and len(out) == 1 and out[0].startswith("Consolidated "), (name, out, err)
+        outputs.append(load_file(tmp_path / name / "model.safetensors"))
+    assert outputs[0].keys() == outputs[1].keys() and len(outputs[0]) == 28
+    assert all(torch.equal(outputs[0][key], outputs[1][key]) for key in outputs[0])
+
+
+@pytest.mark.slow
+def test_a_tokenizer_json_nested_too_deeply_gives_an_unknown_tokenizer_size(checkpoint_copy, tmp_path):
+    tokenizer = checkpoint_copy / "context" / "nemo_tokenizer" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    tokenizer.write_text(DEEP_JSON)
+    code, out, err = run_cli([str(checkpoint_copy), "--out", str(tmp_path / "out")])
+    assert code == 0 and err == [] and len(out) == 1, (out, err)
+    metadata = json.loads((tmp_path / "out" / "metadata.json").read_text())
+    assert metadata["vocab_size"] == {"padded": 128, "tokenizer": None}
+
+
+@pytest.mark.slow
+def test_an_io_json_nested_too_deeply_is_a_context_that_cannot_be_read(checkpoint_copy, tmp_path):
+    """``--format hf``: exit 16 (a context that cannot be read is not trusted, as ``context_trust`` documents) in one
+    line; ``--verify``: a warning that names and shapes were not compared, and the output is written."""
+    (checkpoint_copy / "context" / "io.json").write_text(DEEP_JSON)
+    code, out, err = run_cli([str(checkpoint_copy), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert code == UntrustedContextError.exit_code == 16, err
+    assert len(err) == 1 and err[0].startswith("nemo-consolidate: error: Cannot read ") and "io.json" in err[0], err
+    assert "nested too deeply" in err[0] and not (tmp_path / "hf").exists()
+    assert f"{UntrustedContextError.exit_code} {UntrustedContextError.summary}" in build_parser().epilog
+
+    code, out, err = run_cli([str(checkpoint_copy), "--verify", "--out", str(tmp_path / "verified")])
+    assert code == 0 and len(out) == 1 and out[0].endswith(", verified"), (out, err)
+    assert len(err) == 1 and err[0].startswith("nemo-consolidate: warning: names and shapes not compared"), err
+    assert "nested too deeply" in err[0]
