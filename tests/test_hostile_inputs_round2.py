@@ -18,6 +18,9 @@ a real checkpoint where the input is a checkpoint), one section per input."""
 import contextlib
 import io
 import json
+import sys
+import threading
+import time
 from typing import List, Tuple
 
 import pytest
@@ -95,3 +98,26 @@ def test_an_io_json_nested_too_deeply_is_a_context_that_cannot_be_read(checkpoin
     assert code == 0 and len(out) == 1 and out[0].endswith(", verified"), (out, err)
     assert len(err) == 1 and err[0].startswith("nemo-consolidate: warning: names and shapes not compared"), err
     assert "nested too deeply" in err[0]
+
+
+# --- 2. a timeout beyond timedelta -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [1e14, float(sys.maxsize)])
+def test_the_other_ranks_wait_for_rank_0_under_any_accepted_timeout(monkeypatch, caplog, timeout):
+    """``timedelta(seconds=1e14)`` overflows: the other ranks left ``fit`` at once, with a false warning. They wait for
+    rank 0's release (here after 1 s), on a real store."""
+    import torch.distributed as dist
+
+    from nemo_patch.training import fit_end
+    from nemo_patch.training.settings import validate_timeout
+
+    assert validate_timeout(timeout, "ckpt_consolidation_timeout") == timeout  # an accepted value
+    store = dist.HashStore()
+    monkeypatch.setattr(fit_end, "_store", lambda: store)
+    end = fit_end.FitEnd(timeout)
+    threading.Timer(1.0, end.release).start()  # rank 0, once its consolidations are over
+    start = time.monotonic()
+    assert end.wait()
+    assert 0.9 <= time.monotonic() - start < 30
+    assert not [r for r in caplog.records if r.name == fit_end.__name__ and r.levelname == "WARNING"]

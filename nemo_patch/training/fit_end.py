@@ -37,13 +37,17 @@ import itertools
 import logging
 from typing import Any, Optional
 
-__all__ = ["GRACE_SECONDS", "FitEnd"]
+__all__ = ["GRACE_SECONDS", "MAX_WAIT_SECONDS", "FitEnd"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the other ranks wait beyond ``ckpt_consolidation_timeout``: what rank 0 may still need after its wait runs
 #: out (stopping a consolidation: SIGTERM, 5 s, SIGKILL; ending the idle process: up to 10 s; logging the metrics).
 GRACE_SECONDS = 120.0
+#: The longest wait asked of the store (about 31 years): any longer ``ckpt_consolidation_timeout`` (1e14, sys.maxsize)
+#: means as long as it takes. ``datetime.timedelta`` ends at 999,999,999 days, and the stores count the timeout in
+#: 64-bit nanoseconds from now: from about 9.2e9 s a ``HashStore`` times out at once or never wakes.
+MAX_WAIT_SECONDS = 10.0**9
 _KEY = "nemo_patch/fit_end/{}"
 #: Teardowns of consolidating strategies in this process: every rank counts the same ones, so round ``n`` has the same
 #: key on every rank (also across several ``fit``/``validate`` calls, and several trainers, in one job).
@@ -84,7 +88,8 @@ class FitEnd:
             logger.debug("Could not release the other ranks at the end of fit: %s", error)
 
     def wait(self) -> bool:
-        """Every other rank: wait until global rank 0 has released them, at most ``timeout`` + :data:`GRACE_SECONDS`.
+        """Every other rank: wait until global rank 0 has released them, at most ``timeout`` + :data:`GRACE_SECONDS`
+        (or :data:`MAX_WAIT_SECONDS`, when that is less).
 
         Returns:
             ``True`` when rank 0 released them (or there is nothing to wait for), ``False`` when it was lost or late
@@ -96,8 +101,9 @@ class FitEnd:
         logger.info(
             "Waiting for global rank 0's checkpoint consolidations to end before leaving fit (at most %.0f s)", limit
         )
+        wait = limit if limit < MAX_WAIT_SECONDS else MAX_WAIT_SECONDS  # also for inf and nan
         try:
-            self._store.wait([self._key], datetime.timedelta(seconds=limit))
+            self._store.wait([self._key], datetime.timedelta(seconds=wait))
         except Exception as error:  # noqa: BLE001 - DistStoreError, a closed connection: rank 0 is gone or late
             text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             logger.warning(
