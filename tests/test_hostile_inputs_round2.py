@@ -18,6 +18,9 @@ a real checkpoint where the input is a checkpoint), one section per input."""
 import contextlib
 import io
 import json
+import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -121,3 +124,26 @@ def test_the_other_ranks_wait_for_rank_0_under_any_accepted_timeout(monkeypatch,
     assert end.wait()
     assert 0.9 <= time.monotonic() - start < 30
     assert not [r for r in caplog.records if r.name == fit_end.__name__ and r.levelname == "WARNING"]
+
+
+# --- 3. a checkpoint path that is not UTF-8 -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_checkpoint_name_that_is_not_utf8_is_printed_escaped(checkpoint_copy, tmp_path):
+    """With stdout strict UTF-8, the summary line named the path after the output was published: a traceback and exit
+    code 1, and a rerun found the output there (exit 7). Now one line, the byte shown as ``\\xff``."""
+    name = os.fsdecode(b"ckpt-\xff")
+    shutil.move(checkpoint_copy, tmp_path / name)
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    command = [sys.executable, "-W", "ignore", "-m", "nemo_patch", "--workers", "1"]
+    proc = subprocess.run(command + [name], cwd=tmp_path, env=env, capture_output=True, timeout=600)
+    stdout, stderr = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")  # valid UTF-8, as asked
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.splitlines() == [stdout.strip()] and stderr == ""
+    assert stdout.startswith("Consolidated ckpt-\\xff -> ckpt-\\xff/consolidated: 28 tensors"), stdout
+    assert (tmp_path / name / "consolidated" / "model.safetensors").is_file()
+
+    proc = subprocess.run(command + [name + "-gone"], cwd=tmp_path, env=env, capture_output=True, timeout=600)
+    assert proc.returncode == 3 and proc.stdout == b""
+    assert proc.stderr.decode("utf-8").strip() == "nemo-consolidate: error: ckpt-\\xff-gone does not exist"

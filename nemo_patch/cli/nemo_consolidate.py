@@ -56,7 +56,9 @@ for ``--format hf`` and ``--verify`` with a context; never the overlay or ``nemo
 """
 
 import argparse
+import codecs
 import contextlib
+import io
 import logging
 import os
 import sys
@@ -97,6 +99,46 @@ CLI_EXIT_CODES = {
 }
 #: ``-W`` filter for torch's import-time warning about the ``pynvml`` package.
 _PYNVML_WARNING = "ignore:The pynvml package is deprecated:FutureWarning"
+#: The encoding error handler of this command's stdout and stderr (:func:`_escape_unencodable`).
+_ESCAPE_ERRORS = "nemo_patch.escape"
+
+
+def _escape_unencodable(error: UnicodeError) -> Tuple[str, int]:
+    """Encoding error handler: a byte of a file name that is not valid in the file system's encoding (decoded by Python
+    as a lone surrogate, ``\\udcff`` for ``\\xff``) as ``\\xff``, any other character the stream cannot encode as
+    ``backslashreplace`` writes it. Printing a path never fails, whatever its bytes and the stream's encoding."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+
+    def escaped(char: str) -> str:
+        if 0xDC80 <= ord(char) <= 0xDCFF:  # Python's surrogateescape form of the byte ord(char) - 0xDC00
+            return f"\\x{ord(char) - 0xDC00:02x}"
+        return char.encode("ascii", "backslashreplace").decode("ascii")
+
+    return "".join(escaped(char) for char in error.object[error.start : error.end]), error.end
+
+
+codecs.register_error(_ESCAPE_ERRORS, _escape_unencodable)
+
+
+@contextlib.contextmanager
+def _printable_paths() -> Iterator[None]:
+    """While the command runs, stdout and stderr escape what they cannot encode (:func:`_escape_unencodable`) instead
+    of raising (stdout's default under a UTF-8 locale or ``PYTHONIOENCODING=utf-8:strict``): a checkpoint or output
+    path with bytes that are not UTF-8 (``ckpt-\\xff``) must not end the command with a traceback after it published
+    its output. stderr's ``backslashreplace`` is replaced too (it would show ``\\udcff``); a stream with another
+    handler is left as it is (``surrogateescape``, Python's choice in the C locale, writes a name's own bytes)."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors in ("strict", "backslashreplace"):
+            changed.append((stream, stream.errors))
+            stream.reconfigure(errors=_ESCAPE_ERRORS)
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            with contextlib.suppress(Exception):  # e.g. closed meanwhile
+                stream.reconfigure(errors=errors)
 
 
 def _setting_type(spec: Setting) -> Callable[[str], Any]:
@@ -269,7 +311,10 @@ def _nemo_output_held_back() -> Iterator[None]:
     failure is reported in one line. Shown after all if something unexpected goes wrong."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as held, open(held.fileno(), "w", closefd=False) as held_text:
+    with (
+        tempfile.TemporaryFile(mode="w+b") as held,
+        open(held.fileno(), "w", errors=_ESCAPE_ERRORS, closefd=False) as held_text,
+    ):
         os.dup2(held.fileno(), 2)  # what C code and child processes write
         try:
             with contextlib.redirect_stderr(held_text):  # what Python code writes
@@ -360,6 +405,11 @@ def _verify_existing(
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
+    with _printable_paths():
+        return _main(argv)
+
+
+def _main(argv: Optional[List[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.base_checkpoint is not None and not args.merge_adapters:
@@ -395,7 +445,8 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
     """Consolidate as ``args`` say (on rank 0 of ``group`` when launched on several nodes); returns the exit code."""
     import torch
 
-    terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the progress bar's, still the terminal under the hold-back
+    # The progress bar's stream: still the terminal under the hold-back.
+    terminal = os.fdopen(os.dup(2), "w", buffering=1, errors=_ESCAPE_ERRORS)
     update, close_bar = _progress_bar(terminal.isatty() and not args.quiet, terminal)
 
     def close() -> None:
