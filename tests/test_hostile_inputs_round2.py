@@ -19,6 +19,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -147,3 +148,44 @@ def test_a_checkpoint_name_that_is_not_utf8_is_printed_escaped(checkpoint_copy, 
     proc = subprocess.run(command + [name + "-gone"], cwd=tmp_path, env=env, capture_output=True, timeout=600)
     assert proc.returncode == 3 and proc.stdout == b""
     assert proc.stderr.decode("utf-8").strip() == "nemo-consolidate: error: ckpt-\\xff-gone does not exist"
+
+
+# --- 4. a plain dcp.save directory ---------------------------------------------------------------------------------
+
+
+def test_a_plain_dcp_save_directory_is_consolidated(tmp_path):
+    """torch's ``FileSystemWriter`` records ``storage_meta.checkpoint_id`` as a ``pathlib.PosixPath``: the restricted
+    unpickler refused it (exit 8)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "module.embedding.word_embeddings.weight": torch.randn(16, 8),
+        "module.decoder.final_layernorm.weight": torch.randn(8),
+        "module.output_layer.weight": torch.randn(16, 8, dtype=torch.bfloat16),
+    }
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    assert b"PosixPath" in (tmp_path / "dcp" / ".metadata").read_bytes()
+    code, out, err = run_cli([str(tmp_path / "dcp"), "--out", str(tmp_path / "out"), "--verify"])
+    assert code == 0 and err == [] and len(out) == 1 and out[0].endswith(", verified"), (out, err)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    expected = {key.removeprefix("module."): value for key, value in state.items()}  # megatron's wrapper prefix
+    assert written.keys() == expected.keys()
+    assert all(
+        written[key].dtype == value.dtype and torch.equal(written[key], value) for key, value in expected.items()
+    )
+
+
+def test_a_dcp_checkpoint_id_pickled_by_python_3_13_is_read(tmp_path):
+    """Python 3.13 pickles a ``PosixPath`` under ``pathlib._local``."""
+    import torch.distributed.checkpoint as dcp
+
+    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+
+    dcp.save({"module.decoder.final_layernorm.weight": torch.ones(4)}, checkpoint_id=str(tmp_path / "dcp"))
+    metadata = read_dcp_metadata(tmp_path / "dcp")
+    assert str(metadata.storage_meta.checkpoint_id) == str(tmp_path / "dcp")
+    written = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())  # torch's own file, as torch reads it
+    data = pickle.dumps(written, protocol=2)  # GLOBAL "module\nname": renamed in place, no frame lengths to fix
+    assert data.count(b"cpathlib\nPosixPath\n") == 1
+    (tmp_path / "dcp" / ".metadata").write_bytes(data.replace(b"cpathlib\n", b"cpathlib._local\n"))
+    assert str(read_dcp_metadata(tmp_path / "dcp").storage_meta.checkpoint_id) == str(tmp_path / "dcp")

@@ -20,7 +20,8 @@ it, so reading it that way also imports megatron-core. :func:`read_dcp_metadata`
 a table from ``(module, name)`` to the one object that name may resolve to (:data:`_ALLOWED`): the DCP metadata
 dataclasses and enums, ``torch.Size``, each ``torch.dtype`` and ``torch.layout`` by name, torch's layout helper, local
 stand-ins for megatron-core's ``MCoreMetadata``/``MCoreSavePlan`` (plain dataclasses with the same fields), and four
-builtin containers. Nothing is looked up by attribute: a name outside the table (a module object, ``__builtins__``,
+builtin containers, and pure ``pathlib`` paths (``FileSystemWriter`` records the directory it saved to as a
+``PosixPath``). Nothing is looked up by attribute: a name outside the table (a module object, ``__builtins__``,
 a function of an allowed module) is refused with ``pickle.UnpicklingError``. The objects in the table are data
 holders; calling one (``REDUCE``) or rebuilding one (``BUILD``) runs no code of the file's choosing.
 
@@ -42,7 +43,7 @@ import pickletools
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
@@ -116,6 +117,13 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
             table[("torch", name)] = value
     table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     table[("collections", "OrderedDict")] = OrderedDict
+    # torch's FileSystemWriter records the directory it saved to, a pathlib path, in storage_meta.checkpoint_id: as
+    # pure paths (made from strings; they touch no file), under the modules the pathlib classes have had
+    # (pathlib._local in Python 3.13).
+    for module in ("pathlib", "pathlib._local"):
+        for name, cls in (("PosixPath", PurePosixPath), ("PurePosixPath", PurePosixPath),
+                          ("WindowsPath", PureWindowsPath), ("PureWindowsPath", PureWindowsPath)):  # fmt: skip
+            table[(module, name)] = cls
     for builtin in (set, frozenset, slice, complex):
         table[("builtins", builtin.__name__)] = builtin
     return table
