@@ -225,7 +225,9 @@ def consolidate_checkpoint(
         global_step: recorded in ``metadata.json``; ``None`` if unknown.
         max_shard_size: most tensor-data bytes per safetensors file (default 5 * 10**9, Hugging Face's "5GB"); a
             single ``model.safetensors`` is written when everything fits, else shards plus an index.
-        dtype: cast floating-point tensors to this dtype (``None`` keeps the stored dtypes).
+        dtype: cast floating-point tensors to this dtype (``None`` keeps the stored dtypes); a cast that would turn a
+            finite value into ``inf`` (e.g. above 65504 in ``torch.float16``) raises
+            :class:`~nemo_patch.engine.errors.DtypeOverflowError`.
         overwrite: replace an existing output atomically (the strategy's behaviour); if ``False`` an existing output
             raises :class:`OutputExistsError` before any work. Only a previous output or an empty directory is ever
             replaced, and ``output_dir`` may not be the checkpoint, a directory above it, or in its ``weights/`` or
@@ -255,9 +257,10 @@ def consolidate_checkpoint(
     Raises:
         ConsolidationError: or one of its subclasses in :mod:`nemo_patch.engine.errors` naming the cause: not
             a checkpoint, unfinished, unsupported format (``fsdp_dtensor``, a ``zarr`` array it cannot read safely),
-            output exists, a shard file that cannot be read (:class:`CorruptShardError`, naming the file), a
-            verification mismatch, or an output that cannot be written. Nothing is left under ``output_dir``'s name
-            or in a temporary directory.
+            output exists, a shard file that cannot be read or metadata that leaves a layer out
+            (:class:`CorruptShardError`, naming the file or the layer), a ``dtype`` too narrow for the values
+            (:class:`DtypeOverflowError`), a verification mismatch, or an output that cannot be written. Nothing is
+            left under ``output_dir``'s name or in a temporary directory.
         ValueError: if ``max_shard_size`` < 1, ``workers`` < 1 or ``dtype`` is not a floating-point dtype.
     """
     if max_shard_size < 1:

@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConsolidationError",
     "CorruptShardError",
+    "DtypeOverflowError",
     "ExportError",
     "NoMonitoredMetricError",
     "NotACheckpointError",
@@ -163,6 +164,16 @@ class PostCommandError(ConsolidationError):
 
     exit_code = 17
     summary = "a --post-command that failed or timed out"
+
+
+class DtypeOverflowError(ConsolidationError):
+    """The output dtype asked for (``--dtype``, ``ckpt_consolidation_dtype``) cannot hold a finite value of the
+    checkpoint, which the cast would turn into ``inf`` (e.g. a weight above 65504 in ``fp16``); the message names the
+    tensor and its largest magnitude. Nothing is published; ``bf16`` has fp32's exponent range, and without a dtype the
+    stored one is kept. A value too small for the dtype becoming 0 is ordinary precision loss and is not refused."""
+
+    exit_code = 18
+    summary = "a --dtype too narrow for the checkpoint's values (finite values would become inf)"
 
 
 class ExportError(ConsolidationError):

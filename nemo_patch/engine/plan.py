@@ -21,11 +21,14 @@ names that megatron-core saves for either layer spec), whatever parallelism wrot
 unless a cast is asked for), with ``module.`` dropped:
 
 * layer-stacked entries are split per layer: ``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
-  ``decoder.layers.<i>.mlp.linear_fc1.weight`` ``[...]``; a layer index that no chunk covers (a layer of another kind,
-  e.g. a dense layer among MoE layers) has no output (the indices come from the chunks, never from the declared size
-  alone: at most :data:`MAX_OUTPUTS_PER_ENTRY` per entry; a chunk removed from the metadata while its stored record
-  stays is found by :func:`nemo_patch.engine.layout_checks.check_dcp_layout`); a layer with only some of its experts
-  stored fails;
+  ``decoder.layers.<i>.mlp.linear_fc1.weight`` ``[...]``; a layer index that no chunk of an entry covers (a layer of
+  another kind, e.g. a dense layer among MoE layers) has no output from that entry (the indices come from the chunks,
+  never from the declared size alone: at most :data:`MAX_OUTPUTS_PER_ENTRY` per entry; a chunk removed from the
+  metadata while its stored record stays is found by :func:`nemo_patch.engine.layout_checks.check_dcp_layout`); but a
+  layer index below the layer count every entry of its stack declares (``decoder.layers``, ``mtp.layers``: the
+  smallest leading size among them) that no chunk of any of them covers is a hole, not a layer of another kind, and
+  fails (:class:`~nemo_patch.engine.errors.CorruptShardError`, naming the layer and an entry), instead of giving a
+  smaller model; a layer with only some of its experts stored fails;
 * expert-stacked entries of MoE layers (``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP`` all save
   ``<...>.mlp.experts.experts.<linear>.<param>`` with the expert axis first, after any layer axis) are split per
   expert, named as ``SequentialMLP``'s ``state_dict`` names them:
@@ -55,7 +58,7 @@ from typing import Dict, List, Optional, Tuple, cast
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from nemo_patch.engine.errors import UnknownLayoutError
+from nemo_patch.engine.errors import CorruptShardError, DtypeOverflowError, UnknownLayoutError
 from nemo_patch.engine.layout_checks import check_chunk_tiling
 from nemo_patch.engine.safetensors_writer import TensorSpec
 
@@ -63,6 +66,8 @@ __all__ = [
     "LAYER_PREFIX",
     "OutputTensor",
     "cast_outputs",
+    "cast_overflow",
+    "checked_cast",
     "consolidated_key",
     "model_tensor_keys",
     "plan_outputs",
@@ -250,16 +255,49 @@ def _moe_pre_mlp_norms(outputs: List[OutputTensor]) -> List[OutputTensor]:
     return renamed
 
 
+def _check_no_missing_layer(stacks: Dict[str, List[Tuple[str, int, set]]]) -> None:
+    """Refuse a layer index that no entry of its stack covers (see the module docstring).
+
+    Args:
+        stacks: the head of each stack (``decoder.layers``) -> ``(key, declared layer count, covered layer indices)``
+            for each of its layer-stacked entries.
+
+    Raises:
+        CorruptShardError: naming the stack's first missing layer and an entry that declares it.
+    """
+    for head, entries in stacks.items():
+        key, layers, _ = min(entries, key=lambda entry: (entry[1], entry[0]))
+        covered = set().union(*(entry[2] for entry in entries))
+        missing = 0
+        while missing < layers and missing in covered:  # at most len(covered) + 1 steps, whatever the declared size
+            missing += 1
+        if missing < layers:
+            raise CorruptShardError(
+                f"{key}[{missing}]: no stored chunk of any of the {len(entries)} {head}.* entries holds layer "
+                f"{missing} of the {layers} they declare; the metadata leaves a hole (a layer of another kind would "
+                f"be held by another entry), refusing an output without layer {missing}"
+            )
+
+
 def plan_outputs(metadata: Metadata) -> List[OutputTensor]:
     """Every output tensor of a checkpoint with its source, in natural name order, dtypes as stored.
 
     Raises:
         UnknownLayoutError: an entry whose layout is not understood (see the module docstring); names the key.
-        CorruptShardError: an entry whose chunks stick out of it or overlap; names the key and the chunk.
+        CorruptShardError: an entry whose chunks stick out of it or overlap, naming the key and the chunk; or a layer
+            index no entry of its stack covers (a hole), naming the layer and an entry.
     """
     outputs = []
+    stacks: Dict[str, List[Tuple[str, int, set]]] = {}
     for key in model_tensor_keys(metadata):
-        outputs += _outputs_of(key, cast(TensorStorageMetadata, metadata.state_dict_metadata[key]))
+        item = cast(TensorStorageMetadata, metadata.state_dict_metadata[key])
+        found = _outputs_of(key, item)
+        outputs += found
+        stacked = _STACKED_LAYERS.match(key[len(_MODEL_PREFIX) :])
+        if stacked is not None:
+            entry = (key, int(item.size[0]), {output.index[0] for output in found})
+            stacks.setdefault(stacked.group("head"), []).append(entry)
+    _check_no_missing_layer(stacks)
     outputs = _moe_pre_mlp_norms(outputs)
     for output in outputs:
         if ".experts.experts." in f".{output.spec.name}.":
@@ -297,3 +335,60 @@ def cast_outputs(outputs: List[OutputTensor], dtype: Optional[torch.dtype]) -> L
         )
         for o in outputs
     ]
+
+
+def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting ``source`` to ``target`` can overflow: both floating point, ``target``'s range smaller."""
+    return source.is_floating_point and target.is_floating_point and torch.finfo(target).max < torch.finfo(source).max
+
+
+def cast_overflow(source: torch.Tensor, cast: torch.Tensor) -> Optional[str]:
+    """Whether a cast of ``source`` (``cast``, same shape) turned a finite value into ``inf``, and what overflowed.
+
+    Checked only when ``cast``'s dtype has a smaller range than ``source``'s; then one pass over ``cast`` (its minimum
+    and maximum) clears the usual tensor, and only one holding a non-finite value is looked at element by element. A
+    value too small for ``cast``'s dtype that became 0 is precision loss, not overflow.
+
+    Returns:
+        ``None``, or for messages: how many finite values became non-finite, the largest finite magnitude of
+        ``source`` and the dtypes.
+    """
+    if not _narrows(source.dtype, cast.dtype) or cast.numel() == 0:
+        return None
+    low, high = torch.aminmax(cast)
+    if math.isfinite(float(low)) and math.isfinite(float(high)):
+        return None
+    finite = torch.isfinite(source)
+    lost = finite & ~torch.isfinite(cast)
+    count = int(lost.sum())
+    if count == 0:  # the non-finite values were non-finite in the source already
+        return None
+    largest = float(source[finite].abs().max())
+    return (
+        f"{count} finite value(s) of {source.dtype} become inf or -inf in {cast.dtype} (largest magnitude "
+        f"{largest:.6g}; {cast.dtype} holds at most {torch.finfo(cast.dtype).max:.6g})"
+    )
+
+
+def checked_cast(name: str, source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copy ``source`` into ``out`` (of the output dtype), refusing a cast that overflows (:func:`cast_overflow`).
+
+    Args:
+        name: the output tensor's name (for the message).
+        source: the tensor as stored.
+        out: a tensor of its shape in the output dtype.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        DtypeOverflowError: naming the tensor and its largest magnitude.
+    """
+    out.copy_(source)
+    overflow = cast_overflow(source, out)
+    if overflow is not None:
+        raise DtypeOverflowError(
+            f"{name}: {overflow}; refusing to write inf for finite weights. Consolidate with --dtype bf16 "
+            "(ckpt_consolidation_dtype='bf16') or without a dtype (the stored one)"
+        )
+    return out

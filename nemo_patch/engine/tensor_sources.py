@@ -36,7 +36,7 @@ from nemo_patch.engine.adapter_merge import LoRAMergeSource, merged_producer, op
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import CorruptShardError
-from nemo_patch.engine.plan import OutputTensor, cast_outputs, plan_outputs, stored_spec
+from nemo_patch.engine.plan import OutputTensor, cast_outputs, checked_cast, plan_outputs, stored_spec
 from nemo_patch.engine.safetensors_writer import TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 
@@ -70,7 +70,9 @@ def tensor_producer(
     new memory (for callers that keep the tensors). Time goes to the ``read_crc`` and ``placement`` stages
     (:mod:`nemo_patch.engine.stage_times`).
 
-    The function raises :class:`CorruptShardError` naming the shard file(s) when a tensor cannot be read.
+    The function raises :class:`CorruptShardError` naming the shard file(s) when a tensor cannot be read, and
+    :class:`~nemo_patch.engine.errors.DtypeOverflowError` when the cast to the output dtype would turn a finite value
+    into ``inf`` (:func:`nemo_patch.engine.plan.checked_cast`).
     """
     buffers = [torch.empty(largest if reuse else 0, dtype=torch.uint8) for _ in range(2)]
     staging: List[torch.Tensor] = []
@@ -99,19 +101,20 @@ def tensor_producer(
             if not staging or staging[0].numel() < stored.nbytes:
                 staging[:] = [torch.empty(stored.nbytes, dtype=torch.uint8)]
             raw = read(source, staging[0][: stored.nbytes].view(stored.dtype).view(stored.shape))
-            with stage_times.timed("placement"):
-                return out.copy_(raw)
         except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
             files = ", ".join(reader.files_of(source.key))
             raise CorruptShardError(
                 f"Cannot read shard file(s) {files} of {reader.path} (tensor {source.key}): {root_cause(error)}"
             ) from error
+        with stage_times.timed("placement"):
+            return checked_cast(spec.name, raw, out)
 
     return produce
 
 
 def merged_reader(merge: LoRAMergeSource, planned: List[OutputTensor], adapter_reader: RegionReader) -> Producer:
-    """Reads a merged output tensor (base + LoRA delta, in the stored dtype), cast to the spec's dtype."""
+    """Reads a merged output tensor (base + LoRA delta, in the stored dtype), cast to the spec's dtype (refusing a cast
+    that overflows: :func:`nemo_patch.engine.plan.checked_cast`)."""
     stored = {output.spec.name: output for output in planned}
     read_base = tensor_producer(merge.base_reader, stored, merge.base_metadata, 0, reuse=False)
     merged = merged_producer(
@@ -120,7 +123,11 @@ def merged_reader(merge: LoRAMergeSource, planned: List[OutputTensor], adapter_r
 
     def read(spec: TensorSpec) -> torch.Tensor:
         tensor = merged(stored[spec.name].spec)
-        return tensor if tensor.dtype == spec.dtype else tensor.to(spec.dtype)
+        return (
+            tensor
+            if tensor.dtype == spec.dtype
+            else checked_cast(spec.name, tensor, torch.empty(tensor.shape, dtype=spec.dtype))
+        )
 
     return read
 

@@ -30,7 +30,7 @@ from nemo_patch.engine.checkpoint_reader import open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
 from nemo_patch.engine.output_files import output_weight_map
 from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM
-from nemo_patch.engine.plan import plan_outputs
+from nemo_patch.engine.plan import cast_overflow, plan_outputs
 
 __all__ = ["output_shapes", "tensors_bitwise_equal", "verify_consolidated", "verify_names_and_shapes"]
 
@@ -99,7 +99,9 @@ def verify_consolidated(
     """Re-read every tensor of a consolidated output and compare it bitwise with its source in the checkpoint.
 
     Floating-point sources are cast to the output's dtype first (for outputs written with a ``dtype`` cast); the
-    cast is the same ``Tensor.to`` the consolidation used, so the comparison is exact. Reads one tensor at a time.
+    cast is the same one the consolidation used, so the comparison is exact. As a cast to a narrower dtype would turn
+    a finite value that overflows into the same ``inf`` on both sides, an output value that is not finite where its
+    source is fails first (:func:`nemo_patch.engine.plan.cast_overflow`). Reads one tensor at a time.
 
     Args:
         weights_dir: the checkpoint's DCP directory (``<ckpt>/weights``).
@@ -111,9 +113,9 @@ def verify_consolidated(
 
     Raises:
         CorruptShardError: a shard file of the checkpoint cannot be read (the message names it).
-        VerificationError: a tensor differs, is missing from the output or from the checkpoint, an output file
-            cannot be read, or the output's index is malformed or contradicts its files; the message names the tensor
-            and the output file.
+        VerificationError: a tensor differs (or holds inf where its source is finite), is missing from the output or
+            from the checkpoint, an output file cannot be read, or the output's index is malformed or contradicts its
+            files; the message names the tensor and the output file.
     """
     weights_dir, output_dir = Path(weights_dir), Path(output_dir)
     metadata, reader = open_weights(weights_dir, metadata=metadata)
@@ -145,6 +147,12 @@ def verify_consolidated(
                             f"(tensor {source.key}): {error}"
                         ) from error
                     if expected.dtype != actual.dtype and expected.is_floating_point():
+                        overflow = cast_overflow(expected, actual) if expected.shape == actual.shape else None
+                        if overflow is not None:
+                            raise VerificationError(
+                                f"Tensor {name} in {output_dir / filename} holds inf where {source.where} of "
+                                f"{weights_dir} is finite: {overflow}"
+                            )
                         expected = expected.to(actual.dtype)
                     if not tensors_bitwise_equal(expected, actual):
                         raise VerificationError(
