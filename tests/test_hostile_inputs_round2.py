@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import List, Tuple
 
 import pytest
@@ -34,6 +35,7 @@ from safetensors.torch import load_file
 from nemo_patch.cli.nemo_consolidate import build_parser
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.errors import UntrustedContextError
+from nemo_patch.engine.post_command import PLACEHOLDERS, check_placeholders, run_post_command
 from nemo_patch.engine.safe_files import read_json_file
 
 #: 200,000 nested arrays: valid JSON, far deeper than the parser's recursion limit.
@@ -189,3 +191,30 @@ def test_a_dcp_checkpoint_id_pickled_by_python_3_13_is_read(tmp_path):
     assert data.count(b"cpathlib\nPosixPath\n") == 1
     (tmp_path / "dcp" / ".metadata").write_bytes(data.replace(b"cpathlib\n", b"cpathlib._local\n"))
     assert str(read_dcp_metadata(tmp_path / "dcp").storage_meta.checkpoint_id) == str(tmp_path / "dcp")
+
+
+# --- 5. post-command placeholders ----------------------------------------------------------------------------------
+
+UNQUOTING = ["{output!r}", "{output!s}", "{output!a}", "{output[0]}", "{output.__class__}", "{output:>40}",
+             "{output:{format}}", "{checkpoint[1:]}", "{global_step!r:}"]  # fmt: skip
+
+
+@pytest.mark.parametrize("placeholder", UNQUOTING)
+def test_a_placeholder_with_a_conversion_spec_index_or_attribute_is_refused(placeholder):
+    with pytest.raises(ValueError, match=r"use \{output\}, \{format\}, \{global_step\} or \{checkpoint\}, each bare"):
+        check_placeholders(f"python eval.py {placeholder}")
+    code, _, err = run_cli(["ckpt", "--post-command", f"python eval.py {placeholder}"])
+    assert code == 2 and err[0].startswith("usage: nemo-consolidate"), err
+    assert err[-1].startswith("nemo-consolidate: error: argument --post-command: Invalid --post-command:"), err
+
+
+def test_bare_placeholders_are_replaced_shell_quoted_and_nothing_else_runs(tmp_path):
+    assert check_placeholders(" ".join(f"{{{name}}}" for name in PLACEHOLDERS) + " {{x}}") == "'' '' '' '' {x}"
+    output = tmp_path / "$(touch pwned)"
+    output.mkdir()
+    result = run_post_command("printf %s {output}", output, "safetensors", 6, tmp_path / "ckpt", timeout=30)
+    assert result.ok and not (tmp_path / "pwned").exists()
+    assert Path(result.log).read_text() == str(output)
+    with pytest.raises(ValueError, match=r"placeholder '\{output!r\}' has a conversion or format spec"):
+        run_post_command("printf %s {output!r}", output, "safetensors", 6, tmp_path / "ckpt", timeout=30)
+    assert not (tmp_path / "pwned").exists()

@@ -41,6 +41,7 @@ import math
 import os
 import shlex
 import signal
+import string
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -166,22 +167,42 @@ def parse_metrics_line(line: str) -> Optional[Dict[str, float]]:
 
 
 def check_placeholders(command: str) -> str:
-    """``command`` with its placeholders replaced by empty values: a check that it names only the four.
+    """``command`` with its placeholders replaced by empty values: a check that it names only the four, bare.
 
     Raises:
-        ValueError: ``command`` names another placeholder (or has a lone brace); the message lists the four.
+        ValueError: ``command`` names another placeholder, or one of the four with a conversion, a format spec, an
+            index or an attribute (``{output!r}``, ``{output:>9}``, ``{output[0]}``, ``{output.__class__}``: each
+            would replace the shell-quoted value with another text, unquoted), or has a lone brace; the message lists
+            the four.
     """
     return _expand(command, {name: "" for name in PLACEHOLDERS})
 
 
 def _expand(command: str, values: Mapping[str, str]) -> str:
+    quoted = {name: shlex.quote(value) for name, value in values.items()}
     try:
-        return command.format(**{name: shlex.quote(value) for name, value in values.items()})
-    except (KeyError, IndexError, ValueError) as error:
-        raise ValueError(
-            f"post command {command!r}: unknown placeholder {error}; use {{output}}, {{format}}, {{global_step}} "
-            "or {checkpoint} (double the braces for literal ones)"
-        ) from None
+        parts = list(string.Formatter().parse(command))
+    except ValueError as error:  # a lone brace
+        raise _placeholder_error(command, str(error)) from None
+    text = []
+    for literal, name, format_spec, conversion in parts:
+        text.append(literal)
+        if name is None:
+            continue
+        if conversion is not None or format_spec:
+            shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{format_spec}" if format_spec else "")
+            raise _placeholder_error(command, f"placeholder {shown + '}'!r} has a conversion or format spec")
+        if name not in quoted:  # also an index or attribute: {output[0]}, {output.__class__}
+            raise _placeholder_error(command, f"unknown placeholder {name!r}")
+        text.append(quoted[name])
+    return "".join(text)
+
+
+def _placeholder_error(command: str, what: str) -> ValueError:
+    return ValueError(
+        f"post command {command!r}: {what}; use {{output}}, {{format}}, {{global_step}} or {{checkpoint}}, each "
+        "bare (no !conversion, :format, [index] or .attribute; double the braces for literal ones)"
+    )
 
 
 def post_command_log_path(output_dir: Union[str, Path]) -> Path:
