@@ -30,6 +30,7 @@ from typing import List, Tuple
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import build_parser
@@ -37,6 +38,7 @@ from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.errors import UntrustedContextError
 from nemo_patch.engine.post_command import PLACEHOLDERS, check_placeholders, run_post_command
 from nemo_patch.engine.safe_files import read_json_file
+from nemo_patch.training.worker import WORKER_NICENESS
 
 #: 200,000 nested arrays: valid JSON, far deeper than the parser's recursion limit.
 DEEP_JSON = "[" * 200_000 + "]" * 200_000
@@ -218,3 +220,37 @@ def test_bare_placeholders_are_replaced_shell_quoted_and_nothing_else_runs(tmp_p
     with pytest.raises(ValueError, match=r"placeholder '\{output!r\}' has a conversion or format spec"):
         run_post_command("printf %s {output!r}", output, "safetensors", 6, tmp_path / "ckpt", timeout=30)
     assert not (tmp_path / "pwned").exists()
+
+
+# --- 6. NEMO_PATCH_WORKER_NICENESS ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, niceness",
+    [("²", WORKER_NICENESS), ("٣", WORKER_NICENESS), ("1" * 5000, WORKER_NICENESS), ("20", WORKER_NICENESS),
+     ("-1", WORKER_NICENESS), ("", WORKER_NICENESS), (" 7 ", 7), ("0", 0), ("019", 19)],
+)  # fmt: skip
+def test_the_worker_niceness_ignores_values_that_are_not_0_to_19(monkeypatch, value, niceness):
+    from nemo_patch.training import worker
+
+    monkeypatch.setenv("NEMO_PATCH_WORKER_NICENESS", value)
+    assert worker._niceness() == niceness
+
+
+@pytest.mark.slow
+def test_a_worker_given_a_superscript_niceness_consolidates_at_the_default_one(checkpoint_copy, tmp_path):
+    """``"²".isdigit()`` is true and ``int("²")`` raises: the consolidation process ended before its work."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, runpy, sys\n"
+        "sys.argv = ['worker', sys.argv[1]]\n"
+        "try:\n"
+        "    runpy.run_module('nemo_patch.training.worker', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print(e.code, os.nice(0))\n"
+    )
+    env = {**os.environ, "NEMO_PATCH_WORKER_NICENESS": "²"}
+    proc = subprocess.run([sys.executable, str(probe), str(checkpoint_copy)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)  # fmt: skip
+    assert proc.stdout.strip().splitlines()[-1:] == [f"0 {min(os.nice(0) + WORKER_NICENESS, 19)}"], proc.stderr[-3000:]
+    assert (checkpoint_copy / "consolidated" / "model.safetensors").is_file()

@@ -219,9 +219,14 @@ def _run_post_command(
 
 def _niceness() -> int:
     """:data:`WORKER_NICENESS`, or ``NEMO_PATCH_WORKER_NICENESS`` (an int from 0 to 19) when set: e.g. 0 where the
-    consolidation should not yield to the node's other processes."""
-    value = os.environ.get("NEMO_PATCH_WORKER_NICENESS", "")
-    return int(value) if value.strip().isdigit() and int(value) <= 19 else WORKER_NICENESS
+    consolidation should not yield to the node's other processes. Any other value is ignored, as is one that is not
+    ASCII digits (``"²"`` is a digit to ``str.isdigit`` but not to ``int``) or has too many for ``int``."""
+    value = os.environ.get("NEMO_PATCH_WORKER_NICENESS", "").strip()
+    try:
+        niceness = int(value) if value.isascii() and value.isdigit() else -1
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        niceness = -1
+    return niceness if 0 <= niceness <= 19 else WORKER_NICENESS
 
 
 def _import_quietly(module: str) -> None:
