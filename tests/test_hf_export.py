@@ -96,6 +96,21 @@ def test_import_then_export_gives_back_the_original_weights(imported_llama, tmp_
     assert set(modes.values()) == {default}, modes
 
 
+def test_the_hf_cast_refuses_to_turn_finite_weights_into_inf():
+    """The source is cast before NeMo's exporter sees it; a cast to fp16 that overflows is refused (naming the
+    tensor), as for the safetensors format, while bf16 holds the same values and 1e-9 becoming 0 is precision."""
+    from nemo_patch.engine.errors import DtypeOverflowError
+    from nemo_patch.export.hf import cast_floating
+
+    state = {"decoder.final_layernorm.weight": torch.tensor([1e6, -7e4, 1.0, 1e-9]), "step": torch.tensor([3])}
+    with pytest.raises(DtypeOverflowError, match=r"decoder\.final_layernorm\.weight: 2 finite value"):
+        cast_floating(state, torch.float16)
+    cast = cast_floating(state, torch.bfloat16)
+    assert torch.equal(cast["decoder.final_layernorm.weight"], state["decoder.final_layernorm.weight"].bfloat16())
+    assert cast["step"] is state["step"]  # integers are never cast
+    assert cast_floating({"w": torch.tensor([6e4, 1e-9])}, torch.float16)["w"].tolist() == [6e4, 0.0]
+
+
 def test_a_model_class_without_exporter_exits_10_naming_it(checkpoint_copy, capsys):
     code = main([str(checkpoint_copy), "--format", "hf"])
     err = capsys.readouterr().err

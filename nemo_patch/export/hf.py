@@ -80,6 +80,7 @@ from nemo_patch.engine.errors import (
 )
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
 from nemo_patch.engine.output_target import check_output_target
+from nemo_patch.engine.plan import checked_cast
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
@@ -111,9 +112,17 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Di
 
     NeMo's state transforms assert that source and target dtypes agree (``dtype mismatch between source and target
     state dicts``), and the exporter's target model is built in the requested dtype, so the source is cast first.
+
+    Raises:
+        DtypeOverflowError: a finite value would become ``inf`` in ``dtype`` (naming the tensor and its largest
+            magnitude), as for the ``safetensors`` format.
     """
     return {
-        name: tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+        name: (
+            checked_cast(name, tensor, torch.empty(tensor.shape, dtype=dtype))
+            if tensor.is_floating_point() and tensor.dtype != dtype
+            else tensor
+        )
         for name, tensor in state_dict.items()
     }
 

@@ -73,6 +73,7 @@ from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_chec
 from nemo_patch.engine.consolidate import read_state_dict
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
 from nemo_patch.engine.output_files import InvalidOutputError, output_weight_map
+from nemo_patch.engine.plan import cast_overflow
 from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.engine.tensor_sources import open_sources
 from nemo_patch.engine.verify import tensors_bitwise_equal
@@ -551,6 +552,12 @@ def check_through_importer(
                     + (f" (its first {rows} rows: the vocabulary)" if rows is not None else "")
                 )
             if expected.is_floating_point() and value.is_floating_point():
+                overflow = cast_overflow(expected, value)
+                if overflow is not None:  # the cast below would turn the same values into the same inf
+                    raise VerificationError(
+                        f"{_gives(made_from, written, name, importer_name)} with inf where the checkpoint is finite: "
+                        f"{overflow}"
+                    )
                 expected = expected.to(value.dtype)
             if not tensors_bitwise_equal(expected, value):
                 trace = None
