@@ -38,6 +38,7 @@ from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.errors import UntrustedContextError
 from nemo_patch.engine.post_command import PLACEHOLDERS, check_placeholders, run_post_command
 from nemo_patch.engine.safe_files import read_json_file
+from nemo_patch.training.settings import validate_max_shard_size
 from nemo_patch.training.worker import WORKER_NICENESS
 
 #: 200,000 nested arrays: valid JSON, far deeper than the parser's recursion limit.
@@ -254,3 +255,26 @@ def test_a_worker_given_a_superscript_niceness_consolidates_at_the_default_one(c
                           cwd=REPO, timeout=600)  # fmt: skip
     assert proc.stdout.strip().splitlines()[-1:] == [f"0 {min(os.nice(0) + WORKER_NICENESS, 19)}"], proc.stderr[-3000:]
     assert (checkpoint_copy / "consolidated" / "model.safetensors").is_file()
+
+
+# --- 7. shard sizes as transformers reads them ---------------------------------------------------------------------
+
+SIZES = ["5GB", "5Gb", "5gb", "5gB", "5GiB", "5gib", "5Gib", "500MB", "500Mb", "500mb", "500MiB", "500mib", "1KB",
+         "1Kb", "3kb", "7kB", "10KiB", "10kib", "9 Gb", "12345kb", "1000MIB", "15gb", "16Kb"]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", SIZES)
+def test_shard_sizes_are_read_as_transformers_reads_them(text):
+    """transformers' ``save_pretrained(max_shard_size=...)`` reads a final lowercase ``b`` as bits: ``"5Gb"`` is
+    625,000,000 bytes, not 5,000,000,000."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    expected = convert_file_size_to_int(text)
+    assert validate_max_shard_size(text, "max_shard_size") == expected
+    assert build_parser().parse_args(["ckpt", "--max-shard-size", text]).max_shard_size == expected
+
+
+def test_a_size_in_bits_below_one_byte_is_refused():
+    with pytest.raises(ValueError, match='an integer number of bytes >= 1 or a size such as "5GB"'):
+        validate_max_shard_size("7b", "max_shard_size")
+    assert validate_max_shard_size("8b", "max_shard_size") == 1 and validate_max_shard_size("7B", "x") == 7

@@ -234,7 +234,8 @@ def test_bad_consolidation_settings_raise_at_construction(name, value, accepted)
 
 
 @pytest.mark.parametrize(
-    "value, size", [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("2.5 kb", 2500), ("123", 123), (7, 7)]
+    "value, size",
+    [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("2.5 kB", 2500), ("2.5 kb", 312), ("123", 123), (7, 7)],
 )
 def test_shard_sizes_take_hugging_face_style_strings(value, size):
     assert MegatronStrategy(ckpt_consolidation_max_shard_size=value).ckpt_consolidation_max_shard_size == size

@@ -223,7 +223,11 @@ def validate_max_shard_size(value: object, name: str) -> int:
     Args:
         value: an ``int`` (not ``bool``), or a string as ``transformers``' ``save_pretrained(max_shard_size=...)``
             takes it: a number with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000) or
-            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``.
+            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``. Units are
+            case-insensitive except for a final lowercase ``b`` after a power of 1000 (or alone), which counts bits,
+            as ``transformers.utils.hub.convert_file_size_to_int`` reads it: ``"5Gb"`` and ``"5gb"`` are 625,000,000
+            bytes, ``"5GB"`` and ``"5gB"`` 5,000,000,000; ``"5GiB"`` and ``"5gib"`` are bytes. The bytes are rounded
+            down, as there.
         name: the argument's name, for the message.
 
     Raises:
@@ -232,11 +236,18 @@ def validate_max_shard_size(value: object, name: str) -> int:
     if isinstance(value, int) and _is_int(value, 1):
         return value
     if isinstance(value, str):
-        match = _SIZE.fullmatch(value.strip())
+        text = value.strip()
+        match = _SIZE.fullmatch(text)
         if match:
-            size = int(Fraction(match.group(1)) * _UNITS[(match.group(2) or "").upper()])  # exact, any size
-            if size >= 1:
-                return size
+            unit = match.group(2) or ""
+            try:
+                size = Fraction(match.group(1)) * _UNITS[unit.upper()]  # exact, any size
+            except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+                size = Fraction(0)
+            if text.endswith("b") and not unit.lower().endswith("ib"):
+                size /= 8  # bits, as transformers reads "5Gb"
+            if int(size) >= 1:
+                return int(size)
     raise _invalid(name, value, 'an integer number of bytes >= 1 or a size such as "5GB" or "500MiB"')
 
 
