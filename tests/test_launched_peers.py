@@ -231,7 +231,8 @@ def test_the_other_ranks_exit_0_at_once_when_rank_0_verifies_an_existing_output_
     shutil.rmtree(checkpoint_copy / "context")  # the tensors alone are compared: rank 0 need not import NeMo
     out = tmp_path / "out"
     assert main([str(checkpoint_copy), "--out", str(out), "--workers", "1", "--quiet"]) == 0
-    ranks = Ranks(tmp_path, [_argv(checkpoint_copy, out, "--verify", timeout=60)] * 2)
+    # --timeout 1e14 ("no limit"): beyond what timedelta holds, so every wait is capped rather than overflowing.
+    ranks = Ranks(tmp_path, [_argv(checkpoint_copy, out, "--verify", timeout="1e14")] * 2)
     try:
         assert sorted(ranks.wait([0, 1])) == [0, 1]
         assert [proc.returncode for proc in ranks.procs] == [0, 0], ranks.stderr(0)[-3000:]
