@@ -252,15 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "(LATEST, else the newest finished checkpoint), or the run directory holding "
                        "checkpoints/")  # fmt: skip
     group.add_argument("--trust-context", action="store_true", help="load the checkpoint's context/ even if it names "
-                       "code outside NeMo, megatron-core, torch, transformers and Lightning (that code is imported "
-                       "and run): only for checkpoints whose writer you trust")  # fmt: skip
+                       "code a NeMo model's context has no need of (that code is imported and run): only for "
+                       "checkpoints whose writer you trust")  # fmt: skip
     group.add_argument("--allow-unfinished", action="store_true",
                        help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
     group = groups["output"]
     group.add_argument("--out", type=Path, default=None, help="output directory (default: <ckpt>/consolidated, "
                        "or <ckpt>/hf for --format hf)")  # fmt: skip
     group.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
-                       "the checkpoint; with an existing output and no --force, only check that output")  # fmt: skip
+                       "the checkpoint; with an existing safetensors output and no --force, only check that output "
+                       "(for an existing hf one: nemo_patch.export.hf_verify.verify_hf_output)")  # fmt: skip
     group.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
                        "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
     groups["adapters"].add_argument("--base-checkpoint", type=Path, default=None, help="with --merge-adapters: the "

@@ -565,7 +565,7 @@ class ConsolidationSettings:
 
     @property
     def output_dirname(self) -> str:
-        """The output directory's name inside a checkpoint directory: ``consolidated`` or ``hf``."""
+        """The output directory's name inside a checkpoint directory, ``consolidated`` or ``hf``."""
         return OUTPUT_DIRNAMES[self.output_format]
 
     def to_json(self) -> str:
