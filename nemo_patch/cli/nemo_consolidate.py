@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "or <ckpt>/hf for --format hf)")  # fmt: skip
     group.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
                        "the checkpoint; with an existing safetensors output and no --force, only check that output "
-                       "(for an existing hf one: nemo_patch.export.hf_verify.verify_hf_output)")  # fmt: skip
+                       "(for an existing hf one: "
+                       "nemo_patch.export.hf_verify.verify_hf_output)")  # fmt: skip
     group.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
                        "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
     groups["adapters"].add_argument("--base-checkpoint", type=Path, default=None, help="with --merge-adapters: the "
