@@ -510,10 +510,14 @@ def test_a_trusted_package_function_that_runs_a_shell_is_refused_and_would_have_
     [
         ("torch.utils.collect_env", "run", "a function defined in torch.utils.collect_env"),
         ("torch", "from_file", "a function defined in torch"),  # creates or extends the file it is given
-        ("megatron.core.datasets.utils", "compile_helpers", "a function defined in megatron.core.datasets.utils"),
+        ("megatron.core.datasets.utils", "compile_helpers", "a part of a trusted package"),  # runs make
         ("nemo.utils.data_utils", "ais_binary", "a function defined in nemo.utils.data_utils"),
         ("torch.utils.tensorboard.writer", "SummaryWriter", "a class defined in torch.utils.tensorboard.writer"),
         ("transformers", "Trainer", "a class defined in transformers.trainer"),
+        ("transformers", "LlamaForCausalLM", "a class defined in transformers.models.llama.modeling_llama"),
+        # its constructor unpickles the file it is given (a pickle in the checkpoint would run)
+        ("nemo.collections.common.tokenizers.tabular_tokenizer", "TabularTokenizer", "a part of a trusted package"),
+        ("megatron.core.datasets.gpt_dataset", "GPTDataset", "a part of a trusted package"),
     ],
 )
 def test_only_what_a_model_context_needs_is_trusted(victim, module, name, why):
@@ -540,6 +544,9 @@ def test_only_what_a_model_context_needs_is_trusted(victim, module, name, why):
         ("nemo.collections.llm", "LlamaModel"),
         ("nemo.collections.llm", "Qwen2Config"),
         ("transformers", "GenerationConfig"),
+        ("transformers", "LlamaConfig"),
+        ("transformers", "PreTrainedTokenizerFast"),
+        ("nemo.collections.common.tokenizers.huggingface.auto_tokenizer", "AutoTokenizer"),
     ],
 )
 def test_what_model_contexts_name_stays_trusted(victim, module, name):

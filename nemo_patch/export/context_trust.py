@@ -99,6 +99,13 @@ DENIED_MODULES = (
     "lightning.pytorch.cli",
     "lightning.fabric.cli",
     "fiddle._src.experimental.serialization",
+    # classes whose construction loads a pickle or builds or loads datasets, checkpoints and engines
+    "nemo.collections.common.tokenizers.tabular_tokenizer",
+    "megatron.core.datasets",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.export",
+    "megatron.core.inference",
+    "transformers.models.deprecated",
 )
 #: Functions of trusted modules that load files or compile code.
 DENIED_NAMES = frozenset({"load", "save", "compile", "hub", "jit", "exec", "eval", "system", "popen"})
@@ -115,7 +122,6 @@ TRUSTED_CLASS_MODULES = (
     "lightning.fabric",
     "pytorch_lightning",
     "lightning_fabric",
-    "transformers.models",
     "transformers.configuration_utils",
     "transformers.generation.configuration_utils",
     "transformers.tokenization_utils",
@@ -207,6 +213,13 @@ def _under(module: str, prefixes: Tuple[str, ...]) -> bool:
     return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
 
 
+def _hf_config_or_tokenizer(module: str) -> bool:
+    """A ``transformers.models.<family>.configuration_*`` or ``tokenization_*`` module (not the models, whose
+    construction may load remote code or weights)."""
+    parts = module.split(".")
+    return parts[:2] == ["transformers", "models"] and parts[-1].startswith(("configuration_", "tokenization_"))
+
+
 def _denied(module: str) -> bool:
     return _under(module, DENIED_MODULES)
 
@@ -234,7 +247,7 @@ def _why_untrusted(module: str, name: str) -> Optional[str]:
     if f"{owner}.{own_name}" in TRUSTED_OBJECTS:
         return None
     if isinstance(value, type):
-        if not _under(owner, TRUSTED_CLASS_MODULES):
+        if not (_under(owner, TRUSTED_CLASS_MODULES) or _hf_config_or_tokenizer(owner)):
             return f"a class defined in {owner}, not where the classes a NeMo model's context builds come from"
     elif callable(value):
         if not _under(owner, TRUSTED_FUNCTION_MODULES) or own_name in DENIED_NAMES:
