@@ -137,8 +137,24 @@ def test_patch_applies_and_its_tests_pass_in_the_patched_tree(tree, number):
     # The patches' tests share what is expensive to make (NEMO_CONSOLIDATION_TEST_CACHE): one megatron-core checkpoint
     # (written by the first patch's tests) and the knob's CPU fit (which the PEFT patch's LoRA fit starts from).
     env.update(NEMO_PATCH_DISABLE="1", PYTHONPATH=str(tree.root), NEMO_CONSOLIDATION_TEST_CACHE=str(tree.cache))
+    # A basetemp of its own: under the default one, each inner pytest run would number a new
+    # /tmp/pytest-of-<user>/pytest-N and delete all but the newest three, the outer run's (still in use) among them.
+    basetemp = tree.root.parent / f"basetemp-{number}"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-W", "ignore", *tests],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            "-W",
+            "ignore",
+            "--basetemp",
+            str(basetemp),
+            *tests,
+        ],  # fmt: skip
         cwd=tree.root,
         capture_output=True,
         text=True,
