@@ -57,7 +57,6 @@ Imports torch and the engine; never NeMo, Lightning or megatron-core.
 """
 
 import contextlib
-import datetime
 import hashlib
 import json
 import os
@@ -76,7 +75,7 @@ from nemo_patch.engine.errors import ConsolidationError, PeerError
 from nemo_patch.engine.parts import PartJob, PartResult, open_job_sources, run_parts, split_shares
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.tensor_sources import Sources
-from nemo_patch.training.fit_end import MAX_WAIT_SECONDS
+from nemo_patch.training.fit_end import capped_timedelta
 
 __all__ = ["DEFAULT_TIMEOUT", "LaunchedGroup", "arguments_digest"]
 
@@ -153,13 +152,6 @@ def _error_of(report: Mapping[str, Any], prefix: str) -> ConsolidationError:
     return error
 
 
-def _timedelta(seconds: float) -> datetime.timedelta:
-    """``seconds`` as the ``timedelta`` torch.distributed takes, at most :data:`MAX_WAIT_SECONDS` (about 31 years):
-    ``--timeout 1e14`` is a valid way to say "no limit", but ``timedelta`` overflows above about 8.6e13 s and the
-    store's own clock well before."""
-    return datetime.timedelta(seconds=min(seconds, MAX_WAIT_SECONDS))
-
-
 class LaunchedGroup:
     """The processes a launcher started for one ``nemo-consolidate`` command, and their ``gloo`` group.
 
@@ -219,7 +211,7 @@ class LaunchedGroup:
                     init_method="env://",
                     rank=self.rank,
                     world_size=self.world_size,
-                    timeout=_timedelta(self.timeout),
+                    timeout=capped_timedelta(self.timeout),
                 )
         except Exception as error:  # noqa: BLE001 - the store's and gloo's errors have no common type
             raise PeerError(
@@ -284,7 +276,7 @@ class LaunchedGroup:
     def _wait(self, work: Any, deadline: float) -> Optional[str]:
         """Wait for ``work`` until ``deadline``: ``None`` when done, else :meth:`_failure`'s reason."""
         try:
-            work.wait(timeout=_timedelta(max(deadline - time.monotonic(), 0.001)))
+            work.wait(timeout=capped_timedelta(max(deadline - time.monotonic(), 0.001)))
             return None
         except RuntimeError as error:
             return self._failure(error, deadline)

@@ -37,7 +37,7 @@ import itertools
 import logging
 from typing import Any, Optional
 
-__all__ = ["GRACE_SECONDS", "MAX_WAIT_SECONDS", "FitEnd"]
+__all__ = ["GRACE_SECONDS", "MAX_WAIT_SECONDS", "FitEnd", "capped_timedelta"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,14 @@ GRACE_SECONDS = 120.0
 #: 64-bit nanoseconds from now: from about 9.2e9 s a ``HashStore`` times out at once or never wakes.
 MAX_WAIT_SECONDS = 10.0**9
 _KEY = "nemo_patch/fit_end/{}"
+
+
+def capped_timedelta(seconds: float) -> datetime.timedelta:
+    """``seconds`` as the ``timedelta`` a store or process group takes, at most :data:`MAX_WAIT_SECONDS` (``inf`` and
+    ``nan`` included): a longer wait means as long as it takes, where ``timedelta`` or the store would overflow."""
+    return datetime.timedelta(seconds=seconds if seconds < MAX_WAIT_SECONDS else MAX_WAIT_SECONDS)
+
+
 #: Teardowns of consolidating strategies in this process: every rank counts the same ones, so round ``n`` has the same
 #: key on every rank (also across several ``fit``/``validate`` calls, and several trainers, in one job).
 _rounds = itertools.count()
@@ -101,9 +109,8 @@ class FitEnd:
         logger.info(
             "Waiting for global rank 0's checkpoint consolidations to end before leaving fit (at most %.0f s)", limit
         )
-        wait = limit if limit < MAX_WAIT_SECONDS else MAX_WAIT_SECONDS  # also for inf and nan
         try:
-            self._store.wait([self._key], datetime.timedelta(seconds=wait))
+            self._store.wait([self._key], capped_timedelta(limit))
         except Exception as error:  # noqa: BLE001 - DistStoreError, a closed connection: rank 0 is gone or late
             text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             logger.warning(
