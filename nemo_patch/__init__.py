@@ -15,9 +15,10 @@
 """nemo_patch: control over when NeMo 2.x training runs consolidate their distributed checkpoints.
 
 Importing this package enables the overlay (unless ``NEMO_PATCH_DISABLE=1``): ``nemo.lightning.MegatronStrategy``
-becomes :class:`nemo_patch.MegatronStrategy`, which accepts ``save_consolidated`` and
-``ckpt_consolidation_frequency`` -- at once if NeMo is already imported, else as soon as it is. Installing the package
-does the same for every interpreter, without importing NeMo at start-up (see :mod:`nemo_patch.overlay.hook`).
+becomes :class:`nemo_patch.MegatronStrategy`, which accepts ``save_consolidated``, ``ckpt_consolidation_frequency``
+and ``ckpt_consolidation`` (a :class:`ConsolidationConfig`) -- at once if NeMo is already imported, else as soon as
+it is. Installing the package does the same for every interpreter, without importing NeMo at start-up (see
+:mod:`nemo_patch.overlay.hook`).
 
 The package is three layers, one subpackage each, plus the export and the CLI (see "Architecture" in
 docs/how-it-works.md):
@@ -47,6 +48,7 @@ __nemo_version__ = check_nemo_version()
 from nemo_patch.engine.errors import ConsolidationError  # noqa: E402
 from nemo_patch.overlay.apply import apply_overlay as _apply_overlay  # noqa: E402
 from nemo_patch.overlay.apply import overlay_applied  # noqa: E402
+from nemo_patch.training.config import ConsolidationConfig  # noqa: E402
 from nemo_patch.training.latest import locate_checkpoint, read_latest_pointer  # noqa: E402
 from nemo_patch.training.settings import ConsolidationSettings  # noqa: E402
 
@@ -66,6 +68,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ConsolidationConfig",
     "ConsolidationError",
     "ConsolidationOutcome",
     "ConsolidationResult",

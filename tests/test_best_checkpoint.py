@@ -166,8 +166,9 @@ def test_other_cadences_and_a_monitored_metric_pass_the_check():
 
 def _io_with_best(root: Path, best: Path):
     from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
+    from nemo_patch.training.settings import ConsolidationSettings
 
-    io = MegatronCheckpointIO(ckpt_consolidation_frequency="best")
+    io = MegatronCheckpointIO(consolidation_settings=ConsolidationSettings(frequency="best"))
     io.checkpoint_callback = SimpleNamespace(
         best_model_path=f"{best}.ckpt", best_model_score=torch.tensor(3.2), monitor="val_loss", mode="min"
     )

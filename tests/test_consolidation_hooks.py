@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from nemo_patch.training.config import ConsolidationConfig
 from nemo_patch.training.coordinator import ConsolidationCoordinator, weights_identity
 from nemo_patch.training.hooks import ConsolidationOutcome, HookCaller
 from nemo_patch.training.queue import _Process
@@ -85,7 +86,9 @@ def _published(root: Path, step: int) -> CheckpointSave:
 
 
 def test_an_outcome_names_the_output_where_it_is_when_the_hooks_run(tmp_path, caplog):
-    coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(frequency="each", post_command="x"))
+    coordinator = ConsolidationCoordinator(
+        ConsolidationSettings(frequency="each", config=ConsolidationConfig(post_command="x"))
+    )
     save = _published(tmp_path, 2)
     save.post_command = {"command": "x", "returncode": 0, "seconds": 10.0, "timed_out": False, "log": "l",
                          "metrics": {"eval/loss": 1.5}, "error": None, "stopped": False}  # fmt: skip
@@ -102,7 +105,9 @@ def test_an_outcome_names_the_output_where_it_is_when_the_hooks_run(tmp_path, ca
 
 
 def test_a_post_command_lost_with_its_process_is_a_warning_and_recorded(tmp_path, caplog):
-    coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(frequency="each", post_command="cmd"))
+    coordinator = ConsolidationCoordinator(
+        ConsolidationSettings(frequency="each", config=ConsolidationConfig(post_command="cmd"))
+    )
     save = _published(tmp_path, 4)
     save.post_command = {"stopped": True, "error": "the consolidation process ended: killed by signal SIGKILL"}
     coordinator._on_consolidated(save, None)
@@ -116,7 +121,9 @@ def test_a_post_command_lost_with_its_process_is_a_warning_and_recorded(tmp_path
 
 
 def test_a_failed_consolidation_has_a_failed_outcome_without_a_command(tmp_path):
-    coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(frequency="each", post_command="cmd"))
+    coordinator = ConsolidationCoordinator(
+        ConsolidationSettings(frequency="each", config=ConsolidationConfig(post_command="cmd"))
+    )
     save = _published(tmp_path, 6)
     shutil.rmtree(save.path / "consolidated")
     coordinator._on_consolidated(save, "ConsolidationError: no space")

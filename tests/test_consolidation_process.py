@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from nemo_patch.training.config import ConsolidationConfig
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import CheckpointSave
 from nemo_patch.training.settings import ConsolidationSettings
@@ -89,7 +90,10 @@ def _wait_ready(queue):
 
 def test_the_bound_skips_the_oldest_waiting_requests_but_not_bursts_or_the_ones_made_when_fit_ends(empty):
     done = []
-    queue = ConsolidationQueue(lambda save, error: done.append(save.global_step), ConsolidationSettings(max_pending=1))
+    queue = ConsolidationQueue(
+        lambda save, error: done.append(save.global_step),
+        ConsolidationSettings(config=ConsolidationConfig(max_pending=1)),
+    )
     queue.start_process()
     _wait_ready(queue)
     os.kill(queue.process.pid, signal.SIGSTOP)  # request 1 stays in flight however fast it would be
@@ -111,7 +115,10 @@ def test_the_bound_skips_the_oldest_waiting_requests_but_not_bursts_or_the_ones_
 def test_requests_made_while_the_process_starts_are_not_skipped(empty):
     """Its start is paid once per run: requests that arrive meanwhile all wait; the bound applies once it is ready."""
     done = []
-    queue = ConsolidationQueue(lambda save, error: done.append(save.global_step), ConsolidationSettings(max_pending=0))
+    queue = ConsolidationQueue(
+        lambda save, error: done.append(save.global_step),
+        ConsolidationSettings(config=ConsolidationConfig(max_pending=0)),
+    )
     queue.start_process()
     for step in (1, 2, 3):  # submitted at once: the process is still importing torch
         queue.submit(CheckpointSave(empty, step, written=True))

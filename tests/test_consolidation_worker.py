@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_patch.training.config import ConsolidationConfig
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import CheckpointSave
 from nemo_patch.training.settings import ConsolidationSettings
@@ -45,7 +46,8 @@ def checkpoints(each_run, tmp_path):
 def test_runs_one_child_at_a_time_and_skips_the_oldest_waiting_request(checkpoints, caplog):
     done = []
     queue = ConsolidationQueue(
-        lambda save, error: done.append((save.global_step, error)), ConsolidationSettings(max_pending=1)
+        lambda save, error: done.append((save.global_step, error)),
+        ConsolidationSettings(config=ConsolidationConfig(max_pending=1)),
     )
     queue.start_process()  # the bound applies once the process is ready (its start is not falling behind)
     deadline = time.monotonic() + 120
@@ -89,7 +91,8 @@ def test_the_child_does_not_import_nemo_and_uses_no_process_group(checkpoints, t
 def test_timeout_stops_the_child_and_leaves_no_partial_output(checkpoints, caplog):
     done = []
     queue = ConsolidationQueue(
-        lambda save, error: done.append((save.global_step, error)), ConsolidationSettings(max_pending=2)
+        lambda save, error: done.append((save.global_step, error)),
+        ConsolidationSettings(config=ConsolidationConfig(max_pending=2)),
     )
     for save in checkpoints:
         queue.submit(save)
@@ -106,7 +109,8 @@ def test_timeout_stops_the_child_and_leaves_no_partial_output(checkpoints, caplo
 def test_removal_of_the_checkpoint_being_consolidated_waits_for_the_child(checkpoints):
     done = []
     queue = ConsolidationQueue(
-        lambda save, error: done.append((save.global_step, error)), ConsolidationSettings(max_pending=2)
+        lambda save, error: done.append((save.global_step, error)),
+        ConsolidationSettings(config=ConsolidationConfig(max_pending=2)),
     )
     queue.submit(checkpoints[0])
     queue.submit(checkpoints[1])

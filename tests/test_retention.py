@@ -243,10 +243,11 @@ def test_cli_root_lookup_skips_a_latest_that_names_a_retained_output(tmp_path):
 def test_checkpoint_io_keeps_the_output_and_moves_latest_before_nemo_removes(tmp_path, keep, caplog):
     """The consolidating checkpoint IO's part of NeMo's top-k removal: retain (unless keep=0), move LATEST, then let
     NeMo remove the checkpoint; a queued consolidation of it is dropped and logged once as a warning."""
-    from nemo_patch import ConsolidationSettings, MegatronCheckpointIO
+    from nemo_patch import ConsolidationConfig, ConsolidationSettings, MegatronCheckpointIO
     from nemo_patch.training.schedule import CheckpointSave, RequestState
 
-    io = MegatronCheckpointIO(consolidation_settings=ConsolidationSettings.from_arguments(True, keep=keep))
+    settings = ConsolidationSettings.from_arguments(True, config=ConsolidationConfig(keep=keep))
+    io = MegatronCheckpointIO(consolidation_settings=settings)
     old, new = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
     update_latest_pointer(new)
     _removing(new)

@@ -12,15 +12,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Each consolidation setting is declared once (a field of ``ConsolidationSettings`` with :func:`setting` metadata),
+"""Each consolidation setting is declared once (a field of ``ConsolidationConfig`` with :func:`setting` metadata),
 and everything else is made from that declaration.
 
-The proof: a copy of the package with one new field added to ``nemo_patch/training/settings.py`` -- and no other edit
--- has the new argument on ``MegatronStrategy`` and ``MegatronCheckpointIO`` (signature, docstring, read-only view,
-validation with the argument's name in the message, the misspelt-keyword check), in the settings' JSON for the
-consolidation process, as a ``nemo-consolidate`` option in its group, and in the documentation's argument table.
+The proof: a copy of the package with one new field added to ``ConsolidationConfig`` in
+``nemo_patch/training/config.py`` -- and no other edit -- has the new setting in the config (its default, its
+validation with ``ConsolidationConfig.<field>`` in the message, its documented ``Attributes:``), reaching the
+strategy's checkpoint IO and the consolidation process's JSON, as a ``nemo-consolidate`` option in its group, and in
+the documentation's reference; the strategy's signature does not change (a setting is not an argument of its own),
+and a ``ckpt_consolidation_<field>=`` keyword for it is refused naming the config's spelling.
 """
 
+import dataclasses
 import inspect
 import json
 import shutil
@@ -31,51 +34,45 @@ import textwrap
 from conftest import REPO
 
 from nemo_patch.cli.nemo_consolidate import build_parser
-from nemo_patch.training.settings import (
-    CHECKPOINT_IO_ARGUMENTS,
-    SETTINGS,
-    STRATEGY_ARGUMENTS,
-    ConsolidationSettings,
-    arguments_docstring,
-    keyword_parameters,
-)
+from nemo_patch.training.config import SETTINGS, ConsolidationConfig, attributes_docstring
+from nemo_patch.training.settings import STRATEGY_ARGUMENTS, arguments_docstring
 
-#: The one edit: a new setting declared before ``policy`` (the derived field).
+#: The one edit: a new setting declared after the last field.
 NEW_FIELD = '''
     example_count: int = setting(
         7,
-        strategy="ckpt_consolidation_example_count",
-        io="consolidation_example_count",
-        annotation="int",
         validate=validate_max_pending,
         help="an example setting added by one edit (default 7).",
         cli=CliOption("--example-count", "an example option", "parallelism", _whole_number),
     )
 '''
-ANCHOR = "    policy: Optional[ConsolidationPolicy] = None\n"
+ANCHOR = "\n    def __post_init__(self) -> None:\n"
 
 PROBE = textwrap.dedent(
     """
-    import inspect, json
+    import contextlib, inspect, io, json
     import nemo_patch
+    from nemo_patch import ConsolidationConfig, ConsolidationSettings
     from nemo_patch.cli.nemo_consolidate import build_parser
-    from nemo_patch.training.settings import ConsolidationSettings
+    from nemo_patch.training.io_chain import find_base_checkpoint_io
+    from nemo_patch.training.settings import deprecated_keywords
     report = {"package": nemo_patch.__file__}
-    strategy = nemo_patch.MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation_example_count=3)
-    report["strategy_value"] = strategy.consolidation_settings.example_count
-    report["strategy_view"] = strategy.ckpt_consolidation_example_count
-    report["strategy_signature"] = str(inspect.signature(nemo_patch.MegatronStrategy))
-    entry = "ckpt_consolidation_example_count: an example setting"
-    report["strategy_doc"] = entry in nemo_patch.MegatronStrategy.__doc__
-    io = nemo_patch.MegatronCheckpointIO(ckpt_consolidation_frequency="each", consolidation_example_count=4)
-    report["io_value"] = io.consolidation_example_count
-    report["io_signature"] = str(inspect.signature(nemo_patch.MegatronCheckpointIO))
-    report["json"] = ConsolidationSettings.from_json(strategy.consolidation_settings.to_json()).example_count
+    report["default"] = ConsolidationConfig().example_count
+    report["config_signature"] = str(inspect.signature(ConsolidationConfig))
+    report["config_doc"] = "example_count: an example setting added by one edit" in ConsolidationConfig.__doc__
+    config = ConsolidationConfig(example_count=3)
+    strategy = nemo_patch.MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation=config)
+    report["strategy_value"] = strategy.consolidation_settings.config.example_count
+    report["io_value"] = find_base_checkpoint_io(strategy.checkpoint_io).consolidation_settings.config.example_count
+    report["strategy_signature"] = [
+        name for name in inspect.signature(nemo_patch.MegatronStrategy).parameters if "consolidat" in name
+    ]
+    report["json"] = ConsolidationSettings.from_json(strategy.consolidation_settings.to_json()).config.example_count
+    report["deprecated"] = sorted(deprecated_keywords("strategy").values())
     errors = []
     for call in (
-        lambda: nemo_patch.MegatronStrategy(ckpt_consolidation_example_count=-1),
-        lambda: nemo_patch.MegatronCheckpointIO(consolidation_example_count="x"),
-        lambda: nemo_patch.MegatronStrategy(ckpt_consolidation_example_cuont=1),
+        lambda: ConsolidationConfig(example_count=-1),
+        lambda: nemo_patch.MegatronStrategy(ckpt_consolidation_example_count=1),
     ):
         try:
             call()
@@ -85,12 +82,17 @@ PROBE = textwrap.dedent(
     report["errors"] = errors
     parser = build_parser()
     report["cli"] = parser.parse_args(["ckpt", "--example-count", "5"]).example_count
+    report["cli_default"] = parser.parse_args(["ckpt"]).example_count
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.suppress(SystemExit):
+        parser.parse_args(["ckpt", "--example-count", "x"])
+    report["cli_error"] = stderr.getvalue().strip().splitlines()[-1]
     groups = parser._action_groups
     report["cli_group"] = [g.title for g in groups for a in g._group_actions if a.dest == "example_count"]
     import sys
     sys.path.insert(0, "docs/_ext")
     import nemo_patch_docs
-    report["docs_rows"] = [row[:3] for row in nemo_patch_docs.strategy_argument_rows() if "example" in row[0]]
+    report["docs"] = [list(entry[:5]) for entry in nemo_patch_docs.config_field_entries() if "example" in entry[0]]
     print(json.dumps(report))
     """
 )
@@ -100,10 +102,10 @@ def test_one_new_field_is_a_new_setting_everywhere(tmp_path):
     copy = tmp_path / "nemo_patch"
     shutil.copytree(REPO / "nemo_patch", copy, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "docs" / "_ext", tmp_path / "docs" / "_ext", ignore=shutil.ignore_patterns("__pycache__"))
-    settings = copy / "training" / "settings.py"
-    text = settings.read_text()
+    config = copy / "training" / "config.py"
+    text = config.read_text()
     assert text.count(ANCHOR) == 1
-    settings.write_text(text.replace(ANCHOR, NEW_FIELD + ANCHOR))
+    config.write_text(text.replace(ANCHOR, NEW_FIELD + ANCHOR))
 
     proc = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=600
@@ -111,34 +113,34 @@ def test_one_new_field_is_a_new_setting_everywhere(tmp_path):
     assert proc.returncode == 0, proc.stderr[-5000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["package"] == str(copy / "__init__.py")
-    assert report["strategy_value"] == report["strategy_view"] == 3
-    assert "ckpt_consolidation_example_count: int = 7" in report["strategy_signature"]
-    assert report["strategy_doc"]
-    assert report["io_value"] == 4 and "consolidation_example_count: int = 7" in report["io_signature"]
-    assert report["json"] == 3
+    assert report["default"] == 7 and "example_count: int = 7" in report["config_signature"]
+    assert report["config_doc"]
+    assert report["strategy_value"] == report["io_value"] == report["json"] == 3
+    assert report["strategy_signature"] == [argument.name for argument in STRATEGY_ARGUMENTS]  # no new argument
+    assert "example_count" not in report["deprecated"]  # a new setting gets no flat keyword
     assert report["errors"] == [
-        "ValueError: Invalid ckpt_consolidation_example_count -1: expected an integer >= 0 (e.g. 2).",
-        "ValueError: Invalid consolidation_example_count 'x': expected an integer >= 0 (e.g. 2).",
-        "TypeError: MegatronStrategy got an unexpected keyword argument 'ckpt_consolidation_example_cuont'; did you "
-        "mean 'ckpt_consolidation_example_count'? (consolidation arguments: "
-        + ", ".join([*STRATEGY_ARGUMENTS.values(), "ckpt_consolidation_example_count"])
-        + ")",
+        "ValueError: Invalid ConsolidationConfig.example_count -1: expected an integer >= 0 (e.g. 2).",
+        "TypeError: MegatronStrategy got an unexpected keyword argument 'ckpt_consolidation_example_count'; did you "
+        "mean 'ckpt_consolidation=ConsolidationConfig(example_count=...)'? (consolidation arguments: "
+        "save_consolidated, ckpt_consolidation_frequency, ckpt_consolidation)",
     ]
-    assert report["cli"] == 5 and report["cli_group"] == ["parallelism"]
-    assert report["docs_rows"] == [["ckpt_consolidation_example_count", "consolidation_example_count", "7"]]
+    assert report["cli"] == 5 and report["cli_default"] == 7 and report["cli_group"] == ["parallelism"]
+    assert "argument --example-count: Invalid --example-count 'x': expected an integer >= 0" in report["cli_error"]
+    assert report["docs"] == [["example_count", "int", "7", "--example-count", ""]]
 
 
-def test_the_declarations_are_what_the_signatures_and_the_cli_offer():
-    fields = [spec.field for spec in SETTINGS]
-    assert fields == [f.name for f in __import__("dataclasses").fields(ConsolidationSettings) if f.name != "policy"]
-    assert [p.name for p in keyword_parameters("strategy")] == list(STRATEGY_ARGUMENTS.values())
-    assert [p.name for p in keyword_parameters("io")] == list(CHECKPOINT_IO_ARGUMENTS.values())
-    assert all(p.default == spec.default for p, spec in zip(keyword_parameters("strategy"), SETTINGS))
-    doc = arguments_docstring("strategy")
-    assert [line.split(":")[0].strip() for line in doc.splitlines() if not line.startswith(" " * 12)] == list(
-        STRATEGY_ARGUMENTS.values()
-    )
-    assert max(len(line) for line in doc.splitlines()) <= 119
+def test_the_declarations_are_the_config_s_fields_and_what_the_cli_offers():
+    assert [spec.field for spec in SETTINGS] == [field.name for field in dataclasses.fields(ConsolidationConfig)]
+    for spec, field in zip(SETTINGS, dataclasses.fields(ConsolidationConfig)):
+        assert spec.default == field.default and spec.help.strip(), spec.field
+        parameter = inspect.signature(ConsolidationConfig).parameters[spec.field]
+        assert parameter.default == spec.default and parameter.annotation == spec.annotation, spec.field
+    for doc in (attributes_docstring(), arguments_docstring()):
+        assert max(len(line) for line in doc.splitlines()) <= 119
+    entries = [
+        line.split(":")[0].strip() for line in attributes_docstring().splitlines() if not line.startswith(" " * 12)
+    ]
+    assert entries == [spec.field for spec in SETTINGS]
     options = {option for action in build_parser()._actions for option in action.option_strings}
     assert {spec.cli.flag for spec in SETTINGS if spec.cli is not None} <= options
     defaults = vars(build_parser().parse_args(["ckpt"]))
@@ -149,5 +151,6 @@ def test_the_declarations_are_what_the_signatures_and_the_cli_offer():
 
 def test_every_setting_validates_its_default_to_itself():
     for spec in SETTINGS:
-        assert spec.validate(spec.default, spec.strategy_argument) == spec.default, spec.field
+        assert spec.validate(spec.default, spec.name) == spec.default, spec.field
         assert inspect.signature(spec.validate).parameters, spec.field
+    assert ConsolidationConfig() == ConsolidationConfig(**{spec.field: spec.default for spec in SETTINGS})

@@ -436,8 +436,9 @@ def _add_reference(victim: Path, reference: Dict, marker: str = "") -> None:
         ({"type": "pyref", "module": "torch", "name": "os"}, "a module object"),
         ({"type": "pyref", "module": "builtins", "name": "getattr"}, "not a plain builtin type"),
         ({"type": "pyref", "module": "nemo.collections.llm", "name": "train"}, "defined in nemo.collections.llm.api"),
+        ({"type": "pyref", "module": "nemo_patch.training.settings", "name": "warn_deprecated"}, "outside NeMo"),
     ],
-    ids=["dotted", "any-type-node", "torch-hub", "module-object", "builtin-function", "re-export"],
+    ids=["dotted", "any-type-node", "torch-hub", "module-object", "builtin-function", "re-export", "nemo-patch"],
 )
 def test_context_references_are_resolved_before_trust(victim, reference, why):
     from nemo_patch.export.context_trust import check_context_trusted
@@ -547,6 +548,10 @@ def test_only_what_a_model_context_needs_is_trusted(victim, module, name, why):
         ("transformers", "LlamaConfig"),
         ("transformers", "PreTrainedTokenizerFast"),
         ("nemo.collections.common.tokenizers.huggingface.auto_tokenizer", "AutoTokenizer"),
+        # a strategy given ckpt_consolidation=ConsolidationConfig(...) records it (and a user's checkpoint IO its
+        # ConsolidationSettings)
+        ("nemo_patch.training.config", "ConsolidationConfig"),
+        ("nemo_patch.training.settings", "ConsolidationSettings"),
     ],
 )
 def test_what_model_contexts_name_stays_trusted(victim, module, name):
@@ -602,4 +607,4 @@ def test_a_compressed_member_is_refused_even_with_no_crc_to_check(tmp_path, chec
         data[start + at : start + at + 4] = b"\0\0\0\0"
     (tmp_path / "shard").write_bytes(bytes(data))
     with open(tmp_path / "shard", "rb") as handle, pytest.raises(zipfile.BadZipFile, match="is compressed"):
-        _slice(handle, 0, len(data), "shard, record at byte 0", checked)
+        open_record(handle, 0, len(data), "shard, record at byte 0", checked)

@@ -16,14 +16,19 @@
 
 Directives (usable from MyST Markdown as ```` ```{nemo-patch-strategy-arguments} ````):
 
-* ``nemo-patch-strategy-arguments``: one row per ``MegatronStrategy`` consolidation argument: the declarations of
-  :data:`nemo_patch.training.settings.SETTINGS` (strategy argument, checkpoint IO argument, default, help), the same
-  ones the strategy's and the checkpoint IO's signatures and docstrings are made from.
+* ``nemo-patch-strategy-arguments``: one entry per ``MegatronStrategy`` consolidation argument (type, default,
+  meaning), from :data:`nemo_patch.training.settings.STRATEGY_ARGUMENTS`, the same declarations the strategy's
+  signature and docstring are made from.
+* ``nemo-patch-consolidation-config``: one entry per ``ConsolidationConfig`` field (type, default, ``nemo-consolidate``
+  option, the deprecated flat keyword it replaces, meaning), from the fields' declarations
+  (:data:`nemo_patch.training.config.SETTINGS`), the same ones the class's documentation and the CLI's options are made
+  from.
 * ``nemo-patch-exit-codes``: one row per exit code of ``nemo-consolidate``: those of its ``CLI_EXIT_CODES`` (0, 2,
   130), and every ``ConsolidationError`` class of :mod:`nemo_patch.engine.errors` with its ``exit_code`` and docstring.
 
-A declaration the table cannot be made from (a setting without help, two error classes with one exit code) fails
-the build, naming it.
+The two references are definition lists, one entry per argument or field, so that no column runs off a narrow screen.
+A declaration they cannot be made from (a setting without help, two error classes with one exit code) fails the build,
+naming it.
 
 Class signatures: autodoc looks for a class's ``__new__`` before its ``__init__``, and NeMo's ``IOMixin.__new__``
 takes ``(*args, **kwargs)``, so the strategy and the checkpoint IO would read ``(*args, **kwargs)``. Python itself
@@ -33,7 +38,7 @@ takes ``(*args, **kwargs)``, so the strategy and the checkpoint IO would read ``
 import importlib.util
 import inspect
 import re
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from docutils import nodes
 from sphinx.application import Sphinx
@@ -75,17 +80,36 @@ def format_default(value: Any) -> str:
     return repr(value)
 
 
-def strategy_argument_rows() -> List[Tuple[str, str, str, str]]:
-    """``(strategy argument, checkpoint IO argument, default, meaning)`` for every consolidation argument."""
-    from nemo_patch.training.settings import SETTINGS
+def strategy_argument_entries() -> List[Tuple[str, str, str, str]]:
+    """``(argument, type, default, meaning)`` for every consolidation argument of ``MegatronStrategy``."""
+    from nemo_patch.training.config import annotation_text
+    from nemo_patch.training.settings import STRATEGY_ARGUMENTS
 
-    rows = []
+    entries = []
+    for argument in STRATEGY_ARGUMENTS:
+        if not argument.help.strip():
+            raise ExtensionError(f"strategy argument {argument.name!r} declares no help text")
+        entries.append(
+            (argument.name, annotation_text(argument.annotation), format_default(argument.default), argument.help)
+        )
+    return entries
+
+
+def config_field_entries() -> List[Tuple[str, str, str, str, str, str]]:
+    """``(field, type, default, CLI option or "", deprecated flat keyword or "", meaning)`` for every
+    ``ConsolidationConfig`` field."""
+    from nemo_patch.training.config import SETTINGS, annotation_text
+    from nemo_patch.training.settings import deprecated_keywords
+
+    flat = {field: keyword for keyword, field in deprecated_keywords("strategy").items()}
+    entries = []
     for spec in SETTINGS:
         if not spec.help.strip():
-            raise ExtensionError(f"setting {spec.field!r} declares no help text")
-        io = spec.io_argument or "(none: the strategy's teardown waits)"
-        rows.append((spec.strategy_argument, io, format_default(spec.default), spec.help))
-    return rows
+            raise ExtensionError(f"ConsolidationConfig.{spec.field} declares no help text")
+        cli = spec.cli.flag if spec.cli is not None else ""
+        annotation, default = annotation_text(spec.annotation), format_default(spec.default)
+        entries.append((spec.field, annotation, default, cli, flat.get(spec.field, ""), spec.help))
+    return entries
 
 
 def exit_code_rows() -> List[Tuple[int, str, str]]:
@@ -139,24 +163,81 @@ def _table(
     return table
 
 
-class StrategyArguments(SphinxDirective):
-    """The table of ``MegatronStrategy``'s consolidation arguments (see the module docstring)."""
+def _facts(*facts: Tuple[str, Optional[str]]) -> nodes.paragraph:
+    """``label: literal · label: literal ...``: an entry's type, default and the like, on one line; a fact whose value
+    is ``None`` is left out, one whose value is empty reads "none"."""
+    paragraph = nodes.paragraph()
+    for label, value in facts:
+        if value is None:
+            continue
+        if len(paragraph):
+            paragraph += nodes.Text(" · ")
+        paragraph += nodes.Text(f"{label}: ")
+        paragraph += nodes.literal(text=value) if value else nodes.Text("none")
+    return paragraph
+
+
+def _definition_list(classes: str, entries: Sequence[Tuple[str, nodes.paragraph, str]]) -> nodes.definition_list:
+    """One entry per ``(name, facts, meaning)``: the name as a literal term, then the facts and the meaning."""
+    result = nodes.definition_list(classes=[classes])
+    for name, facts, meaning in entries:
+        item = nodes.definition_list_item()
+        term = nodes.term()
+        term += nodes.literal(text=name)
+        definition = nodes.definition()
+        definition += facts
+        paragraph = nodes.paragraph()
+        paragraph.extend(inline_nodes(meaning))
+        definition += paragraph
+        item += term
+        item += definition
+        result += item
+    return result
+
+
+class _Reference(SphinxDirective):
+    """Rebuilt when the declaring modules change."""
+
+    modules = ("nemo_patch.training.settings", "nemo_patch.training.config")
+
+    def note_dependencies(self) -> None:
+        for module in self.modules:
+            spec = importlib.util.find_spec(module)
+            if spec is not None and spec.origin is not None:
+                self.env.note_dependency(spec.origin)
+
+
+class StrategyArguments(_Reference):
+    """The reference of ``MegatronStrategy``'s consolidation arguments (see the module docstring)."""
 
     def run(self) -> List[nodes.Node]:
-        spec = importlib.util.find_spec("nemo_patch.training.settings")
-        if spec is not None and spec.origin is not None:
-            self.env.note_dependency(spec.origin)
-        rows = [
-            [
-                [nodes.literal(text=strategy)],
-                [nodes.literal(text=io)],
-                [nodes.literal(text=default)],
-                inline_nodes(meaning),
-            ]
-            for strategy, io, default, meaning in strategy_argument_rows()
+        self.note_dependencies()
+        entries = [
+            (name, _facts(("type", annotation), ("default", default)), meaning)
+            for name, annotation, default, meaning in strategy_argument_entries()
         ]
-        header = ["MegatronStrategy argument", "MegatronCheckpointIO argument", "default", "meaning"]
-        return [_table("nemo-patch-strategy-arguments", header, [22, 20, 10, 48], rows)]
+        return [_definition_list("nemo-patch-strategy-arguments", entries)]
+
+
+class ConsolidationConfigFields(_Reference):
+    """The reference of ``ConsolidationConfig``'s fields (see the module docstring)."""
+
+    def run(self) -> List[nodes.Node]:
+        self.note_dependencies()
+        entries = [
+            (
+                name,
+                _facts(
+                    ("type", annotation),
+                    ("default", default),
+                    ("nemo-consolidate", cli),
+                    ("replaces the deprecated", f"{flat}=" if flat else None),
+                ),
+                meaning,
+            )
+            for name, annotation, default, cli, flat, meaning in config_field_entries()
+        ]
+        return [_definition_list("nemo-patch-consolidation-config", entries)]
 
 
 class ExitCodes(SphinxDirective):
@@ -207,5 +288,6 @@ def class_signature(
 def setup(app: Sphinx) -> Dict[str, Any]:
     app.connect("autodoc-process-signature", class_signature)
     app.add_directive("nemo-patch-strategy-arguments", StrategyArguments)
+    app.add_directive("nemo-patch-consolidation-config", ConsolidationConfigFields)
     app.add_directive("nemo-patch-exit-codes", ExitCodes)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -14,6 +14,6 @@
 
 """Command-line tools: ``nemo-consolidate`` / ``python -m nemo_patch`` (:mod:`.consolidate`).
 
-May import the engine, the export and the torch-free parts of the training side (settings, ``LATEST``); never the
-overlay or ``nemo_patch.testing``. This ``__init__`` imports nothing.
+May import the engine, the export and the torch-free parts of the training side (the settings' config, ``LATEST``);
+never the overlay or ``nemo_patch.testing``. This ``__init__`` imports nothing.
 """

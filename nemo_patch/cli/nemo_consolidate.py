@@ -51,8 +51,8 @@ checkpoint with a NeMo ``context/`` it also checks that the output's names and s
 context describes, built on the meta device (:mod:`nemo_patch.export.context_model`; a warning says so when that
 model cannot be built here, e.g. without Transformer Engine). A mismatch exits 9 naming the first differing key.
 
-Imports the engine, the export and the torch-free training modules (settings, ``LATEST``); torch when run, NeMo only
-for ``--format hf`` and ``--verify`` with a context; never the overlay or ``nemo_patch.testing``.
+Imports the engine, the export and the torch-free training modules (the settings' config, ``LATEST``); torch when
+run, NeMo only for ``--format hf`` and ``--verify`` with a context; never the overlay or ``nemo_patch.testing``.
 """
 
 import argparse
@@ -74,8 +74,8 @@ from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
 from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES
 from nemo_patch.engine.output_target import check_output_target
+from nemo_patch.training.config import SETTINGS, Setting
 from nemo_patch.training.latest import locate_checkpoint
-from nemo_patch.training.settings import SETTINGS, Setting
 
 if TYPE_CHECKING:
     from nemo_patch.cli.distributed import LaunchedGroup
@@ -159,8 +159,9 @@ def _setting_type(spec: Setting) -> Callable[[str], Any]:
 
 
 def _add_setting_options(groups: Dict[str, Any]) -> None:
-    """One option per consolidation setting that declares one (:data:`nemo_patch.training.settings.SETTINGS`), in
-    the group it names, with its declared default."""
+    """One option per consolidation setting that declares one (a :class:`~nemo_patch.ConsolidationConfig` field with
+    a :class:`~nemo_patch.training.config.CliOption`; :data:`nemo_patch.training.config.SETTINGS`), in the group it
+    names, with the field's default; its value is validated as the field is, the message naming the option."""
     for spec in SETTINGS:
         if spec.cli is None:
             continue

@@ -42,6 +42,10 @@ every reference, whatever node holds it, against allowlists (a list of what may 
   - anything else (a dtype, an enum member, a constant): defined in a trusted package;
 * and the file never asks for ``trust_remote_code`` (Hugging Face code shipped with the checkpoint would run).
 
+This package's own settings values, which a context records when the run gave ``MegatronStrategy`` a
+``ckpt_consolidation`` (or a ``MegatronCheckpointIO`` its ``consolidation_settings``), are trusted by name
+(:data:`TRUSTED_NEMO_PATCH_CLASSES`): frozen dataclasses whose construction only checks their values.
+
 Anything else is refused (:class:`~nemo_patch.engine.errors.UntrustedContextError`) unless the user opts in, as with
 Hugging Face's ``trust_remote_code``: ``nemo-consolidate --trust-context``. The training path does not call this: the
 context it reads is the one the run itself just wrote.
@@ -67,6 +71,7 @@ __all__ = [
     "TRUSTED_BUILTINS",
     "TRUSTED_CLASS_MODULES",
     "TRUSTED_FUNCTION_MODULES",
+    "TRUSTED_NEMO_PATCH_CLASSES",
     "TRUSTED_OBJECTS",
     "TRUSTED_PACKAGES",
     "check_context_trusted",
@@ -164,6 +169,15 @@ TRUSTED_OBJECTS = frozenset(
         "megatron.core.utils.scaled_init_method_normal",
     }
 )
+#: This package's classes a context may name, as ``(module, name)``: the settings values the strategy and the
+#: checkpoint IO record (:class:`nemo_patch.ConsolidationConfig`, :class:`nemo_patch.ConsolidationSettings`), whose
+#: construction only validates them.
+TRUSTED_NEMO_PATCH_CLASSES = frozenset(
+    {
+        ("nemo_patch.training.config", "ConsolidationConfig"),
+        ("nemo_patch.training.settings", "ConsolidationSettings"),
+    }
+)
 #: The ``builtins`` a trusted context may reference: types that build plain data, nothing that runs code.
 TRUSTED_BUILTINS = frozenset(
     {"dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bool", "slice"}
@@ -228,6 +242,8 @@ def _why_untrusted(module: str, name: str) -> Optional[str]:
     """Why a reference is not trusted, or ``None`` when it is (imports the trusted module it names)."""
     if module == "builtins":
         return None if name in TRUSTED_BUILTINS else "not a plain builtin type"
+    if (module, name) in TRUSTED_NEMO_PATCH_CLASSES:
+        return None
     if module.split(".")[0] not in TRUSTED_PACKAGES:
         return "outside NeMo, megatron-core, torch, transformers, Lightning and fiddle"
     if not name.isidentifier():

@@ -26,8 +26,10 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+import fiddle._src.experimental.dataclasses as fdl_dc
 from lightning.fabric.utilities.types import _PATH
 from nemo.lightning.io import pl as nemo_io_pl
+from nemo.lightning.io.mixin import _io_transform_args
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 from nemo.utils.get_rank import is_global_rank_zero
 
@@ -37,12 +39,41 @@ from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationSchedule
 from nemo_patch.training.settings import (
-    CHECKPOINT_IO_ARGUMENTS,
     ConsolidationSettings,
-    declare_settings,
+    declare_arguments,
+    deprecated_keywords,
+    merge_deprecated_keywords,
+    warn_deprecated,
 )
 
 __all__ = ["ConsolidationRecord", "MegatronCheckpointIO", "best_record"]
+
+#: The deprecated flat keywords (``consolidation_dtype=``, ...) -> the config field each gives.
+_DEPRECATED = deprecated_keywords("io")
+#: The deprecated keywords for the cadence -> the :class:`ConsolidationSettings` field each gives.
+_DEPRECATED_SWITCHES = {"save_consolidated": "save_consolidated", "ckpt_consolidation_frequency": "frequency"}
+
+
+def _settings_from_deprecated_keywords(given: Dict[str, Any]) -> ConsolidationSettings:
+    """The settings the deprecated flat keywords ``given`` (by keyword) make, with a ``DeprecationWarning`` naming
+    them and the spelling that replaces them.
+
+    Raises:
+        ValueError: for an invalid value (naming its keyword) or a contradictory cadence.
+    """
+    switches = {_DEPRECATED_SWITCHES[name]: value for name, value in given.items() if name in _DEPRECATED_SWITCHES}
+    fields = {_DEPRECATED[name]: value for name, value in given.items() if name in _DEPRECATED}
+    arguments = [f"{name}=..." for name in switches]
+    if fields:
+        arguments.append(f"config=ConsolidationConfig({', '.join(f'{field}=...' for field in fields)})")
+    warn_deprecated(
+        f"MegatronCheckpointIO's {', '.join(given)} {'is' if len(given) == 1 else 'are'} deprecated and will be "
+        "removed in the next minor release: pass consolidation_settings=ConsolidationSettings.from_arguments("
+        f"{', '.join(arguments)}) instead."
+    )
+    names = {field: keyword for keyword, field in _DEPRECATED.items()}
+    config = merge_deprecated_keywords(fields, names, None) if fields else None
+    return ConsolidationSettings.from_arguments(switches.get("save_consolidated"), switches.get("frequency"), config)
 
 
 class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
@@ -57,41 +88,58 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
     never raised into the training loop.
 
     NeMo's own arguments (those before ``*`` in the signature) are passed on to NeMo's ``MegatronCheckpointIO``
-    unchanged.
+    unchanged. The flat keywords this class took before (``save_consolidated``, ``ckpt_consolidation_frequency`` and
+    ``consolidation_<field>`` for the :class:`~nemo_patch.ConsolidationConfig` fields it had, ``consolidation_dtype=``,
+    ...) still work, with a ``DeprecationWarning``; they are removed in the next minor release.
 
     Args:
-        {consolidation arguments}
-        consolidation_settings: all of the above as one already validated value (what
-            :class:`nemo_patch.MegatronStrategy` passes); when given, the arguments above must not be.
+        consolidation_settings: the consolidation settings (what :class:`nemo_patch.MegatronStrategy` passes;
+            ``ConsolidationSettings.from_arguments(frequency="each", config=ConsolidationConfig(...))`` when you build
+            this IO yourself); ``None`` (default): no consolidation.
 
     Raises:
-        ValueError: for an invalid or contradictory consolidation setting (the message lists the accepted forms), or
-            ``consolidation_settings`` together with any of the individual settings.
+        ValueError: ``consolidation_settings`` that is not a :class:`~nemo_patch.ConsolidationSettings`, or given
+            together with a deprecated flat keyword; an invalid or contradictory value given as a deprecated flat
+            keyword (the message names it).
     """
 
     def __init__(
         self, *args: Any, consolidation_settings: Optional[ConsolidationSettings] = None, **kwargs: Any
     ) -> None:
-        # The consolidation arguments are declared in nemo_patch.training.settings (this method's __signature__ lists
-        # them).
-        own = {
-            field: kwargs.pop(argument) for field, argument in CHECKPOINT_IO_ARGUMENTS.items() if argument in kwargs
+        deprecated = {
+            name: kwargs.pop(name) for name in list(kwargs) if name in _DEPRECATED or name in _DEPRECATED_SWITCHES
         }
-        given = ConsolidationSettings.from_arguments(**own, names=CHECKPOINT_IO_ARGUMENTS)
-        if consolidation_settings is not None and own:
+        if consolidation_settings is not None and deprecated:
             raise ValueError(
-                "Pass either consolidation_settings or the individual consolidation arguments "
-                f"({', '.join(CHECKPOINT_IO_ARGUMENTS.values())}), not both."
+                "Pass either consolidation_settings or the deprecated individual consolidation arguments "
+                f"({', '.join(deprecated)}), not both."
             )
+        if consolidation_settings is not None and not isinstance(consolidation_settings, ConsolidationSettings):
+            raise ValueError(
+                f"Invalid consolidation_settings {consolidation_settings!r}: expected None or a ConsolidationSettings "
+                "(e.g. ConsolidationSettings.from_arguments(frequency=\"each\", config=ConsolidationConfig()))."
+            )
+        settings = _settings_from_deprecated_keywords(deprecated) if deprecated else consolidation_settings
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin wraps the __init__ of the first class of the hierarchy it sees built: once NeMo's own
         # MegatronCheckpointIO was built in this process, it records the arguments from inside NeMo's __init__,
-        # without ours. The context (io.json) must restore this IO as it was built.
+        # without ours. The context (io.json) must restore this IO as it was built: with its settings, as one value
+        # (also when given as the deprecated keywords, which io_transform_args leaves out).
         io_config = getattr(self, "__io__", None)
-        if io_config is not None:
-            for field, value in own.items():
-                setattr(io_config, CHECKPOINT_IO_ARGUMENTS[field], value)
-        self.set_consolidation_settings(consolidation_settings or given)
+        if io_config is not None and settings is not None:
+            setattr(
+                io_config,
+                "consolidation_settings",
+                fdl_dc.convert_dataclasses_to_configs(settings, allow_post_init=True),
+            )
+        self.set_consolidation_settings(settings or ConsolidationSettings())
+
+    def io_transform_args(self, init_fn: Callable, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """Record the constructor arguments (NeMo's ``IOMixin`` hook) as NeMo records them for its own
+        ``MegatronCheckpointIO``; the consolidation settings are added once they are resolved (in ``__init__``)."""
+        for name in [*_DEPRECATED, *_DEPRECATED_SWITCHES, "consolidation_settings"]:
+            kwargs.pop(name, None)
+        return _io_transform_args(self, nemo_io_pl.MegatronCheckpointIO.__init__, *args, **kwargs)
 
     def set_consolidation_settings(self, settings: ConsolidationSettings) -> None:
         """Take ``settings`` (already validated) and start a new run's bookkeeping with them."""
@@ -265,7 +313,7 @@ class MegatronCheckpointIO(nemo_io_pl.MegatronCheckpointIO):
 
     def remove_checkpoint_safely(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
         """Run ``remove`` for a checkpoint (NeMo's removal, from any thread) without racing its consolidation, keeping
-        its consolidated output as ``ckpt_consolidation_keep`` says and moving ``LATEST``/``BEST`` off it first (see
+        its consolidated output as ``ConsolidationConfig.keep`` says and moving ``LATEST``/``BEST`` off it first (see
         :meth:`ConsolidationCoordinator.remove_checkpoint`)."""
         if self.coordinator is None:
             remove()
@@ -284,4 +332,4 @@ _SETTINGS_PARAMETER = inspect.Parameter(
     default=None,
     annotation=Optional[ConsolidationSettings],
 )
-declare_settings(MegatronCheckpointIO, "io", nemo_io_pl.MegatronCheckpointIO.__init__, [_SETTINGS_PARAMETER])
+declare_arguments(MegatronCheckpointIO, "io", nemo_io_pl.MegatronCheckpointIO.__init__, [_SETTINGS_PARAMETER])

@@ -459,7 +459,7 @@ class ConsolidationCoordinator:
         """Run ``remove`` for a checkpoint (NeMo's removal, from any thread) without racing its consolidation: from
         this call on, nothing queues, starts, links into or points at it; a waiting request of it is dropped
         (logged); a running one delays ``remove`` until it has ended. Then its output is kept as
-        ``ckpt_consolidation_keep`` says and ``LATEST``/``BEST`` move off it, and ``remove`` runs."""
+        ``ConsolidationConfig.keep`` says and ``LATEST``/``BEST`` move off it, and ``remove`` runs."""
         checkpoint_dir = Path(checkpoint_dir)
         with self.lock:
             self._removing.add(checkpoint_dir)
@@ -480,7 +480,7 @@ class ConsolidationCoordinator:
         """Keep the checkpoint's output (within ``keep``) and move ``LATEST``/``BEST`` off it, each step on its own:
         a failure to keep (disk full, a link limit) is logged, leaves no entry behind, and the pointers still move
         (to a surviving output, or they are removed). Called with the lock held; never raises."""
-        name, keep, root = self.settings.output_dirname, self.settings.keep, checkpoint_dir.parent
+        name, keep, root = self.settings.output_dirname, self.settings.config.keep, checkpoint_dir.parent
         if keep != 0:
             try:
                 entry = retain_output(checkpoint_dir, name)
@@ -495,7 +495,7 @@ class ConsolidationCoordinator:
             if entry is not None:
                 logger.info(
                     "Kept the consolidated output of %s as %s: NeMo is removing the checkpoint "
-                    "(ckpt_consolidation_keep=%s)",
+                    "(ConsolidationConfig.keep=%s)",
                     checkpoint_dir.name,
                     entry,
                     keep,
@@ -593,10 +593,10 @@ class ConsolidationCoordinator:
         if save.best is not None:
             self._point(save.path, BEST_NAME)
             logger.info("%s -> %s", BEST_NAME, save.path.name)
-        if self.settings.keep is not None:  # a new output may push a retained one out of the newest N
+        if self.settings.config.keep is not None:  # a new output may push a retained one out of the newest N
             with self.lock:
                 try:
-                    prune_retained(save.path.parent, self.settings.output_dirname, self.settings.keep)
+                    prune_retained(save.path.parent, self.settings.output_dirname, self.settings.config.keep)
                 except OSError:
                     logger.exception("Could not prune the retained outputs in %s", save.path.parent)
                 self._move_pointer_off(save.path.parent, LATEST_NAME, None)
@@ -641,7 +641,8 @@ class ConsolidationCoordinator:
         if error is None and save.post_command is not None:
             post = PostCommandResult.from_json(save.post_command)
             if not post.command:  # lost with the process (queue.py): record what is known
-                post = PostCommandResult.from_json({**save.post_command, "command": self.settings.post_command or ""})
+                command = self.settings.config.post_command or ""
+                post = PostCommandResult.from_json({**save.post_command, "command": command})
                 try:
                     record_result(output, post)
                 except OSError:
@@ -680,7 +681,7 @@ class ConsolidationCoordinator:
                     ConsolidationOutcome(
                         output_dir=output,
                         checkpoint_dir=save.path,
-                        format=self.settings.output_format,
+                        format=self.settings.config.format,
                         global_step=save.global_step,
                         bytes=record.bytes if record is not None else 0,
                         seconds=record.seconds if record is not None else save.seconds or 0.0,

@@ -267,7 +267,7 @@ class ConsolidationQueue:
         is_gone: tells, under the lock, whether a request's checkpoint is removed or being removed (default: never).
 
     Raises:
-        ValueError: ``settings.max_pending`` < 0.
+        ValueError: ``settings.config.max_pending`` < 0.
     """
 
     def __init__(
@@ -278,12 +278,12 @@ class ConsolidationQueue:
         lock: Optional[threading.RLock] = None,
         is_gone: Optional[Callable[[CheckpointSave], bool]] = None,
     ) -> None:
-        if settings.max_pending < 0:
-            raise ValueError(f"max_pending must be >= 0, got {settings.max_pending}")
+        if settings.config.max_pending < 0:
+            raise ValueError(f"max_pending must be >= 0, got {settings.config.max_pending}")
         self._on_done = on_done
         self._on_dropped = on_dropped
         self.settings = settings
-        self._max_pending = settings.max_pending
+        self._max_pending = settings.config.max_pending
         self._settings_json = settings.to_json()  # serialised once, for every process this queue starts
         self._pending: Deque[CheckpointSave] = deque()
         self._running: Optional[_Running] = None

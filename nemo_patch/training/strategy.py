@@ -25,20 +25,25 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type, Union
 
+import fiddle._src.experimental.dataclasses as fdl_dc
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
 from nemo.lightning.io import pl as nemo_io_pl
 from nemo.lightning.io.mixin import _io_transform_args
 from nemo.lightning.pytorch.strategies.utils import ckpt_to_dir
 
+from nemo_patch.training.config import DEFAULT_TIMEOUT, SETTINGS, ConsolidationConfig
 from nemo_patch.training.fit_end import FitEnd
 from nemo_patch.training.io_chain import find_base_checkpoint_io, replace_base_checkpoint_io
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.settings import (
-    DEFAULT_TIMEOUT,
+    CONFIG_ARGUMENT,
     STRATEGY_ARGUMENTS,
     ConsolidationSettings,
-    declare_settings,
+    declare_arguments,
+    deprecated_keywords,
+    merge_deprecated_keywords,
+    warn_deprecated,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "MegatronStrategy"]
@@ -52,8 +57,13 @@ def _consolidating_io_class() -> Type["MegatronCheckpointIO"]:
     return MegatronCheckpointIO
 
 
-#: The strategy's own arguments: setting name -> argument name (``save_consolidated`` and the frequency included).
-_OWN_ARGS = dict(STRATEGY_ARGUMENTS)
+#: The strategy's consolidation arguments, in the order of its signature.
+_OWN_ARGS = [argument.name for argument in STRATEGY_ARGUMENTS]
+#: The deprecated flat keywords (``ckpt_consolidation_dtype=``, ...) -> the config field each gives.
+_DEPRECATED = deprecated_keywords("strategy")
+#: ``ckpt_consolidation_<field>`` for every config field (those added since the flat keywords too) -> the field: what
+#: a keyword that is not ours is compared with, to suggest the config's spelling.
+_FLAT_SPELLINGS = {f"ckpt_consolidation_{spec.field}": spec.field for spec in SETTINGS}
 
 logger = logging.getLogger(__name__)
 
@@ -86,31 +96,55 @@ def _refuse_misspelt_arguments(kwargs: Dict[str, Any]) -> None:
     ours (starts with ``ckpt_consolid`` or ``consolidat``, or is close to one) and is not NeMo's raises instead.
 
     Raises:
-        TypeError: naming the keyword and the closest of this strategy's arguments.
+        TypeError: naming the keyword and the closest of this strategy's arguments (for one close to
+            ``ckpt_consolidation_<field>`` of a config field, the field's spelling in the config).
     """
-    ours = list(_OWN_ARGS.values())
     nemo = set(inspect.signature(NeMoMegatronStrategy.__init__).parameters)
+    candidates = [*_OWN_ARGS, *_FLAT_SPELLINGS]
     for name in kwargs:
         if name in nemo:
             continue
-        close = difflib.get_close_matches(name, ours, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.8)
         if close or name.startswith(("ckpt_consolid", "consolidat", "save_consol")):
-            closest = close[0] if close else difflib.get_close_matches(name, ours, n=1, cutoff=0.0)[0]
+            closest = close[0] if close else difflib.get_close_matches(name, candidates, n=1, cutoff=0.0)[0]
+            if closest in _FLAT_SPELLINGS:
+                closest = f"{CONFIG_ARGUMENT}=ConsolidationConfig({_FLAT_SPELLINGS[closest]}=...)"
             raise TypeError(
                 f"MegatronStrategy got an unexpected keyword argument {name!r}; did you mean {closest!r}? "
-                f"(consolidation arguments: {', '.join(ours)})"
+                f"(consolidation arguments: {', '.join(_OWN_ARGS)})"
             )
 
 
-def _warn_without_effect(given: Dict[str, Any], settings: ConsolidationSettings) -> None:
-    """A consolidation setting given while consolidation is off (no frequency, no ``save_consolidated=True``) does
-    nothing; say so once, naming them, instead of leaving the user to find out that nothing was consolidated."""
-    idle = [_OWN_ARGS[field] for field in given if field not in ("save_consolidated", "frequency")]
-    if idle and not settings.enabled:
+def _config_with_deprecated_keywords(given: Dict[str, Any], config: Any) -> Any:
+    """``config`` with the settings given as deprecated flat keywords (by keyword), with a ``DeprecationWarning``
+    naming them and their spelling in the config; ``config`` itself when there are none.
+
+    Raises:
+        ValueError: an invalid value (naming its keyword), or a config that sets one of them to another value.
+    """
+    if not given:
+        return config
+    fields = {_DEPRECATED[keyword]: value for keyword, value in given.items()}
+    spelling = ", ".join(f"{field}=..." for field in fields)
+    warn_deprecated(
+        f"MegatronStrategy's {', '.join(given)} {'is' if len(given) == 1 else 'are'} deprecated and will be removed "
+        f"in the next minor release: pass {CONFIG_ARGUMENT}=ConsolidationConfig({spelling}) instead."
+    )
+    names = {field: keyword for keyword, field in _DEPRECATED.items()}
+    return merge_deprecated_keywords(fields, names, config)
+
+
+def _warn_without_effect(settings: ConsolidationSettings) -> None:
+    """A config that changes a default while consolidation is off (no frequency, no ``save_consolidated=True``) does
+    nothing; say so once, naming what it sets, instead of leaving the user to find out that nothing was
+    consolidated."""
+    changed = settings.config.changed()
+    if changed and not settings.enabled:
         logger.warning(
-            "%s given, but checkpoint consolidation is off: pass ckpt_consolidation_frequency (or "
-            "save_consolidated=True) to consolidate checkpoints.",
-            ", ".join(idle),
+            "%s=ConsolidationConfig(%s) given, but checkpoint consolidation is off: pass "
+            "ckpt_consolidation_frequency (or save_consolidated=True) to consolidate checkpoints.",
+            CONFIG_ARGUMENT,
+            ", ".join(f"{field}={value!r}" for field, value in changed.items()),
         )
 
 
@@ -120,11 +154,14 @@ class MegatronStrategy(NeMoMegatronStrategy):
     A consolidated checkpoint is ``<ckpt>/consolidated/model.safetensors`` (the full, unsharded model weights; above
     the shard size, ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``) plus
     ``metadata.json``, next to the distributed checkpoint; ``<checkpoint root>/LATEST`` names the newest one. See
-    :mod:`nemo_patch.engine.consolidate`. All consolidation settings are validated here, once, into
-    :attr:`consolidation_settings` (a frozen :class:`~nemo_patch.training.settings.ConsolidationSettings`), which the
-    checkpoint IO, the queue and the consolidation process receive as one value.
+    :mod:`nemo_patch.engine.consolidate`. The consolidation arguments are resolved here, once, into
+    :attr:`consolidation_settings` (a frozen :class:`~nemo_patch.ConsolidationSettings`), which the checkpoint IO, the
+    queue and the consolidation process receive as one value.
 
     NeMo's own arguments (those before ``*`` in the signature) are NeMo's ``MegatronStrategy``'s, passed on unchanged.
+    The flat keywords this strategy took before ``ckpt_consolidation`` (``ckpt_consolidation_dtype=...``,
+    ``ckpt_consolidation_keep=...``, ...) still work, with a ``DeprecationWarning``; they are removed in the next minor
+    release.
 
     Args:
         {consolidation arguments}
@@ -132,13 +169,12 @@ class MegatronStrategy(NeMoMegatronStrategy):
 
     Raises:
         ValueError: for an invalid frequency, a ``save_consolidated`` that is not ``None``/``True``/``False``,
-            ``save_consolidated=False`` together with a frequency, a timeout that is not a number of seconds > 0, a
-            shard size that is not an integer >= 1 or a size string, a queue bound or keep count that is not an
-            integer >= 0, a format other than ``"safetensors"``/``"hf"``, or a dtype other than
-            ``"bf16"``/``"fp16"``/``"fp32"``, a merge flag that is not ``True``/``False``, a number of workers
-            that is not an integer >= 1, or a post command that is not a non-empty string using only the four
-            placeholders.
-            Raised before anything else is set up.
+            ``save_consolidated=False`` together with a frequency, a ``ckpt_consolidation`` that is not a
+            ``ConsolidationConfig``, an invalid value given as a deprecated flat keyword, or such a keyword together
+            with a ``ConsolidationConfig`` that sets the same field to another value. Raised before anything else is
+            set up (a ``ConsolidationConfig`` validates its own fields when it is made).
+        TypeError: a keyword that is neither NeMo's nor one of these but looks like one (a misspelling), naming the
+            closest.
 
     Checkpoints are consolidated only once *finished*: written, async save finalized, and NeMo's
     ``<ckpt>-unfinished`` marker removed. Global rank 0 hands them to a separate consolidation process, one at a time
@@ -147,13 +183,23 @@ class MegatronStrategy(NeMoMegatronStrategy):
     gets the step's consolidated files (hard links), not a second consolidation.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # The consolidation arguments are declared in nemo_patch.training.settings (this method's __signature__ lists
-        # them); they are validated before NeMo sets anything up.
-        own = {field: kwargs.pop(argument) for field, argument in _OWN_ARGS.items() if argument in kwargs}
+    def __init__(
+        self,
+        *args: Any,
+        save_consolidated: Optional[bool] = None,
+        ckpt_consolidation_frequency: Optional[str] = None,
+        ckpt_consolidation: Optional[ConsolidationConfig] = None,
+        **kwargs: Any,
+    ) -> None:
+        # The consolidation arguments are declared in nemo_patch.training.settings (STRATEGY_ARGUMENTS; this method's
+        # __signature__ lists them); they are resolved before NeMo sets anything up.
+        deprecated = {keyword: kwargs.pop(keyword) for keyword in list(kwargs) if keyword in _DEPRECATED}
         _refuse_misspelt_arguments(kwargs)
-        self.consolidation_settings = ConsolidationSettings.from_arguments(**own)
-        _warn_without_effect(own, self.consolidation_settings)
+        config = _config_with_deprecated_keywords(deprecated, ckpt_consolidation)
+        self.consolidation_settings = ConsolidationSettings.from_arguments(
+            save_consolidated, ckpt_consolidation_frequency, config
+        )
+        _warn_without_effect(self.consolidation_settings)
         super().__init__(*args, **kwargs)
         # NeMo's IOMixin may have recorded the init arguments from inside NeMo's own __init__ (without ours).
         io_config = getattr(self, "__io__", None)
@@ -165,23 +211,26 @@ class MegatronStrategy(NeMoMegatronStrategy):
             self._checkpoint_io = self._with_consolidation(checkpoint_io)
 
     def _own_io_args(self) -> Dict[str, Any]:
-        """The consolidation arguments that differ from their defaults (what NeMo's context should record)."""
-        defaults = ConsolidationSettings()
-        own = {
-            argument: getattr(self.consolidation_settings, setting)
-            for setting, argument in _OWN_ARGS.items()
-            if getattr(self.consolidation_settings, setting) != getattr(defaults, setting)
-        }
-        return {argument: value for argument, value in own.items() if value is not None}
+        """The consolidation arguments NeMo's context should record to rebuild this strategy: those given, with the
+        config (deprecated flat keywords included) as one ``ckpt_consolidation`` when it is not the default, as a
+        fiddle config (what NeMo's ``IOMixin`` makes of a dataclass argument)."""
+        settings = self.consolidation_settings
+        own: Dict[str, Any] = {}
+        if settings.save_consolidated is not None:
+            own["save_consolidated"] = settings.save_consolidated
+        if settings.frequency is not None:
+            own["ckpt_consolidation_frequency"] = settings.frequency
+        if settings.config != ConsolidationConfig():
+            own[CONFIG_ARGUMENT] = fdl_dc.convert_dataclasses_to_configs(settings.config, allow_post_init=True)
+        return own
 
     def io_transform_args(self, init_fn: Callable, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Record the constructor arguments (NeMo's ``IOMixin`` hook) exactly as NeMo records them for its own
-        ``MegatronStrategy``, plus the consolidation arguments when they are given. With neither given, the
-        checkpoint's ``context/io.json`` is the same as stock NeMo's."""
-        own = {name: kwargs.pop(name) for name in _OWN_ARGS.values() if name in kwargs}
-        config = _io_transform_args(self, NeMoMegatronStrategy.__init__, *args, **kwargs)
-        config.update({name: value for name, value in own.items() if value is not None})
-        return config
+        ``MegatronStrategy``; the consolidation arguments are added once they are resolved (:meth:`_own_io_args`).
+        With none given, the checkpoint's ``context/io.json`` is the same as stock NeMo's."""
+        for name in [*_OWN_ARGS, *_DEPRECATED]:
+            kwargs.pop(name, None)
+        return _io_transform_args(self, NeMoMegatronStrategy.__init__, *args, **kwargs)
 
     def _with_consolidation(self, checkpoint_io: CheckpointIO) -> CheckpointIO:
         """Give ``checkpoint_io`` this strategy's consolidation settings.
@@ -283,7 +332,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         consolidation process like any other; on global rank 0 only.
 
         Args:
-            wait: wait for it (up to ``ckpt_consolidation_timeout`` seconds) before returning.
+            wait: wait for it (up to ``ConsolidationConfig.timeout`` seconds) before returning.
 
         Returns:
             The ``consolidated/`` directory once it exists, else ``None`` (nothing finished yet, consolidation off,
@@ -293,7 +342,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if not isinstance(base, _consolidating_io_class()) or not base.consolidate_newest():
             return None
         if wait:
-            base.wait_for_consolidation(self.consolidation_settings.timeout)
+            base.wait_for_consolidation(self.consolidation_settings.config.timeout)
             base.end_consolidation_process_unless_fitting()
         newest = base.consolidation.newest_finished if base.consolidation is not None else None
         if newest is None:
@@ -308,7 +357,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         has started, so that the trainer's ``ModelCheckpoint`` is known). Global rank 0 only.
 
         Args:
-            wait: wait for it (up to ``ckpt_consolidation_timeout`` seconds) before returning.
+            wait: wait for it (up to ``ConsolidationConfig.timeout`` seconds) before returning.
 
         Returns:
             The output directory once it exists, else ``None`` (no best checkpoint recorded, not finished or removed,
@@ -324,7 +373,7 @@ class MegatronStrategy(NeMoMegatronStrategy):
         if best is None:
             return None
         if wait:
-            base.wait_for_consolidation(self.consolidation_settings.timeout)
+            base.wait_for_consolidation(self.consolidation_settings.config.timeout)
             base.end_consolidation_process_unless_fitting()
         return best.path / base.consolidation_settings.output_dirname if best.consolidated else None
 
@@ -355,19 +404,19 @@ class MegatronStrategy(NeMoMegatronStrategy):
             super().remove_checkpoint(filepath)
 
     def teardown(self) -> None:
-        """Wait (up to ``ckpt_consolidation_timeout`` seconds) for running and queued consolidations, then NeMo's
+        """Wait (up to ``ConsolidationConfig.timeout`` seconds) for running and queued consolidations, then NeMo's
         teardown. Runs when ``fit`` ends, normally or by an exception.
 
         With consolidation on and several ranks, the other ranks wait here too, until global rank 0 is done (on the
         job's rendezvous store, not in a collective: :mod:`nemo_patch.training.fit_end`), so that every rank leaves
         ``fit`` together and a collective right after it does not time out on rank 0."""
-        fit_end = FitEnd(self.consolidation_settings.timeout) if self.consolidation_settings.enabled else None
+        fit_end = FitEnd(self.consolidation_settings.config.timeout) if self.consolidation_settings.enabled else None
         try:
             if fit_end is not None and not self.is_global_zero:
                 fit_end.wait()
             base = find_base_checkpoint_io(self._checkpoint_io) if self._checkpoint_io else None
             if isinstance(base, _consolidating_io_class()):
-                base.wait_for_consolidation(self.consolidation_settings.timeout)
+                base.wait_for_consolidation(self.consolidation_settings.config.timeout)
                 base.close_consolidation_queue()
                 self._log_final_consolidation_metrics()
         except Exception:  # a consolidation problem never fails the run; NeMo's teardown still runs
@@ -378,4 +427,9 @@ class MegatronStrategy(NeMoMegatronStrategy):
             super().teardown()
 
 
-declare_settings(MegatronStrategy, "strategy", NeMoMegatronStrategy.__init__)
+declare_arguments(
+    MegatronStrategy,
+    "strategy",
+    NeMoMegatronStrategy.__init__,
+    [argument.parameter for argument in STRATEGY_ARGUMENTS],
+)

@@ -19,7 +19,7 @@ needs, writes ``{"ready": true}`` on stdout, then serves requests until its stdi
 stdin, ``{"checkpoint": path, "global_step": n, "best": {...} | null}``, and one JSON line per ended request on
 stdout, ``{"error": null | "<one-line reason>"}``. Anything else printed (by this process, torch or the engine) goes to
 stderr: fd 1 is redirected to fd 2 before anything is imported, and the result lines go to a private copy of the
-original stdout. With a post command (``ckpt_consolidation_post_command``), a request whose output was published
+original stdout. With a post command (``ConsolidationConfig.post_command``), a request whose output was published
 first gets the line ``{"published": true}``, then the command runs here
 (:func:`nemo_patch.engine.post_command.run_post_command`), and its result line carries ``"post_command"``: the
 JSON form of :class:`~nemo_patch.engine.post_command.PostCommandResult`. A SIGTERM while the command runs (the end of
@@ -34,7 +34,7 @@ stderr), and the queue starts a fresh one for the next request.
 
 It imports at the CPU priority it was started with, so that it is ready by the first finished checkpoint (a start
 paid once per run), then lowers its priority (:data:`WORKER_NICENESS`) for the consolidations, and runs the engine
-(:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`) or, for ``output_format="hf"``, the Hugging Face export
+(:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`) or, for ``format="hf"``, the Hugging Face export
 (:func:`nemo_patch.export.hf.export_hf_checkpoint`, which imports NeMo in this process to find the model's exporter).
 It reads only files and uses no ``torch.distributed`` process group or collective (a consolidation calling a
 collective on the training communicator is a known way to hang a run). On a GPU node it touches no GPU and is the OOM
@@ -116,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         error = consolidate(args.checkpoint, args.global_step, args.best)
         if error is not None:
             print(error, file=sys.stderr, flush=True)
-        elif settings.post_command is not None:
+        elif settings.config.post_command is not None:
             done, _ = _run_post_command(settings, args.checkpoint, args.global_step)
             print(done.describe(), file=sys.stderr, flush=True)
         return 0 if error is None else 1
@@ -135,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         reply: Dict[str, Any] = {"error": error}
         stopped = False
-        if error is None and settings.post_command is not None:
+        if error is None and settings.config.post_command is not None:
             results.write(json.dumps({"published": True}) + "\n")  # a death from here on leaves the output published
             done, stopped = _run_post_command(settings, Path(request["checkpoint"]), request.get("global_step"))
             reply["post_command"] = done.to_json()
@@ -155,28 +155,28 @@ def _consolidator(
     from nemo_patch.engine.output_layout import DTYPE_NAMES
 
     run: Callable[..., Any]
-    if settings.output_format == "hf":
+    if settings.config.format == "hf":
         from nemo_patch.export.hf import export_hf_checkpoint as run
 
         if preload:
             _import_quietly("nemo.collections.llm")  # what finding the model's exporter imports; the slow part
     else:
         from nemo_patch.engine.consolidate import consolidate_checkpoint as run
-    dtype = None if settings.dtype is None else getattr(torch, DTYPE_NAMES[settings.dtype])
+    dtype = None if settings.config.dtype is None else getattr(torch, DTYPE_NAMES[settings.config.dtype])
 
     def consolidate(checkpoint: Path, global_step: Optional[int], best: Optional[Dict[str, Any]]) -> Optional[str]:
         options: Dict[str, Any] = {}
-        if settings.output_format != "hf":  # the Hugging Face export writes through transformers, in this process
+        if settings.config.format != "hf":  # the Hugging Face export writes through transformers, in this process
             from nemo_patch.engine.parts import default_workers
 
-            options["workers"] = settings.workers or default_workers(share=4)
+            options["workers"] = settings.config.workers or default_workers(share=4)
         try:
             run(
                 checkpoint,
                 global_step=global_step,
-                max_shard_size=settings.max_shard_size,
+                max_shard_size=settings.config.max_shard_size,
                 dtype=dtype,
-                merge_adapters=settings.merge_adapters,
+                merge_adapters=settings.config.merge_adapters,
                 best=best,
                 **options,
             )
@@ -195,22 +195,22 @@ def _run_post_command(
     with the command's result unsaid). Never raises for anything the command does."""
     from nemo_patch.engine.post_command import run_post_command
 
-    assert settings.post_command is not None
+    assert settings.config.post_command is not None
     asked: List[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
     try:
         result = run_post_command(
-            settings.post_command,
+            settings.config.post_command,
             checkpoint / settings.output_dirname,
-            settings.output_format,
+            settings.config.format,
             global_step if isinstance(global_step, int) and global_step >= 0 else None,
             checkpoint,
-            timeout=settings.post_command_timeout,
+            timeout=settings.config.post_command_timeout,
             should_stop=lambda: bool(asked),
         )
     except Exception as error:  # noqa: BLE001 - e.g. an unwritable log file: reported, the output stays published
         result = PostCommandResult(
-            settings.post_command, None, 0.0, False, "", error=f"{type(error).__name__}: {error}"
+            settings.config.post_command, None, 0.0, False, "", error=f"{type(error).__name__}: {error}"
         )
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,510 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""How a run's checkpoints are consolidated: :class:`ConsolidationConfig`, each setting one field, declared once.
+
+``MegatronStrategy(ckpt_consolidation=ConsolidationConfig(...))`` takes it, as NeMo's ``ddp=`` takes a
+``DistributedDataParallelConfig``; *when* checkpoints are consolidated is the strategy's own
+``ckpt_consolidation_frequency``. Each field's metadata (:func:`setting`) is the only declaration of that setting: its
+validator, its help text and, where ``nemo-consolidate`` has it, its command-line option (:class:`CliOption`).
+:data:`SETTINGS` lists the declarations in order; the class's ``Attributes:`` documentation, the CLI's options, the
+strategy's deprecated flat keywords, the consolidation process's JSON and the documentation's reference are made from
+them. Adding a setting is one field here plus its tests (and the code that uses it).
+
+A config is validated once, when it is made (``__post_init__``): an invalid value raises ``ValueError`` naming
+``ConsolidationConfig.<field>`` and the accepted forms. Values are stored in one normal form (``dtype`` as its short
+name, ``max_shard_size`` as bytes, the timeouts as floats), so configs compare, hash and serialise by value (NeMo's
+``context/io.json``, fiddle and NeMo-Run configs). Standard library only (plus the engine's torch-free output names and
+post-command placeholders).
+"""
+
+import math
+import re
+import textwrap
+import typing
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union, cast
+
+from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
+from nemo_patch.engine.post_command import DEFAULT_POST_COMMAND_TIMEOUT, check_placeholders
+
+__all__ = [
+    "ACCEPTED_FORMATS",
+    "CliOption",
+    "ConsolidationConfig",
+    "DEFAULT_FORMAT",
+    "DEFAULT_MAX_PENDING",
+    "DEFAULT_POST_COMMAND_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "SETTINGS",
+    "Setting",
+    "annotation_text",
+    "setting",
+    "validate_count",
+    "validate_dtype",
+    "validate_flag",
+    "validate_format",
+    "validate_keep",
+    "validate_max_pending",
+    "validate_max_shard_size",
+    "validate_post_command",
+    "validate_timeout",
+    "validate_workers",
+]
+
+#: Output formats of a consolidation: ``ConsolidationConfig.format`` and the CLI's ``--format``.
+ACCEPTED_FORMATS = tuple(OUTPUT_DIRNAMES)
+#: The default output format.
+DEFAULT_FORMAT = "safetensors"
+#: Default ``ConsolidationConfig.max_pending``: requests that may wait behind the running one.
+DEFAULT_MAX_PENDING = 2
+#: Default ``ConsolidationConfig.timeout``: how long the end of ``fit`` waits for consolidations, in seconds.
+DEFAULT_TIMEOUT = 1800.0
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """How ``nemo-consolidate`` takes a setting on its command line.
+
+    Attributes:
+        flag: the option, e.g. ``"--max-shard-size"``.
+        help: the option's help text (the CLI's own wording: its defaults may be resolved differently).
+        group: the CLI's option group it is listed in (``"output"``, ``"adapters"``, ``"parallelism"``, ...).
+        parse: turns the command-line string into the value handed to the setting's validator; a string that does
+            not parse is handed on as it is, so that the validator's message names it. ``None``: the string itself.
+            A ``bool`` setting is a flag (``store_true``) and has no parse.
+        metavar: the value's name in the usage line (``None``: argparse's).
+        choices: the accepted values, listed in the usage line (``None``: any the validator accepts).
+    """
+
+    flag: str
+    help: str
+    group: str
+    parse: Optional[Callable[[str], Any]] = None
+    metavar: Optional[str] = None
+    choices: Optional[Tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The declaration of one consolidation setting: one field of :class:`ConsolidationConfig`.
+
+    Attributes:
+        field: the field, e.g. ``"max_shard_size"``.
+        default: its default (in its stored form).
+        annotation: its type annotation (what it accepts; NeMo-Run converts command-line overrides by it).
+        validate: ``(value, name) -> value``: the accepted value in its stored form; raises ``ValueError`` naming
+            ``name`` and the accepted forms.
+        help: what the setting means (reStructuredText; the class's ``Attributes:`` and the documentation).
+        cli: the ``nemo-consolidate`` option, ``None`` when the CLI has none.
+    """
+
+    field: str
+    default: Any
+    annotation: Any
+    validate: Callable[[Any, str], Any]
+    help: str
+    cli: Optional[CliOption] = None
+
+    @property
+    def name(self) -> str:
+        """The setting's name in messages: ``ConsolidationConfig.<field>``."""
+        return f"ConsolidationConfig.{self.field}"
+
+
+def setting(default: Any, *, validate: Callable[[Any, str], Any], help: str, cli: Optional[CliOption] = None) -> Any:
+    """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting` for the arguments)."""
+    return field(default=default, metadata={"setting": dict(validate=validate, help=help, cli=cli)})
+
+
+def _invalid(name: str, value: object, accepted: str) -> ValueError:
+    return ValueError(f"Invalid {name} {value!r}: expected {accepted}.")
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_option(name: str) -> bool:
+    """Whether ``name`` is a command-line option (``--dtype``) rather than a Python argument."""
+    return name.startswith("--")
+
+
+def _number(text: str) -> Union[float, str]:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _whole_number(text: str) -> Union[int, str]:
+    return int(text) if text.strip().isdecimal() else text  # isdigit() also takes "²", which int() does not
+
+
+def validate_count(value: object, name: str, what: str) -> int:
+    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``): a number of writer processes.
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted values.
+    """
+    if _is_int(value, 1):
+        return cast(int, value)
+    raise _invalid(name, value, f"a whole number of {what} >= 1")
+
+
+def validate_workers(value: object, name: str) -> Optional[int]:
+    """Return ``value``: ``None`` (the default number of writer processes) or an ``int`` >= 1 (not ``bool``).
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted values.
+    """
+    return None if value is None else validate_count(value, name, "writer processes")
+
+
+def validate_timeout(value: object, name: str) -> float:
+    """Return ``value`` (seconds, an ``int`` or ``float`` > 0 and finite; not ``bool``) as a float.
+
+    Raises:
+        ValueError: for anything else; the message names the accepted form.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise _invalid(name, value, "a number of seconds > 0 (e.g. 1800)")
+
+
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def validate_max_shard_size(value: object, name: str) -> int:
+    """Return ``value`` as bytes of tensor data per safetensors file (>= 1).
+
+    Args:
+        value: an ``int`` (not ``bool``), or a string as ``transformers``' ``save_pretrained(max_shard_size=...)``
+            takes it: a number with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000) or
+            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``. Units are
+            case-insensitive except for a final lowercase ``b`` after a power of 1000 (or alone), which counts bits,
+            as ``transformers.utils.hub.convert_file_size_to_int`` reads it: ``"5Gb"`` and ``"5gb"`` are 625,000,000
+            bytes, ``"5GB"`` and ``"5gB"`` 5,000,000,000; ``"5GiB"`` and ``"5gib"`` are bytes. The bytes are rounded
+            down, as there.
+        name: the argument's name, for the message.
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if isinstance(value, int) and _is_int(value, 1):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        match = _SIZE.fullmatch(text)
+        if match:
+            unit = match.group(2) or ""
+            try:
+                size = Fraction(match.group(1)) * _UNITS[unit.upper()]  # exact, any size
+            except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+                size = Fraction(0)
+            if text.endswith("b") and not unit.lower().endswith("ib"):
+                size /= 8  # bits, as transformers reads "5Gb"
+            if int(size) >= 1:
+                return int(size)
+    raise _invalid(name, value, 'an integer number of bytes >= 1 or a size such as "5GB" or "500MiB"')
+
+
+def validate_format(value: object, name: str) -> str:
+    """Return ``value`` if it is ``"safetensors"`` (this package's layout) or ``"hf"`` (a Hugging Face directory).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if isinstance(value, str) and value in ACCEPTED_FORMATS:
+        return value
+    raise _invalid(name, value, '"safetensors" or "hf"')
+
+
+def validate_dtype(value: object, name: str) -> Optional[str]:
+    """Return ``None`` (keep the checkpoint's dtype) or the short name of ``value`` (``"bf16"``, ``"fp16"``,
+    ``"fp32"``; also accepted, case-insensitive, with or without ``torch.``: ``"bfloat16"``, ``"float16"``/``"half"``,
+    ``"float32"``/``"float"``, and ``torch.dtype`` objects: :func:`nemo_patch.engine.output_layout.dtype_name`).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms (for a command-line option, ``name``
+            starting with ``--``, without ``None``, which a command line cannot give).
+    """
+    if value is None:
+        return None
+    try:
+        return dtype_name(value)
+    except ValueError:
+        accepted = f"one of {', '.join(map(repr, DTYPE_NAMES))}"
+        raise _invalid(name, value, accepted if _is_option(name) else f"None (the checkpoint's dtype) or {accepted}")
+
+
+def validate_flag(value: object, name: str) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (not a truthy stand-in such as ``1`` or ``"yes"``).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    raise _invalid(name, value, "True or False")
+
+
+def validate_keep(value: object, name: str) -> Optional[int]:
+    """Return ``value`` (``None``: keep every consolidated output; an ``int`` >= 0, not ``bool``: keep the newest N).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted forms.
+    """
+    if value is None or (isinstance(value, int) and _is_int(value, 0)):
+        return value
+    raise _invalid(name, value, "None (keep every consolidated output) or an integer >= 0 (e.g. 3)")
+
+
+def validate_post_command(value: object, name: str) -> Optional[str]:
+    """Return ``value``: ``None`` (no command), or a shell command (a non-empty string) whose placeholders are among
+    ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` (literal braces doubled).
+
+    Raises:
+        ValueError: for anything else; the message names the argument and the accepted form.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        accepted = "a shell command such as 'python eval.py {output}'"
+        raise _invalid(name, value, accepted if _is_option(name) else f"None or {accepted}")
+    try:
+        check_placeholders(value)
+    except ValueError as error:
+        raise ValueError(f"Invalid {name}: {error}.") from None
+    return value
+
+
+def validate_max_pending(value: object, name: str) -> int:
+    """Return ``value`` (consolidation requests that may wait behind the running one, an ``int`` >= 0; not ``bool``).
+
+    Raises:
+        ValueError: for anything else; the message names the accepted form.
+    """
+    if isinstance(value, int) and _is_int(value, 0):
+        return value
+    raise _invalid(name, value, "an integer >= 0 (e.g. 2)")
+
+
+@dataclass(frozen=True)
+class ConsolidationConfig:
+    """How a run's finished checkpoints are consolidated (immutable, validated when made).
+
+    Give it to the strategy, ``MegatronStrategy(ckpt_consolidation_frequency="each",
+    ckpt_consolidation=ConsolidationConfig(format="hf", dtype="bf16"))``; the frequency says *when* checkpoints are
+    consolidated, this config *how*. Every field has a default, so ``ConsolidationConfig()`` is the default behaviour.
+    Values are kept in one normal form: ``dtype`` as its short name (``"bf16"``), ``max_shard_size`` as bytes, the
+    timeouts as floats.
+
+    Attributes:
+        {attributes}
+
+    Raises:
+        ValueError: for an invalid value, naming ``ConsolidationConfig.<field>`` and the accepted forms.
+    """
+
+    format: str = setting(
+        DEFAULT_FORMAT,
+        validate=validate_format,
+        help="``\"safetensors\"`` (default): ``<ckpt>/consolidated/`` with this package's layout (megatron-core "
+        "names, any model); ``\"hf\"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory written through NeMo's "
+        "registered exporter for the model class (e.g. Llama); see the documentation's Outputs page. Either runs in "
+        "the consolidation process, off the training path.",
+        cli=CliOption(
+            "--format",
+            "output format: safetensors (default) or hf (a Hugging Face directory)",
+            "output",
+            choices=ACCEPTED_FORMATS,
+        ),
+    )
+    dtype: Optional[Any] = setting(
+        None,
+        validate=validate_dtype,
+        help="floating-point dtype of the outputs, ``\"bf16\"``, ``\"fp16\"`` or ``\"fp32\"`` (or a ``torch.dtype``, "
+        "or its name, e.g. ``\"bfloat16\"``; kept as the short name); ``None`` (default) keeps the checkpoint's. "
+        "Integer tensors are never cast.",
+        cli=CliOption(
+            "--dtype", "cast floating-point tensors: bf16, fp16 or fp32 (default: keep the checkpoint's)", "output"
+        ),
+    )
+    max_shard_size: Union[int, str] = setting(
+        DEFAULT_MAX_SHARD_SIZE,
+        validate=validate_max_shard_size,
+        help="most bytes of tensor data per output safetensors file (Hugging Face's sharding; default 5 * 10**9): an "
+        "int, or a size string as ``save_pretrained(max_shard_size=...)`` takes it (``\"5GB\"``, ``\"500MiB\"``; kept "
+        "as bytes).",
+        cli=CliOption("--max-shard-size", "bytes of tensor data per file, e.g. 5GB (default) or 500MiB", "output"),
+    )
+    workers: Optional[int] = setting(
+        None,
+        validate=validate_workers,
+        help="writer processes on each writing node (``safetensors`` format); ``None`` (default) is a quarter of the "
+        "node's cores, 1 to 8, decided on the node that writes; never more than the output has tensors. The output is "
+        "the same whatever the number.",
+        cli=CliOption(
+            "--workers",
+            "writer processes on this node (safetensors format; default: its cores, at most "
+            "8); under torchrun or srun, on each node",
+            "parallelism",
+            _whole_number,
+        ),
+    )
+    keep: Optional[int] = setting(
+        None,
+        validate=validate_keep,
+        help="what happens to a consolidated output when NeMo's top-k retention (``ModelCheckpoint(save_top_k=...)``) "
+        "removes its checkpoint: ``None`` (default) keeps every one, as ``<root>/retained/<checkpoint name>/``; ``N`` "
+        "keeps one while it is among the run's newest ``N`` consolidated outputs; ``0`` keeps none (it goes with its "
+        "checkpoint). ``LATEST`` never names a removed checkpoint. See the documentation's Retention page.",
+    )
+    max_pending: int = setting(
+        DEFAULT_MAX_PENDING,
+        validate=validate_max_pending,
+        help="how many consolidation requests may wait behind the running one while training runs (default 2). When "
+        "one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than consolidation "
+        "never builds an unbounded backlog. Saves that finish when fit ends are all queued (the end-of-fit wait "
+        "bounds them).",
+    )
+    timeout: float = setting(
+        DEFAULT_TIMEOUT,
+        validate=validate_timeout,
+        help="how long, in seconds, the end of ``fit`` (normal or by an exception) waits for running and queued "
+        "consolidations before giving up on them (logged). Default 1800.",
+    )
+    merge_adapters: bool = setting(
+        False,
+        validate=validate_flag,
+        help="for PEFT (LoRA) runs, whose checkpoints hold only the adapters: ``False`` (default) writes "
+        "``adapter_model.safetensors``; ``True`` writes the base model with the adapters merged as NeMo's "
+        "``LoRAMerge`` computes it (``model.safetensors``, or a full ``transformers`` directory with the ``\"hf\"`` "
+        "format).",
+        cli=CliOption(
+            "--merge-adapters",
+            "for a PEFT (LoRA) adapter checkpoint: write its base model with the "
+            "adapters merged instead of the adapters alone",
+            "adapters",
+        ),
+    )
+    post_command: Optional[str] = setting(
+        None,
+        validate=validate_post_command,
+        help="a shell command the consolidation process runs after each output it publishes, never a training "
+        "process: ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` are replaced (shell-quoted); its "
+        "output goes to ``<output>.post-command.log``, its result (exit code, seconds, metrics from the JSON lines of "
+        "numbers it prints) into the output's ``metadata.json`` and, on global rank 0, the log; the metrics go to the "
+        "trainer's loggers at the checkpoint's global step. A failure is a warning; training goes on. While it runs "
+        "the next consolidation waits (queued requests count against ``max_pending``). ``None`` (default): none.",
+        cli=CliOption(
+            "--post-command",
+            "run CMD (with /bin/sh) after the output is published: {output}, {format}, "
+            "{global_step}, {checkpoint} are replaced (and set as NEMO_CONSOLIDATED_* variables); its output "
+            "goes to <output>.post-command.log, its result into metadata.json; a JSON line of numbers it "
+            "prints is recorded as metrics",
+            "output",
+            metavar="CMD",
+        ),
+    )
+    post_command_timeout: float = setting(
+        DEFAULT_POST_COMMAND_TIMEOUT,
+        validate=validate_timeout,
+        help="seconds the post command may run before its process group is stopped (recorded as timed out). Default "
+        "3600.",
+        cli=CliOption(
+            "--post-command-timeout",
+            "stop the post command after this many seconds (default 3600)",
+            "output",
+            _number,
+            "SECONDS",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _validate(self, {})
+
+    @classmethod
+    def from_keywords(cls, names: Mapping[str, str], **values: Any) -> "ConsolidationConfig":
+        """A config with ``values`` (by field; the others default), validated once, each error naming the field by
+        ``names[field]`` instead of ``ConsolidationConfig.<field>``: for values given under other names (the
+        deprecated flat keywords of ``MegatronStrategy`` and ``MegatronCheckpointIO``).
+
+        Raises:
+            TypeError: a keyword that is not a field.
+            ValueError: an invalid value.
+        """
+        unknown = set(values) - {spec.field for spec in SETTINGS}
+        if unknown:
+            raise TypeError(f"not a ConsolidationConfig field: {', '.join(sorted(unknown))}")
+        config = object.__new__(cls)
+        for spec in SETTINGS:
+            object.__setattr__(config, spec.field, values.get(spec.field, spec.default))
+        _validate(config, names)
+        return config
+
+    def changed(self) -> Dict[str, Any]:
+        """The fields whose value is not the default, by name, in field order."""
+        return {
+            spec.field: getattr(self, spec.field) for spec in SETTINGS if getattr(self, spec.field) != spec.default
+        }
+
+
+def _validate(config: ConsolidationConfig, names: Mapping[str, str]) -> None:
+    """Validate every field of ``config`` in place, storing each value in its normal form (``__post_init__``)."""
+    for spec in SETTINGS:
+        value = spec.validate(getattr(config, spec.field), names.get(spec.field) or spec.name)
+        object.__setattr__(config, spec.field, value)
+
+
+_HINTS = typing.get_type_hints(ConsolidationConfig)
+#: The declarations of every setting, in field order.
+SETTINGS: Tuple[Setting, ...] = tuple(
+    Setting(field=field_.name, default=field_.default, annotation=_HINTS[field_.name], **field_.metadata["setting"])
+    for field_ in fields(ConsolidationConfig)  # every field is a setting, declared with setting()
+)
+
+
+def annotation_text(annotation: Any) -> str:
+    """A type annotation as Python source, without the ``typing.`` prefix (``Optional[int]``, ``Union[int, str]``)."""
+    if isinstance(annotation, type) and typing.get_origin(annotation) is None:
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def attributes_docstring(indent: int = 8, width: int = 119) -> str:
+    """The ``Attributes:`` entries of :class:`ConsolidationConfig`, Google style: one ``field: help`` entry per
+    setting, wrapped at ``width`` columns, continuation lines indented four more."""
+    entries = []
+    for spec in SETTINGS:
+        if not spec.help.strip():
+            raise ValueError(f"ConsolidationConfig.{spec.field} declares no help text")
+        lines = textwrap.wrap(
+            f"{spec.field}: {spec.help}",
+            width=width,
+            initial_indent=" " * indent,
+            subsequent_indent=" " * (indent + 4),
+            break_on_hyphens=False,
+        )
+        entries.append("\n".join(lines))
+    return "\n".join(entries)
+
+
+ConsolidationConfig.__doc__ = (ConsolidationConfig.__doc__ or "").replace(
+    "        {attributes}", attributes_docstring()
+)
