@@ -683,7 +683,8 @@ def verify_hf_output(
     allow_unfinished: bool = False,
 ) -> int:
     """Check a Hugging Face directory written for a checkpoint (by ``nemo-consolidate --format hf`` or
-    ``ckpt_consolidation_format="hf"``) against the checkpoint, through NeMo's importer (module docstring).
+    ``ckpt_consolidation=ConsolidationConfig(format="hf")``) against the checkpoint, through NeMo's importer (module
+    docstring).
 
     Loads the checkpoint's ``context/`` (NeMo's ``io.load_context``, which imports the classes it names: only for
     checkpoints whose writer you trust, see :mod:`nemo_patch.export.context_trust`).

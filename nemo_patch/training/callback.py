@@ -70,7 +70,7 @@ def _warn_if_top_k_drops_consolidations(checkpoint_callback: Any, io: MegatronCh
         "ModelCheckpoint(save_top_k=%d) removes each checkpoint as soon as the next one is saved: a checkpoint due "
         "for consolidation (ckpt_consolidation_frequency=%r) is dropped whenever the consolidation process is still "
         "busy with an earlier one at that moment. Consolidated outputs themselves are kept under <root>/%s/ "
-        "(ckpt_consolidation_keep). To consolidate every due checkpoint, keep more checkpoints (a larger save_top_k, "
+        "(ConsolidationConfig.keep). To consolidate every due checkpoint, keep more checkpoints (a larger save_top_k, "
         "or -1) or save less often than a consolidation takes; ckpt_consolidation_frequency='latest' consolidates "
         "only the final one.",
         save_top_k,
@@ -155,7 +155,7 @@ class ConsolidationCallback(Callback):
     ``consolidation/skipped`` (due consolidations of the run that did not happen so far, cumulative).
 
     After each consolidation, reaped at the same moments (:meth:`report_consolidations`, global rank 0): the metrics
-    its post command printed (``ckpt_consolidation_post_command``) are logged to the trainer's loggers at the
+    its post command printed (``ConsolidationConfig.post_command``) are logged to the trainer's loggers at the
     checkpoint's global step, and every callback of the trainer that defines ``on_consolidation_end(trainer,
     pl_module, result)`` (a published output) or ``on_consolidation_failed(trainer, pl_module, result)`` (one that ran
     and published nothing) is called once with its :class:`~nemo_patch.training.hooks.ConsolidationOutcome`. The hooks

@@ -15,16 +15,16 @@
 """Every rank leaves ``fit`` together while global rank 0 waits for its consolidations.
 
 At the end of ``fit`` (normally or by an exception) global rank 0 waits in the strategy's ``teardown`` for running and
-queued consolidations, up to ``ckpt_consolidation_timeout`` (default 30 minutes). Were the other ranks to leave ``fit``
-meanwhile, the next collective they run (``trainer.validate()``, an end-of-run barrier, NeMo's next ``fit``) would wait
-on rank 0 inside the training job's process group and fail at its timeout (10 minutes for NCCL by default). So the
-other ranks wait in their own ``teardown`` until rank 0 has finished (:meth:`FitEnd.wait`), and rank 0 releases them
-once its wait is over (:meth:`FitEnd.release`): every rank leaves ``fit`` at the same time and the next collective
-finds every rank there.
+queued consolidations, up to ``ConsolidationConfig.timeout`` (default 30 minutes). Were the other ranks to leave
+``fit`` meanwhile, the next collective they run (``trainer.validate()``, an end-of-run barrier, NeMo's next ``fit``)
+would wait on rank 0 inside the training job's process group and fail at its timeout (10 minutes for NCCL by
+default). So the other ranks wait in their own ``teardown`` until rank 0 has finished (:meth:`FitEnd.wait`), and rank
+0 releases them once its wait is over (:meth:`FitEnd.release`): every rank leaves ``fit`` at the same time and the
+next collective finds every rank there.
 
 The wait is no collective: rank 0 sets a key in the job's rendezvous store (the store ``torch.distributed`` was
 initialised with, to which every rank already holds a connection), and the other ranks wait for that key with a
-timeout of their own, ``ckpt_consolidation_timeout`` + :data:`GRACE_SECONDS`, measured on each rank's own clock. No
+timeout of their own, ``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS`, measured on each rank's own clock. No
 process-group timeout applies, no communicator is created, and no NCCL or gloo operation is pending meanwhile. Should
 rank 0 be lost (its process gone, the store closed with it) or not release them in that time, the other ranks log one
 warning and leave ``fit``.
@@ -41,10 +41,10 @@ __all__ = ["GRACE_SECONDS", "MAX_WAIT_SECONDS", "FitEnd", "capped_timedelta"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds the other ranks wait beyond ``ckpt_consolidation_timeout``: what rank 0 may still need after its wait runs
+#: Seconds the other ranks wait beyond ``ConsolidationConfig.timeout``: what rank 0 may still need after its wait runs
 #: out (stopping a consolidation: SIGTERM, 5 s, SIGKILL; ending the idle process: up to 10 s; logging the metrics).
 GRACE_SECONDS = 120.0
-#: The longest wait asked of the store (about 31 years): any longer ``ckpt_consolidation_timeout`` (1e14, sys.maxsize)
+#: The longest wait asked of the store (about 31 years): any longer ``ConsolidationConfig.timeout`` (1e14, sys.maxsize)
 #: means as long as it takes. ``datetime.timedelta`` ends at 999,999,999 days, and the stores count the timeout in
 #: 64-bit nanoseconds from now: from about 9.2e9 s a ``HashStore`` times out at once or never wakes.
 MAX_WAIT_SECONDS = 10.0**9
@@ -78,7 +78,7 @@ class FitEnd:
     """One end of ``fit`` (a strategy's ``teardown``) on a job of several ranks.
 
     Args:
-        timeout: ``ckpt_consolidation_timeout``, the longest global rank 0 waits for its consolidations.
+        timeout: ``ConsolidationConfig.timeout``, the longest global rank 0 waits for its consolidations.
     """
 
     def __init__(self, timeout: float) -> None:
@@ -115,7 +115,7 @@ class FitEnd:
             text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             logger.warning(
                 "Global rank 0 did not end its checkpoint consolidations within %.0f s "
-                "(ckpt_consolidation_timeout + %.0f s), or was lost (%s): leaving fit without it",
+                "(ConsolidationConfig.timeout + %.0f s), or was lost (%s): leaving fit without it",
                 limit,
                 GRACE_SECONDS,
                 text,

@@ -26,7 +26,7 @@ loggers at the checkpoint's global step and calls, on every callback of the trai
 
 ``result`` is the :class:`ConsolidationOutcome`. A hook runs in the training loop: it is for quick work (log a line,
 record a path, start something that runs elsewhere); evaluations and uploads belong in the post command
-(``ckpt_consolidation_post_command``), which runs in the consolidation process. An exception in a hook is logged
+(``ConsolidationConfig.post_command``), which runs in the consolidation process. An exception in a hook is logged
 (the first of each hook with its traceback, later ones at debug level) and never fails training.
 
 Standard library and the engine's post command result only: never NeMo or Lightning (the trainer is duck-typed).

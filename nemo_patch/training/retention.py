@@ -23,7 +23,7 @@ removes a checkpoint that holds a complete output, the output is given a second 
 with the same files (hard links where the filesystem allows, copies otherwise), published atomically, so that a
 retained entry looks like a checkpoint directory that holds only its consolidated output. Its ``metadata.json`` keeps
 the ``global_step`` and gains ``retained_from`` (the removed checkpoint's name). NeMo then removes the checkpoint as
-it decides. ``ckpt_consolidation_keep`` bounds what is retained: ``None`` keeps all; ``N`` keeps an output only while
+it decides. ``ConsolidationConfig.keep`` bounds what is retained: ``None`` keeps all; ``N`` keeps an output only while
 it is among the run's newest ``N`` consolidated outputs (counting those still inside checkpoints), removing older
 retained ones; ``0`` retains nothing (NeMo's removal deletes the output, as without this package). A ``-last`` copy's
 output is retained only when no other output holds the same files (the copy's output is hard links of its step's
@@ -250,7 +250,7 @@ def prune_retained(root: Path, output_name: str, keep: Optional[int]) -> List[Pa
         if output.retained and output.entry != best:
             shutil.rmtree(output.entry, ignore_errors=True)
             removed.append(output.entry)
-            logger.info("Removed retained consolidated output %s (ckpt_consolidation_keep=%d)", output.entry, keep)
+            logger.info("Removed retained consolidated output %s (ConsolidationConfig.keep=%d)", output.entry, keep)
     return removed
 
 

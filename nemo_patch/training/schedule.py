@@ -97,7 +97,7 @@ class CheckpointSave:
         identity: the checkpoint's weights as they were when it finished (device, inode, size and modification time
             of the file its format writes last), so that a directory saved again since is not mistaken for it.
         output: where its output lives now (``<path>/consolidated``, or under ``retained/`` after NeMo removed it).
-        post_command: what the post command (``ckpt_consolidation_post_command``) did after its output was published,
+        post_command: what the post command (``ConsolidationConfig.post_command``) did after its output was published,
             as the consolidation process reported it (the JSON form of
             :class:`nemo_patch.engine.post_command.PostCommandResult`); set when its request ended, ``None`` without
             one.
