@@ -16,7 +16,7 @@
 """How much a training run pays for consolidation, per ckpt_consolidation_frequency.
 
 Trains the tiny NeMo GPT on the CPU (same steps, same save interval) with consolidation off, "each" (with
-``ckpt_consolidation_workers`` 1 and 2), "every_n:4" and "latest", each in a fresh interpreter, and prints one
+``ConsolidationConfig(workers=...)`` 1 and 2), "every_n:4" and "latest", each in a fresh interpreter, and prints one
 table:
 
 - fit s: wall time of ``llm.train`` (the end-of-fit wait for consolidations included);
@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: (row name, frequency, ckpt_consolidation_workers)
+#: (row name, frequency, ConsolidationConfig.workers)
 MODES = [
     ("off", None, None),
     ("each, 1 worker", "each", 1),
@@ -58,7 +58,7 @@ def run(mode, frequency, workers, max_steps, save_every, workdir):
     if frequency:
         args += ["--frequency", frequency]
     if workers:
-        args += ["--strategy-arg", f"ckpt_consolidation_workers={workers}"]
+        args += ["--config-arg", f"workers={workers}"]
     out.mkdir(parents=True)
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:

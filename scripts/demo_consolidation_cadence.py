@@ -15,10 +15,10 @@
 
 """Train a tiny NeMo GPT on the CPU and show which checkpoints were consolidated.
 
-A real NeMo 2 run: ``llm.train`` with ``nl.Trainer``, ``nl.MegatronStrategy(ckpt_consolidation_frequency=...)`` (the
-overlay's, reached through NeMo's own name), NeMo's ``ModelCheckpoint`` and ``NeMoLogger``, saving ``torch_dist``
-distributed checkpoints. Only CUDA is stubbed out (``nemo_patch.testing.cpu_harness``). Running it again on the
-same ``--out`` resumes the run from its last checkpoint.
+A real NeMo 2 run: ``llm.train`` with ``nl.Trainer``, ``nl.MegatronStrategy(ckpt_consolidation_frequency=...,
+ckpt_consolidation=ConsolidationConfig(...))`` (the overlay's, reached through NeMo's own name), NeMo's
+``ModelCheckpoint`` and ``NeMoLogger``, saving ``torch_dist`` distributed checkpoints. Only CUDA is stubbed out
+(``nemo_patch.testing.cpu_harness``). Running it again on the same ``--out`` resumes the run from its last checkpoint.
 
 Example:
     python scripts/demo_consolidation_cadence.py --frequency every_n:2 --max-steps 10 --save-every 2 --out runs/demo
@@ -82,7 +82,7 @@ def main() -> int:
         "--max-pending",
         type=int,
         default=None,
-        help="ckpt_consolidation_max_pending: consolidations that may wait behind the running one (default: 2)",
+        help="ConsolidationConfig.max_pending: consolidations that may wait behind the running one (default: 2)",
     )
     parser.add_argument(
         "--save-top-k",
@@ -94,7 +94,7 @@ def main() -> int:
         "--keep",
         type=int,
         default=None,
-        help="ckpt_consolidation_keep: consolidated outputs kept when top-k removes their checkpoints (default: all)",
+        help="ConsolidationConfig.keep: consolidated outputs kept when top-k removes their checkpoints (default: all)",
     )
     args = parser.parse_args()
     # nemo_patch's own INFO lines (a consolidation started, one published), on stderr in logging's default format.

@@ -104,9 +104,7 @@ def each_run(tmp_path_factory) -> Dict[str, Any]:
     out = tmp_path_factory.mktemp("each")
     # The queue bound is raised so that every save of this fast tiny run is consolidated (none skipped).
     # Two writer processes per consolidation: every test of this run checks a multi-writer output.
-    report = run_fit(
-        out, frequency="each", max_steps=6, save_every=2, max_pending=8, strategy_arg=["ckpt_consolidation_workers=2"]
-    )
+    report = run_fit(out, frequency="each", max_steps=6, save_every=2, max_pending=8, config_arg=["workers=2"])
     report["root"] = out / "tiny_gpt" / "checkpoints"
     return report
 

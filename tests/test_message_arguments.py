@@ -19,9 +19,9 @@ The messages are the string constants inside the calls that make them: exception
 (``nemo_patch.testing`` excluded). Two kinds of names are collected from them: identifiers shaped like the arguments
 users pass (``ckpt_*``, ``save_*``, ``consolidation_*``, or any ``name=`` inside a call such as
 ``ModelCheckpoint(save_top_k=...)``) and command-line options (``--name``). Each must be a parameter of
-``MegatronStrategy`` (ours and NeMo's), ``nemo_patch.MegatronCheckpointIO``, NeMo's or Lightning's
-``ModelCheckpoint``, an option of ``nemo-consolidate`` or of the consolidation process, or a parameter of one of this
-package's functions.
+``MegatronStrategy`` (ours and NeMo's, and the deprecated flat keywords it still takes),
+``nemo_patch.MegatronCheckpointIO``, NeMo's or Lightning's ``ModelCheckpoint``, an option of ``nemo-consolidate`` or
+of the consolidation process, or a parameter of one of this package's functions.
 """
 
 import ast
@@ -73,6 +73,7 @@ def known_arguments() -> Set[str]:
 
     from nemo_patch import MegatronCheckpointIO, MegatronStrategy
     from nemo_patch.cli.nemo_consolidate import build_parser
+    from nemo_patch.training.settings import deprecated_keywords
     from nemo_patch.training.strategy import NeMoMegatronStrategy
     from nemo_patch.training.worker import build_parser as build_worker_parser
 
@@ -85,6 +86,9 @@ def known_arguments() -> Set[str]:
         lightning_callbacks.ModelCheckpoint.__init__,
     ):
         known |= set(inspect.signature(function).parameters)
+    # The flat keywords of earlier versions are still accepted (with a DeprecationWarning) until the next minor
+    # release.
+    known |= {*deprecated_keywords("strategy"), *deprecated_keywords("io")}
     for parser in (build_parser(), build_worker_parser()):  # nemo-consolidate's, and the consolidation process's
         for action in parser._actions:
             known |= set(action.option_strings)

@@ -35,7 +35,7 @@ from nemo_patch.export.hf import cast_floating, checkpoint_dtype
 pytestmark = pytest.mark.slow
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: trainer precision -> (output format, ckpt_consolidation_dtype) of the consolidation during that fine-tune.
+#: trainer precision -> (output format, ConsolidationConfig.dtype) of the consolidation during that fine-tune.
 FINE_TUNES = {"bf16-mixed": ("hf", "fp16"), "16-mixed": ("safetensors", "bf16")}
 OUTPUT_DIRS = {"hf": "hf", "safetensors": "consolidated"}
 
@@ -54,7 +54,7 @@ def checkpoints(imported_llama, tmp_path_factory):
             max_steps=2,
             save_every=2,
             precision=precision,
-            strategy_arg=[f"ckpt_consolidation_dtype={cast}"],
+            config_arg=[f"dtype={cast}"],
         )
         found["bf16" if precision == "bf16-mixed" else "fp16"] = (
             out / "tiny_gpt" / "checkpoints" / report["latest"],

@@ -160,12 +160,12 @@ def test_a_tp2_lora_checkpoint_gives_the_same_adapter_and_merged_outputs_as_tp1(
     columns), then the same run resumed at TP=1 (NeMo re-shards the adapters on load) for one step with lr=0 and a
     fresh optimizer, so the TP=1 checkpoint holds the same adapter values in TP=1 layout: both consolidate to the same
     bytes, adapters and merged model alike; the TP=1 run merges during training
-    (``ckpt_consolidation_merge_adapters=True``)."""
+    (``ConsolidationConfig(merge_adapters=True)``)."""
     options = dict(model_from=imported_llama / "nemo", peft="lora", frequency="latest")
     tp2 = run_fit(tmp_path, tp=2, max_steps=2, lr=0.01, save_every=2, **options)
-    # This run also merges during training (the strategy's ckpt_consolidation_merge_adapters).
-    merge = ["ckpt_load_optimizer=false", "ckpt_consolidation_merge_adapters=true"]
-    tp1 = run_fit(tmp_path, tp=1, max_steps=3, lr=0, save_every=1, strategy_arg=merge, **options)
+    # This run also merges during training (the strategy's ConsolidationConfig(merge_adapters=True)).
+    merge = dict(strategy_arg=["ckpt_load_optimizer=false"], config_arg=["merge_adapters=true"])
+    tp1 = run_fit(tmp_path, tp=1, max_steps=3, lr=0, save_every=1, **merge, **options)
     assert tp1["resumed_from"] and tp2["latest"] in tp1["resumed_from"]
     root = tmp_path / "tiny_gpt" / "checkpoints"
     first, second = root / tp2["latest"], root / tp1["latest"]

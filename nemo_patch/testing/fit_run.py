@@ -121,6 +121,7 @@ def run_tiny_fit(
     snapshot_checkpoints: bool = False,
     wait_for_consolidation: bool = False,
     strategy_args: Sequence[str] = (),
+    config_args: Sequence[str] = (),
     swap_io: Optional[str] = None,
     precision: str = "32",
     peft: Optional[str] = None,
@@ -152,9 +153,9 @@ def run_tiny_fit(
         stock: check that ``nl.MegatronStrategy`` is NeMo's own class (run with ``NEMO_PATCH_DISABLE=1``).
         probe_logits: after ``fit``, compare the trained model's logits with a fresh TP=1 model loaded from
             ``LATEST/consolidated`` through :func:`nemo_patch.load_consolidated_into`.
-        max_pending: ``ckpt_consolidation_max_pending`` (``None``: not passed).
-        max_shard_size: ``ckpt_consolidation_max_shard_size`` (``None``: not passed).
-        timeout: ``ckpt_consolidation_timeout`` (``None``: not passed).
+        max_pending: ``ConsolidationConfig.max_pending`` (``None``: not given).
+        max_shard_size: ``ConsolidationConfig.max_shard_size`` (``None``: not given).
+        timeout: ``ConsolidationConfig.timeout`` (``None``: not given).
         tp: tensor-parallel size; pp: pipeline-parallel size. ``tp * pp`` CPU processes (gloo) are launched by
             Lightning, each running this same command.
         lr: Adam learning rate; ``0`` keeps the weights as initialised or restored.
@@ -167,7 +168,7 @@ def run_tiny_fit(
         weights_only: ``ModelCheckpoint(save_weights_only=True)``: checkpoints without optimizer state.
         model_from: fine-tune the model of this NeMo checkpoint instead of the tiny GPT: its class, config and
             tokenizer from ``context/``, its weights through ``RestoreConfig`` (e.g. an imported Hugging Face Llama).
-        output_format: ``ckpt_consolidation_format`` (``None``: not passed).
+        output_format: ``ConsolidationConfig.format`` (``None``: not given).
         probe_hf: after ``fit``, compare the trained model's logits with ``transformers``'
             ``AutoModelForCausalLM`` loaded from ``LATEST/hf`` (``max_abs_hf_logit_diff`` in the report).
         save_top_k: ``ModelCheckpoint(save_top_k=...)`` (``1``: NeMo removes each older checkpoint as a new one lands).
@@ -175,7 +176,7 @@ def run_tiny_fit(
             checkpoint names; ``"step"``: ``mode="max"``, top-k by recency as with ``None``, but resumable (NeMo
             2.7.3's ``nemo_topk_check_previous_run`` fails on resume with ``monitor=None`` and ``save_top_k >= 0``);
             ``None``: no monitored metric.
-        keep: ``ckpt_consolidation_keep`` (``None``: not passed).
+        keep: ``ConsolidationConfig.keep`` (``None``: not given).
         snapshot_checkpoints: hard-link every finished checkpoint's ``weights/`` into ``<out>/snapshots/<name>`` as
             soon as it is seen (:class:`nemo_patch.testing.snapshots.CheckpointSnapshots`), so that outputs kept after
             NeMo removed their checkpoint can still be compared with the checkpoint they came from.
@@ -183,6 +184,9 @@ def run_tiny_fit(
             (:class:`nemo_patch.testing.pacing.WaitForConsolidation`), so they keep up with the saves as in a real run.
         strategy_args: more ``MegatronStrategy`` arguments as ``name=value`` (``value`` read as JSON when it parses,
             e.g. ``save_ckpt_format=zarr``, ``ckpt_parallel_save=false``, ``ckpt_torch_dist_multiproc=2``).
+        config_args: more ``ConsolidationConfig`` fields as ``name=value`` (read as ``strategy_args`` are, e.g.
+            ``workers=2``, ``dtype=bf16``, ``merge_adapters=true``); with the options above that give config fields,
+            they make the strategy's ``ckpt_consolidation`` (not passed when none is given).
         swap_io: replace the checkpoint IO in a callback's ``setup`` as NeMo's PEFT callback does
             (:class:`nemo_patch.testing.io_swap.SwapCheckpointIO`: ``"stock"`` or ``"custom"``).
         peft: ``"lora"``: fine-tune with ``llm.finetune`` and NeMo's ``LoRA`` on ``linear_qkv`` and ``linear_proj``
@@ -207,8 +211,8 @@ def run_tiny_fit(
             ``<out>/after-fit-rank<r>.json`` (:func:`nemo_patch.testing.collectives.barrier_after_fit`).
         pg_timeout: from the start of training, the job's process group times out after this many seconds
             (:class:`nemo_patch.testing.collectives.ProcessGroupTimeout`).
-        post_command: ``ckpt_consolidation_post_command`` (``None``: not passed).
-        post_command_timeout: ``ckpt_consolidation_post_command_timeout`` (``None``: not passed).
+        post_command: ``ConsolidationConfig.post_command`` (``None``: not given).
+        post_command_timeout: ``ConsolidationConfig.post_command_timeout`` (``None``: not given).
         record_hooks: record every ``on_consolidation_end``/``on_consolidation_failed`` call in ``<out>/hooks.jsonl``
             (:class:`nemo_patch.testing.hook_recorder.RecordConsolidationHooks`).
         raising_hook: add a callback whose ``on_consolidation_end`` raises
@@ -229,7 +233,6 @@ def run_tiny_fit(
     from nemo_patch.testing import tiny_gpt
     from nemo_patch.testing.cpu_harness import megatron_on_cpu
     from nemo_patch.training.io_chain import find_base_checkpoint_io
-    from nemo_patch.training.settings import STRATEGY_ARGUMENTS
 
     kwargs: Dict[str, Any] = {"ckpt_async_save": async_save}
     if frequency is not None:
@@ -238,10 +241,18 @@ def run_tiny_fit(
         kwargs["save_consolidated"] = save_consolidated
     options: List[Tuple[str, Any]] = [("max_pending", max_pending), ("max_shard_size", max_shard_size)]
     options += [("timeout", timeout), ("keep", keep), ("post_command", post_command)]
-    options += [("post_command_timeout", post_command_timeout)]
-    for name, value in options + [("output_format", output_format)]:
-        if value is not None:
-            kwargs[STRATEGY_ARGUMENTS[name]] = value
+    options += [("post_command_timeout", post_command_timeout), ("format", output_format)]
+    config = {name: value for name, value in options if value is not None}
+    for item in config_args:
+        name, _, text = item.partition("=")
+        try:
+            config[name] = json.loads(text)
+        except ValueError:
+            config[name] = text
+    if config:
+        from nemo_patch.training.config import ConsolidationConfig
+
+        kwargs["ckpt_consolidation"] = ConsolidationConfig(**config)
     if stock and nemo_patch.overlay_applied():
         raise RuntimeError("--stock needs NEMO_PATCH_DISABLE=1, so that NeMo runs without the overlay")
     kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -517,6 +528,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--snapshot-checkpoints", action="store_true")
     parser.add_argument("--wait-for-consolidation", action="store_true")
     parser.add_argument("--strategy-arg", action="append", default=[])
+    parser.add_argument("--config-arg", action="append", default=[])
     parser.add_argument("--swap-io", choices=["stock", "custom"], default=None)
     parser.add_argument("--peft", choices=["lora"], default=None)
     parser.add_argument("--probe-merged", action="store_true")
@@ -574,6 +586,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         snapshot_checkpoints=args.snapshot_checkpoints,
         wait_for_consolidation=args.wait_for_consolidation,
         strategy_args=args.strategy_arg,
+        config_args=args.config_arg,
         swap_io=args.swap_io,
         precision=args.precision,
         peft=args.peft,
