@@ -19,8 +19,9 @@ Build (warnings are errors; what CI runs and ``tests/test_docs.py`` checks)::
     .venv/bin/sphinx-build -W --keep-going -b html docs build/docs
 
 The reference pages are generated from the code: the API from the docstrings of ``nemo_patch.__all__`` (autodoc),
-the CLI from ``nemo_patch.cli.nemo_consolidate.build_parser`` (sphinx-argparse-cli), and the strategy arguments and
-exit codes from ``nemo_patch.training.settings`` and ``nemo_patch.engine.errors`` (``_ext/nemo_patch_docs.py``).
+the CLI from ``nemo_patch.cli.nemo_consolidate.build_parser`` (sphinx-argparse-cli), and the strategy arguments, the
+``ConsolidationConfig`` fields and the exit codes from ``nemo_patch.training.settings``, ``nemo_patch.training.config``
+and ``nemo_patch.engine.errors`` (``_ext/nemo_patch_docs.py``).
 """
 
 import sys

@@ -13,8 +13,8 @@
 # limitations under the License.
 
 """The examples of ``docs/after-consolidation.md`` are what they claim: every Python block parses, every post command
-it gives is one the strategy takes, and the perplexity script, run on a tiny Hugging Face Llama directory (the
-``hf`` output's form), prints one metrics line with the model's perplexity on the text."""
+it gives is one ``ConsolidationConfig`` takes, and the perplexity script, run on a tiny Hugging Face Llama directory
+(the ``hf`` output's form), prints one metrics line with the model's perplexity on the text."""
 
 import ast
 import json
@@ -27,7 +27,7 @@ import pytest
 from conftest import REPO
 
 from nemo_patch.engine.post_command import parse_metrics_line
-from nemo_patch.training.settings import validate_post_command
+from nemo_patch.training.config import validate_post_command
 
 PAGE = REPO / "docs" / "after-consolidation.md"
 
@@ -41,7 +41,7 @@ def test_every_block_parses_and_every_post_command_is_taken():
     commands = []
     for block in blocks:
         for node in ast.walk(ast.parse(block)):
-            if isinstance(node, ast.keyword) and node.arg == "ckpt_consolidation_post_command":
+            if isinstance(node, ast.keyword) and node.arg == "post_command":  # ConsolidationConfig(post_command=...)
                 commands.append(ast.literal_eval(node.value))
     assert len(blocks) >= 6 and len(commands) >= 5
     assert any("huggingface-cli upload" in c for c in commands) and any("aws s3 cp" in c for c in commands)

@@ -16,14 +16,16 @@
 
 The site is built as CI builds it (``sphinx-build -W --keep-going``: any warning fails), into a temporary directory,
 and what it generates from the code is checked against the code independently: the exit-code table against
-:mod:`nemo_patch.engine.errors`, the strategy-argument table against the real ``MegatronStrategy`` and
-``MegatronCheckpointIO`` signatures, the CLI reference against the parser, the API page against ``nemo_patch.__all__``.
+:mod:`nemo_patch.engine.errors`, the strategy-argument reference against the real ``MegatronStrategy`` signature and
+the ``ConsolidationConfig`` dataclass, the CLI reference against the parser, the API page against
+``nemo_patch.__all__``.
 The cheap checks (the CLI epilog's exit codes, the cadence examples, the version, the README's size, links and first
 commands, no internal matter on user pages) need no build and run in the quick suite too. Sphinx missing is a failure,
 not a skip: the ``docs`` extra is part of the test environment (``scripts/setup_env.sh``).
 """
 
 import ast
+import dataclasses
 import html
 import inspect
 import json
@@ -33,7 +35,7 @@ import sys
 import textwrap
 from html.parser import HTMLParser
 from importlib import metadata
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 from conftest import REPO, run_python
@@ -168,32 +170,129 @@ def test_the_cli_reference_is_the_parser(site):
     assert placeholders and all(html.escape(word) in page for word in placeholders), placeholders
 
 
+class _Definitions(HTMLParser):
+    """The entries of the HTML definition lists with a given class: ``(term text, [paragraph texts])`` each."""
+
+    def __init__(self, list_class: str) -> None:
+        super().__init__()
+        self.list_class = list_class
+        self.entries: List[Tuple[str, List[str]]] = []
+        self._depth = 0  # > 0 inside a wanted list
+        self._text: Optional[List[str]] = None
+        self._in_term = False
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "dl" and (self._depth or self.list_class in classes):
+            self._depth += 1
+        elif self._depth == 1 and tag == "dt":
+            self.entries.append(("", []))
+            self._in_term, self._text = True, []
+        elif self._depth == 1 and tag == "p" and self.entries:
+            self._text = []
+
+    def handle_endtag(self, tag):
+        if tag == "dl" and self._depth:
+            self._depth -= 1
+        elif self._depth == 1 and tag in ("dt", "p") and self._text is not None:
+            text = " ".join("".join(self._text).split())
+            term, paragraphs = self.entries[-1]
+            self.entries[-1] = (text, paragraphs) if self._in_term else (term, [*paragraphs, text])
+            self._in_term, self._text = False, None
+
+    def handle_data(self, data):
+        if self._text is not None:
+            self._text.append(data)
+
+
+def _definitions(page, list_class: str) -> List[Tuple[str, Dict[str, str], str]]:
+    """``(name, facts, meaning)`` per entry of the reference list ``list_class`` on ``page``."""
+    parser = _Definitions(list_class)
+    parser.feed(page.read_text())
+    assert parser.entries, f"no definition list of class {list_class} in {page}"
+    result = []
+    for term, paragraphs in parser.entries:
+        assert len(paragraphs) == 2, (term, paragraphs)  # the facts, then the meaning
+        facts = dict(fact.split(": ", 1) for fact in paragraphs[0].split(" \u00b7 "))
+        result.append((term, facts, paragraphs[1].replace("\u2019", "'")))
+    return result
+
+
+def _plain(rst: str) -> str:
+    """Help text as the page shows it: literals and roles as their text."""
+    return re.sub(r":[\w:]+:`~?([^`]+)`", r"\1", rst).replace("``", "").replace("~nemo_patch.", "")
+
+
 @pytest.mark.slow
-def test_the_strategy_argument_table_is_the_signatures(site):
-    rows = _table_rows(site / "strategy-arguments.html", "nemo-patch-strategy-arguments")
+def test_the_strategy_argument_reference_is_the_signature_and_the_config(site):
+    """The reference is two definition lists (nothing off a narrow screen, no wide table): the strategy's three
+    arguments, checked against the real ``MegatronStrategy`` signature, and ``ConsolidationConfig``'s fields, checked
+    against the dataclass and the CLI's parser."""
+    from nemo_patch.training.config import SETTINGS, ConsolidationConfig
+
+    page = site / "strategy-arguments.html"
+    assert "<table" not in page.read_text().split('class="nemo-patch-strategy-arguments')[1].split("</dl>")[0]
     code = textwrap.dedent(
         """
         import inspect, json
         import nemo_patch
-        def defaults(cls):
-            return {name: repr(p.default) for name, p in inspect.signature(cls.__init__).parameters.items()
-                    if p.default is not inspect.Parameter.empty}
-        print(json.dumps([defaults(nemo_patch.MegatronStrategy), defaults(nemo_patch.MegatronCheckpointIO)]))
+        from nemo_patch.training.strategy import NeMoMegatronStrategy
+        nemo = inspect.signature(NeMoMegatronStrategy.__init__).parameters
+        ours = inspect.signature(nemo_patch.MegatronStrategy.__init__).parameters
+        print(json.dumps({name: repr(p.default) for name, p in ours.items() if name not in nemo}))
         """
     )
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    strategy, io = json.loads(proc.stdout.strip().splitlines()[-1])
-    own = {name for name in strategy if name.startswith("ckpt_consolidation") or name == "save_consolidated"}
-    assert {row[0] for row in rows} == own
-    for name, io_name, default, _ in rows:
-        assert ast.literal_eval(default) == ast.literal_eval(strategy[name]), name
-        if io_name.startswith("("):
-            assert name == "ckpt_consolidation_timeout"  # the strategy's teardown waits; the IO has no timeout
+    strategy = json.loads(proc.stdout.strip().splitlines()[-1])
+    arguments = _definitions(page, "nemo-patch-strategy-arguments")
+    assert (
+        [name for name, _, _ in arguments]
+        == list(strategy)
+        == [
+            "save_consolidated",
+            "ckpt_consolidation_frequency",
+            "ckpt_consolidation",
+        ]
+    )
+    for name, facts, meaning in arguments:
+        assert ast.literal_eval(facts["default"]) == ast.literal_eval(strategy[name]), name
+        assert set(facts) == {"type", "default"} and meaning, name
+    assert "NeMo Automodel" in arguments[0][2] and "ConsolidationConfig" in arguments[2][1]["type"]
+
+    fields = _definitions(page, "nemo-patch-consolidation-config")
+    assert [name for name, _, _ in fields] == [field.name for field in dataclasses.fields(ConsolidationConfig)]
+    parser = {option: action for action in build_parser()._actions for option in action.option_strings}
+    for (name, facts, meaning), spec in zip(fields, SETTINGS):
+        assert ast.literal_eval(facts["default"]) == getattr(ConsolidationConfig(), name), name
+        assert (
+            facts["type"] == str(spec.annotation).replace("typing.", "") or facts["type"] == spec.annotation.__name__
+        )
+        if spec.cli is None:
+            assert facts["nemo-consolidate"] == "none", name
         else:
-            assert ast.literal_eval(default) == ast.literal_eval(io[io_name]), io_name
-    io_own = {name for name in io if name.startswith("consolidation_") or name in own} - {"consolidation_settings"}
-    assert {row[1] for row in rows if not row[1].startswith("(")} == io_own
+            assert facts["nemo-consolidate"] == spec.cli.flag and spec.cli.flag in parser, name
+        assert facts["replaces the deprecated"] == f"ckpt_consolidation_{name}=", name
+        assert " ".join(_plain(spec.help).split())[:80] in meaning, name
+
+
+def test_the_reference_entries_are_the_declarations():
+    """The same without a build (the quick suite): the directive's entries are the dataclass's fields, in order."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import nemo_patch_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    from nemo_patch.training.config import ConsolidationConfig
+
+    entries = nemo_patch_docs.config_field_entries()
+    assert [entry[0] for entry in entries] == [field.name for field in dataclasses.fields(ConsolidationConfig)]
+    assert {entry[3] for entry in entries} >= {"--format", "--dtype", "--max-shard-size", "--workers"}
+    assert [entry[0] for entry in nemo_patch_docs.strategy_argument_entries()] == [
+        "save_consolidated",
+        "ckpt_consolidation_frequency",
+        "ckpt_consolidation",
+    ]
 
 
 @pytest.mark.slow
@@ -224,7 +323,7 @@ def test_the_api_page_shows_the_classes_real_signatures(site):
             found = text.find(shown, position)
             assert found > position, (name, shown, text[position : position + 200])
             position = found
-        assert "*, save_consolidated=" in text, name
+        assert ("*, save_consolidated=" if name == "MegatronStrategy" else "*, consolidation_settings=") in text, name
 
 
 def _quoted_values(text: str) -> List[str]:

@@ -481,10 +481,11 @@ SETTINGS: Tuple[Setting, ...] = tuple(
 
 
 def annotation_text(annotation: Any) -> str:
-    """A type annotation as Python source, without the ``typing.`` prefix (``Optional[int]``, ``Union[int, str]``)."""
+    """A type annotation as Python source, names without their modules (``Optional[int]``, ``Union[int, str]``,
+    ``Optional[ConsolidationConfig]``)."""
     if isinstance(annotation, type) and typing.get_origin(annotation) is None:
         return annotation.__name__
-    return str(annotation).replace("typing.", "")
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+(\w+)", r"\1", str(annotation))
 
 
 def attributes_docstring(indent: int = 8, width: int = 119) -> str:
