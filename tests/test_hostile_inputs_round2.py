@@ -38,7 +38,7 @@ from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.errors import UntrustedContextError
 from nemo_patch.engine.post_command import PLACEHOLDERS, check_placeholders, run_post_command
 from nemo_patch.engine.safe_files import read_json_file
-from nemo_patch.training.settings import validate_max_shard_size
+from nemo_patch.training.config import validate_max_shard_size
 from nemo_patch.training.worker import WORKER_NICENESS
 
 #: 200,000 nested arrays: valid JSON, far deeper than the parser's recursion limit.
@@ -119,9 +119,9 @@ def test_the_other_ranks_wait_for_rank_0_under_any_accepted_timeout(monkeypatch,
     import torch.distributed as dist
 
     from nemo_patch.training import fit_end
-    from nemo_patch.training.settings import validate_timeout
+    from nemo_patch.training.config import validate_timeout
 
-    assert validate_timeout(timeout, "ckpt_consolidation_timeout") == timeout  # an accepted value
+    assert validate_timeout(timeout, "ConsolidationConfig.timeout") == timeout  # an accepted value
     store = dist.HashStore()
     monkeypatch.setattr(fit_end, "_store", lambda: store)
     end = fit_end.FitEnd(timeout)
