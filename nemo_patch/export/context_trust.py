@@ -44,7 +44,7 @@ every reference, whatever node holds it, against allowlists (a list of what may 
 
 This package's own settings values, which a context records when the run gave ``MegatronStrategy`` a
 ``ckpt_consolidation`` (or a ``MegatronCheckpointIO`` its ``consolidation_settings``), are trusted by name
-(:data:`TRUSTED_NEMO_PATCH_CLASSES`): frozen dataclasses whose construction only checks their values.
+(:data:`TRUSTED_SETTINGS_CLASSES`): frozen dataclasses whose construction only checks their values.
 
 Anything else is refused (:class:`~nemo_patch.engine.errors.UntrustedContextError`) unless the user opts in, as with
 Hugging Face's ``trust_remote_code``: ``nemo-consolidate --trust-context``. The training path does not call this: the
@@ -71,7 +71,7 @@ __all__ = [
     "TRUSTED_BUILTINS",
     "TRUSTED_CLASS_MODULES",
     "TRUSTED_FUNCTION_MODULES",
-    "TRUSTED_NEMO_PATCH_CLASSES",
+    "TRUSTED_SETTINGS_CLASSES",
     "TRUSTED_OBJECTS",
     "TRUSTED_PACKAGES",
     "check_context_trusted",
@@ -172,7 +172,7 @@ TRUSTED_OBJECTS = frozenset(
 #: This package's classes a context may name, as ``(module, name)``: the settings values the strategy and the
 #: checkpoint IO record (:class:`nemo_patch.ConsolidationConfig`, :class:`nemo_patch.ConsolidationSettings`), whose
 #: construction only validates them.
-TRUSTED_NEMO_PATCH_CLASSES = frozenset(
+TRUSTED_SETTINGS_CLASSES = frozenset(
     {
         ("nemo_patch.training.config", "ConsolidationConfig"),
         ("nemo_patch.training.settings", "ConsolidationSettings"),
@@ -242,7 +242,7 @@ def _why_untrusted(module: str, name: str) -> Optional[str]:
     """Why a reference is not trusted, or ``None`` when it is (imports the trusted module it names)."""
     if module == "builtins":
         return None if name in TRUSTED_BUILTINS else "not a plain builtin type"
-    if (module, name) in TRUSTED_NEMO_PATCH_CLASSES:
+    if (module, name) in TRUSTED_SETTINGS_CLASSES:
         return None
     if module.split(".")[0] not in TRUSTED_PACKAGES:
         return "outside NeMo, megatron-core, torch, transformers, Lightning and fiddle"
