@@ -21,9 +21,9 @@ Two real fits of the tiny GPT on the CPU, each with a hook-recording callback:
   checkpoint's global step; at step 2 it is noisy (3 MB on stdout, lines on stderr), at step 6 it then hangs until its
   own timeout, at step 8 it then exits 3; the consolidation of step 4 fails (a file-size limit), so no command runs
   for it and ``on_consolidation_failed`` is called. A second callback's ``on_consolidation_end`` raises every time.
-* ``best`` with ``ckpt_consolidation_max_pending=1``: the first best output's post command never ends by itself, so
+* ``best`` with ``ConsolidationConfig(max_pending=1)``: the first best output's post command never ends by itself, so
   the later best checkpoints wait (one is skipped beyond the bound) while training goes on; the end of ``fit`` stops
-  waiting after ``ckpt_consolidation_timeout`` and the command is stopped, recorded as such, and the hook still
+  waiting after ``ConsolidationConfig.timeout`` and the command is stopped, recorded as such, and the hook still
   called for its output (kept under ``retained/``: NeMo's top-k removal of its checkpoint waited for it).
 """
 
@@ -151,7 +151,7 @@ def test_a_command_that_runs_on_delays_later_consolidations_not_training_and_is_
     # 6), one waited behind it and was dropped when fit ended, the other was skipped beyond the bound
     assert report["completed_steps"] == [2] and len(report["skipped"]) == 1
     assert _scalars(report, "consolidation/skipped")[-1][1] >= 1
-    assert 8 <= report["end_wait_seconds"] < 60  # the end of fit waited ckpt_consolidation_timeout, not the command
+    assert 8 <= report["end_wait_seconds"] < 60  # the end of fit waited ConsolidationConfig.timeout, not the command
     calls = _hooks(out)
     assert [(call["hook"], call["global_step"]) for call in calls] == [("end", 2)]
     (call,) = calls

@@ -14,7 +14,7 @@
 
 """End-to-end: each finished consolidation shows up in the trainer's loggers (TensorBoard here) and in one INFO line.
 
-The run saves every step with ``"each"`` and no room in the queue (``ckpt_consolidation_max_pending=0``), so that
+The run saves every step with ``"each"`` and no room in the queue (``ConsolidationConfig(max_pending=0)``), so that
 some due consolidations are skipped while another runs: ``consolidation/skipped`` must count them.
 """
 

@@ -13,7 +13,7 @@
 # limitations under the License.
 
 """Hugging Face export: a tiny random Llama made with ``transformers``, imported into NeMo with NeMo's own importer,
-fine-tuned on CPU with ``ckpt_consolidation_frequency="latest"`` and ``ckpt_consolidation_format="hf"``, loaded back
+fine-tuned on CPU with ``ckpt_consolidation_frequency="latest"`` and ``ConsolidationConfig(format="hf")``, loaded back
 with ``AutoModelForCausalLM``; the same during training for Qwen2, Qwen3 (tied) and Mixtral, each output checked
 against its checkpoint through NeMo's importer (:func:`nemo_patch.export.hf_verify.verify_hf_output`)."""
 

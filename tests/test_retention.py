@@ -215,7 +215,7 @@ def test_latest_moves_to_the_retained_entry_then_to_the_newest_remaining_then_go
     assert repoint_latest(tmp_path, "consolidated", removing=new) == entry
     assert os.readlink(tmp_path / LATEST_NAME) == f"{RETAINED_DIRNAME}/{new.name}"  # relative, inside the root
     assert read_latest_pointer(tmp_path) == entry.resolve()
-    shutil.rmtree(entry)  # e.g. pruned by ckpt_consolidation_keep
+    shutil.rmtree(entry)  # e.g. pruned by ConsolidationConfig.keep
     assert repoint_latest(tmp_path, "consolidated") == old
     _removing(old)
     assert repoint_latest(tmp_path, "consolidated", removing=old) is None

@@ -132,7 +132,7 @@ def test_resume_finds_its_sharded_checkpoint_and_keeps_the_retained_outputs(top_
 
 def test_monitored_metric_with_each_keeps_the_newest_n_of_what_top_k_removes(tmp_path):
     """save_top_k=2 by a monitored metric (lowest training loss), each checkpoint consolidated, at most 3 outputs
-    kept (``ckpt_consolidation_keep=3``). Top-k removes checkpoints out of order; each step waits for the running
+    kept (``ConsolidationConfig(keep=3)``). Top-k removes checkpoints out of order; each step waits for the running
     consolidation, as a real run's consolidations keep up with its saves, so every due checkpoint is consolidated."""
     keep = 3
     report = run_fit(
