@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_patch.engine.checkpoint_layout import global_step_in_name
+from nemo_patch.engine.checkpoint_root import global_step_in_name
 
 
 def _size(num_bytes: float) -> str:

@@ -109,7 +109,7 @@ def compare_with_megatron_core(checkpoint: Path, output: Path) -> Tuple[bool, st
 
 def optimizer_keys(checkpoint: Path) -> int:
     """How many optimizer entries the checkpoint's DCP metadata holds."""
-    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+    from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
     return sum(key.startswith("optimizer.") for key in read_dcp_metadata(checkpoint / "weights").state_dict_metadata)
 

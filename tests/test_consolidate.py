@@ -222,11 +222,11 @@ def test_metadata_is_read_without_importing_megatron_and_foreign_globals_are_ref
     import subprocess
     import sys
 
-    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+    from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
     weights = each_run["root"] / "LATEST" / "weights"
     code = (
-        "import sys; from nemo_patch.engine.dcp_metadata import read_dcp_metadata; "
+        "import sys; from nemo_patch.engine.metadata_checks import read_dcp_metadata; "
         f"m = read_dcp_metadata({str(weights)!r}); "
         "print(type(m).__name__, len(m.state_dict_metadata) > 0, "
         "sorted({k.split('.')[0] for k in sys.modules} & {'megatron', 'lightning'}))"

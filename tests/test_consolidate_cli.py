@@ -152,7 +152,7 @@ def test_not_a_checkpoint_exits_4(tmp_path, capsys):
     (tmp_path / "some-dir").mkdir()
     _assert_failed(capsys, [tmp_path], 4, "is neither a NeMo 2 checkpoint nor a checkpoint root")
     (tmp_path / "file").write_text("x")
-    _assert_failed(capsys, [tmp_path / "file"], 4, "is not a NeMo 2 checkpoint: it is a file")
+    _assert_failed(capsys, [tmp_path / "file"], 4, "is not a NeMo 2 checkpoint: expected a 'weights/' directory")
 
 
 def test_unfinished_checkpoint_exits_5_unless_explicitly_allowed(checkpoint_copy, capsys):
@@ -172,9 +172,7 @@ def test_unsupported_formats_exit_6_and_say_which(checkpoint_copy, tmp_path, cap
     other = tmp_path / "other-ckpt"  # a sharded_backend megatron-core may write that is neither torch_dist nor zarr
     (other / "weights").mkdir(parents=True)
     (other / "weights" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch"}))
-    _assert_failed(
-        capsys, [other], 6, "is a 'torch' checkpoint; only 'torch_dist' and 'zarr' checkpoints can be consolidated"
-    )
+    _assert_failed(capsys, [other], 6, "is a 'torch' checkpoint, not 'torch_dist' or 'zarr'")
     fsdp = tmp_path / "fsdp-ckpt"  # NeMo's fsdp_dtensor layout: DCP files directly in the checkpoint directory
     shutil.copytree(checkpoint_copy / "weights", fsdp)
     shutil.copytree(checkpoint_copy / "context", fsdp / "context")
@@ -202,7 +200,7 @@ def test_truncated_shard_and_metadata_exit_8_naming_the_file(checkpoint_copy, ca
 
 def test_a_flipped_bit_in_tensor_data_exits_8_naming_the_file(checkpoint_copy, capsys):
     """``torch.load`` does not check the CRC-32 of the records it reads; the consolidation does."""
-    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+    from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
     metadata = read_dcp_metadata(checkpoint_copy / "weights")
     index, info = next(

@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.consolidate import consolidate_checkpoint
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
-from nemo_patch.engine.errors import DtypeOverflowError, VerificationError
-from nemo_patch.engine.verify import verify_consolidated
+from nemo_patch.engine.errors import DtypeOverflowError
+from nemo_patch.engine.metadata_checks import read_dcp_metadata
+from nemo_patch.engine.verify import VerificationError, verify_consolidated
 
 # Every test here starts from the real TP=2 fit of the tp2_checkpoint fixture.
 pytestmark = pytest.mark.slow

@@ -51,7 +51,7 @@ from safetensors.torch import load_file
 from test_untrusted_checkpoints import DOCUMENTED_EXIT_CODES, reference, tree_state, write_metadata
 
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.plan import model_tensor_keys
 
 # Every test here starts from the real TP=2 fit of the tp2_checkpoint fixture.

@@ -182,7 +182,7 @@ def test_tied_and_padded_vocabulary_exports_the_tokenizers_rows_and_loads_cleanl
     # Only the padding rows may be missing: an embedding cut to 40 rows (a config saying 40) is not the checkpoint's.
     from safetensors.torch import save_file
 
-    from nemo_patch.engine.errors import VerificationError
+    from nemo_patch.engine.verify import VerificationError
     from nemo_patch.export.hf_verify import verify_hf_output
 
     shutil.copytree(tmp_path / "hf", tmp_path / "cut")

@@ -32,8 +32,9 @@ from conftest import make_tiny_llama
 
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.engine.consolidate import consolidate_checkpoint
-from nemo_patch.engine.errors import ExportError, VerificationError
+from nemo_patch.engine.verify import VerificationError
 from nemo_patch.export import hf_verify
+from nemo_patch.export.errors import ExportError
 from nemo_patch.export.hf import export_hf_checkpoint
 from nemo_patch.export.hf_verify import verify_hf_output
 

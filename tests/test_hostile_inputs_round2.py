@@ -35,9 +35,9 @@ from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import build_parser
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
-from nemo_patch.engine.errors import UntrustedContextError
 from nemo_patch.engine.post_command import PLACEHOLDERS, check_placeholders, run_post_command
 from nemo_patch.engine.safe_files import read_json_file
+from nemo_patch.export.errors import UntrustedContextError
 from nemo_patch.training.config import validate_max_shard_size
 from nemo_patch.training.worker import WORKER_NICENESS
 
@@ -184,7 +184,7 @@ def test_a_dcp_checkpoint_id_pickled_by_python_3_13_is_read(tmp_path):
     """Python 3.13 pickles a ``PosixPath`` under ``pathlib._local``."""
     import torch.distributed.checkpoint as dcp
 
-    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+    from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
     dcp.save({"module.decoder.final_layernorm.weight": torch.ones(4)}, checkpoint_id=str(tmp_path / "dcp"))
     metadata = read_dcp_metadata(tmp_path / "dcp")

@@ -34,9 +34,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from nemo_patch.cli.distributed import DEFAULT_TIMEOUT, arguments_digest
+from nemo_patch.cli.distributed import DEFAULT_TIMEOUT, PeerError, arguments_digest
 from nemo_patch.cli.nemo_consolidate import build_parser, main
-from nemo_patch.engine.errors import PeerError
 from nemo_patch.engine.publish import TMP_PREFIX
 
 #: Seconds a surviving rank may take beyond ``--timeout`` (or, for a killed peer, at all) to end, on a loaded 2-core

@@ -29,7 +29,7 @@ import torch
 from conftest import run_fit
 from safetensors.torch import load_file
 
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
 pytestmark = pytest.mark.slow
 

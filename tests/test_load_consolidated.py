@@ -23,10 +23,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nemo_patch.engine.digests import json_file_entry, verify_digests
-from nemo_patch.engine.errors import VerificationError
 from nemo_patch.engine.load import canonical_key_map, load_consolidated_into, load_consolidated_state_dict
 from nemo_patch.engine.output_files import InvalidOutputError, output_weight_map
-from nemo_patch.engine.verify import output_shapes
+from nemo_patch.engine.verify import VerificationError, output_shapes
 
 
 class _LayerSpec:

@@ -114,5 +114,5 @@ def test_every_argument_our_messages_name_exists():
         f"{where}: {name}" for where, text in message_strings() for name in named_arguments(text) if name not in known
     )
     seen = {name for _, text in message_strings() for name in named_arguments(text)}
-    assert {"save_top_k", "ckpt_consolidation_frequency", "save_ckpt_format", "--force"} <= seen  # it looks
+    assert {"save_top_k", "ckpt_consolidation_frequency", "--force"} <= seen  # it looks
     assert unknown == []

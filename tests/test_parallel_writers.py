@@ -37,10 +37,11 @@ from nemo_patch.engine import consolidate as consolidate_module
 from nemo_patch.engine import parts as parts_module
 from nemo_patch.engine.consolidate import consolidate_checkpoint
 from nemo_patch.engine.digests import verify_digests
-from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.part_writer import placements_of, split_parts
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.safetensors_writer import TensorSpec, plan_files
+from nemo_patch.engine.verify import VerificationError
 
 
 def _files(directory):
@@ -127,7 +128,7 @@ def test_parts_are_contiguous_disjoint_and_balanced():
 
 def _corrupt_last_stored_chunk(checkpoint):
     """Flip a bit in the stored data of the tensor written last (the last part's), every TP shard of it."""
-    from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+    from nemo_patch.engine.metadata_checks import read_dcp_metadata
     from nemo_patch.engine.plan import plan_outputs
 
     metadata = read_dcp_metadata(checkpoint / "weights")

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from nemo_patch.engine import part_writer
 from nemo_patch.engine.digests import file_entry, verify_digests
-from nemo_patch.engine.part_writer import split_parts, write_part
-from nemo_patch.engine.safetensors_writer import TensorSpec, create_files, plan_files
+from nemo_patch.engine.part_writer import create_files, split_parts, write_part
+from nemo_patch.engine.safetensors_writer import TensorSpec, plan_files
 
 SIZES = [(1000,), (257, 3), (1,), (4096,), (33, 33)]
 

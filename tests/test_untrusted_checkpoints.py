@@ -40,8 +40,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
 from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
 # Every test here starts from the real TP=2 fit of the tp2_checkpoint fixture.
 pytestmark = pytest.mark.slow
@@ -596,7 +596,7 @@ def test_a_weights_directory_linked_out_of_the_checkpoint_is_refused(victim, tp2
 def test_a_compressed_member_is_refused_even_with_no_crc_to_check(tmp_path, checked):
     import zipfile
 
-    from nemo_patch.engine.dcp_reader import _slice
+    from nemo_patch.engine.record_checks import open_record
 
     record = io.BytesIO()
     with zipfile.ZipFile(record, "w", compression=zipfile.ZIP_DEFLATED) as deflated:

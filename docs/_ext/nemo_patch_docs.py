@@ -114,15 +114,13 @@ def config_field_entries() -> List[Tuple[str, str, str, str, str, str]]:
 
 def exit_code_rows() -> List[Tuple[int, str, str]]:
     """``(exit code, error class, meaning)`` for every exit code of ``nemo-consolidate``, by code."""
+    from nemo_patch.cli.exit_codes import error_classes
     from nemo_patch.cli.nemo_consolidate import CLI_EXIT_CODES
-    from nemo_patch.engine import errors
+    from nemo_patch.engine.errors import ConsolidationError
 
     rows = [(code, "", text) for code, (_, text) in CLI_EXIT_CODES.items()]
     seen = {code: "(fixed)" for code in CLI_EXIT_CODES}
-    for name in sorted(errors.__all__):
-        cls = getattr(errors, name)
-        if not (isinstance(cls, type) and issubclass(cls, errors.ConsolidationError)):
-            continue
+    for name, cls in sorted(error_classes().items()):
         code = cls.__dict__.get("exit_code", None)
         if not isinstance(code, int):
             raise ExtensionError(f"{name} declares no exit_code of its own")
@@ -130,7 +128,7 @@ def exit_code_rows() -> List[Tuple[int, str, str]]:
             raise ExtensionError(f"exit code {code} belongs to both {seen[code]} and {name}")
         seen[code] = name
         text = " ".join(inspect.cleandoc(cls.__doc__ or "").split())
-        if cls is errors.ConsolidationError:
+        if cls is ConsolidationError:
             text += " Also any cause without a class of its own, and an unexpected error (one line on stderr)."
         rows.append((code, name, text))
     return sorted(rows)
@@ -261,6 +259,7 @@ def cli_parser() -> Any:
     from nemo_patch.cli.nemo_consolidate import build_parser
 
     parser = build_parser()
+    parser.format_help()  # makes its exit-code epilog
     for action in parser._actions:
         if action.help:
             action.help = action.help.replace("<", "&lt;").replace(">", "&gt;")

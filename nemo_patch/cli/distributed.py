@@ -70,14 +70,26 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from nemo_patch.engine import errors as error_classes
-from nemo_patch.engine.errors import ConsolidationError, PeerError
+from nemo_patch.cli.exit_codes import error_classes
+from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.parts import PartJob, PartResult, open_job_sources, run_parts, split_shares
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.tensor_sources import Sources
 from nemo_patch.training.fit_end import capped_timedelta
 
-__all__ = ["DEFAULT_TIMEOUT", "LaunchedGroup", "arguments_digest"]
+__all__ = ["PeerError", "DEFAULT_TIMEOUT", "LaunchedGroup", "arguments_digest"]
+
+
+class PeerError(ConsolidationError):
+    """A peer process of a multi-process run (``torchrun``/``srun``, :mod:`nemo_patch.cli.distributed`) left the run
+    (killed, crashed), did not answer within ``--timeout`` (frozen, hung), or was launched with different arguments;
+    the message names the rank(s). Rank 0 publishes nothing unless every rank reported its part written."""
+
+    exit_code, summary = (
+        15,
+        "a torchrun/srun peer process that failed, froze past --timeout or was launched with different arguments",
+    )
+
 
 #: How long a rank waits for another rank's next message (``--timeout``), in seconds: see the module docstring.
 DEFAULT_TIMEOUT = 3600.0
@@ -142,7 +154,7 @@ def _stderr_held() -> Iterator[None]:
 
 def _error_of(report: Mapping[str, Any], prefix: str) -> ConsolidationError:
     """A peer's reported error as the :class:`ConsolidationError` subclass it named (its exit code kept)."""
-    cls = getattr(error_classes, str(report.get("type")), None)
+    cls = error_classes().get(str(report.get("type")))
     if not (isinstance(cls, type) and issubclass(cls, ConsolidationError)):
         cls = ConsolidationError
     error = cls(f"{prefix}: {report.get('message')}")

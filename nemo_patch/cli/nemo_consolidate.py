@@ -220,23 +220,35 @@ class _VersionAction(argparse.Action):
 def _exit_codes_epilog() -> str:
     """``Exit codes: 0 ok, 2 usage, 3 path missing, ..., 1 other.``: from the error classes' ``exit_code`` and
     ``summary`` (:mod:`nemo_patch.engine.errors`)."""
-    from nemo_patch.engine import errors
+    from nemo_patch.cli.exit_codes import error_classes
+    from nemo_patch.engine.errors import ConsolidationError
 
-    classes = [getattr(errors, name) for name in errors.__all__]
-    causes = sorted((cls.exit_code, cls.summary) for cls in classes if cls is not errors.ConsolidationError)
-    causes.append((errors.ConsolidationError.exit_code, errors.ConsolidationError.summary))
+    classes = error_classes().values()
+    causes = [(cls.exit_code, cls.summary) for cls in classes if cls is not ConsolidationError]
+    causes.append((ConsolidationError.exit_code, ConsolidationError.summary))
     fixed = [(code, CLI_EXIT_CODES[code][0]) for code in (0, 2)]
     interrupted = [(130, CLI_EXIT_CODES[130][0])]
     return "Exit codes: " + ", ".join(f"{code} {summary}" for code, summary in fixed + causes + interrupted) + "."
 
 
+class _Parser(argparse.ArgumentParser):
+    """Makes the exit-code epilog when help is printed: the error classes live in modules that import torch, which
+    ``nemo-consolidate --version`` and a usage error need not load."""
+
+    def format_help(self) -> str:
+        if self.epilog is None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
+                self.epilog = _exit_codes_epilog()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``nemo-consolidate``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Consolidate a NeMo 2 distributed checkpoint (torch_dist or zarr) into unsharded safetensors "
         "(or a Hugging Face model directory).",
-        epilog=_exit_codes_epilog(),
     )
     groups = {
         name: parser.add_argument_group(name, text)
@@ -548,8 +560,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
 def _post_command(args: argparse.Namespace, location: "CheckpointLocation", result: "ConsolidationResult") -> int:
     """``--post-command``: run it on the published output (:mod:`nemo_patch.engine.post_command`); exit code 17 with
     one line when it fails or times out (the output stays published: it is complete)."""
-    from nemo_patch.engine.errors import PostCommandError
-    from nemo_patch.engine.post_command import run_post_command
+    from nemo_patch.engine.post_command import PostCommandError, run_post_command
 
     done = run_post_command(
         args.post_command, result.output_dir, args.format, result.global_step, location.checkpoint_dir,

@@ -39,11 +39,28 @@ from torch.distributed.checkpoint.metadata import Metadata
 from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
-from nemo_patch.engine.errors import AdapterMergeError, ConsolidationError
+from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.plan import OutputTensor, plan_outputs
 from nemo_patch.engine.safetensors_writer import TensorSpec
 
-__all__ = ["LoRAMergeSource", "LoRAPair", "lora_pairs", "lora_scale", "merged_producer", "open_lora_merge"]
+__all__ = [
+    "AdapterMergeError",
+    "LoRAMergeSource",
+    "LoRAPair",
+    "lora_pairs",
+    "lora_scale",
+    "merged_producer",
+    "open_lora_merge",
+]
+
+
+class AdapterMergeError(ConsolidationError):
+    """Adapters cannot be merged into their base model: the base checkpoint NeMo recorded is missing or unreadable, the
+    PEFT method is not LoRA, its ``alpha``/``dim`` are unknown, or an adapter tensor does not pair with a base weight;
+    the message names the path, method or tensor. Nothing is written."""
+
+    exit_code, summary = 13, "adapters that cannot be merged (e.g. base checkpoint missing)"
+
 
 _LINEAR_IN = re.compile(r"^(?P<layer>.+)\.adapter\.linear_in\.weight$")
 _LINEAR_OUT = re.compile(r"^(?P<layer>.+)\.adapter\.linear_out\.weight$")

@@ -39,23 +39,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from nemo_patch.engine.checkpoint_layout import checkpoint_root, checkpoints_newest_first, inspect_checkpoint
+from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
 from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
     ConsolidationError,
-    NoMonitoredMetricError,
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
 from nemo_patch.engine.safe_files import open_regular
 
 __all__ = [
+    "NoMonitoredMetricError",
     "NOT_A_METRIC",
     "BestCheckpoint",
     "NoMonitoredMetricError",
     "find_best_checkpoint",
     "read_checkpoint_callback_state",
 ]
+
+
+class NoMonitoredMetricError(ConsolidationError):
+    """The best checkpoint of a run was asked for (``nemo-consolidate --best``), but the run recorded no monitored
+    metric: no ``ModelCheckpoint(monitor=...)`` metric in its checkpoints' state and none in their names."""
+
+    exit_code, summary = 14, "--best for a run that recorded no monitored metric"
+
 
 logger = logging.getLogger(__name__)
 #: The largest ``common.pt`` read for the monitored metric (megatron-core's holds a few MB of non-tensor state).

@@ -29,11 +29,11 @@ from typing import List, Optional, Protocol, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from nemo_patch.engine.checkpoint_layout import sharded_backend
-from nemo_patch.engine.dcp_metadata import read_dcp_metadata
+from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.dcp_reader import DCPRegionReader
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
-from nemo_patch.engine.layout_checks import check_dcp_layout
+from nemo_patch.engine.layout_checks import check_dcp_layout, check_no_missing_layer
+from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.plan import model_tensor_keys
 from nemo_patch.engine.zarr_reader import ZarrRegionReader, read_zarr_metadata
 
@@ -76,9 +76,10 @@ def open_weights(
         ConsolidationError: any other backend.
     """
     weights_dir = Path(weights_dir)
-    backend = sharded_backend(weights_dir) if backend is None else backend
+    backend = inspect_checkpoint(weights_dir, allow_unfinished=True).backend if backend is None else backend
     if backend == "zarr":
         metadata = read_zarr_metadata(weights_dir) if metadata is None else metadata
+        check_no_missing_layer(metadata, model_tensor_keys(metadata))
         return metadata, ZarrRegionReader(weights_dir, metadata)
     if backend != "torch_dist":
         raise ConsolidationError(f"{weights_dir}: cannot read a '{backend}' checkpoint")
@@ -92,4 +93,5 @@ def open_weights(
             ) from error
     keys = model_tensor_keys(metadata)
     files = check_dcp_layout(weights_dir, metadata, keys)
+    check_no_missing_layer(metadata, keys)
     return metadata, DCPRegionReader(weights_dir, metadata, files=files, checked=keys)

@@ -12,78 +12,60 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Turn a NeMo 2 ``torch_dist`` distributed checkpoint into one unsharded safetensors file.
+"""A consolidation with everything the product adds to the converter: integrity, parallel writers, adapters, zarr.
 
-Input: a finished checkpoint directory ``<ckpt>/`` whose ``weights/`` subdirectory was written by megatron-core's
-``dist_checkpointing.save`` with the ``torch_dist`` backend, i.e. a ``torch.distributed.checkpoint`` (DCP) directory:
-``.metadata`` plus ``__<rank>_<i>.distcp`` shard files. Each tensor is described in the DCP metadata by its global
-shape and dtype and stored as one or more chunks (TP/PP shards); ``torch.distributed.checkpoint.load`` reassembles
-them, so any TP/PP layout reads back to the same global tensors.
+:func:`consolidate_checkpoint` runs a :class:`CheckpointConsolidation`, the converter's
+:class:`~nemo_patch.engine.converter.Consolidation` with its steps extended:
 
-Output: ``<ckpt>/consolidated/``
-
-* ``model.safetensors`` (or ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json`` when
-  the weights exceed ``max_shard_size``, as Hugging Face splits them; names in
-  :mod:`nemo_patch.engine.output_layout`): the model weights only, named as :mod:`nemo_patch.engine.plan` says.
-* ``metadata.json``: see :class:`ConsolidationResult` (layout version ``FORMAT_VERSION``), with ``"kind": "model"``.
-
-A PEFT adapter checkpoint (NeMo's ``weights/adapter_metadata.json``; LoRA fine-tuning saves only the adapters) gives
-``adapter_model.safetensors`` instead (the adapter tensors, TP shards reassembled, layer stacks split, names as for a
-model), never ``model.safetensors``, and ``metadata.json`` says ``"kind": "adapter"`` with the ``base_checkpoint``
-NeMo recorded and the PEFT method and settings from the context (:mod:`nemo_patch.engine.adapter_settings`).
-
-The output is published atomically: everything is written to a hidden temporary directory next to the final one and
-renamed into place (:func:`nemo_patch.engine.publish.staged_output`), so a reader sees either no ``consolidated/`` or
-a complete one.
-
-Memory: tensors are read one output tensor at a time (one layer of a stacked tensor; see
-:class:`nemo_patch.engine.dcp_reader.DCPRegionReader`) and streamed into the file
-(:func:`nemo_patch.engine.part_writer.write_part`), so peak memory is about the largest single output tensor plus
-the largest stored chunk, not the model size, per writer.
-
-Writers: the output files are laid out and created before any data is read, then their tensors are cut into parts
-that ``workers`` processes on this node fill at once (:mod:`nemo_patch.engine.parts`), or processes on several nodes
-(``parts_runner``: :mod:`nemo_patch.cli.distributed`). The bytes written do
-not depend on how many: each tensor lands at the same offset, and ``metadata.json`` records per-tensor digests
-(:mod:`nemo_patch.engine.digests`), which every writer computes for what it writes.
-
-Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core, and
-nothing outside the engine.
+* ``metadata.json`` beside the weights (layout version ``FORMAT_VERSION``): global step, source, tensor count, bytes,
+  dtype, vocabulary sizes and per-tensor digests (:mod:`nemo_patch.engine.digests`), which every writer computes for
+  what it writes; optionally every tensor re-read and compared with the checkpoint before publishing (``verify``);
+* several writer processes on this node (:mod:`nemo_patch.engine.parts`) or on several nodes (``parts_runner``:
+  :mod:`nemo_patch.cli.distributed`) fill the laid-out files at once; the bytes do not depend on how many. One writer
+  writes each file front to back;
+* a PEFT adapter checkpoint gives ``adapter_model.safetensors`` (``"kind": "adapter"``, with the ``base_checkpoint``
+  NeMo recorded and the PEFT settings), or with ``merge_adapters`` the base model with the adapters merged
+  (:mod:`nemo_patch.engine.adapter_merge`); a ``zarr`` checkpoint is read by :mod:`nemo_patch.engine.zarr_reader`;
+* publishing with a lock on the temporary directory, an atomic exchange with a previous output, and the removal of
+  what killed consolidations left (:mod:`nemo_patch.engine.publish`); outputs that would overwrite the checkpoint are
+  refused first (:mod:`nemo_patch.engine.output_target`).
 """
 
+import contextlib
 import json
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import Metadata
 
+from nemo_patch.engine import converter
 from nemo_patch.engine.adapter_settings import peft_settings
-from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
-from nemo_patch.engine.digests import digest_algorithm, file_entry, json_file_entry, verify_digests
-from nemo_patch.engine.errors import ConsolidationError, VerificationError
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation
+from nemo_patch.engine.converter import Consolidation, Producer
+from nemo_patch.engine.digests import digest_algorithm, file_entry, json_file_entry, new_digest, verify_digests
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
     DEFAULT_MAX_SHARD_SIZE,
     FORMAT_VERSION,
     METADATA_FILENAME,
-    MODEL_STEM,
     index_filename,
 )
-from nemo_patch.engine.output_target import check_output_target
-from nemo_patch.engine.part_writer import placements_of, split_parts
+from nemo_patch.engine.output_target import check_output_target, refuse_an_output_as_checkpoint
+from nemo_patch.engine.part_writer import create_files, placements_of, split_parts
 from nemo_patch.engine.parts import PartJob, PartResult, run_parts, validate_workers
-from nemo_patch.engine.plan import OutputTensor
+from nemo_patch.engine.plan import OutputTensor, TensorSpec
 from nemo_patch.engine.publish import staged_output
-from nemo_patch.engine.safetensors_writer import TensorSpec, create_files, plan_files, write_index
-from nemo_patch.engine.stage_times import StageTimes
+from nemo_patch.engine.safetensors_writer import OutputFile, encode_header, write_file
+from nemo_patch.engine.stage_times import StageTimes, stage_times
 from nemo_patch.engine.tensor_sources import Sources, merged_reader, open_sources, tensor_producer
 from nemo_patch.engine.verify import (
+    VerificationError,
     output_shapes,
     tensors_bitwise_equal,
     verify_consolidated,
@@ -92,6 +74,7 @@ from nemo_patch.engine.verify import (
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 
 __all__ = [
+    "CheckpointConsolidation",
     "ConsolidationResult",
     "PartsRunner",
     "ProgressCallback",
@@ -104,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ConsolidationResult:
+class ConsolidationResult(converter.ConsolidationResult):
     """What :func:`consolidate_checkpoint` wrote.
 
     Attributes:
@@ -118,10 +101,7 @@ class ConsolidationResult:
         stage_seconds: busy seconds per stage over every writer (:mod:`nemo_patch.engine.stage_times`).
     """
 
-    output_dir: Path
-    tensor_count: int
-    total_bytes: int
-    global_step: Optional[int]
+    global_step: Optional[int] = None
     files: Dict[str, str] = field(default_factory=dict)
     kind: str = "model"
     stage_seconds: Dict[str, float] = field(default_factory=dict)
@@ -186,10 +166,161 @@ ProgressCallback = Callable[[int, int], None]
 PartsRunner = Callable[[List[PartJob], Sources], List[PartResult]]
 
 
-def _useful_workers(layout: Sequence[Any], workers: int) -> int:
-    """``workers``, but no more than there are tensors to write (at least 1): a writer without a tensor would be a
-    process started for nothing, and a huge number of them exhausts the machine."""
-    return max(1, min(workers, len(placements_of(layout))))
+class CheckpointConsolidation(Consolidation):
+    """The converter's consolidation with the product's steps (see the module docstring and
+    :func:`consolidate_checkpoint` for the arguments)."""
+
+    def __init__(
+        self,
+        checkpoint_dir: Union[str, Path],
+        output_dir: Optional[Union[str, Path]] = None,
+        *,
+        global_step: Optional[int] = None,
+        verify: bool = False,
+        progress: Optional[ProgressCallback] = None,
+        expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
+        merge_adapters: bool = False,
+        base_checkpoint: Optional[Union[str, Path]] = None,
+        best: Optional[Mapping[str, Any]] = None,
+        workers: int = 1,
+        parts: Optional[int] = None,
+        parts_runner: Optional[PartsRunner] = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(checkpoint_dir, output_dir, **options)
+        self.global_step, self.verify, self.progress = global_step, verify, progress
+        self.expected_shapes, self.merge_adapters, self.base_checkpoint = (
+            expected_shapes,
+            merge_adapters,
+            base_checkpoint,
+        )
+        self.best, self.workers = best, validate_workers(workers)
+        self.parts, self.parts_runner = parts, parts_runner
+        self.times = StageTimes()  # this process's planning; the parts report their own stages
+        self.readers: Optional[Sources] = None  # what the outputs are read from (``self.sources``: by name)
+        self.digests: Dict[str, str] = {}
+        self.entries: Dict[str, Dict[str, Any]] = {}
+        self.kind = "model"
+        self.location: Optional[CheckpointLocation] = None
+        self.layout: List[OutputFile] = []
+
+    def locate(self) -> CheckpointLocation:
+        with self.times.timed("metadata"):
+            refuse_an_output_as_checkpoint(self.checkpoint_dir)
+            location = super().locate()
+            if self.output_dir is None:
+                self.output_dir = location.checkpoint_dir / CONSOLIDATED_DIRNAME
+            check_output_target(location.checkpoint_dir, Path(self.output_dir), self.overwrite)
+        return location
+
+    @property
+    def output_path(self) -> Path:
+        """The output directory (known once the checkpoint is located)."""
+        if self.output_dir is None:
+            raise RuntimeError("the output directory is known once the checkpoint is located")
+        return Path(self.output_dir)
+
+    def opened(self) -> Tuple[CheckpointLocation, Sources]:
+        """The checkpoint and its sources (:meth:`open` has run)."""
+        if self.location is None or self.readers is None:
+            raise RuntimeError("the checkpoint is not opened yet")
+        return self.location, self.readers
+
+    def open(self, location: CheckpointLocation) -> Tuple[List[OutputTensor], Producer]:
+        self.location = location
+        with self.times.timed("metadata"):
+            self.readers = open_sources(location, self.dtype, self.merge_adapters, self.base_checkpoint)
+        if location.adapter and self.readers.merge is None:
+            self.kind, self.stem = "adapter", ADAPTER_STEM
+        return self.readers.outputs, self.readers.producer()
+
+    @contextlib.contextmanager
+    def staged(self, location: CheckpointLocation) -> Iterator[Path]:
+        failure = f"Consolidating {location.checkpoint_dir}"
+        with staged_output(location.checkpoint_dir, self.output_path, self.overwrite, failure) as directory:
+            yield directory
+
+    def write(self, directory: Path, files: Dict[str, List[TensorSpec]], produce: Producer) -> None:
+        location, sources = self.opened()
+        self.layout = [
+            OutputFile(name, encode_header(specs, {"format": "pt"}), tuple(specs)) for name, specs in files.items()
+        ]
+        total = sum(spec.nbytes for specs in files.values() for spec in specs)
+        placements = placements_of(self.layout)
+        count = self.parts or max(1, min(self.workers, len(placements)))
+        if count == 1 and self.parts_runner is None:  # front to back, in this process
+            done = [0]
+
+            def written(spec: TensorSpec, data: memoryview) -> None:
+                with stage_times.timed("hashing"):
+                    self.digests[spec.name] = new_digest(data=data).hexdigest()
+                done[0] += spec.nbytes
+                if self.progress is not None:
+                    self.progress(done[0], total)
+
+            before, threads = stage_times.snapshot(), torch.get_num_threads()
+            torch.set_num_threads(1)  # a writer's work is memory copies, which torch's threads only slow down
+            try:
+                for file in self.layout:
+                    write_file(directory, file, produce, written)
+            finally:
+                torch.set_num_threads(threads)
+            after = stage_times.snapshot()
+            self.times.merge({stage: seconds - before.get(stage, 0.0) for stage, seconds in after.items()})
+            return
+        with self.times.timed("metadata"):
+            create_files(directory, self.layout)
+        dtype = None if self.dtype is None else str(self.dtype).removeprefix("torch.")
+        merge = self.merge_adapters and sources.merge is not None
+        base = None if self.base_checkpoint is None else str(self.base_checkpoint)
+        jobs = [
+            PartJob(str(location.checkpoint_dir), str(directory), tuple(part), dtype, merge, base, index)
+            for index, part in enumerate(split_parts(self.layout, count))
+        ]
+        if self.parts_runner is None:
+            progress = self.progress
+            report = None if progress is None else (lambda done: progress(done, total))
+            results = run_parts(jobs, sources, self.workers, report)
+        else:
+            results = self.parts_runner(jobs, sources)
+        for result in results:
+            self.digests.update(result.digests)
+            self.times.merge(result.stage_seconds)
+
+    def finish(self, directory: Path, location: CheckpointLocation, outputs: List[OutputTensor]) -> None:
+        (_, sources), output_dir = self.opened(), self.output_path
+        self.entries = {file.name: file_entry(file, self.digests) for file in self.layout}
+        if len(self.layout) > 1:
+            self.entries[index_filename(self.stem)] = json_file_entry(directory / index_filename(self.stem))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "global_step": self.global_step,
+            "source_checkpoint": os.path.relpath(location.weights_dir, output_dir),
+            "tensor_count": len(outputs),
+            "total_bytes": sum(output.spec.nbytes for output in outputs),
+            "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
+            "vocab_size": vocabulary_sizes(location.checkpoint_dir, sources.model_metadata),
+            "files": self.entries,
+        }
+        if location.adapter:
+            manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(location.checkpoint_dir))
+        if sources.merge is not None:
+            manifest.update(merged_adapters=sources.merge.settings)
+        if self.best is not None:
+            manifest.update(best=dict(self.best))
+        (directory / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        for name in (METADATA_FILENAME, *(n for n in self.entries if n.endswith(".json"))):
+            with open(directory / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        if self.verify and sources.merge is not None:
+            _verify_merged(directory, outputs, merged_reader(sources.merge, sources.planned, sources.reader))
+        elif self.verify:
+            verify_consolidated(location.weights_dir, directory, metadata=sources.metadata)
+            if self.expected_shapes is not None:
+                verify_names_and_shapes(directory, self.expected_shapes, "the model in the checkpoint's context")
+        if self.verify:
+            verify_digests(directory)
 
 
 def consolidate_checkpoint(
@@ -213,7 +344,7 @@ def consolidate_checkpoint(
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
     Reads only files: no process group is needed or used. Unpickles nothing but the DCP ``.metadata`` file, with an
-    allowlist of metadata types (:func:`nemo_patch.engine.dcp_metadata.read_dcp_metadata`; megatron-core is not
+    allowlist of metadata types (:func:`nemo_patch.engine.metadata_checks.read_dcp_metadata`; megatron-core is not
     imported); stored tensors are read with ``torch.load(weights_only=True)``; ``_extra_state`` payloads and
     ``common.pt`` are never loaded. Temporary output left in the checkpoint directory by a consolidation process that
     was killed is removed first (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`).
@@ -263,83 +394,34 @@ def consolidate_checkpoint(
             left under ``output_dir``'s name or in a temporary directory.
         ValueError: if ``max_shard_size`` < 1, ``workers`` < 1 or ``dtype`` is not a floating-point dtype.
     """
-    if max_shard_size < 1:
-        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
-    workers = validate_workers(workers)
-    own = StageTimes()  # this process's planning; the parts report their own stages
-    with own.timed("metadata"):
-        location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
-        weights_dir, ckpt_dir = location.weights_dir, location.checkpoint_dir
-        output_dir = Path(output_dir) if output_dir is not None else ckpt_dir / CONSOLIDATED_DIRNAME
-        check_output_target(ckpt_dir, output_dir, overwrite)
-        sources = open_sources(location, dtype, merge_adapters, base_checkpoint)
-    outputs = sources.outputs
-    if not outputs:
-        raise ConsolidationError(f"{weights_dir} holds no model tensors ('module.*' entries) to consolidate.")
-    kind = "adapter" if location.adapter and sources.merge is None else "model"
-    stem = ADAPTER_STEM if kind == "adapter" else MODEL_STEM
-    total_bytes = sum(output.spec.nbytes for output in outputs)
-
-    with staged_output(ckpt_dir, output_dir, overwrite, f"Consolidating {ckpt_dir}") as tmp_dir:
-        with own.timed("metadata"):
-            layout = plan_files([output.spec for output in outputs], max_shard_size, stem)
-            create_files(tmp_dir, layout)
-        jobs = [
-            PartJob(
-                str(ckpt_dir),
-                str(tmp_dir),
-                tuple(placements),
-                None if dtype is None else str(dtype).removeprefix("torch."),
-                merge_adapters and sources.merge is not None,
-                None if base_checkpoint is None else str(base_checkpoint),
-                index,
-            )
-            for index, placements in enumerate(split_parts(layout, parts or _useful_workers(layout, workers)))
-        ]
-        if parts_runner is None:
-            report = None if progress is None else (lambda done: progress(done, total_bytes))
-            results = run_parts(jobs, sources, workers, report)
-        else:
-            results = parts_runner(jobs, sources)
-        digests: Dict[str, str] = {}
-        for result in results:
-            digests.update(result.digests)
-            own.merge(result.stage_seconds)
-        entries = {file.name: file_entry(file, digests) for file in layout}
-        if len(layout) > 1:
-            write_index(tmp_dir / index_filename(stem), ((file.name, file.specs) for file in layout))
-            entries[index_filename(stem)] = json_file_entry(tmp_dir / index_filename(stem))
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "kind": kind,
-            "global_step": global_step,
-            "source_checkpoint": os.path.relpath(weights_dir, output_dir),
-            "tensor_count": len(outputs),
-            "total_bytes": total_bytes,
-            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-            "vocab_size": vocabulary_sizes(ckpt_dir, sources.model_metadata),
-            "files": entries,
-        }
-        if location.adapter:
-            manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
-        if sources.merge is not None:
-            manifest.update(merged_adapters=sources.merge.settings)
-        if best is not None:
-            manifest.update(best=dict(best))
-        (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        for name in (METADATA_FILENAME, *(n for n in entries if n.endswith(".json"))):
-            with open(tmp_dir / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        if verify and sources.merge is not None:
-            _verify_merged(tmp_dir, outputs, merged_reader(sources.merge, sources.planned, sources.reader))
-        elif verify:
-            verify_consolidated(weights_dir, tmp_dir, metadata=sources.metadata)
-            if expected_shapes is not None:
-                verify_names_and_shapes(tmp_dir, expected_shapes, "the model in the checkpoint's context")
-        if verify:
-            verify_digests(tmp_dir)
-    seconds = own.snapshot()
-    logger.info("Consolidated %s -> %s (%d tensors, %d bytes)", ckpt_dir, output_dir, len(outputs), total_bytes)
+    job = CheckpointConsolidation(
+        checkpoint_dir,
+        output_dir,
+        global_step=global_step,
+        verify=verify,
+        progress=progress,
+        expected_shapes=expected_shapes,
+        merge_adapters=merge_adapters,
+        base_checkpoint=base_checkpoint,
+        best=best,
+        workers=workers,
+        parts=parts,
+        parts_runner=parts_runner,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        allow_unfinished=allow_unfinished,
+    )
+    result = job.run()
+    logger.info(
+        "Consolidated %s -> %s (%d tensors, %d bytes)",
+        job.checkpoint_dir,
+        result.output_dir,
+        result.tensor_count,
+        result.total_bytes,
+    )
     algorithm = digest_algorithm()  # BLAKE3 where installed, else sha256
-    files = {name: entry.get(f"{algorithm}_tree", entry.get(algorithm, "")) for name, entry in entries.items()}
-    return ConsolidationResult(output_dir, len(outputs), total_bytes, global_step, files, kind, seconds)
+    files = {name: entry.get(f"{algorithm}_tree", entry.get(algorithm, "")) for name, entry in job.entries.items()}
+    return ConsolidationResult(
+        result.output_dir, result.tensor_count, result.total_bytes, global_step, files, job.kind, job.times.snapshot()
+    )

@@ -56,7 +56,6 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
-from nemo_patch.engine.errors import VerificationError
 from nemo_patch.engine.output_files import is_plain_filename, output_weight_map
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
@@ -67,6 +66,7 @@ from nemo_patch.engine.output_layout import (
 )
 from nemo_patch.engine.safe_files import open_regular, read_json_file
 from nemo_patch.engine.safetensors_writer import MAX_HEADER_BYTES, OutputFile
+from nemo_patch.engine.verify import VerificationError
 
 _blake3: Optional[Any]
 try:

@@ -41,16 +41,46 @@ megatron-core.
 
 import math
 import os
+import re
 import stat
 from pathlib import Path
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from nemo_patch.engine.errors import CorruptShardError
-from nemo_patch.engine.safe_files import UnsafeFileError, resolve_inside
+from nemo_patch.engine.safe_files import UnsafeFileError
 
-__all__ = ["check_chunk_tiling", "check_dcp_layout", "check_shard_name", "shard_file"]
+__all__ = [
+    "check_chunk_tiling",
+    "check_dcp_layout",
+    "check_no_missing_layer",
+    "check_shard_name",
+    "resolve_inside",
+    "shard_file",
+]
+
+
+def resolve_inside(directory: Union[str, Path], name: Union[str, Path]) -> Path:
+    """``directory / name`` with every symlink resolved, checked to lie inside ``directory`` (itself resolved).
+
+    Args:
+        directory: the directory the file must be in (e.g. a checkpoint's ``weights/``).
+        name: a relative name read from the checkpoint.
+
+    Returns:
+        The resolved path.
+
+    Raises:
+        UnsafeFileError: ``name`` is absolute, or it (or a symlink on its way) leads outside ``directory``.
+    """
+    base = Path(directory).resolve()
+    if Path(name).is_absolute():
+        raise UnsafeFileError(f"{name}: an absolute path where a file inside {base} is expected")
+    path = (base / name).resolve()
+    if path != base and base not in path.parents:
+        raise UnsafeFileError(f"{Path(directory) / name} leads outside {base} (to {path})")
+    return path
 
 
 def _describe(chunk: ChunkStorageMetadata) -> str:
@@ -136,7 +166,7 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
 
     Args:
         weights_dir: the DCP directory.
-        metadata: its validated metadata (:func:`nemo_patch.engine.dcp_metadata.validate_metadata`).
+        metadata: its validated metadata (:func:`nemo_patch.engine.metadata_checks.validate_metadata`).
         keys: the tensor entries that will be read.
 
     Returns:
@@ -198,3 +228,33 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
                 f"{offset}; each record holds its own bytes"
             )
     return files
+
+
+_STACK = re.compile(r"^module\.(?P<head>(?:.*\.)?layers)\.[^0-9]")
+
+
+def check_no_missing_layer(metadata: Metadata, keys: Iterable[str]) -> None:
+    """Refuse a layer index that no entry of its layer stack holds, below the smallest layer count the stack's entries
+    declare (``decoder.layers``, ``mtp.layers``): a hole in the metadata, not a layer of another kind (a dense layer
+    among MoE layers is held by another entry), which would otherwise give a smaller model.
+
+    Raises:
+        CorruptShardError: naming the stack's first missing layer and an entry that declares it.
+    """
+    stacks: Dict[str, List[Tuple[int, str, set]]] = {}
+    for key in keys:
+        item, match = metadata.state_dict_metadata[key], _STACK.match(key)
+        if match is None or not isinstance(item, TensorStorageMetadata) or not item.size:
+            continue
+        held = {layer for chunk in item.chunks for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])}
+        stacks.setdefault(match.group("head"), []).append((item.size[0], key, held))
+    for head, entries in stacks.items():
+        layers, key, _ = min(entries)
+        covered = set().union(*(entry[2] for entry in entries))
+        missing = next(layer for layer in range(len(covered) + 1) if layer not in covered)
+        if missing < layers:
+            raise CorruptShardError(
+                f"{key}[{missing}]: no stored chunk of any of the {len(entries)} {head}.* entries holds layer "
+                f"{missing} of the {layers} they declare; the metadata leaves a hole, refusing an output without "
+                f"layer {missing}"
+            )

@@ -37,10 +37,16 @@ import os
 from pathlib import Path
 from typing import List, Union
 
-from nemo_patch.engine.checkpoint_layout import _is_consolidated_output
-from nemo_patch.engine.errors import OutputExistsError
+from nemo_patch.engine.errors import NotACheckpointError, OutputExistsError
+from nemo_patch.engine.safe_files import read_json_file
 
-__all__ = ["check_output_target", "describe_entry", "is_replaceable_output"]
+__all__ = [
+    "check_output_target",
+    "describe_entry",
+    "is_consolidated_output",
+    "is_replaceable_output",
+    "refuse_an_output_as_checkpoint",
+]
 
 #: The checkpoint's subdirectories that no output may be on or inside.
 PROTECTED_SUBDIRS = ("weights", "context")
@@ -49,6 +55,31 @@ PROTECTED_SUBDIRS = ("weights", "context")
 def _resolved(path: Union[str, Path]) -> Path:
     """``path`` absolute, with every symbolic link of its existing part followed."""
     return Path(os.path.realpath(os.path.abspath(path)))
+
+
+def is_consolidated_output(path: Union[str, Path]) -> bool:
+    """Whether ``path`` is an output of a consolidation (``metadata.json`` with a ``format_version``, no
+    ``weights/``)."""
+    try:
+        return (
+            "format_version" in read_json_file(Path(path) / "metadata.json") and not (Path(path) / "weights").exists()
+        )
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def refuse_an_output_as_checkpoint(path: Union[str, Path]) -> None:
+    """Refuse a consolidated output given where a checkpoint is expected, saying what to give instead.
+
+    Raises:
+        NotACheckpointError: ``path`` is an output (:func:`is_consolidated_output`).
+    """
+    if is_consolidated_output(path):
+        raise NotACheckpointError(
+            f"{path} is a consolidated output (nemo_patch's metadata.json and safetensors files), not a distributed "
+            "checkpoint: give the checkpoint directory that holds it (for one written elsewhere with --out, "
+            "check it with: nemo-consolidate <checkpoint> --verify --out <this directory>)"
+        )
 
 
 def is_replaceable_output(path: Union[str, Path]) -> bool:
@@ -65,7 +96,7 @@ def is_replaceable_output(path: Union[str, Path]) -> bool:
                 return True
     except OSError:
         return False
-    return _is_consolidated_output(path)
+    return is_consolidated_output(path)
 
 
 def describe_entry(path: Union[str, Path], limit: int = 3) -> str:

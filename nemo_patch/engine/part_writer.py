@@ -15,7 +15,7 @@
 """Fill byte ranges of laid-out safetensors files: the unit of work that writers share.
 
 :func:`nemo_patch.engine.safetensors_writer.plan_files` fixes every output tensor's file and byte range before any
-data is read, and :func:`~nemo_patch.engine.safetensors_writer.create_files` creates the files at their final size.
+data is read, and :func:`create_files` creates the files at their final size.
 :func:`split_parts` cuts the tensors, in file order, into contiguous runs of about equal bytes (a *part*, a list of
 :class:`Placement`); :func:`write_part` fills one part's ranges with ``os.pwrite`` from any process or node that sees
 the files, hashes each tensor's bytes (BLAKE3, :mod:`nemo_patch.engine.digests`) as it writes them, starts making
@@ -39,7 +39,7 @@ from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.safetensors_writer import OutputFile, TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 
-__all__ = ["Placement", "placements_of", "split_parts", "write_part"]
+__all__ = ["Placement", "create_files", "placements_of", "split_parts", "write_part"]
 
 #: Bytes per ``pwrite`` call. One call per tensor (tens to hundreds of MB) made a whole consolidation about 20% slower
 #: than cache-sized pieces (in-process A/B on ``scripts/bench_consolidation.py``'s 2.55 GB checkpoint, 2 cores).
@@ -67,6 +67,21 @@ class Placement:
     def to_dict(self) -> Dict[str, Any]:
         """As a JSON object."""
         return asdict(self)
+
+
+def create_files(directory: Path, files: Sequence[OutputFile]) -> None:
+    """Create each file in ``directory`` with its header written and its full size allocated, for writers to fill
+    (:func:`write_part`); the data reads as zeros until then. Headers are fsynced.
+
+    Raises:
+        OSError: a file cannot be created.
+    """
+    for file in files:
+        with open(Path(directory) / file.name, "xb") as handle:
+            handle.write(file.header)
+            handle.truncate(file.size)
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def placements_of(files: Sequence[OutputFile]) -> List[Placement]:
@@ -163,7 +178,7 @@ def write_part(
 
     Args:
         directory: where the files are (created at full size by
-            :func:`~nemo_patch.engine.safetensors_writer.create_files`).
+            :func:`create_files`).
         part: the placements to fill (:func:`split_parts`).
         specs: tensor name -> spec (dtype and shape) for every placement.
         produce: returns the tensor for a spec.

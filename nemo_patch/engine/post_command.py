@@ -48,7 +48,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple, Union
 
+from nemo_patch.engine.errors import ConsolidationError
+
 __all__ = [
+    "PostCommandError",
     "DEFAULT_POST_COMMAND_TIMEOUT",
     "PLACEHOLDERS",
     "PostCommandResult",
@@ -58,6 +61,14 @@ __all__ = [
     "record_result",
     "run_post_command",
 ]
+
+
+class PostCommandError(ConsolidationError):
+    """The command run after an output was published (``--post-command``, ``ckpt_consolidation_post_command``) failed
+    or timed out; the output itself is complete and stays published, and its ``metadata.json`` records the result."""
+
+    exit_code, summary = 17, "a --post-command that failed or timed out"
+
 
 #: Seconds a post command may run by default.
 DEFAULT_POST_COMMAND_TIMEOUT = 3600.0

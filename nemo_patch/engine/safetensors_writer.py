@@ -12,135 +12,71 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The safetensors files of a consolidation: their layout, laid out before any data is read, and how they are created.
+"""Safetensors files written tensor by tensor, front to back, without holding the model in memory.
 
-The ``safetensors`` library writes a file from a dict that holds every tensor at once. A consolidation instead lays
-every output file out up front from the tensors' names, dtypes and shapes (all in the checkpoint's metadata): the
-header, and so every tensor's byte range, is known before any tensor is read. :func:`create_files` writes the headers
-and allocates the files at their final size; then any number of writers, in this process, in others or on other
-nodes, fill disjoint byte ranges (:func:`nemo_patch.engine.part_writer.write_part`). The format (``safetensors``
-specification, https://github.com/huggingface/safetensors): an 8-byte little-endian header length N, N bytes of JSON
-header (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, offsets relative to the
-data section, padded with spaces to a multiple of 8), then the raw little-endian tensor bytes in header order. Files
-are read back and checked with the ``safetensors`` library in the tests.
-
-Sharding follows ``transformers``' ``save_pretrained``: files ``model-00001-of-0000N.safetensors`` of at most
-``max_shard_size`` bytes of tensor data each (a tensor larger than that gets a file of its own), plus
-``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``); a single
-``model.safetensors`` and no index when everything fits in one shard (the names are in
-:mod:`nemo_patch.engine.output_layout`).
-
-Imports the standard library and torch only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
+The ``safetensors`` library writes a file from a dict that holds every tensor at once. Here every output file is laid
+out first from the tensors' names, dtypes and shapes (all in the checkpoint's metadata), so each file's header is
+known before any tensor is read; :func:`write_file` then writes the header and each tensor's bytes in order, asking
+for one tensor at a time (no seek and no reopen, so write-once filesystems work). The format (the ``safetensors``
+specification): an 8-byte little-endian header length N, N bytes of JSON header (``{name: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {...}}``, padded with spaces to a multiple of 8), then the raw
+little-endian tensor bytes in header order. Sharding is ``huggingface_hub``'s (``transformers``' ``save_pretrained``
+naming): ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` bytes of tensor data (a larger
+tensor gets a file of its own) plus ``model.safetensors.index.json``; one ``model.safetensors`` when all fits.
 """
 
 import json
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_patch.engine.errors import UnknownLayoutError
-from nemo_patch.engine.output_layout import MODEL_STEM, shard_filename, single_filename
+from nemo_patch.engine.output_layout import MODEL_STEM
+from nemo_patch.engine.plan import TensorSpec, plan_shards
+
+__all__ = ["MAX_HEADER_BYTES", "OutputFile", "TensorSpec", "encode_header", "plan_files", "write_file", "write_index"]
 
 #: The largest header the ``safetensors`` library reads (its ``MAX_HEADER_SIZE``).
 MAX_HEADER_BYTES = 100_000_000
-
-__all__ = ["OutputFile", "TensorSpec", "create_files", "encode_header", "plan_files", "plan_shards", "write_index"]
-
 _DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, dtype and shape of one output tensor."""
-
-    name: str
-    dtype: torch.dtype
-    shape: Tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Data size in bytes."""
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        return numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int) -> List[List[TensorSpec]]:
-    """Split ``specs`` (kept in order) into shards of at most ``max_shard_size`` data bytes each.
-
-    Raises:
-        ValueError: if ``max_shard_size`` < 1.
-    """
-    if max_shard_size < 1:
-        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
-    shards: List[List[TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        if shards[-1] and size + spec.nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += spec.nbytes
-    return shards
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
 
 
 def encode_header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:
-    """The bytes a safetensors file starts with: the 8-byte little-endian header length N, then N bytes of JSON header
-    (padded with spaces to a multiple of 8), tensors at consecutive ``data_offsets`` in the order of ``specs``.
+    """The bytes a safetensors file starts with, for tensors at consecutive offsets in the order of ``specs``.
 
     Raises:
-        ValueError: a dtype has no safetensors encoding (the message names the tensor).
-        UnknownLayoutError: the header would be larger than :data:`MAX_HEADER_BYTES`, which the ``safetensors``
-            library refuses to read (e.g. a checkpoint with very many tensors or very long names).
+        UnknownLayoutError: a dtype with no safetensors encoding, or a header larger than :data:`MAX_HEADER_BYTES`.
     """
     header: Dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for spec in specs:
         if spec.dtype not in _DTYPES:
-            raise ValueError(f"{spec.name}: dtype {spec.dtype} has no safetensors encoding")
-        header[spec.name] = {
-            "dtype": _DTYPES[spec.dtype],
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
+            raise UnknownLayoutError(f"{spec.name}: dtype {spec.dtype} has no safetensors encoding")
+        header[spec.name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}  # fmt: skip
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
     if len(encoded) > MAX_HEADER_BYTES:
         raise UnknownLayoutError(
             f"the safetensors header of {len(specs)} tensors would be {len(encoded)} bytes; the safetensors library "
-            f"reads at most {MAX_HEADER_BYTES} (first tensor {specs[0].name[:80]!r})"
+            f"reads at most {MAX_HEADER_BYTES}"
         )
     return struct.pack("<Q", len(encoded)) + encoded
 
 
 @dataclass(frozen=True)
 class OutputFile:
-    """One output safetensors file, laid out before any tensor data is read.
-
-    Attributes:
-        name: the file name (``model.safetensors``, ``model-00001-of-00003.safetensors``).
-        header: the file's first bytes (:func:`encode_header`).
-        specs: its tensors, in file order.
-    """
+    """One output safetensors file, laid out before any tensor data is read: its name, header and tensors."""
 
     name: str
     header: bytes
@@ -148,7 +84,7 @@ class OutputFile:
 
     @property
     def size(self) -> int:
-        """The file's size in bytes: header plus every tensor's data."""
+        """The file's size in bytes."""
         return len(self.header) + sum(spec.nbytes for spec in self.specs)
 
     def offsets(self) -> Iterator[Tuple[TensorSpec, int]]:
@@ -159,50 +95,75 @@ class OutputFile:
             offset += spec.nbytes
 
 
-def plan_files(
-    specs: Sequence[TensorSpec], max_shard_size: int, stem: str = MODEL_STEM, metadata: Optional[Dict[str, str]] = None
-) -> List[OutputFile]:
-    """The output files for ``specs`` (kept in order): one ``<stem>.safetensors`` when everything fits in
-    ``max_shard_size`` bytes of tensor data, else ``<stem>-0000i-of-0000N.safetensors`` shards (:func:`plan_shards`).
-    Every tensor's file and byte range follows from this alone, before any data is read.
+def plan_files(specs: Sequence[TensorSpec], max_shard_size: int, stem: str = MODEL_STEM) -> List[OutputFile]:
+    """The output files of ``specs``, sharded by ``huggingface_hub`` at ``max_shard_size`` bytes of tensor data.
+
+    Raises:
+        ValueError: ``max_shard_size`` < 1.
+        UnknownLayoutError: a dtype with no safetensors encoding, or a header too large.
+    """
+    if max_shard_size < 1:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
+    return [
+        OutputFile(name, encode_header(group, {"format": "pt"}), tuple(group))
+        for name, group in plan_shards(specs, max_shard_size, stem).items()
+    ]
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data[: 1 << 26]) :]
+
+
+def write_file(
+    directory: Path,
+    file: OutputFile,
+    produce: Callable[[TensorSpec], torch.Tensor],
+    on_tensor: Optional[Callable[[TensorSpec, memoryview], None]] = None,
+) -> None:
+    """Create ``directory/file.name`` (it must not exist) and write it front to back, then ``fsync`` it.
+
+    While one tensor's bytes are written (and handed to ``on_tensor``, e.g. to hash them, at the same time), the next
+    one is produced: at most two tensors are in memory.
 
     Args:
-        specs: the output tensors.
-        max_shard_size: most tensor-data bytes per file (>= 1).
-        stem: :data:`~nemo_patch.engine.output_layout.MODEL_STEM` or ``ADAPTER_STEM``.
-        metadata: the headers' ``__metadata__`` (default ``{"format": "pt"}``, as ``transformers`` writes it).
+        directory: where to create the file.
+        file: its layout (:func:`plan_files`).
+        produce: returns the tensor of a spec, of that dtype and shape.
+        on_tensor: called with each tensor's spec and data bytes.
 
     Raises:
-        ValueError: ``max_shard_size`` < 1, or a dtype has no safetensors encoding.
+        UnknownLayoutError: a produced tensor does not match its spec (names it).
+        OSError: the file cannot be created, written or synced.
     """
-    metadata = {"format": "pt"} if metadata is None else metadata
-    shards = plan_shards(specs, max_shard_size)
-    count = len(shards)
-    names = [single_filename(stem)] if count == 1 else [shard_filename(i, count, stem) for i in range(count)]
-    return [OutputFile(name, encode_header(group, metadata), tuple(group)) for name, group in zip(names, shards)]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(Path(directory) / file.name, flags, 0o666)
+    try:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="safetensors-writer") as pool:
+            _write_all(fd, memoryview(file.header))
+            pending: List[Future] = []
+            for spec in file.specs:
+                tensor = produce(spec)
+                if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
+                    raise UnknownLayoutError(f"{spec.name}: produced {tensor.dtype} {tuple(tensor.shape)}, not {spec}")
+                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+                for done in pending:
+                    done.result()
+                pending = [pool.submit(_write_all, fd, data)]
+                if on_tensor is not None:
+                    pending.append(pool.submit(on_tensor, spec, data))
+                del tensor, data  # the futures keep the bytes alive until written
+            for done in pending:
+                done.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def create_files(directory: Path, files: Sequence[OutputFile]) -> None:
-    """Create each file in ``directory`` with its header written and its full size allocated; the data section reads
-    as zeros until writers fill it (:func:`nemo_patch.engine.part_writer.write_part`). Headers are fsynced.
-
-    Raises:
-        OSError: a file cannot be created.
-    """
-    for file in files:
-        with open(Path(directory) / file.name, "wb") as handle:
-            handle.write(file.header)
-            handle.truncate(file.size)
-            handle.flush()
-            os.fsync(handle.fileno())
-
-
-def write_index(path: Path, shards: Iterable[Tuple[str, Sequence[TensorSpec]]]) -> None:
-    """Write ``model.safetensors.index.json`` for ``(filename, specs)`` shards (Hugging Face's sharded layout)."""
-    shards = list(shards)
+def write_index(path: Path, files: Sequence[OutputFile]) -> None:
+    """Write ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``)."""
     index = {
-        "metadata": {"total_size": sum(spec.nbytes for _, specs in shards for spec in specs)},
-        "weight_map": {spec.name: filename for filename, specs in shards for spec in specs},
+        "metadata": {"total_size": sum(spec.nbytes for file in files for spec in file.specs)},
+        "weight_map": {spec.name: file.name for file in files for spec in file.specs},
     }
-    data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    path.write_bytes(data)
+    Path(path).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -26,17 +26,17 @@ Imports the standard library, torch and the rest of the engine only; never NeMo,
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Union, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from nemo_patch.engine.adapter_merge import LoRAMergeSource, merged_producer, open_lora_merge
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import CorruptShardError
-from nemo_patch.engine.plan import OutputTensor, cast_outputs, checked_cast, plan_outputs, stored_spec
+from nemo_patch.engine.plan import OutputTensor, cast_outputs, checked_cast, plan_outputs
 from nemo_patch.engine.safetensors_writer import TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 
@@ -94,7 +94,8 @@ def tensor_producer(
             if reuse
             else torch.empty(spec.shape, dtype=spec.dtype)
         )
-        stored = stored_spec(metadata, source)
+        item = cast(TensorStorageMetadata, metadata.state_dict_metadata[source.key])
+        stored = TensorSpec(spec.name, item.properties.dtype, spec.shape)
         try:
             if stored.dtype == spec.dtype:
                 return read(source, out)

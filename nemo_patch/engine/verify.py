@@ -27,12 +27,29 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.checkpoint_reader import open_weights
-from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, VerificationError
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.output_files import output_weight_map
 from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM
-from nemo_patch.engine.plan import cast_overflow, plan_outputs
+from nemo_patch.engine.plan import OutputTensor, cast_overflow, plan_outputs
 
-__all__ = ["output_shapes", "tensors_bitwise_equal", "verify_consolidated", "verify_names_and_shapes"]
+__all__ = [
+    "VerificationError",
+    "output_shapes",
+    "tensors_bitwise_equal",
+    "verify_consolidated",
+    "verify_names_and_shapes",
+]
+
+
+class VerificationError(ConsolidationError):
+    """A consolidated tensor differs from its source; the message names the tensor and the output file."""
+
+    exit_code, summary = 9, "verification failed"
+
+
+def _where(output: OutputTensor) -> str:
+    """``key[i, j]`` of an output tensor's source (for messages)."""
+    return output.key + (f"[{', '.join(map(str, output.index))}]" if output.index else "")
 
 
 def _weight_map(output_dir: Path) -> Dict[str, str]:
@@ -150,13 +167,13 @@ def verify_consolidated(
                         overflow = cast_overflow(expected, actual) if expected.shape == actual.shape else None
                         if overflow is not None:
                             raise VerificationError(
-                                f"Tensor {name} in {output_dir / filename} holds inf where {source.where} of "
+                                f"Tensor {name} in {output_dir / filename} holds inf where {_where(source)} of "
                                 f"{weights_dir} is finite: {overflow}"
                             )
                         expected = expected.to(actual.dtype)
                     if not tensors_bitwise_equal(expected, actual):
                         raise VerificationError(
-                            f"Tensor {name} in {output_dir / filename} differs from {source.where} of {weights_dir}"
+                            f"Tensor {name} in {output_dir / filename} differs from {_where(source)} of {weights_dir}"
                         )
         except ConsolidationError:
             raise

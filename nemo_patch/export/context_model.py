@@ -30,9 +30,9 @@ from typing import Dict, Tuple
 
 import torch
 
-from nemo_patch.engine.errors import ExportError
 from nemo_patch.engine.load import canonical_key_map
 from nemo_patch.export.context_trust import check_context_trusted
+from nemo_patch.export.errors import ExportError
 
 __all__ = ["context_model_shapes"]
 

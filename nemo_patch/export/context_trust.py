@@ -62,8 +62,8 @@ import types
 from pathlib import Path
 from typing import Any, List, Optional, Set, Tuple, Union
 
-from nemo_patch.engine.errors import UntrustedContextError
 from nemo_patch.engine.safe_files import read_json_file
+from nemo_patch.export.errors import UntrustedContextError
 
 __all__ = [
     "DENIED_MODULES",

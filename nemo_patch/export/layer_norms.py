@@ -29,7 +29,7 @@ from typing import Dict
 
 import torch
 
-from nemo_patch.engine.plan import LAYER_PREFIX
+from nemo_patch.engine.moe_names import LAYER_PREFIX
 
 __all__ = ["te_layer_norm_names"]
 

@@ -56,7 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from nemo_patch.engine.checkpoint_layout import global_step_in_name, is_marked_unfinished, weights_written
+from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
+from nemo_patch.engine.checkpoint_root import global_step_in_name
 from nemo_patch.engine.output_layout import METADATA_FILENAME
 from nemo_patch.engine.post_command import PostCommandResult, post_command_log_path, record_result
 from nemo_patch.engine.publish import link_output

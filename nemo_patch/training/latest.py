@@ -28,15 +28,11 @@ import uuid
 from pathlib import Path
 from typing import Optional, Union
 
-from nemo_patch.engine.checkpoint_layout import (
-    CheckpointLocation,
-    checkpoint_root,
-    checkpoints_newest_first,
-    inspect_checkpoint,
-    looks_like_checkpoint,
-)
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint, looks_like_checkpoint
+from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
 from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
 from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
+from nemo_patch.engine.output_target import refuse_an_output_as_checkpoint
 
 __all__ = [
     "BEST_NAME",
@@ -151,6 +147,7 @@ def locate_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) ->
             f"{path} is a consolidated output kept after NeMo's top-k retention removed its checkpoint: there is no "
             f"distributed checkpoint left to consolidate; its files are in {path}/consolidated (or hf)"
         )
+    refuse_an_output_as_checkpoint(path)
     if not path.is_dir() or looks_like_checkpoint(path):
         return inspect_checkpoint(path, allow_unfinished)
     root = checkpoint_root(path)

@@ -1,0 +1,66 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""A run's checkpoint root and its checkpoints: which is newest, and the global step in a checkpoint's name.
+
+NeMo names a checkpoint ``<name>--step=<N>-consumed_samples=<S>`` (``N`` is the global step - 1) and a second save of
+a run's final step ``...-last``. Standard library only.
+"""
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+__all__ = ["checkpoint_root", "checkpoints_newest_first", "global_step_in_name"]
+
+_STEP = re.compile(r"step=(\d+)")
+
+
+def checkpoint_root(path: Union[str, Path]) -> Path:
+    """A run's checkpoint root: ``path`` itself, or ``path/checkpoints`` when ``path`` is the run directory (it holds
+    no checkpoint but a ``checkpoints/`` directory)."""
+    path = Path(path)
+    if not checkpoints_newest_first(path) and (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path
+
+
+def global_step_in_name(name: str) -> Optional[int]:
+    """The global step of a checkpoint from NeMo's ``step=<N>`` in its name (``N`` is the global step - 1), or
+    ``None`` when the name has none."""
+    match = _STEP.search(name)
+    return int(match.group(1)) + 1 if match else None
+
+
+def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:
+    """The checkpoint directories (``<name>/weights/``) in a run's checkpoint root, newest first.
+
+    Newest is by the global step in the name (``step=<N>``), a step's own checkpoint before NeMo's ``-last`` copy of
+    it, then by modification time. Hidden entries are skipped; a checkpoint that NeMo's top-k removal deletes while
+    the root is listed is left out.
+    """
+    root = Path(root)
+    keys: Dict[Path, Tuple[int, bool, float]] = {}
+    for path in root.iterdir():
+        if path.name.startswith(".") or not (path / "weights").is_dir():
+            continue
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        # NeMo's ``-last`` copy of a step holds the same weights as the step's own checkpoint; prefer the latter
+        # (the one ``LATEST`` names) whatever the two modification times say.
+        match = _STEP.search(path.name)
+        keys[path] = (int(match.group(1)) if match else -1, not path.name.endswith("-last"), mtime)
+    return sorted(keys, key=keys.__getitem__, reverse=True)

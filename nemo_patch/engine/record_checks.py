@@ -1,0 +1,170 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Checks on the stored records of a checkpoint's shard files as they are read: the archive's members, and CRC-32.
+
+Each tensor chunk of a ``torch_dist`` checkpoint is one ``torch.save`` record (a zip archive) inside a ``.distcp``
+file. :func:`open_record` gives :class:`nemo_patch.engine.dcp_reader.DCPRegionReader` a view of one record that
+
+* refuses a compressed member (``torch.save`` stores members uncompressed; a deflated one would make ``torch.load``
+  allocate far more than the record holds) and members whose data share bytes (a central directory naming one stored
+  member many times would make ``torch.load`` allocate it as often): what ``torch.load`` allocates is bounded by the
+  record's bytes;
+* checks each member's CRC-32 on the bytes ``torch.load`` reads (one ``readinto`` of the member's size), so the data
+  is not read twice; a member read any other way is streamed through ``zipfile`` by the returned ``finish``.
+
+The CRC-32 is ``zlib-ng``'s where installed (the same values as ``zlib.crc32``, about 7 times faster).
+:mod:`nemo_patch.engine.dcp_reader` uses this module where it is present.
+"""
+
+import io
+import zipfile
+from typing import Any, Callable, Dict, List, Tuple
+
+try:  # the same values as zlib's crc32, about 7 times faster
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - zlib-ng is optional
+    from zlib import crc32
+
+__all__ = ["RecordWindow", "open_record"]
+
+
+class RecordWindow(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of an open file from ``offset`` (a record in a shard file)."""
+
+    def __init__(self, file: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        size = min(len(buffer), self._length - self._pos)
+        if size <= 0:
+            return 0
+        self._file.seek(self._offset + self._pos)
+        got = self._file.readinto(memoryview(buffer)[:size])
+        self._pos += got
+        return got
+
+
+_Member = Tuple[int, int, int, str]  # data offset in the record, size, CRC-32, name
+
+
+def _members(file: Any, offset: int, length: int) -> List[_Member]:
+    """The record's members, after refusing compressed ones and members whose data overlap.
+
+    Raises:
+        zipfile.BadZipFile: naming the member.
+    """
+    members: List[_Member] = []
+    with zipfile.ZipFile(RecordWindow(file, offset, length)) as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise zipfile.BadZipFile(
+                    f"member {info.filename} is compressed ({info.file_size} bytes from {info.compress_size}); "
+                    "torch.save stores records uncompressed"
+                )
+            local = RecordWindow(file, offset, length)
+            local.seek(info.header_offset)
+            header = local.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                raise zipfile.BadZipFile(f"bad local header of {info.filename}")
+            start = info.header_offset + 30 + int.from_bytes(header[26:28], "little")
+            members.append((start + int.from_bytes(header[28:30], "little"), info.file_size, info.CRC, info.filename))
+    ordered = sorted(members)
+    for (start, size, _, name), (other, _, _, other_name) in zip(ordered, ordered[1:]):
+        if start + size > other:
+            raise zipfile.BadZipFile(f"members {name} and {other_name} share data; torch.save writes each once")
+    return members
+
+
+class _CheckedWindow(RecordWindow):
+    """A :class:`RecordWindow` that checks each member's CRC-32 on the bytes of a ``readinto`` of its whole data."""
+
+    def __init__(self, file: Any, offset: int, length: int, members: List[_Member]) -> None:
+        super().__init__(file, offset, length)
+        self.pending: Dict[int, Tuple[int, int, str]] = {s: (n, c, name) for s, n, c, name in members if c and n}
+        self.failed: List[str] = []
+
+    def readinto(self, buffer: Any) -> int:
+        start = self._pos
+        got = super().readinto(buffer)
+        member = self.pending.get(start)
+        if member is not None and member[0] == got:
+            if crc32(memoryview(buffer)[:got]) != member[1]:
+                self.failed.append(member[2])  # raised by finish(): an error raised here would reach torch.load
+            del self.pending[start]
+        return got
+
+    def finish(self) -> None:
+        """Raise for a bad CRC-32 seen, then check the members not read whole by streaming them through ``zipfile``.
+
+        Raises:
+            zipfile.BadZipFile: a member's data does not match its CRC-32.
+        """
+        if self.failed:
+            raise zipfile.BadZipFile(f"Bad CRC-32 for file {self.failed[0]!r}")
+        names = sorted({name for _, _, name in self.pending.values()})
+        if names:
+            with zipfile.ZipFile(RecordWindow(self._file, self._offset, self._length)) as archive:
+                for name in names:
+                    with archive.open(name) as member:  # checks the CRC-32 when read to its end
+                        while member.read(1 << 20):
+                            pass
+        self.pending.clear()
+
+
+def open_record(
+    file: Any, offset: int, length: int, where: str, verify_checksums: bool = True
+) -> Tuple[RecordWindow, Callable[[], None]]:
+    """A view of one stored record of an open shard file, and the function to call once ``torch.load`` has read it.
+
+    Args:
+        file: the open shard file.
+        offset: the record's first byte in the file; ``length``: its bytes.
+        where: the file and record, for messages.
+        verify_checksums: check the members' CRC-32 (the members' layout is checked either way).
+
+    Raises:
+        zipfile.BadZipFile: (from either) a compressed member, members sharing data, a bad CRC-32 or a corrupt
+            archive, naming ``where``.
+    """
+    try:
+        members = _members(file, offset, length)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
+        raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
+    if not verify_checksums:
+        return RecordWindow(file, offset, length), lambda: None
+    window = _CheckedWindow(file, offset, length, members)
+
+    def finish() -> None:
+        try:
+            window.finish()
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
+            raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
+
+    return window, finish
