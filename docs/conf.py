@@ -45,7 +45,7 @@ extensions = [
 ]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "_ext"]
+exclude_patterns = ["_build", "_ext", "upstream"]  # upstream/: the NeMo pull requests' texts, not pages
 
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
+from nemo_patch.engine.casting import DtypeOverflowError
 from nemo_patch.engine.consolidate import consolidate_checkpoint
-from nemo_patch.engine.errors import DtypeOverflowError
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.verify import VerificationError, verify_consolidated
 

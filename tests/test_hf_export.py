@@ -99,7 +99,7 @@ def test_import_then_export_gives_back_the_original_weights(imported_llama, tmp_
 def test_the_hf_cast_refuses_to_turn_finite_weights_into_inf():
     """The source is cast before NeMo's exporter sees it; a cast to fp16 that overflows is refused (naming the
     tensor), as for the safetensors format, while bf16 holds the same values and 1e-9 becoming 0 is precision."""
-    from nemo_patch.engine.errors import DtypeOverflowError
+    from nemo_patch.engine.casting import DtypeOverflowError
     from nemo_patch.export.hf import cast_floating
 
     state = {"decoder.final_layernorm.weight": torch.tensor([1e6, -7e4, 1.0, 1e-9]), "step": torch.tensor([3])}

@@ -101,7 +101,9 @@ def test_an_io_json_nested_too_deeply_is_a_context_that_cannot_be_read(checkpoin
     assert code == UntrustedContextError.exit_code == 16, err
     assert len(err) == 1 and err[0].startswith("nemo-consolidate: error: Cannot read ") and "io.json" in err[0], err
     assert "nested too deeply" in err[0] and not (tmp_path / "hf").exists()
-    assert f"{UntrustedContextError.exit_code} {UntrustedContextError.summary}" in build_parser().epilog
+    parser = build_parser()
+    parser.format_help()  # makes the exit-code epilog
+    assert f"{UntrustedContextError.exit_code} {UntrustedContextError.summary}" in parser.epilog
 
     code, out, err = run_cli([str(checkpoint_copy), "--verify", "--out", str(tmp_path / "verified")])
     assert code == 0 and len(out) == 1 and out[0].endswith(", verified"), (out, err)

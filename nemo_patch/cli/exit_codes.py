@@ -31,6 +31,7 @@ __all__ = ["ERROR_MODULES", "error_classes"]
 #: The modules that define consolidation errors.
 ERROR_MODULES = (
     "nemo_patch.engine.errors",
+    "nemo_patch.engine.casting",
     "nemo_patch.engine.verify",
     "nemo_patch.engine.adapter_merge",
     "nemo_patch.engine.best_checkpoint",

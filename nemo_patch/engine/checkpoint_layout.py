@@ -12,13 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Find and check a NeMo 2 checkpoint on disk (standard library only). A checkpoint saved with ``torch_dist``::
-
-    <root>/<name>--step=<N>-consumed_samples=<S>/   context/ (NeMo's model and trainer context), weights/:
-        .metadata, __<rank>_<i>.distcp              torch.distributed.checkpoint metadata (written last), shards
-        common.pt, metadata.json                    megatron-core's: {"sharded_backend": "torch_dist", ...}
-    <root>/<name>--step=<N>-...-unfinished          NeMo's marker while the save is not finished
-"""
+"""Find and check a NeMo 2 checkpoint: ``<ckpt>/context/``, ``<ckpt>/weights/`` (DCP's ``.metadata``, written last,
+``*.distcp`` shards, megatron-core's ``metadata.json``) and ``<ckpt>-unfinished`` while NeMo saves it."""
 
 import json
 from dataclasses import dataclass
@@ -41,9 +36,8 @@ UNFINISHED_SUFFIX = "-unfinished"
 
 @dataclass(frozen=True)
 class CheckpointLocation:
-    """A checkpoint on disk: its directory, its ``weights/``, whether its save finished, megatron-core's
-    ``sharded_backend`` (``"torch_dist"``, ``"zarr"``), and for a PEFT adapter checkpoint (NeMo's
-    ``weights/adapter_metadata.json``: adapter weights only) ``adapter=True`` and the base checkpoint NeMo recorded."""
+    """A checkpoint: its directory and ``weights/``, whether its save finished, megatron-core's ``sharded_backend``,
+    and for a PEFT adapter checkpoint (adapter weights only) the base checkpoint NeMo recorded."""
 
     checkpoint_dir: Path
     weights_dir: Path
@@ -59,8 +53,7 @@ def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
 
 
 def _json(path: Path) -> Dict[str, Any]:
-    """The object in a JSON side file of megatron-core or NeMo (``{}`` unless it is a regular file of at most 1 MB
-    holding a JSON object)."""
+    """The object in a JSON side file (``{}`` unless it is a regular file of at most 1 MB holding a JSON object)."""
     try:
         value = json.loads(path.read_bytes()) if path.is_file() and path.stat().st_size <= 1 << 20 else {}
     except (OSError, ValueError, RecursionError):

@@ -43,9 +43,8 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import Metadata
 
-from nemo_patch.engine import converter
 from nemo_patch.engine.adapter_settings import peft_settings
-from nemo_patch.engine.checkpoint_layout import CheckpointLocation
+from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.converter import Consolidation, Producer
 from nemo_patch.engine.digests import digest_algorithm, file_entry, json_file_entry, new_digest, verify_digests
 from nemo_patch.engine.output_layout import (
@@ -87,7 +86,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ConsolidationResult(converter.ConsolidationResult):
+class ConsolidationResult:
     """What :func:`consolidate_checkpoint` wrote.
 
     Attributes:
@@ -101,6 +100,9 @@ class ConsolidationResult(converter.ConsolidationResult):
         stage_seconds: busy seconds per stage over every writer (:mod:`nemo_patch.engine.stage_times`).
     """
 
+    output_dir: Path
+    tensor_count: int
+    total_bytes: int
     global_step: Optional[int] = None
     files: Dict[str, str] = field(default_factory=dict)
     kind: str = "model"
@@ -176,6 +178,7 @@ class CheckpointConsolidation(Consolidation):
         output_dir: Optional[Union[str, Path]] = None,
         *,
         global_step: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
         verify: bool = False,
         progress: Optional[ProgressCallback] = None,
         expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
@@ -185,10 +188,12 @@ class CheckpointConsolidation(Consolidation):
         workers: int = 1,
         parts: Optional[int] = None,
         parts_runner: Optional[PartsRunner] = None,
+        allow_unfinished: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(checkpoint_dir, output_dir, **options)
-        self.global_step, self.verify, self.progress = global_step, verify, progress
+        self.allow_unfinished = allow_unfinished
+        self.global_step, self.dtype, self.verify, self.progress = global_step, dtype, verify, progress
         self.expected_shapes, self.merge_adapters, self.base_checkpoint = (
             expected_shapes,
             merge_adapters,
@@ -207,7 +212,7 @@ class CheckpointConsolidation(Consolidation):
     def locate(self) -> CheckpointLocation:
         with self.times.timed("metadata"):
             refuse_an_output_as_checkpoint(self.checkpoint_dir)
-            location = super().locate()
+            location = inspect_checkpoint(self.checkpoint_dir, allow_unfinished=self.allow_unfinished)
             if self.output_dir is None:
                 self.output_dir = location.checkpoint_dir / CONSOLIDATED_DIRNAME
             check_output_target(location.checkpoint_dir, Path(self.output_dir), self.overwrite)
@@ -236,9 +241,12 @@ class CheckpointConsolidation(Consolidation):
 
     @contextlib.contextmanager
     def staged(self, location: CheckpointLocation) -> Iterator[Path]:
+        """Publishing with the output's lock and an atomic exchange (:func:`staged_output`); the output's
+        ``metadata.json`` is written, and with ``verify`` every tensor checked, once the weights are written."""
         failure = f"Consolidating {location.checkpoint_dir}"
         with staged_output(location.checkpoint_dir, self.output_path, self.overwrite, failure) as directory:
             yield directory
+            self.finish(directory, location, list(self.sources.values()))
 
     def write(self, directory: Path, files: Dict[str, List[TensorSpec]], produce: Producer) -> None:
         location, sources = self.opened()
@@ -412,16 +420,13 @@ def consolidate_checkpoint(
         overwrite=overwrite,
         allow_unfinished=allow_unfinished,
     )
-    result = job.run()
+    outputs = job.run()
+    total = sum(output.spec.nbytes for output in outputs)
     logger.info(
-        "Consolidated %s -> %s (%d tensors, %d bytes)",
-        job.checkpoint_dir,
-        result.output_dir,
-        result.tensor_count,
-        result.total_bytes,
+        "Consolidated %s -> %s (%d tensors, %d bytes)", job.checkpoint_dir, job.output_path, len(outputs), total
     )
     algorithm = digest_algorithm()  # BLAKE3 where installed, else sha256
     files = {name: entry.get(f"{algorithm}_tree", entry.get(algorithm, "")) for name, entry in job.entries.items()}
     return ConsolidationResult(
-        result.output_dir, result.tensor_count, result.total_bytes, global_step, files, job.kind, job.times.snapshot()
+        job.output_path, len(outputs), total, global_step, files, job.kind, job.times.snapshot()
     )

@@ -14,12 +14,10 @@
 
 """Consolidate a finished NeMo 2 ``torch_dist`` checkpoint into unsharded safetensors files, offline::
 
-    python -m nemo_patch.engine.converter <ckpt> [--out DIR] [--dtype bf16] [--max-shard-size 5GB] [--overwrite]
+    python -m nemo_patch.engine.converter <ckpt> [--out DIR] [--max-shard-size 5GB] [--overwrite]
 
-No GPU, no process group; ``.metadata`` is unpickled with an allowlist (:mod:`.dcp_metadata`) and tensors are read by
-PyTorch's DCP loader (``torch.load(weights_only=True)``), one entry at a time. The output (``<ckpt>/consolidated/``):
-``model.safetensors``, or shards and ``model.safetensors.index.json`` above ``max_shard_size``, named as :mod:`.plan`
-says, published by renaming a complete temporary directory. Memory: one file's tensors plus one checkpoint entry.
+No GPU or process group; ``.metadata`` is unpickled with an allowlist (:mod:`.dcp_metadata`), tensors read by
+PyTorch's DCP loader one entry at a time. Memory: one output file's tensors plus one checkpoint entry.
 """
 
 import argparse
@@ -29,7 +27,6 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
 
@@ -42,25 +39,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from nemo_patch.engine.checkpoint_layout import CONSOLIDATED_DIRNAME, CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.dcp_metadata import load_dcp_metadata
 from nemo_patch.engine.errors import (
-    AdapterCheckpointError,
     ConsolidationError,
     CorruptShardError,
     OutputExistsError,
     UnsupportedFormatError,
 )
-from nemo_patch.engine.plan import OutputTensor, TensorSpec, cast_outputs, checked_cast, plan_outputs, plan_shards
+from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs, plan_shards
 
-#: Reads the output tensor of a spec, in its dtype and shape.
-Producer = Callable[[TensorSpec], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ConsolidationResult:
-    """What a consolidation published: the output directory, its tensor count and their data bytes."""
-
-    output_dir: Path
-    tensor_count: int
-    total_bytes: int
+Producer = Callable[[TensorSpec], torch.Tensor]  #: reads the output tensor of a spec
 
 
 class Consolidation:
@@ -69,11 +55,8 @@ class Consolidation:
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory.
         output_dir: where to publish (default ``<ckpt>/consolidated``).
-        dtype: cast floating-point tensors to this dtype (``None``: as stored); a cast turning a finite value into
-            ``inf`` raises :class:`~nemo_patch.engine.errors.DtypeOverflowError`.
         max_shard_size: most tensor-data bytes per file, an ``int`` or a size such as ``"5GB"`` (the default).
         overwrite: replace an existing output (only a directory of safetensors and JSON files is replaced).
-        allow_unfinished: consolidate a checkpoint whose save did not finish (what it holds must be complete).
     """
 
     def __init__(
@@ -81,25 +64,22 @@ class Consolidation:
         checkpoint_dir: Union[str, Path],
         output_dir: Optional[Union[str, Path]] = None,
         *,
-        dtype: Optional[torch.dtype] = None,
         max_shard_size: Union[int, str] = "5GB",
         overwrite: bool = False,
-        allow_unfinished: bool = False,
     ) -> None:
         self.checkpoint_dir, self.output_dir = Path(checkpoint_dir), None if output_dir is None else Path(output_dir)
-        self.dtype, self.max_shard_size = dtype, max_shard_size
-        self.overwrite, self.allow_unfinished = overwrite, allow_unfinished
+        self.max_shard_size, self.overwrite = max_shard_size, overwrite
         #: The weights files' name stem, and each output tensor's source by name.
         self.stem, self.sources = "model", cast(Dict[str, OutputTensor], {})
 
-    def run(self) -> ConsolidationResult:
-        """Consolidate, and publish the output.
+    def run(self) -> List[OutputTensor]:
+        """Consolidate, and publish the output (in :attr:`output_dir`); returns the tensors written.
 
         Raises:
             ConsolidationError: or a subclass naming the cause (not a checkpoint, unfinished, an unsupported format
-                or an adapter checkpoint, output exists, a corrupt shard, a layout the plan does not understand, a
-                dtype too narrow); nothing is left under the output's name.
-            ValueError: ``dtype`` is not a floating-point dtype, or ``max_shard_size`` is not a size.
+                or an adapter checkpoint, output exists, a corrupt shard, a layout the plan does not understand);
+                nothing is left under the output's name.
+            ValueError: ``max_shard_size`` is not a size.
             OSError: the output cannot be written (nothing is left behind).
         """
         location = self.locate()
@@ -115,24 +95,19 @@ class Consolidation:
                 weights = {spec.name: name for name, specs in files.items() for spec in specs}
                 index = {"metadata": {"total_size": sum(o.spec.nbytes for o in outputs)}, "weight_map": weights}
                 (directory / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-            self.finish(directory, location, outputs)
-        return ConsolidationResult(self.output_dir, len(outputs), sum(output.spec.nbytes for output in outputs))
+        return outputs
 
     def locate(self) -> CheckpointLocation:
-        """Find and check the checkpoint (:func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`)."""
-        return inspect_checkpoint(self.checkpoint_dir, allow_unfinished=self.allow_unfinished)
+        """Find and check the checkpoint (:func:`.checkpoint_layout.inspect_checkpoint`)."""
+        return inspect_checkpoint(self.checkpoint_dir)
 
     def open(self, location: CheckpointLocation) -> Tuple[List[OutputTensor], Producer]:
-        """The output tensors, and the function that reads one (whole checkpoint entries, the last one kept).
-
-        Raises:
-            ConsolidationError: not ``torch_dist``, adapters only, unreadable metadata or entries, or a layout
-                :func:`~nemo_patch.engine.plan.plan_outputs` refuses.
-        """
+        """The output tensors and the function that reads one (entry by entry, the last kept); raises
+        :class:`ConsolidationError` for another format, adapters only, unreadable files or a layout it refuses."""
         if location.backend != "torch_dist":
             raise UnsupportedFormatError(f"{location.checkpoint_dir}: a '{location.backend}' checkpoint")
         if location.adapter:
-            raise AdapterCheckpointError(f"{location.checkpoint_dir} holds PEFT adapters only, not a model")
+            raise UnsupportedFormatError(f"{location.checkpoint_dir} holds PEFT adapters only, not a model")
         try:
             metadata = load_dcp_metadata((location.weights_dir / ".metadata").read_bytes())
         except Exception as error:  # OSError, pickle.UnpicklingError
@@ -157,21 +132,14 @@ class Consolidation:
                     cause = next(iter(getattr(error, "failures", {}).values()), (error,))[0]
                     files = sorted({i.relative_path for x, i in metadata.storage_data.items() if x.fqn == source.key})
                     raise CorruptShardError(f"Cannot read {source.key} from {files}: {cause!r}") from error
-            tensor = entry[source.key][source.index] if source.index else entry[source.key]
-            if tensor.dtype == spec.dtype:
-                return tensor
-            return checked_cast(spec.name, tensor, torch.empty(spec.shape, dtype=spec.dtype))
+            return entry[source.key][source.index] if source.index else entry[source.key]
 
-        return cast_outputs(outputs, self.dtype), produce
+        return outputs, produce
 
     @contextlib.contextmanager
     def staged(self, location: CheckpointLocation) -> Iterator[Path]:
-        """A temporary directory next to the output, renamed to it when the block ends, removed if it raises.
-
-        Raises:
-            OutputExistsError: the output exists (only a previous output is replaced, with ``overwrite``), or it
-                would be the checkpoint or lie in its ``weights/``.
-        """
+        """A temporary directory next to the output, renamed to it when the block ends (removed if it raises);
+        :class:`OutputExistsError` if the output exists (``overwrite`` replaces an output) or is the checkpoint."""
         output, checkpoint = Path(os.path.abspath(str(self.output_dir))), location.checkpoint_dir.absolute()
         if output in (checkpoint, *checkpoint.parents) or checkpoint / "weights" in (output, *output.parents):
             raise OutputExistsError(f"{output} would overwrite the checkpoint {checkpoint}")
@@ -196,24 +164,20 @@ class Consolidation:
             order = sorted(specs, key=lambda spec: (self.sources[spec.name].key, self.sources[spec.name].index))
             save_file({spec.name: produce(spec) for spec in order}, str(directory / name), metadata={"format": "pt"})
 
-    def finish(self, directory: Path, location: CheckpointLocation, outputs: List[OutputTensor]) -> None:
-        """Called once the weights are written, before the output is published (nothing to do here)."""
-
 
 def main(argv: Optional[List[str]] = None) -> int:
     """The command line (module docstring); returns 0, or the error's ``exit_code``."""
     parser = argparse.ArgumentParser(prog="python -m " + __spec__.name, description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="the checkpoint directory (or its weights/ directory)")
     parser.add_argument("--out", help="the output directory (default: <checkpoint>/consolidated)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors")
-    parser.add_argument("--max-shard-size", default="5GB", help="tensor bytes per file (default 5GB)")
+    parser.add_argument("--max-shard-size", default="5GB", help="tensor bytes per file")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     args = parser.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     try:
-        job = Consolidation(args.checkpoint, args.out, dtype=dtype, max_shard_size=size, overwrite=args.overwrite)
-        print(job.run().output_dir)
+        job = Consolidation(args.checkpoint, args.out, max_shard_size=size, overwrite=args.overwrite)
+        job.run()
+        print(job.output_dir)
     except (ConsolidationError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 2)

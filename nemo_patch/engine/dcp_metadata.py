@@ -14,11 +14,10 @@
 
 """Load a ``torch.distributed.checkpoint`` ``.metadata`` file without running code from it.
 
-``FileSystemReader.read_metadata`` (and NeMo's ``load_sharded_metadata_torch_dist``, which uses it) unpickles
-``.metadata`` with no restriction: a crafted checkpoint runs any callable it names. :func:`load_dcp_metadata` resolves
-only the names of an allowlist (the DCP metadata classes, ``torch.Size``, dtypes and layouts, stand-ins for
-megatron-core's ``MCoreMetadata``, pure ``pathlib`` paths, four builtins) and rebuilds only metadata objects.
-``torch.load(weights_only=True)``'s unpickler cannot do this: it reads protocol 2, and DCP writes protocol 4 or 5.
+``FileSystemReader.read_metadata`` (and NeMo's ``load_sharded_metadata_torch_dist``) unpickle it unrestricted: a
+crafted checkpoint runs any callable it names. :func:`load_dcp_metadata` resolves only an allowlist of names (the DCP
+metadata classes, ``torch.Size``, dtypes, stand-ins for megatron-core's ``MCoreMetadata``, ...) and rebuilds only
+metadata objects. ``torch.load(weights_only=True)`` cannot: it reads pickle protocol 2; DCP writes 4 or 5.
 """
 
 import io
@@ -32,8 +31,6 @@ from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
 import torch
 from torch.distributed.checkpoint import filesystem, metadata, planner
 from torch.distributed.checkpoint.metadata import Metadata
-
-from nemo_patch.engine.errors import InvalidMetadataError
 
 _MCORE = "megatron.core.dist_checkpointing.strategies.torch"
 
@@ -105,8 +102,7 @@ def load_dcp_metadata(data: bytes) -> Metadata:
     """The DCP metadata pickled in ``data`` (a ``.metadata`` file's bytes), unpickled with the allowlist.
 
     Raises:
-        pickle.UnpicklingError: a name outside the allowlist, corrupt data, or (:class:`InvalidMetadataError`)
-            something else than a ``Metadata``.
+        pickle.UnpicklingError: a name outside the allowlist, corrupt data, or something else than a ``Metadata``.
     """
     try:
         loaded = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -115,5 +111,5 @@ def load_dcp_metadata(data: bytes) -> Metadata:
     except Exception as error:  # EOFError, ValueError, TypeError, ... from damaged data
         raise pickle.UnpicklingError(f"corrupt DCP metadata: {type(error).__name__}: {error}") from error
     if not isinstance(loaded, Metadata) or not isinstance(loaded.state_dict_metadata, dict):
-        raise InvalidMetadataError(f"DCP metadata holds a {type(loaded).__name__}, not a Metadata")
+        raise pickle.UnpicklingError(f"DCP metadata holds a {type(loaded).__name__}, not a Metadata")
     return loaded

@@ -12,10 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The errors of a consolidation: one class per cause, each with the exit code a command-line tool returns for it
-(2 is left to ``argparse``, 1 to causes without a class of their own)."""
-
-import pickle
+"""The errors of a consolidation, one class per cause, each with a command-line tool's exit code for it (2 is left to
+``argparse``, 1 to causes without a class of their own)."""
 
 
 class ConsolidationError(RuntimeError):
@@ -61,28 +59,7 @@ class CorruptShardError(ConsolidationError):
 
 
 class UnknownLayoutError(ConsolidationError):
-    """A checkpoint entry whose layout cannot be named safely (e.g. a tensor its chunks cover only in part, two
-    entries mapping to one name); the message names the key."""
+    """A checkpoint entry whose layout cannot be named safely (e.g. its chunks cover it only in part); the message
+    names the key."""
 
     exit_code, summary = 11, "a layout that cannot be named safely"
-
-
-class AdapterCheckpointError(ConsolidationError):
-    """A PEFT (LoRA) adapter checkpoint, which holds adapter weights only, cannot be consolidated as asked."""
-
-    exit_code, summary = 12, "an adapter checkpoint that cannot be consolidated as asked"
-
-
-class DtypeOverflowError(ConsolidationError):
-    """The output dtype cannot hold a finite value of the checkpoint (e.g. above 65504 in ``fp16``); the message names
-    the tensor and its largest magnitude. Underflow to 0 is precision loss and is not refused."""
-
-    exit_code, summary = 18, "a dtype too narrow for the checkpoint's values (finite values would become inf)"
-
-
-class InvalidMetadataError(pickle.UnpicklingError):
-    """A ``.metadata`` file unpickled, but its values are not valid DCP metadata; the message names the entry."""
-
-
-#: The consolidation errors of this module (more are defined with the features that raise them).
-__all__ = sorted(n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, ConsolidationError))

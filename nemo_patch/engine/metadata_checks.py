@@ -22,6 +22,7 @@ fail here naming the entry (:func:`validate_metadata`). Whether the chunks tile 
 is checked by :mod:`nemo_patch.engine.layout_checks`.
 """
 
+import pickle
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,14 +38,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from nemo_patch.engine.dcp_metadata import load_dcp_metadata
-from nemo_patch.engine.errors import InvalidMetadataError
 from nemo_patch.engine.pickle_limits import prescan_pickle
 from nemo_patch.engine.safe_files import read_regular_file
 
-__all__ = ["MAX_METADATA_BYTES", "read_dcp_metadata", "validate_metadata"]
+__all__ = ["MAX_METADATA_BYTES", "InvalidMetadataError", "read_dcp_metadata", "validate_metadata"]
 
 #: The most bytes a ``.metadata`` file may have (a large MoE model's is tens of MB).
 MAX_METADATA_BYTES = 512 << 20
+
+
+class InvalidMetadataError(pickle.UnpicklingError):
+    """A ``.metadata`` file unpickled, but its values are not valid DCP metadata; the message names the entry."""
 
 
 def _check_size(value: Any, what: str, ndim: Optional[int] = None) -> None:

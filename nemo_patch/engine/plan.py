@@ -14,13 +14,11 @@
 
 """Which tensors a consolidation writes, under which names, read from which checkpoint entries, in which files.
 
-The output holds the tensors of the TP=1, PP=1 megatron-core model's ``state_dict()`` minus ``_extra_state``, under the
-distributed checkpoint's names, whatever parallelism saved it: the ``module.*`` tensor entries (optimizer state and
-``_extra_state`` left out), ``module.`` dropped, layer-stacked entries split per layer (``decoder.layers.mlp.
-linear_fc1.weight`` ``[L, ...]`` becomes ``decoder.layers.<i>.mlp.linear_fc1.weight``). Layer indices come from the
-stored chunks; an output the chunks cover only in part is refused naming the key, never written partly filled (counted
-as chunks that do not overlap; :mod:`nemo_patch.engine.layout_checks` proves that for checkpoints from elsewhere).
-Expert-stacked MoE entries are split by :mod:`nemo_patch.engine.moe_names` where present, else refused.
+The output is the TP=1, PP=1 megatron-core model's ``state_dict()`` but ``_extra_state``, under the checkpoint's names
+whatever parallelism saved it: the ``module.*`` tensor entries, ``module.`` dropped, layer-stacked entries split per
+layer (``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes ``decoder.layers.<i>.mlp.linear_fc1.weight``,
+the indices from the stored chunks). A tensor the chunks cover in part is refused, naming the key (chunks are counted
+as not overlapping: :mod:`.layout_checks` proves it). MoE expert entries need :mod:`.moe_names`, else are refused.
 """
 
 import itertools
@@ -33,7 +31,7 @@ import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from nemo_patch.engine.errors import DtypeOverflowError, UnknownLayoutError
+from nemo_patch.engine.errors import UnknownLayoutError
 
 try:  # a later addition: mixture-of-experts entries, one output tensor per expert
     from nemo_patch.engine import moe_names
@@ -152,53 +150,6 @@ def plan_outputs(metadata: Metadata) -> List[OutputTensor]:
     if len(set(names)) != len(names):
         raise UnknownLayoutError(f"two checkpoint entries map to the output name {max(names, key=names.count)}")
     return sorted(outputs, key=lambda output: _natural(output.spec.name))
-
-
-def cast_outputs(outputs: List[OutputTensor], dtype: Optional[torch.dtype]) -> List[OutputTensor]:
-    """``outputs`` with floating-point tensors cast to ``dtype`` (``None``: kept; integer tensors are never cast).
-
-    Raises:
-        ValueError: ``dtype`` is not a floating-point dtype.
-    """
-    if dtype is None:
-        return outputs
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point dtype (bf16, fp16, fp32), got {dtype}")
-    return [replace(o, spec=replace(o.spec, dtype=dtype)) if o.spec.dtype.is_floating_point else o for o in outputs]
-
-
-def cast_overflow(source: torch.Tensor, cast: torch.Tensor) -> Optional[str]:
-    """Whether casting ``source`` gave ``cast`` (same shape) an ``inf`` where ``source`` is finite: ``None``, or what
-    overflowed (for messages). Checked when ``cast``'s range is smaller, with one ``aminmax`` pass unless that finds a
-    non-finite value; underflow to 0 is precision loss, not overflow."""
-    if not source.dtype.is_floating_point or not cast.dtype.is_floating_point or cast.numel() == 0:
-        return None
-    if torch.finfo(cast.dtype).max >= torch.finfo(source.dtype).max:
-        return None
-    low, high = torch.aminmax(cast)
-    if math.isfinite(float(low)) and math.isfinite(float(high)):
-        return None
-    finite = torch.isfinite(source)
-    lost = int((finite & ~torch.isfinite(cast)).sum())
-    if lost == 0:  # non-finite in the source already
-        return None
-    largest, most = float(source[finite].abs().max()), torch.finfo(cast.dtype).max
-    return (
-        f"{lost} finite value(s) of {source.dtype} become inf in {cast.dtype} (largest magnitude {largest:.6g}; "
-        f"{cast.dtype} holds at most {most:.6g})"
-    )
-
-
-def checked_cast(name: str, source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Copy ``source`` into ``out`` (the output dtype) and return it, refusing a cast that overflows.
-
-    Raises:
-        DtypeOverflowError: naming the tensor and its largest magnitude.
-    """
-    overflow = cast_overflow(source, out.copy_(source))
-    if overflow is not None:
-        raise DtypeOverflowError(f"{name}: {overflow}; refusing to write inf for finite weights (use bf16)")
-    return out
 
 
 def plan_shards(

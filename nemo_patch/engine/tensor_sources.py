@@ -33,10 +33,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from nemo_patch.engine.adapter_merge import LoRAMergeSource, merged_producer, open_lora_merge
+from nemo_patch.engine.casting import cast_outputs, checked_cast
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import CorruptShardError
-from nemo_patch.engine.plan import OutputTensor, cast_outputs, checked_cast, plan_outputs
+from nemo_patch.engine.plan import OutputTensor, plan_outputs
 from nemo_patch.engine.safetensors_writer import TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 

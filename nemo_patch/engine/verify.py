@@ -26,11 +26,12 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from nemo_patch.engine.casting import cast_overflow
 from nemo_patch.engine.checkpoint_reader import open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.output_files import output_weight_map
 from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM
-from nemo_patch.engine.plan import OutputTensor, cast_overflow, plan_outputs
+from nemo_patch.engine.plan import OutputTensor, plan_outputs
 
 __all__ = [
     "VerificationError",

@@ -16,7 +16,7 @@
 
 from nemo_patch.engine.errors import ConsolidationError
 
-__all__ = ["ExportError", "UntrustedContextError"]
+__all__ = ["AdapterCheckpointError", "ExportError", "UntrustedContextError"]
 
 
 class ExportError(ConsolidationError):
@@ -31,3 +31,9 @@ class UntrustedContextError(ConsolidationError):
     user trusts the checkpoint (``--trust-context``)."""
 
     exit_code, summary = 16, "a context/ naming code outside NeMo's packages (see --trust-context)"
+
+
+class AdapterCheckpointError(ConsolidationError):
+    """A PEFT (LoRA) adapter checkpoint, adapter weights only, cannot be consolidated as asked."""
+
+    exit_code, summary = 12, "an adapter checkpoint that cannot be consolidated as asked"

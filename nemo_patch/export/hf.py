@@ -67,17 +67,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.adapter_merge import lora_scale
 from nemo_patch.engine.adapter_settings import peft_settings
+from nemo_patch.engine.casting import checked_cast
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, read_state_dict
-from nemo_patch.engine.errors import AdapterCheckpointError, ConsolidationError, CorruptShardError, OutputExistsError
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
 from nemo_patch.engine.output_target import check_output_target
-from nemo_patch.engine.plan import checked_cast
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
-from nemo_patch.export.errors import ExportError
+from nemo_patch.export.errors import AdapterCheckpointError, ExportError
 from nemo_patch.export.hf_verify import ImporterUnavailable, check_through_importer
 from nemo_patch.export.layer_norms import te_layer_norm_names
 

@@ -69,11 +69,11 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping,
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from nemo_patch.engine.casting import cast_overflow
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.consolidate import read_state_dict
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.output_files import InvalidOutputError, output_weight_map
-from nemo_patch.engine.plan import cast_overflow
 from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.engine.tensor_sources import open_sources
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
