@@ -33,7 +33,6 @@ import torch
 from conftest import REPO
 
 from nemo_patch.cli.nemo_consolidate import main
-from nemo_patch.engine import consolidate as consolidate_module
 from nemo_patch.engine import parts as parts_module
 from nemo_patch.engine.consolidate import consolidate_checkpoint
 from nemo_patch.engine.digests import verify_digests
@@ -86,13 +85,13 @@ def test_more_writers_than_tensors_start_one_per_tensor_and_write_the_same_bytes
     each_run, reference, tmp_path, monkeypatch
 ):
     started = []
-    real_run_parts = consolidate_module.run_parts
+    real_run_parts = parts_module.run_parts
 
     def run_parts(jobs, *args, **kwargs):
         started.append(len(jobs))
         return real_run_parts(jobs, *args, **kwargs)
 
-    monkeypatch.setattr(consolidate_module, "run_parts", run_parts)
+    monkeypatch.setattr(parts_module, "run_parts", run_parts)
     result = consolidate_checkpoint(each_run["root"] / "LATEST", tmp_path / "out", workers=10**9)
     assert _files(result.output_dir) == reference["single"]
     assert started == [result.tensor_count]

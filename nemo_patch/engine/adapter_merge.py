@@ -40,8 +40,7 @@ from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.plan import OutputTensor, plan_outputs
-from nemo_patch.engine.safetensors_writer import TensorSpec
+from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs
 
 __all__ = [
     "AdapterMergeError",

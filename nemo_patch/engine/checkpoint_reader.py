@@ -31,11 +31,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.dcp_reader import DCPRegionReader
-from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
+from nemo_patch.engine.errors import CorruptShardError, UnsupportedFormatError
 from nemo_patch.engine.layout_checks import check_dcp_layout, check_no_missing_layer
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.plan import model_tensor_keys
-from nemo_patch.engine.zarr_reader import ZarrRegionReader, read_zarr_metadata
+
+try:  # an addition of the overlay: megatron-core's deprecated zarr format
+    from nemo_patch.engine import zarr_reader
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    zarr_reader = None  # type: ignore[assignment]
 
 __all__ = ["RegionReader", "open_weights"]
 
@@ -77,12 +83,12 @@ def open_weights(
     """
     weights_dir = Path(weights_dir)
     backend = inspect_checkpoint(weights_dir, allow_unfinished=True).backend if backend is None else backend
-    if backend == "zarr":
-        metadata = read_zarr_metadata(weights_dir) if metadata is None else metadata
+    if backend == "zarr" and zarr_reader is not None:
+        metadata = zarr_reader.read_zarr_metadata(weights_dir) if metadata is None else metadata
         check_no_missing_layer(metadata, model_tensor_keys(metadata))
-        return metadata, ZarrRegionReader(weights_dir, metadata)
+        return metadata, zarr_reader.ZarrRegionReader(weights_dir, metadata)
     if backend != "torch_dist":
-        raise ConsolidationError(f"{weights_dir}: cannot read a '{backend}' checkpoint")
+        raise UnsupportedFormatError(f"{weights_dir}: cannot read a '{backend}' checkpoint")
     if metadata is None:
         try:
             metadata = read_dcp_metadata(weights_dir)

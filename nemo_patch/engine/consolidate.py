@@ -43,7 +43,6 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import Metadata
 
-from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.converter import Consolidation, Producer
 from nemo_patch.engine.digests import digest_algorithm, file_entry, json_file_entry, new_digest, verify_digests
@@ -56,10 +55,7 @@ from nemo_patch.engine.output_layout import (
     index_filename,
 )
 from nemo_patch.engine.output_target import check_output_target, refuse_an_output_as_checkpoint
-from nemo_patch.engine.part_writer import create_files, placements_of, split_parts
-from nemo_patch.engine.parts import PartJob, PartResult, run_parts, validate_workers
 from nemo_patch.engine.plan import OutputTensor, TensorSpec
-from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header, write_file
 from nemo_patch.engine.stage_times import StageTimes, stage_times
 from nemo_patch.engine.tensor_sources import Sources, merged_reader, open_sources, tensor_producer
@@ -71,6 +67,19 @@ from nemo_patch.engine.verify import (
     verify_names_and_shapes,
 )
 from nemo_patch.engine.vocabulary import vocabulary_sizes
+
+try:  # later additions: writer processes, and publishing with locks and an atomic exchange
+    from nemo_patch.engine import part_writer, parts, publish
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    part_writer = parts = publish = None  # type: ignore[assignment]
+try:  # a later addition: PEFT adapter checkpoints
+    from nemo_patch.engine import adapter_settings
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    adapter_settings = None  # type: ignore[assignment]
 
 __all__ = [
     "CheckpointConsolidation",
@@ -162,10 +171,9 @@ def read_state_dict(
 
 #: Called during a consolidation with ``(bytes done, bytes in all)`` of tensor data, after each tensor.
 ProgressCallback = Callable[[int, int], None]
-#: Runs a consolidation's part jobs (given this process's sources of it) and returns their results in order; the
-#: default is :func:`nemo_patch.engine.parts.run_parts` on this node. A runner that spreads the parts over nodes must
-#: raise when any part fails or does not report in time.
-PartsRunner = Callable[[List[PartJob], Sources], List[PartResult]]
+#: Runs a consolidation's part jobs (given this process's sources of it) and returns their results in order
+#: (:data:`nemo_patch.engine.parts.PartsRunner`).
+PartsRunner = Callable[[List[Any], Sources], List[Any]]
 
 
 class CheckpointConsolidation(Consolidation):
@@ -199,7 +207,9 @@ class CheckpointConsolidation(Consolidation):
             merge_adapters,
             base_checkpoint,
         )
-        self.best, self.workers = best, validate_workers(workers)
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"Invalid workers {workers!r}: expected a whole number of writer processes >= 1.")
+        self.best, self.workers = best, workers
         self.parts, self.parts_runner = parts, parts_runner
         self.times = StageTimes()  # this process's planning; the parts report their own stages
         self.readers: Optional[Sources] = None  # what the outputs are read from (``self.sources``: by name)
@@ -241,10 +251,12 @@ class CheckpointConsolidation(Consolidation):
 
     @contextlib.contextmanager
     def staged(self, location: CheckpointLocation) -> Iterator[Path]:
-        """Publishing with the output's lock and an atomic exchange (:func:`staged_output`); the output's
+        """Publishing with the output's lock and an atomic exchange (:func:`.publish.staged_output`); the output's
         ``metadata.json`` is written, and with ``verify`` every tensor checked, once the weights are written."""
         failure = f"Consolidating {location.checkpoint_dir}"
-        with staged_output(location.checkpoint_dir, self.output_path, self.overwrite, failure) as directory:
+        staging = super().staged(location) if publish is None else publish.staged_output(
+            location.checkpoint_dir, self.output_path, self.overwrite, failure)  # fmt: skip
+        with staging as directory:
             yield directory
             self.finish(directory, location, list(self.sources.values()))
 
@@ -254,8 +266,7 @@ class CheckpointConsolidation(Consolidation):
             OutputFile(name, encode_header(specs, {"format": "pt"}), tuple(specs)) for name, specs in files.items()
         ]
         total = sum(spec.nbytes for specs in files.values() for spec in specs)
-        placements = placements_of(self.layout)
-        count = self.parts or max(1, min(self.workers, len(placements)))
+        count = self.parts or max(1, min(self.workers, sum(len(file.specs) for file in self.layout)))
         if count == 1 and self.parts_runner is None:  # front to back, in this process
             done = [0]
 
@@ -276,22 +287,13 @@ class CheckpointConsolidation(Consolidation):
             after = stage_times.snapshot()
             self.times.merge({stage: seconds - before.get(stage, 0.0) for stage, seconds in after.items()})
             return
+        if parts is None:
+            raise ValueError(f"{count} writers need {__package__}.parts; write with one")
+        progress = self.progress
+        report = None if progress is None else (lambda done: progress(done, total))
         with self.times.timed("metadata"):
-            create_files(directory, self.layout)
-        dtype = None if self.dtype is None else str(self.dtype).removeprefix("torch.")
-        merge = self.merge_adapters and sources.merge is not None
-        base = None if self.base_checkpoint is None else str(self.base_checkpoint)
-        jobs = [
-            PartJob(str(location.checkpoint_dir), str(directory), tuple(part), dtype, merge, base, index)
-            for index, part in enumerate(split_parts(self.layout, count))
-        ]
-        if self.parts_runner is None:
-            progress = self.progress
-            report = None if progress is None else (lambda done: progress(done, total))
-            results = run_parts(jobs, sources, self.workers, report)
-        else:
-            results = self.parts_runner(jobs, sources)
-        for result in results:
+            part_writer.create_files(directory, self.layout)
+        for result in parts.write_parts(self, location, sources, directory, self.layout, count, report):
             self.digests.update(result.digests)
             self.times.merge(result.stage_seconds)
 
@@ -312,7 +314,8 @@ class CheckpointConsolidation(Consolidation):
             "files": self.entries,
         }
         if location.adapter:
-            manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(location.checkpoint_dir))
+            peft = None if adapter_settings is None else adapter_settings.peft_settings(location.checkpoint_dir)
+            manifest.update(base_checkpoint=location.adapter_base, peft=peft)
         if sources.merge is not None:
             manifest.update(merged_adapters=sources.merge.settings)
         if self.best is not None:

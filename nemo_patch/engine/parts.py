@@ -46,13 +46,16 @@ import torch
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.part_writer import Placement, write_part
+from nemo_patch.engine.part_writer import Placement, split_parts, write_part
 from nemo_patch.engine.process_limits import die_with_parent
+from nemo_patch.engine.safetensors_writer import OutputFile
 from nemo_patch.engine.stage_times import stage_times
 from nemo_patch.engine.tensor_sources import Sources, open_sources
 
 __all__ = [
     "MAX_WORKERS",
+    "PartsRunner",
+    "write_parts",
     "PartJob",
     "PartResult",
     "default_workers",
@@ -353,3 +356,36 @@ def run_parts(
                 process.kill()
             process.join()
             receive.close()
+
+
+#: Runs a consolidation's part jobs (given this process's sources of it) and returns their results in order; the
+#: default is :func:`run_parts` on this node. A runner that spreads the parts over nodes must raise when any part fails
+#: or does not report in time.
+PartsRunner = Callable[[List[PartJob], Sources], List[PartResult]]
+
+
+def write_parts(
+    consolidation: Any,
+    location: Any,
+    sources: Sources,
+    directory: Path,
+    layout: Sequence[OutputFile],
+    count: int,
+    progress: Optional[Callable[[int], None]],
+) -> List[PartResult]:
+    """Fill the created ``layout`` of ``consolidation`` (a :class:`.consolidate.CheckpointConsolidation`)
+    in ``count`` parts: with its ``parts_runner`` when it has one, else with :func:`run_parts` on this node.
+
+    Raises:
+        ConsolidationError: a part failed (its own error).
+    """
+    dtype = None if consolidation.dtype is None else str(consolidation.dtype).removeprefix("torch.")
+    merge = consolidation.merge_adapters and sources.merge is not None
+    base = None if consolidation.base_checkpoint is None else str(consolidation.base_checkpoint)
+    jobs = [
+        PartJob(str(location.checkpoint_dir), str(directory), tuple(part), dtype, merge, base, index)
+        for index, part in enumerate(split_parts(layout, count))
+    ]
+    if consolidation.parts_runner is not None:
+        return list(consolidation.parts_runner(jobs, sources))
+    return run_parts(jobs, sources, consolidation.workers, progress)

@@ -26,20 +26,25 @@ Imports the standard library, torch and the rest of the engine only; never NeMo,
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from nemo_patch.engine.adapter_merge import LoRAMergeSource, merged_producer, open_lora_merge
 from nemo_patch.engine.casting import cast_outputs, checked_cast
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
-from nemo_patch.engine.errors import CorruptShardError
-from nemo_patch.engine.plan import OutputTensor, plan_outputs
-from nemo_patch.engine.safetensors_writer import TensorSpec
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
+from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs
 from nemo_patch.engine.stage_times import stage_times
+
+try:  # a later addition: LoRA adapter checkpoints merged into their base model
+    from nemo_patch.engine import adapter_merge
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    adapter_merge = None  # type: ignore[assignment]
 
 __all__ = ["Sources", "merged_reader", "open_sources", "root_cause", "tensor_producer"]
 
@@ -114,12 +119,12 @@ def tensor_producer(
     return produce
 
 
-def merged_reader(merge: LoRAMergeSource, planned: List[OutputTensor], adapter_reader: RegionReader) -> Producer:
+def merged_reader(merge: Any, planned: List[OutputTensor], adapter_reader: RegionReader) -> Producer:
     """Reads a merged output tensor (base + LoRA delta, in the stored dtype), cast to the spec's dtype (refusing a cast
     that overflows: :func:`nemo_patch.engine.plan.checked_cast`)."""
     stored = {output.spec.name: output for output in planned}
     read_base = tensor_producer(merge.base_reader, stored, merge.base_metadata, 0, reuse=False)
-    merged = merged_producer(
+    merged = adapter_merge.merged_producer(
         read_base, lambda output: adapter_reader.read(output.key, output.index), merge.pairs, merge.scale
     )
 
@@ -148,7 +153,7 @@ class Sources:
 
     metadata: Metadata
     reader: RegionReader
-    merge: Optional[LoRAMergeSource]
+    merge: Optional[Any]
     planned: List[OutputTensor]
     outputs: List[OutputTensor]
 
@@ -191,6 +196,10 @@ def open_sources(
         ValueError: ``dtype`` is not a floating-point dtype.
     """
     metadata, reader = open_weights(location.weights_dir, location.backend)
-    merge = open_lora_merge(location, metadata, base_checkpoint) if merge_adapters and location.adapter else None
+    merge = None
+    if merge_adapters and location.adapter:
+        if adapter_merge is None:
+            raise ConsolidationError(f"{location.checkpoint_dir}: merging adapters needs {__package__}.adapter_merge")
+        merge = adapter_merge.open_lora_merge(location, metadata, base_checkpoint)
     planned = merge.base_outputs if merge is not None else plan_outputs(metadata)
     return Sources(metadata, reader, merge, planned, cast_outputs(planned, dtype))
