@@ -88,7 +88,7 @@ REFUSED = {
     "the run directory above the root": ("{root}/..", "a directory holding the checkpoint"),
     "a symbolic link to the checkpoint": ("{tmp}/alias", "it is the checkpoint itself"),
     "weights/ through a symbolic link": ("{tmp}/alias/weights", "inside the checkpoint's weights/"),
-    "a user's non-empty directory": ("{tmp}/mine", "not an output of nemo_patch (it holds notes.txt)"),
+    "a user's non-empty directory": ("{tmp}/mine", "not a consolidated output (it holds notes.txt)"),
     "a user's file": ("{tmp}/report.txt", "it is a file"),
     "a symbolic link of the user's": ("{tmp}/link-to-mine", "it is a symbolic link to"),
 }

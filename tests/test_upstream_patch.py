@@ -12,213 +12,126 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The upstream series (``scripts/make_upstream_patch.py --series``) applies to the installed NeMo one patch at a
-time, and after each patch that patch's own tests pass in the patched tree, with the overlay off.
-
-The installed NeMo is 2.7.3 in ``.venv`` and 2.5.3 in CI's ``.venv-nemo-2.5`` (the ``matrix`` mark runs this file in
-both). Each patch's tests are the test files it adds or changes under ``tests/``, run once, in the tree patched up to
-it: real consolidations of real checkpoints, and for the strategy, retention and PEFT patches a CPU fit of the patched
-NeMo each (see each stage's ``description.md`` under ``scripts/upstream/stages``). What is expensive to make is made
-once and shared by the patches' tests (``NEMO_CONSOLIDATION_TEST_CACHE``): the megatron-core checkpoint of the first
-patch's tests and the knob's fit, which the PEFT patch's LoRA fit starts from.
+"""The upstream series (``scripts/make_upstream_patch.py``) is the product's own files: it applies to the installed
+NeMo one pull request at a time, and after each, that pull request's tests pass in the patched tree, overlay off.
+Those tests are the product's own (``tests/nemo/``), which the product's suite also runs against the overlay: the
+same files, against both. The series' sizes are checked here too (the first pull request at most 800 added lines,
+tests and docs included; every other at most 2,000), and its files follow NeMo's formatting and lint.
 """
 
 import ast
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import make_upstream_patch  # noqa: E402
-from upstream.transforms import BLACK_ARGS, FLAKE8_ARGS, ISORT_SETTINGS, LEFTOVERS  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.matrix]
-
-STAGES = make_upstream_patch.STAGES
-GIT_ENV = dict(
-    os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t"
-)
+pytestmark = pytest.mark.slow
+SERIES = make_upstream_patch.SERIES
 
 
 def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=GIT_ENV)
-
-
-class PatchedTree:
-    """A git copy of the installed NeMo package, with the series applied up to some patch."""
-
-    def __init__(self, root: Path, patches: List[Path]) -> None:
-        self.root, self.patches, self.applied = root, patches, 0
-        self.cache = root.parent / "test-cache"
-        self.cache.mkdir(exist_ok=True)
-
-    def apply_through(self, number: int) -> None:
-        while self.applied < number:
-            patch = self.patches[self.applied]
-            proc = _git(self.root, "am", "--quiet", str(patch))
-            assert proc.returncode == 0, f"{patch.name} does not apply:\n{proc.stdout}{proc.stderr}"
-            self.applied += 1
+    env = dict(
+        os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t"
+    )
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
 def series(tmp_path_factory) -> List[Path]:
     out = tmp_path_factory.mktemp("series")
-    # In this process (the tests below reuse its formatted modules); includes the check of the NeMo files it edits
-    # against the installed wheel's RECORD hashes, and each stage's pyflakes and import checks.
     assert make_upstream_patch.main(["--series", str(out)]) == 0
     return [out / name for name in (out / "series").read_text().split()]
 
 
 @pytest.fixture(scope="module")
-def tree(series, tmp_path_factory) -> PatchedTree:
-    installed = Path(list(importlib.util.find_spec("nemo").submodule_search_locations)[0])
+def tree(tmp_path_factory) -> Path:
+    """A git copy of the installed NeMo package (compiled files included: the patched tree imports fast)."""
     root = tmp_path_factory.mktemp("nemo-src")
-    # The compiled files are copied too (their sources keep their times), so that the patched tree imports fast.
-    shutil.copytree(installed, root / "nemo")
+    shutil.copytree(make_upstream_patch.installed_nemo_src() / "nemo", root / "nemo")
     (root / ".gitignore").write_text("__pycache__/\n")
-    assert _git(root, "init", "-q").returncode == 0
-    assert _git(root, "add", "-A").returncode == 0
-    assert _git(root, "commit", "-qm", "nemo_toolkit as installed").returncode == 0
-    return PatchedTree(root, series)
+    for args in (("init", "-q"), ("add", "-A"), ("commit", "-qm", "NeMo as installed")):
+        assert _git(root, *args).returncode == 0
+    return root
 
 
-def test_every_setting_of_the_overlay_is_an_argument_of_nemos_strategy_or_named_as_a_follow_up(series):
-    """The patched ``MegatronStrategy.__init__`` (the whole series) takes every setting the overlay declares, with its
-    declared default, except the ones named as follow-ups."""
-    from upstream import nemo_edits
-
-    from nemo_patch.training.settings import SETTINGS
-
-    state = make_upstream_patch.tree_state(make_upstream_patch.installed_nemo_src(), STAGES[-1].key)
-    tree = ast.parse(state[nemo_edits.STRATEGY])
-    strategy = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MegatronStrategy")
-    init = next(f for f in strategy.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-    defaults = dict(zip([a.arg for a in init.args.args][-len(init.args.defaults) :], init.args.defaults))
-    upstream = {name: ast.literal_eval(default) for name, default in defaults.items()}
-    for spec in SETTINGS:
-        if spec.strategy_argument in nemo_edits.NOT_UPSTREAMED_ARGUMENTS:
-            assert spec.strategy_argument not in upstream
-        else:
-            assert upstream[spec.strategy_argument] == spec.default, spec.strategy_argument
-    assert set(nemo_edits.NOT_UPSTREAMED_ARGUMENTS) <= {spec.strategy_argument for spec in SETTINGS}
-
-
-def _added_files(patch: Path) -> List[str]:
+def _added(patch: Path) -> List[str]:
     return re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), flags=re.M)
 
 
-def test_series_is_one_described_patch_per_stage(series):
-    assert [p.name.split("-", 1)[1] for p in series] == [f"{s.directory.split('-', 1)[1]}.patch" for s in STAGES]
-    for patch, stage in zip(series, STAGES):
-        text = patch.read_text()
-        assert f"Subject: [PATCH {series.index(patch) + 1}/{len(series)}] {stage.subject}" in text
-        description = patch.with_suffix(".md").read_text()
-        for heading in ("## What", "## Why", "## How it is tested", "## Follow-ups"):
-            assert heading in description, f"{patch.name}: no {heading!r} section"
-        assert "docs/source/checkpoints/consolidation.rst" in _added_files(patch), "each patch documents its part"
-        assert any(re.match(r"tests/.*test_.*\.py$", path) for path in _added_files(patch)), "each patch is tested"
-
-
-@pytest.mark.parametrize("number", range(1, len(STAGES) + 1), ids=[stage.key for stage in STAGES])
-def test_patch_applies_and_its_tests_pass_in_the_patched_tree(tree, number):
-    """Each patch's own tests (the test files it adds or changes), once, in the tree patched up to it."""
-    tree.apply_through(number)
-    tests = [p for p in _added_files(tree.patches[number - 1]) if re.match(r"tests/.*/test_[^/]*\.py$", p)]
-    assert tests
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    # The patches' tests share what is expensive to make (NEMO_CONSOLIDATION_TEST_CACHE): one megatron-core checkpoint
-    # (written by the first patch's tests) and the knob's CPU fit (which the PEFT patch's LoRA fit starts from).
-    env.update(NEMO_PATCH_DISABLE="1", PYTHONPATH=str(tree.root), NEMO_CONSOLIDATION_TEST_CACHE=str(tree.cache))
-    # A basetemp of its own: under the default one, each inner pytest run would number a new
-    # /tmp/pytest-of-<user>/pytest-N and delete all but the newest three, the outer run's (still in use) among them.
-    basetemp = tree.root.parent / f"basetemp-{number}"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-x",
-            "-W",
-            "ignore",
-            "--basetemp",
-            str(basetemp),
-            *tests,
-        ],  # fmt: skip
-        cwd=tree.root,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1200,
+def _added_lines(patch: Path) -> int:
+    return sum(
+        1
+        for line in patch.read_text().split("\n-- \n")[0].splitlines()
+        if line.startswith("+") and not line.startswith("+++")
     )
+
+
+def test_one_described_patch_per_pull_request_within_its_size(series):
+    assert len(series) == len(SERIES)
+    for number, (patch, pr) in enumerate(zip(series, SERIES), 1):
+        text = patch.read_text().replace("\n ", " ")  # unfold the headers
+        assert f"Subject: [PATCH {number}/{len(SERIES)}] {pr.subject}" in text
+        for heading in ("## What", "## Why", "## How it is tested", "## Follow-ups"):
+            assert heading in text, f"{patch.name}: no {heading!r}"
+        assert make_upstream_patch.NEMO_DOCS_PAGE in _added(patch), "each pull request documents its part"
+        assert any(re.match(r"tests/.*test_[^/]*\.py$", path) for path in _added(patch)), "each is tested"
+        assert _added_lines(patch) <= (800 if number == 1 else 2000), f"{patch.name}: +{_added_lines(patch)}"
+
+
+def test_the_series_is_the_products_files_renamed(series):
+    """Every file a pull request adds is a product file with only its import paths renamed (and formatted)."""
+    for patch, pr in zip(series, SERIES):
+        added = set(_added(patch))
+        for source in pr.files:
+            assert make_upstream_patch.nemo_path(source) in added
+            text = (REPO / source).read_text()
+            assert make_upstream_patch.formatted(text) == make_upstream_patch.formatted(
+                make_upstream_patch.renamed(text)
+            )
+
+
+def _apply_through(tree: Path, series: List[Path], number: int) -> None:
+    """Apply the series to ``tree`` up to and including pull request ``number``."""
+    applied = int(_git(tree, "rev-list", "--count", "HEAD").stdout) - 1
+    for patch in series[applied:number]:
+        proc = _git(tree, "am", "--quiet", str(patch))
+        assert proc.returncode == 0, f"{patch.name} does not apply:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.mark.parametrize("number", range(1, len(SERIES) + 1), ids=[pr.key for pr in SERIES])
+def test_each_pull_request_applies_and_its_tests_pass_in_the_patched_tree(series, tree, number):
+    """The same test files as the product's suite runs against the overlay (``tests/nemo/``), in NeMo's tree."""
+    _apply_through(tree, series, number)
+    tests = [path for path in _added(series[number - 1]) if re.match(r"tests/.*test_[^/]*\.py$", path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env.update(NEMO_PATCH_DISABLE="1", PYTHONPATH=str(tree))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-W", "ignore"]
+    command += ["--basetemp", str(tree.parent / f"basetemp-{number}"), *tests]
+    proc = subprocess.run(command, cwd=tree, capture_output=True, text=True, env=env, timeout=1200)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in last and "failed" not in last and "skipped" not in last, last
 
 
-def _python_files(tree: PatchedTree) -> Dict[str, str]:
-    """Path -> text of every Python file the series adds or changes (the whole series applied)."""
-    tree.apply_through(len(STAGES))
-    changed = _git(tree.root, "diff", "--name-only", "HEAD~" + str(len(STAGES)), "HEAD").stdout.split()
-    return {path: (tree.root / path).read_text() for path in changed if path.endswith(".py")}
-
-
-def test_patched_files_follow_nemos_formatting_and_lint(tree):
-    import black
-    import isort
-
-    files = _python_files(tree)
-    original = {path: _git(tree.root, "show", f"HEAD~{len(STAGES)}:{path}").stdout for path in files}
-    mode = black.Mode(line_length=int(BLACK_ARGS[1].split("=")[1]), string_normalization=False)
-    for path, text in files.items():
-        was = original[path]
-        if not was or black.format_str(was, mode=mode) == was:  # NeMo's own files are held to what they were
-            assert black.format_str(text, mode=mode) == text, f"{path} is not formatted as black {BLACK_ARGS}"
-        if not was or isort.check_code(was, config=isort.Config(**ISORT_SETTINGS)):
-            assert isort.check_code(text, config=isort.Config(**ISORT_SETTINGS)), f"{path}: imports not sorted"
-        ast.parse(text)
-    flake8 = [sys.executable, "-m", "flake8", *FLAKE8_ARGS]
-    complaints = subprocess.run(flake8 + sorted(files), cwd=tree.root, capture_output=True, text=True).stdout
-    base = tree.root.parent / "nemo-as-installed"  # NeMo's own files as they were: only new complaints count
-    for path, text in original.items():
-        if text:
-            (base / path).parent.mkdir(parents=True, exist_ok=True)
-            (base / path).write_text(text)
-    old = subprocess.run(flake8 + [p for p in sorted(files) if original[p]], cwd=base, capture_output=True, text=True)
-    position = re.compile(r":\d+:\d+:")
-    known = {position.sub(":", line) for line in old.stdout.splitlines()}
-    new = [line for line in complaints.splitlines() if line.strip() and position.sub(":", line) not in known]
-    assert not new, "\n".join(new)
-    # NeMo's line length: every line the series writes (NeMo's own longer lines are left as they are)
-    long_lines = [
-        f"{path}:{number}: {len(line)} characters"
-        for path, text in files.items()
-        for number, line in enumerate(text.splitlines(), 1)
-        if len(line) > 119 and line not in original[path].splitlines()
-    ]
-    assert not long_lines, "\n".join(long_lines)
-
-
-def test_no_overlay_leftovers_and_no_assert_in_library_code(tree):
-    files = _python_files(tree)
-    for path, text in files.items():
-        for number, line in enumerate(text.splitlines(), 1):
-            assert not LEFTOVERS.search(line), f"{path}:{number}: {line.strip()}"
-        if path.startswith("nemo/lightning/io/consolidation/"):
-            asserts = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Assert)]
-            assert not asserts, f"{path}:{asserts[0].lineno}: assert in library code" if asserts else ""
-            assert "getLogger(" not in text, f"{path}: NeMo code logs through nemo.utils.logging"
-    callback = files["nemo/lightning/io/consolidation/training/callback.py"]
-    assert "ckpt_consolidation_timeout" not in callback  # NeMo's own strategy has no such attribute
-    worker = files["nemo/lightning/io/consolidation/training/worker.py"]
-    assert "prefer_huge_pages" not in worker and "WORKER_NICENESS" in worker  # its environment brings huge pages
+def test_added_python_follows_nemos_lint(series, tree):
+    """flake8 with NeMo's selection and line length on every Python file the series adds (black and isort formatting
+    is made by the packager); no ``assert`` in library code."""
+    _apply_through(tree, series, len(series))
+    added = sorted({path for patch in series for path in _added(patch) if path.endswith(".py")})
+    select = "--select=F541,F841,F401,E741,F821,E266,E501"
+    proc = subprocess.run([sys.executable, "-m", "flake8", "--max-line-length=119", select, *added], cwd=tree,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.stdout == "", proc.stdout
+    for path in added:
+        tree_ = ast.parse((tree / path).read_text())
+        if path.startswith("nemo/"):
+            assert not any(isinstance(node, ast.Assert) for node in ast.walk(tree_)), f"{path}: assert in library code"

@@ -77,7 +77,7 @@ def lora_pairs(adapter_outputs: List[OutputTensor], base_names: AbstractSet[str]
     """Base weight name (``<layer>.weight``) -> its adapter pair.
 
     Args:
-        adapter_outputs: the planned outputs of the adapter checkpoint (:func:`nemo_patch.engine.plan.plan_outputs`).
+        adapter_outputs: the planned outputs of the adapter checkpoint (:func:`.plan.plan_outputs`).
         base_names: the names of the base checkpoint's outputs.
 
     Raises:
@@ -109,7 +109,7 @@ def lora_scale(peft: Optional[Mapping[str, Any]]) -> Tuple[float, Dict[str, Any]
     """``alpha / dim`` of a LoRA adapter and the settings it came from.
 
     Args:
-        peft: the adapter checkpoint's PEFT settings (:func:`nemo_patch.engine.adapter_settings.peft_settings`).
+        peft: the adapter checkpoint's PEFT settings (:func:`.adapter_settings.peft_settings`).
 
     Raises:
         AdapterMergeError: the settings are unknown, the method is not NeMo's ``LoRA``, or ``alpha``/``dim`` are not

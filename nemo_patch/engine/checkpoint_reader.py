@@ -15,9 +15,9 @@
 """Open a checkpoint's weights for reading, whatever distributed-checkpoint format wrote them.
 
 Two formats are read: ``torch_dist`` (``torch.distributed.checkpoint``: ``.metadata`` + ``*.distcp`` shard files;
-:mod:`nemo_patch.engine.dcp_metadata`, :mod:`nemo_patch.engine.dcp_reader`) and megatron-core's ``zarr``
-(:mod:`nemo_patch.engine.zarr_reader`). Both are described by ``torch.distributed.checkpoint`` ``Metadata`` (global
-shape, dtype and chunks of each key), so naming and planning the output (:mod:`nemo_patch.engine.plan`) is one code
+:mod:`.dcp_metadata`, :mod:`.dcp_reader`) and megatron-core's ``zarr``
+(:mod:`.zarr_reader`). Both are described by ``torch.distributed.checkpoint`` ``Metadata`` (global
+shape, dtype and chunks of each key), so naming and planning the output (:mod:`.plan`) is one code
 path, and both readers read a key, or one index of it along dimension 0, into a given tensor.
 
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
@@ -37,7 +37,7 @@ from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.plan import model_tensor_keys
 
 try:  # an addition of the overlay: megatron-core's deprecated zarr format
-    from nemo_patch.engine import zarr_reader
+    import nemo_patch.engine.zarr_reader as zarr_reader
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
@@ -77,7 +77,7 @@ def open_weights(
         CorruptShardError: the metadata cannot be read (``.metadata`` truncated, corrupt or holding values of the
             wrong types, a ``.zarray`` unreadable), or the model entries' chunks do not tile their tensors or name
             shard files that are missing, outside ``weights/``, not regular files or too short
-            (:func:`nemo_patch.engine.layout_checks.check_dcp_layout`).
+            (:func:`.layout_checks.check_dcp_layout`).
         UnsupportedFormatError: a zarr array this package cannot read safely, or zarr/ml_dtypes not installed.
         ConsolidationError: any other backend.
     """

@@ -15,20 +15,20 @@
 """A consolidation with everything the product adds to the converter: integrity, parallel writers, adapters, zarr.
 
 :func:`consolidate_checkpoint` runs a :class:`CheckpointConsolidation`, the converter's
-:class:`~nemo_patch.engine.converter.Consolidation` with its steps extended:
+:class:`~.converter.Consolidation` with its steps extended:
 
 * ``metadata.json`` beside the weights (layout version ``FORMAT_VERSION``): global step, source, tensor count, bytes,
-  dtype, vocabulary sizes and per-tensor digests (:mod:`nemo_patch.engine.digests`), which every writer computes for
+  dtype, vocabulary sizes and per-tensor digests (:mod:`.digests`), which every writer computes for
   what it writes; optionally every tensor re-read and compared with the checkpoint before publishing (``verify``);
-* several writer processes on this node (:mod:`nemo_patch.engine.parts`) or on several nodes (``parts_runner``:
-  :mod:`nemo_patch.cli.distributed`) fill the laid-out files at once; the bytes do not depend on how many. One writer
+* several writer processes on this node (:mod:`.parts`) or on several nodes (``parts_runner``:
+  a runner of several nodes) fill the laid-out files at once; the bytes do not depend on how many. One writer
   writes each file front to back;
 * a PEFT adapter checkpoint gives ``adapter_model.safetensors`` (``"kind": "adapter"``, with the ``base_checkpoint``
   NeMo recorded and the PEFT settings), or with ``merge_adapters`` the base model with the adapters merged
-  (:mod:`nemo_patch.engine.adapter_merge`); a ``zarr`` checkpoint is read by :mod:`nemo_patch.engine.zarr_reader`;
+  (:mod:`.adapter_merge`); a ``zarr`` checkpoint is read by :mod:`.zarr_reader`;
 * publishing with a lock on the temporary directory, an atomic exchange with a previous output, and the removal of
-  what killed consolidations left (:mod:`nemo_patch.engine.publish`); outputs that would overwrite the checkpoint are
-  refused first (:mod:`nemo_patch.engine.output_target`).
+  what killed consolidations left (:mod:`.publish`); outputs that would overwrite the checkpoint are
+  refused first (:mod:`.output_target`).
 """
 
 import contextlib
@@ -69,13 +69,15 @@ from nemo_patch.engine.verify import (
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 
 try:  # later additions: writer processes, and publishing with locks and an atomic exchange
-    from nemo_patch.engine import part_writer, parts, publish
+    import nemo_patch.engine.part_writer as part_writer
+    import nemo_patch.engine.parts as parts
+    import nemo_patch.engine.publish as publish
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
     part_writer = parts = publish = None  # type: ignore[assignment]
 try:  # a later addition: PEFT adapter checkpoints
-    from nemo_patch.engine import adapter_settings
+    import nemo_patch.engine.adapter_settings as adapter_settings
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
@@ -104,9 +106,9 @@ class ConsolidationResult:
         total_bytes: sum of the tensors' data sizes in bytes (``numel * element_size``), excluding headers.
         global_step: the global step recorded in ``metadata.json`` (``None`` if unknown).
         files: output file name -> its digest in ``metadata.json`` (``blake3_tree`` of a safetensors file, ``blake3``
-            of a JSON file; :mod:`nemo_patch.engine.digests`).
+            of a JSON file; :mod:`.digests`).
         kind: ``"model"``, or ``"adapter"`` for a PEFT adapter checkpoint's adapters.
-        stage_seconds: busy seconds per stage over every writer (:mod:`nemo_patch.engine.stage_times`).
+        stage_seconds: busy seconds per stage over every writer (:mod:`.stage_times`).
     """
 
     output_dir: Path
@@ -146,7 +148,7 @@ def read_state_dict(
     """Every output tensor of a checkpoint in memory (what the Hugging Face export converts at once).
 
     Args:
-        location: from :func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`.
+        location: from :func:`.checkpoint_layout.inspect_checkpoint`.
         merge_adapters: for a LoRA adapter checkpoint, the base model with the adapters merged.
         progress: called with ``(bytes read, bytes in all)``.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
@@ -172,7 +174,7 @@ def read_state_dict(
 #: Called during a consolidation with ``(bytes done, bytes in all)`` of tensor data, after each tensor.
 ProgressCallback = Callable[[int, int], None]
 #: Runs a consolidation's part jobs (given this process's sources of it) and returns their results in order
-#: (:data:`nemo_patch.engine.parts.PartsRunner`).
+#: (:data:`.parts.PartsRunner`).
 PartsRunner = Callable[[List[Any], Sources], List[Any]]
 
 
@@ -355,40 +357,40 @@ def consolidate_checkpoint(
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
     Reads only files: no process group is needed or used. Unpickles nothing but the DCP ``.metadata`` file, with an
-    allowlist of metadata types (:func:`nemo_patch.engine.metadata_checks.read_dcp_metadata`; megatron-core is not
+    allowlist of metadata types (:func:`.metadata_checks.read_dcp_metadata`; megatron-core is not
     imported); stored tensors are read with ``torch.load(weights_only=True)``; ``_extra_state`` payloads and
     ``common.pt`` are never loaded. Temporary output left in the checkpoint directory by a consolidation process that
-    was killed is removed first (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`).
+    was killed is removed first (:func:`.publish.remove_stale_tmp_dirs`).
 
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory; ``torch_dist`` or
-            megatron-core's ``zarr`` (:mod:`nemo_patch.engine.zarr_reader`: same output, bit for bit).
+            megatron-core's ``zarr`` (:mod:`.zarr_reader`: same output, bit for bit).
         output_dir: where to publish; defaults to ``<ckpt>/consolidated``.
         global_step: recorded in ``metadata.json``; ``None`` if unknown.
         max_shard_size: most tensor-data bytes per safetensors file (default 5 * 10**9, Hugging Face's "5GB"); a
             single ``model.safetensors`` is written when everything fits, else shards plus an index.
         dtype: cast floating-point tensors to this dtype (``None`` keeps the stored dtypes); a cast that would turn a
             finite value into ``inf`` (e.g. above 65504 in ``torch.float16``) raises
-            :class:`~nemo_patch.engine.errors.DtypeOverflowError`.
+            :class:`~.errors.DtypeOverflowError`.
         overwrite: replace an existing output atomically (the strategy's behaviour); if ``False`` an existing output
             raises :class:`OutputExistsError` before any work. Only a previous output or an empty directory is ever
             replaced, and ``output_dir`` may not be the checkpoint, a directory above it, or in its ``weights/`` or
-            ``context/`` (:func:`nemo_patch.engine.output_target.check_output_target`).
+            ``context/`` (:func:`.output_target.check_output_target`).
         verify: re-read the written files and compare every tensor with the checkpoint before publishing
-            (:func:`nemo_patch.engine.verify.verify_consolidated`).
+            (:func:`.verify.verify_consolidated`).
         allow_unfinished: consolidate even if NeMo's unfinished marker is present (the CLI's explicit override).
         progress: called with ``(bytes done, bytes in all)`` after each tensor is read.
         expected_shapes: with ``verify``, the names and shapes the output must have besides (e.g. the model in the
-            checkpoint's context: :func:`nemo_patch.export.context_model.context_model_shapes`), checked before
-            publishing (:func:`nemo_patch.engine.verify.verify_names_and_shapes`).
+            checkpoint's context), checked before
+            publishing (:func:`.verify.verify_names_and_shapes`).
         merge_adapters: for a LoRA adapter checkpoint, write the base model with the adapters merged
-            (``model.safetensors``, :mod:`nemo_patch.engine.adapter_merge`) instead of ``adapter_model.safetensors``;
+            (``model.safetensors``, :mod:`.adapter_merge`) instead of ``adapter_model.safetensors``;
             no effect on a model checkpoint.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
         best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
             monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
             ``ModelCheckpoint``'s).
-        workers: writer processes on this node (>= 1; :func:`nemo_patch.engine.parts.default_workers` is the CLI's
+        workers: writer processes on this node (>= 1; :func:`.parts.default_workers` is the CLI's
             default). The output is the same, byte for byte, whatever the number.
         parts: how many parts the tensors are cut into (default: ``workers``); with ``parts_runner``.
         parts_runner: runs the parts instead of ``workers`` processes on this node (several nodes).
@@ -397,7 +399,7 @@ def consolidate_checkpoint(
         A :class:`ConsolidationResult`.
 
     Raises:
-        ConsolidationError: or one of its subclasses in :mod:`nemo_patch.engine.errors` naming the cause: not
+        ConsolidationError: or one of its subclasses in :mod:`.errors` naming the cause: not
             a checkpoint, unfinished, unsupported format (``fsdp_dtensor``, a ``zarr`` array it cannot read safely),
             output exists, a shard file that cannot be read or metadata that leaves a layer out
             (:class:`CorruptShardError`, naming the file or the layer), a ``dtype`` too narrow for the values

@@ -20,7 +20,7 @@ loaded with ``torch.load(weights_only=True)`` from its record in a ``.distcp`` f
 chunk. The read loop is not ``FileSystemReader.read_data``, because a checkpoint is not trusted: a record must lie in a
 plain, regular file of ``weights/`` (never a path joined from the metadata) and hold exactly the dtype and shape its
 chunk declares (DCP would narrow or cast silently), and the chunks must cover the region:
-:mod:`nemo_patch.engine.layout_checks` proves each key's layout first, :mod:`nemo_patch.engine.record_checks` checks
+:mod:`.layout_checks` proves each key's layout first, :mod:`.record_checks` checks
 each record's members and CRC-32.
 """
 
@@ -46,7 +46,7 @@ class DCPRegionReader:
     Args:
         path: the DCP directory.
         metadata: its metadata (:func:`read_dcp_metadata`).
-        verify_checksums: check each record's CRC-32 (:mod:`nemo_patch.engine.record_checks`).
+        verify_checksums: check each record's CRC-32 (:mod:`.record_checks`).
         files: shard file name -> ``(path, size)`` of files checked already, for ``checked``, the keys they hold.
         checked: keys whose layout is checked already.
     """
@@ -69,7 +69,7 @@ class DCPRegionReader:
         return sorted({info.relative_path for index, info in storage.items() if index.fqn == key})
 
     def _check(self, key: str) -> None:
-        """Check ``key``'s layout and files once (:func:`nemo_patch.engine.layout_checks.check_dcp_layout`)."""
+        """Check ``key``'s layout and files once (:func:`.layout_checks.check_dcp_layout`)."""
         if key not in self._checked:
             self._files.update(check_dcp_layout(self.path, self.metadata, [key]))
             self._checked.add(key)

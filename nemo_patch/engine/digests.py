@@ -28,7 +28,7 @@ and ``{"size", "blake3"}`` for a JSON file (the index). Together these cover eve
 so they detect what a whole-file digest detects (a hash over hashes is as collision-resistant as the hash), and they
 say which tensor changed. They are the same whatever the number of writers, and ``blake3_tree`` identifies a file
 as a whole. :func:`verify_digests` checks an output against them; ``--verify`` runs it besides comparing every
-tensor with the checkpoint bitwise (:func:`nemo_patch.engine.verify.verify_consolidated`), which is what makes it as
+tensor with the checkpoint bitwise (:func:`.verify.verify_consolidated`), which is what makes it as
 strong as before.
 
 Why BLAKE3 (the ``blake3`` package, its authors' Python binding) and not sha256: it is a cryptographic hash with the
@@ -42,7 +42,7 @@ seconds. Every digest is 64 lowercase hex characters, the value ``b3sum`` gives 
 outputs get).
 
 :func:`verify_digests` also checks that every weights file of the output (the single file, or the index and the
-shards it names, read through :func:`nemo_patch.engine.output_files.output_weight_map`) is among the files
+shards it names, read through :func:`.output_files.output_weight_map`) is among the files
 ``metadata.json`` records, so that nothing a loader reads goes unchecked.
 
 Imports the standard library, ``blake3`` (optional), and the engine's errors, output layout, output files and

@@ -19,7 +19,7 @@ Before any tensor is read or any output is allocated, :func:`check_dcp_layout` c
 (``module.*``) of the DCP metadata:
 
 * **tiling**: each chunk lies inside the tensor's declared size, no two chunks overlap, and no chunk repeats; the
-  coverage of each output tensor is then counted exactly by :mod:`nemo_patch.engine.plan` (a hole fails there, naming
+  coverage of each output tensor is then counted exactly by :mod:`.plan` (a hole fails there, naming
   the tensor). With overlapping or out-of-bounds chunks, adding up volumes would hide a hole, and the output would hold
   whatever memory the hole had;
 * **storage**: each chunk has its storage record (``storage_data[MetadataIndex(key, offsets)]``), and each stored
@@ -30,10 +30,10 @@ Before any tensor is read or any output is allocated, :func:`check_dcp_layout` c
   (``torch.save`` stores tensor data uncompressed), shares no byte with another record, and carries no storage
   transform (compression: megatron-core never writes it, and its output size could not be bounded). So the bytes a
   plan allocates are bounded by the bytes the checkpoint holds (a record's members must be uncompressed too:
-  :mod:`nemo_patch.engine.dcp_reader`).
+  :mod:`.dcp_reader`).
 
 What each stored record actually holds (its dtype and shape) is checked when it is read
-(:class:`nemo_patch.engine.dcp_reader.DCPRegionReader`).
+(:class:`.dcp_reader.DCPRegionReader`).
 
 Imports the standard library, torch and the engine's errors and safe file access only; never NeMo, Lightning or
 megatron-core.
@@ -166,7 +166,7 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
 
     Args:
         weights_dir: the DCP directory.
-        metadata: its validated metadata (:func:`nemo_patch.engine.metadata_checks.validate_metadata`).
+        metadata: its validated metadata (:func:`.metadata_checks.validate_metadata`).
         keys: the tensor entries that will be read.
 
     Returns:

@@ -16,7 +16,7 @@
 
 The output's weights are ``model.safetensors`` or, above the shard size, ``model-0000i-of-0000N.safetensors`` shards
 plus ``model.safetensors.index.json``; both are read, the shards through their index, which is checked against the
-files first (:func:`nemo_patch.engine.output_files.output_weight_map`).
+files first (:func:`.output_files.output_weight_map`).
 
 Consolidated names are the distributed checkpoint's canonical keys, which megatron-core derives from a module's
 ``state_dict`` names by applying each ``TransformerLayer``'s ``submodules_config.sharded_state_dict_keys_map`` (the

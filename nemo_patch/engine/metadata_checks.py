@@ -14,12 +14,12 @@
 
 """Read a ``.metadata`` file of a checkpoint from elsewhere: bounded, checked before and after it is unpickled.
 
-:func:`read_dcp_metadata` reads the file as a bounded regular file (:mod:`nemo_patch.engine.safe_files`), bounds what
-the pickle may build (:mod:`nemo_patch.engine.pickle_limits`), unpickles it with the allowlist
-(:func:`nemo_patch.engine.dcp_metadata.load_dcp_metadata`), and checks every field the engine reads: an allowlisted
+:func:`read_dcp_metadata` reads the file as a bounded regular file (:mod:`.safe_files`), bounds what
+the pickle may build (:mod:`.pickle_limits`), unpickles it with the allowlist
+(:func:`.dcp_metadata.load_dcp_metadata`), and checks every field the engine reads: an allowlisted
 file can still hold wrong values of the right classes (``size="abc"``, ``chunks=None``, an integer key), which then
 fail here naming the entry (:func:`validate_metadata`). Whether the chunks tile their tensor and where the files are
-is checked by :mod:`nemo_patch.engine.layout_checks`.
+is checked by :mod:`.layout_checks`.
 """
 
 import pickle
@@ -109,7 +109,7 @@ def read_dcp_metadata(dcp_dir: Path) -> Metadata:
     Raises:
         OSError: the file cannot be read, is not a regular file, or is larger than :data:`MAX_METADATA_BYTES`.
         pickle.UnpicklingError: a structure the unpickler must not build, a name outside the allowlist, a corrupt
-            file, or (:class:`~nemo_patch.engine.errors.InvalidMetadataError`) values of the wrong types.
+            file, or (:class:`~.errors.InvalidMetadataError`) values of the wrong types.
     """
     data = read_regular_file(Path(dcp_dir) / ".metadata", MAX_METADATA_BYTES)
     prescan_pickle(data)

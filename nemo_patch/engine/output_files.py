@@ -17,7 +17,7 @@
 An output holds its weights as ``<stem>.safetensors`` or, when they exceed the shard size, as
 ``<stem>-0000i-of-0000N.safetensors`` shards plus ``<stem>.safetensors.index.json`` (Hugging Face's layout,
 ``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}``; see
-:mod:`nemo_patch.engine.output_layout`). Every reader of outputs goes through :func:`output_weight_map`, which checks
+:mod:`.output_layout`). Every reader of outputs goes through :func:`output_weight_map`, which checks
 the index against the files before anything is read:
 
 * every file the index names is a plain file name (no ``/`` or ``\\``, not ``.`` or ``..``, so never a path outside
@@ -27,7 +27,7 @@ the index against the files before anything is read:
   is an error naming the tensor and both files.
 
 Weights files are opened with ``safetensors``' ``safe_open`` (only headers are read for the checks); the index is read
-as a regular file of bounded size (:func:`nemo_patch.engine.safe_files.read_regular_file`). A shard may be a symlink
+as a regular file of bounded size (:func:`.safe_files.read_regular_file`). A shard may be a symlink
 (as in a Hugging Face cache): only the name the index gives it must be plain.
 
 Imports the standard library, torch, safetensors and the engine's output layout and safe files only; never NeMo,
@@ -113,8 +113,8 @@ def read_index_weight_map(index_path: Union[str, Path]) -> Dict[str, str]:
 
     Raises:
         OSError: the index cannot be read; ``FileNotFoundError`` if it or a file it names does not exist, and
-            :class:`~nemo_patch.engine.safe_files.UnsafeFileError` if it is not a regular file or is larger than
-            :data:`~nemo_patch.engine.safe_files.MAX_JSON_BYTES`.
+            :class:`~.safe_files.UnsafeFileError` if it is not a regular file or is larger than
+            :data:`~.safe_files.MAX_JSON_BYTES`.
         InvalidOutputError: the index is not JSON, has no ``weight_map`` object, names a tensor twice or none, or maps
             a tensor to something other than a plain file name (a path, ``..``, not a string); or a file holds a
             tensor the index does not map to it, or lacks one it does. The message names the index, the tensor and
@@ -144,8 +144,8 @@ def read_index_weight_map(index_path: Union[str, Path]) -> Dict[str, str]:
 def output_weight_map(output_dir: Union[str, Path], stems: Sequence[str] = (MODEL_STEM,)) -> Dict[str, str]:
     """Tensor name -> weights file name of a consolidated output, checked against the files' headers.
 
-    For each stem in turn (``"model"``, ``"adapter_model"``; :data:`~nemo_patch.engine.output_layout.MODEL_STEM`,
-    :data:`~nemo_patch.engine.output_layout.ADAPTER_STEM`), the output's weights are ``<stem>.safetensors`` or the
+    For each stem in turn (``"model"``, ``"adapter_model"``; :data:`~.output_layout.MODEL_STEM`,
+    :data:`~.output_layout.ADAPTER_STEM`), the output's weights are ``<stem>.safetensors`` or the
     shards ``<stem>.safetensors.index.json`` names; the first stem with either is used. Only headers are read.
 
     Args:

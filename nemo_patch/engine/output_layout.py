@@ -53,7 +53,7 @@ HF_DIRNAME = "hf"
 #: Output format (``ckpt_consolidation_format``, the CLI's ``--format``) -> output directory name.
 OUTPUT_DIRNAMES: Dict[str, str] = {"safetensors": CONSOLIDATED_DIRNAME, "hf": HF_DIRNAME}
 #: Directory in a checkpoint root holding outputs kept after NeMo's top-k removed their checkpoints
-#: (``retained/<checkpoint name>/consolidated/``; see ``nemo_patch.training.retention``).
+#: (``retained/<checkpoint name>/consolidated/``; see ``training.retention``).
 RETAINED_DIRNAME = "retained"
 #: Hugging Face's default ``max_shard_size`` ("5GB", decimal): 5 * 10**9 bytes of tensor data per file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9

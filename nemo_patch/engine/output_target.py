@@ -15,7 +15,7 @@
 """Where a consolidation may publish its output, and what an overwrite may replace: nothing of the user's is lost.
 
 An output directory is published by renaming a complete temporary directory over its name
-(:mod:`nemo_patch.engine.publish`); with ``overwrite`` (the CLI's ``--force``, the strategy's consolidations) whatever
+(:mod:`.publish`); with ``overwrite`` (a command line's ``--force``, consolidations during training) whatever
 is under that name goes. :func:`check_output_target` says, before anything is read or written, whether that is safe:
 
 * Where: never the checkpoint directory itself, its root (the directory holding the checkpoints) or any directory
@@ -27,7 +27,7 @@ is under that name goes. :func:`check_output_target` says, before anything is re
   Face export write it, and which holds no ``weights/``) or an empty directory. A file, a symbolic link, or a
   directory holding anything else is refused, naming what is there.
 
-Both refusals raise :class:`nemo_patch.engine.errors.OutputExistsError` (exit code 7 of ``nemo-consolidate``).
+Both refusals raise :class:`.errors.OutputExistsError` (exit code 7).
 
 Imports the standard library and the engine's checkpoint layout and errors only (no torch), so the CLI checks its
 ``--out`` before importing torch.
@@ -76,9 +76,9 @@ def refuse_an_output_as_checkpoint(path: Union[str, Path]) -> None:
     """
     if is_consolidated_output(path):
         raise NotACheckpointError(
-            f"{path} is a consolidated output (nemo_patch's metadata.json and safetensors files), not a distributed "
+            f"{path} is a consolidated output (metadata.json and safetensors files), not a distributed "
             "checkpoint: give the checkpoint directory that holds it (for one written elsewhere with --out, "
-            "check it with: nemo-consolidate <checkpoint> --verify --out <this directory>)"
+            "check it by verifying the checkpoint with this directory as the output)"
         )
 
 
@@ -111,7 +111,7 @@ def describe_entry(path: Union[str, Path], limit: int = 3) -> str:
     except OSError as error:
         return f"a directory that cannot be listed ({error.strerror})"
     shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-    return f"a directory that is not an output of nemo_patch (it holds {shown})"
+    return f"a directory that is not a consolidated output (it holds {shown})"
 
 
 def check_output_target(
@@ -119,8 +119,8 @@ def check_output_target(
 ) -> None:
     """Refuse an output directory whose publication would destroy the checkpoint or anything of the user's.
 
-    Called before anything is read or written: by :func:`nemo_patch.engine.consolidate.consolidate_checkpoint`, the
-    Hugging Face export and ``nemo-consolidate``.
+    Called before anything is read or written: by :func:`.consolidate.consolidate_checkpoint`, the
+    Hugging Face export and the command line.
 
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``, holding ``weights/``; for a bare DCP directory, the
@@ -159,5 +159,5 @@ def check_output_target(
     if not replaceable:
         raise OutputExistsError(
             f"Refusing to replace {shown}: it is {describe_entry(output_dir)}; only a previous output of "
-            "nemo-consolidate or an empty directory is replaced (--force), so choose another output directory"
+            "a consolidation or an empty directory is replaced (--force), so choose another output directory"
         )

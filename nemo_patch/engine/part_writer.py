@@ -14,11 +14,11 @@
 
 """Fill byte ranges of laid-out safetensors files: the unit of work that writers share.
 
-:func:`nemo_patch.engine.safetensors_writer.plan_files` fixes every output tensor's file and byte range before any
+:func:`.safetensors_writer.plan_files` fixes every output tensor's file and byte range before any
 data is read, and :func:`create_files` creates the files at their final size.
 :func:`split_parts` cuts the tensors, in file order, into contiguous runs of about equal bytes (a *part*, a list of
 :class:`Placement`); :func:`write_part` fills one part's ranges with ``os.pwrite`` from any process or node that sees
-the files, hashes each tensor's bytes (BLAKE3, :mod:`nemo_patch.engine.digests`) as it writes them, starts making
+the files, hashes each tensor's bytes (BLAKE3, :mod:`.digests`) as it writes them, starts making
 them durable while the next tensors are produced, and fsyncs what it wrote. Parts are disjoint, so their writers need
 no locks, and the bytes of a file do not depend on how many parts filled it.
 

@@ -14,20 +14,20 @@
 
 """One consolidation written by several processes: part jobs, and a pool of writer processes on this node.
 
-A consolidation's output files are laid out and created first (:mod:`nemo_patch.engine.safetensors_writer`), then
-their tensors are cut into parts (:func:`nemo_patch.engine.part_writer.split_parts`). A :class:`PartJob` is all a
+A consolidation's output files are laid out and created first (:mod:`.safetensors_writer`), then
+their tensors are cut into parts (:func:`.part_writer.split_parts`). A :class:`PartJob` is all a
 process needs to fill one part: the checkpoint, the temporary output directory and the part's placements, plus the
 options that change what is read (dtype, merged adapters). It is plain JSON (:meth:`PartJob.to_json`), so it can be
 handed to a process on this node (:func:`run_parts`) or to another node over a ``torch.distributed`` group
-(:mod:`nemo_patch.cli.distributed`).
+(a runner the caller gives).
 Whoever runs it re-plans the outputs from the checkpoint's metadata and checks that the placements agree.
 
 Writer processes on this node are forked from the consolidating process when it can be forked safely (Linux; no CUDA,
 ``torch.distributed`` group, NeMo or megatron-core in it, as in a training run's consolidation process or a plain
-``nemo-consolidate``): they start in milliseconds, with torch already imported and the checkpoint's metadata already
-read. Otherwise they come from a ``forkserver`` (one fresh interpreter that imports this module once), or are
-spawned. Each runs one part with one torch thread; a failure in any
-part stops the others and fails the whole consolidation with the part's own error.
+command-line consolidation): they start in milliseconds, with torch imported and the checkpoint's metadata read.
+Otherwise they come from a ``forkserver`` (one fresh interpreter that imports this module once), or are spawned.
+Each runs one part with one torch thread; a failure in any part stops the others and fails the whole consolidation
+with the part's own error.
 
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
 """
@@ -142,7 +142,7 @@ class PartJob:
             data["placements"] = tuple(Placement(**item) for item in data["placements"])
             return cls(**data)
         except (TypeError, KeyError, ValueError) as error:
-            raise ValueError(f"not a nemo_patch part job: {text[:200]!r} ({error})") from error
+            raise ValueError(f"not a consolidation part job: {text[:200]!r} ({error})") from error
 
 
 @dataclass
@@ -152,7 +152,7 @@ class PartResult:
     Attributes:
         digests: tensor name -> BLAKE3 hex digest of its data bytes.
         nbytes: tensor-data bytes written.
-        stage_seconds: busy seconds per stage (:mod:`nemo_patch.engine.stage_times`).
+        stage_seconds: busy seconds per stage (:mod:`.stage_times`).
     """
 
     digests: Dict[str, str] = field(default_factory=dict)
@@ -170,7 +170,7 @@ class PartResult:
 
 
 def open_job_sources(job: PartJob) -> Sources:
-    """The :class:`~nemo_patch.engine.tensor_sources.Sources` a part job reads from (opened from its checkpoint)."""
+    """The :class:`~.tensor_sources.Sources` a part job reads from (opened from its checkpoint)."""
     location = inspect_checkpoint(job.checkpoint_dir, allow_unfinished=True)  # the coordinator checked it
     dtype = None if job.dtype is None else getattr(torch, job.dtype)
     return open_sources(location, dtype, job.merge_adapters, job.base_checkpoint)
@@ -187,7 +187,7 @@ def run_part(
 
     Args:
         job: the part.
-        sources: the consolidation's :class:`~nemo_patch.engine.tensor_sources.Sources` if this process has them
+        sources: the consolidation's :class:`~.tensor_sources.Sources` if this process has them
             (else they are opened from ``job``).
         progress: called with each tensor's bytes once written.
 
@@ -246,7 +246,7 @@ _NOT_FORK_SAFE = ("nemo", "megatron.core", "lightning", "transformer_engine", "a
 def _fork_is_safe() -> bool:
     """Whether writers may be forked from this process: Linux ``fork``, and nothing started that a child cannot
     carry on (CUDA, a ``torch.distributed`` group, NeMo or megatron-core imported). The consolidation process of a
-    training run and a plain ``nemo-consolidate`` qualify."""
+    training run and a plain command-line consolidation qualify."""
     import torch.distributed
 
     return (
@@ -287,7 +287,7 @@ def run_parts(
 
     Args:
         jobs: the parts (at most ``workers`` of them when ``workers`` > 1).
-        sources: this process's :class:`~nemo_patch.engine.tensor_sources.Sources` of the consolidation.
+        sources: this process's :class:`~.tensor_sources.Sources` of the consolidation.
         workers: 1 for this process alone.
         progress: called with the total bytes written so far, as writers report it.
         poll: seconds between progress reports.

@@ -14,10 +14,10 @@
 
 """Bounds on what a ``.metadata`` pickle may make the unpickler build, checked before anything is built.
 
-:mod:`nemo_patch.engine.dcp_metadata` resolves only allowlisted names, but an allowlisted pickle can still cost
+:mod:`.dcp_metadata` resolves only allowlisted names, but an allowlisted pickle can still cost
 unbounded memory or crash the interpreter: a memo index near 2**32 makes CPython allocate a memo array of that size,
 and a deeply nested tuple used as a dict key crashes it in C recursion. :func:`prescan_pickle` walks the opcodes with
-``pickletools.genops`` (no object is made) and refuses such files; :mod:`nemo_patch.engine.dcp_metadata` calls it
+``pickletools.genops`` (no object is made) and refuses such files; :mod:`.dcp_metadata` calls it
 when this module is present.
 
 Standard library only.

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from nemo_patch.engine.errors import UnknownLayoutError
 
 try:  # a later addition: mixture-of-experts entries, one output tensor per expert
-    from nemo_patch.engine import moe_names
+    import nemo_patch.engine.moe_names as moe_names
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise

@@ -17,11 +17,11 @@
 Output is written into a hidden temporary directory next to its final place, ``<parent>/.consolidated.tmp-<pid>-<id>@
 <host>``, and renamed to its final name when complete (a rename of a directory is atomic on POSIX filesystems), so a
 reader sees either no output directory or a complete one (:func:`staged_output` wraps a whole consolidation in that).
-An existing output is replaced only when :func:`nemo_patch.engine.output_target.is_replaceable_output` allows it (a
+An existing output is replaced only when :func:`.output_target.is_replaceable_output` allows it (a
 previous output of this package or an empty directory), by exchanging the two names atomically where the filesystem
 can (:func:`publish_dir`).
 
-Liveness: the process that creates a temporary directory (:func:`make_tmp_dir`) creates ``.nemo-patch.lock``
+Liveness: the process that creates a temporary directory (:func:`make_tmp_dir`) creates ``.consolidation.lock``
 (:data:`TMP_LOCK_NAME`) in it and holds an exclusive ``flock`` on it for the directory's whole life (writer processes
 forked later share it); the file is unlinked just before the directory is published, the lock released just after.
 A process killed half-way (SIGKILL, node failure) leaves its temporary directory with a lock nobody holds;
@@ -33,7 +33,7 @@ file): that one is removed only when it is older than :data:`LOCKLESS_STALE_SECO
 time) and, as before, its name names this host and a process that does not run here.
 
 Imports the standard library, torch (for DCP's exception type) and the engine's errors, names and output rules
-(:mod:`nemo_patch.engine.output_target`) only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
+(:mod:`.output_target`) only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
 
 import contextlib
@@ -79,7 +79,7 @@ logger = logging.getLogger(__name__)
 TMP_PREFIX = ".consolidated.tmp-"
 _TMP_NAME = re.compile(r"^\.consolidated\.tmp-(?:[a-z]+-)?(?P<pid>\d+)-[0-9a-f]+(?:@(?P<host>.*))?$")
 #: The lock file in a temporary directory; its creator holds ``flock(LOCK_EX)`` on it while the directory is in use.
-TMP_LOCK_NAME = ".nemo-patch.lock"
+TMP_LOCK_NAME = ".consolidation.lock"
 #: Age (seconds since the last change of its entries) after which a temporary directory without a lock file is stale.
 LOCKLESS_STALE_SECONDS = 15 * 60
 
@@ -189,7 +189,7 @@ def publish_dir(tmp_dir: Path, output_dir: Path, overwrite: bool = True) -> None
     """Rename ``tmp_dir`` to ``output_dir``, then release ``tmp_dir``'s lock.
 
     An existing ``output_dir`` is replaced only when it is a previous output of this package or an empty directory
-    (:func:`nemo_patch.engine.output_target.is_replaceable_output`). Where ``renameat2`` with ``RENAME_EXCHANGE``
+    (:func:`.output_target.is_replaceable_output`). Where ``renameat2`` with ``RENAME_EXCHANGE``
     works (Linux 3.15 and later on ext4, XFS, Btrfs, tmpfs, ...), the two names are exchanged in one atomic step, so
     ``output_dir`` always names a complete output, the old one until the exchange and the new one after; the old one,
     now under ``tmp_dir``'s name, is then removed. Where it does not (no such libc symbol, or ``ENOSYS``, ``EINVAL``
@@ -404,7 +404,7 @@ def staged_output(
             passes unchanged.
         OutputExistsError: ``output_dir`` appeared meanwhile and ``overwrite`` is ``False``, or what is there is
             neither a previous output nor an empty directory (callers check that first:
-            :func:`nemo_patch.engine.output_target.check_output_target`).
+            :func:`.output_target.check_output_target`).
     """
     try:
         _make_output_parent(checkpoint_dir, output_dir)

@@ -15,7 +15,7 @@
 """Checks on the stored records of a checkpoint's shard files as they are read: the archive's members, and CRC-32.
 
 Each tensor chunk of a ``torch_dist`` checkpoint is one ``torch.save`` record (a zip archive) inside a ``.distcp``
-file. :func:`open_record` gives :class:`nemo_patch.engine.dcp_reader.DCPRegionReader` a view of one record that
+file. :func:`open_record` gives :class:`.dcp_reader.DCPRegionReader` a view of one record that
 
 * refuses a compressed member (``torch.save`` stores members uncompressed; a deflated one would make ``torch.load``
   allocate far more than the record holds) and members whose data share bytes (a central directory naming one stored
@@ -25,7 +25,7 @@ file. :func:`open_record` gives :class:`nemo_patch.engine.dcp_reader.DCPRegionRe
   is not read twice; a member read any other way is streamed through ``zipfile`` by the returned ``finish``.
 
 The CRC-32 is ``zlib-ng``'s where installed (the same values as ``zlib.crc32``, about 7 times faster).
-:mod:`nemo_patch.engine.dcp_reader` uses this module where it is present.
+:mod:`.dcp_reader` uses this module where it is present.
 """
 
 import io

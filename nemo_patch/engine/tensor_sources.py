@@ -16,9 +16,9 @@
 
 :func:`open_sources` turns a checkpoint (and the consolidation's options: a dtype cast, merging LoRA adapters) into a
 :class:`Sources`: the checkpoint's metadata, a reader of its ``weights/`` and the planned output tensors, in output
-order (:func:`nemo_patch.engine.plan.plan_outputs`). The same call, in any process, on any node, gives the same plan:
+order (:func:`.plan.plan_outputs`). The same call, in any process, on any node, gives the same plan:
 it is a function of the checkpoint's files and the options alone, which is what lets several writers share one
-consolidation (:mod:`nemo_patch.engine.parts`). :meth:`Sources.producer` reads one output tensor at a time.
+consolidation (:mod:`.parts`). :meth:`Sources.producer` reads one output tensor at a time.
 
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
 """
@@ -40,7 +40,7 @@ from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs
 from nemo_patch.engine.stage_times import stage_times
 
 try:  # a later addition: LoRA adapter checkpoints merged into their base model
-    from nemo_patch.engine import adapter_merge
+    import nemo_patch.engine.adapter_merge as adapter_merge
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
@@ -74,11 +74,11 @@ def tensor_producer(
     tensor in flight while the next is read), so memory is not re-allocated and re-faulted for every tensor. A tensor
     cast to another dtype is read into a third buffer in its stored dtype first. With ``reuse=False`` every tensor is
     new memory (for callers that keep the tensors). Time goes to the ``read_crc`` and ``placement`` stages
-    (:mod:`nemo_patch.engine.stage_times`).
+    (:mod:`.stage_times`).
 
     The function raises :class:`CorruptShardError` naming the shard file(s) when a tensor cannot be read, and
-    :class:`~nemo_patch.engine.errors.DtypeOverflowError` when the cast to the output dtype would turn a finite value
-    into ``inf`` (:func:`nemo_patch.engine.plan.checked_cast`).
+    :class:`~.errors.DtypeOverflowError` when the cast to the output dtype would turn a finite value
+    into ``inf`` (:func:`.plan.checked_cast`).
     """
     buffers = [torch.empty(largest if reuse else 0, dtype=torch.uint8) for _ in range(2)]
     staging: List[torch.Tensor] = []
@@ -121,7 +121,7 @@ def tensor_producer(
 
 def merged_reader(merge: Any, planned: List[OutputTensor], adapter_reader: RegionReader) -> Producer:
     """Reads a merged output tensor (base + LoRA delta, in the stored dtype), cast to the spec's dtype (refusing a cast
-    that overflows: :func:`nemo_patch.engine.plan.checked_cast`)."""
+    that overflows: :func:`.plan.checked_cast`)."""
     stored = {output.spec.name: output for output in planned}
     read_base = tensor_producer(merge.base_reader, stored, merge.base_metadata, 0, reuse=False)
     merged = adapter_merge.merged_producer(
@@ -185,13 +185,13 @@ def open_sources(
     """The :class:`Sources` of a consolidation of ``location``.
 
     Args:
-        location: from :func:`nemo_patch.engine.checkpoint_layout.inspect_checkpoint`.
+        location: from :func:`.checkpoint_layout.inspect_checkpoint`.
         dtype: cast floating-point tensors to this dtype (``None``: as stored).
         merge_adapters: for a LoRA adapter checkpoint, the base model with the adapters merged.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
 
     Raises:
-        ConsolidationError: or a subclass from :mod:`nemo_patch.engine.errors`: unreadable metadata, a layout the
+        ConsolidationError: or a subclass from :mod:`.errors`: unreadable metadata, a layout the
             plan does not understand (naming the key), a missing base checkpoint.
         ValueError: ``dtype`` is not a floating-point dtype.
     """

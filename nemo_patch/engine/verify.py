@@ -55,7 +55,7 @@ def _where(output: OutputTensor) -> str:
 
 def _weight_map(output_dir: Path) -> Dict[str, str]:
     """Tensor name -> file of a model or adapter output (its index, else its single file), checked against the files
-    (:func:`nemo_patch.engine.output_files.output_weight_map`)."""
+    (:func:`.output_files.output_weight_map`)."""
     return output_weight_map(output_dir, stems=(MODEL_STEM, ADAPTER_STEM))
 
 
@@ -64,7 +64,7 @@ def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:
 
     Raises:
         VerificationError: an output file cannot be read, or the output's index is malformed or contradicts its files
-            (:func:`nemo_patch.engine.output_files.output_weight_map`).
+            (:func:`.output_files.output_weight_map`).
     """
     output_dir = Path(output_dir)
     shapes: Dict[str, Tuple[int, ...]] = {}
@@ -79,7 +79,7 @@ def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:
 
 def verify_names_and_shapes(output_dir: Union[str, Path], expected: Mapping[str, Tuple[int, ...]], source: str) -> int:
     """Check that a consolidated output holds exactly the names and shapes of ``expected`` (e.g. those of the model a
-    checkpoint's context describes, :func:`nemo_patch.export.context_model.context_model_shapes`).
+    checkpoint's context describes).
 
     Args:
         output_dir: a consolidated output directory.
@@ -119,7 +119,7 @@ def verify_consolidated(
     Floating-point sources are cast to the output's dtype first (for outputs written with a ``dtype`` cast); the
     cast is the same one the consolidation used, so the comparison is exact. As a cast to a narrower dtype would turn
     a finite value that overflows into the same ``inf`` on both sides, an output value that is not finite where its
-    source is fails first (:func:`nemo_patch.engine.plan.cast_overflow`). Reads one tensor at a time.
+    source is fails first (:func:`.plan.cast_overflow`). Reads one tensor at a time.
 
     Args:
         weights_dir: the checkpoint's DCP directory (``<ckpt>/weights``).

@@ -23,15 +23,15 @@ are not tensors (``_extra_state``) are not arrays and are never read.
 
 What is checked, since Zarr stores no checksum: before a tensor is read, its ``.zarray`` must describe what this reader
 understands (Zarr format 2, no compressor, no filters, C order, a known little-endian dtype, ``.`` or ``/`` as the
-dimension separator), else :class:`~nemo_patch.engine.errors.UnsupportedFormatError` names the key and the field;
+dimension separator), else :class:`~.errors.UnsupportedFormatError` names the key and the field;
 and every chunk file the read needs must exist with exactly its size in bytes, else
-:class:`~nemo_patch.engine.errors.CorruptShardError` names the file (zarr itself silently returns the fill value for a
+:class:`~.errors.CorruptShardError` names the file (zarr itself silently returns the fill value for a
 missing chunk, which would be wrong weights that look fine). A flipped bit inside a chunk of the right size cannot be
 detected: the format has nothing to check it against. Reading goes through the ``zarr`` library (``zarr<3``).
 
 :func:`read_zarr_metadata` describes the arrays as ``torch.distributed.checkpoint`` ``Metadata`` (global shape, dtype
 and chunks per key), so output planning is the same for both formats; :class:`ZarrRegionReader` has the interface of
-:class:`nemo_patch.engine.dcp_reader.DCPRegionReader`.
+:class:`.dcp_reader.DCPRegionReader`.
 
 Imports the standard library, torch, and ``zarr`` and ``ml_dtypes`` when a zarr checkpoint is read; never NeMo,
 Lightning or megatron-core, and nothing outside the engine.
@@ -194,7 +194,7 @@ def _numpy_bfloat16() -> None:
 
 class ZarrRegionReader:
     """Reads tensors, or ``tensor[index]`` along dimension 0, from a zarr checkpoint (the interface of
-    :class:`nemo_patch.engine.dcp_reader.DCPRegionReader`).
+    :class:`.dcp_reader.DCPRegionReader`).
 
     Args:
         path: the checkpoint's ``weights/`` directory.
