@@ -15,23 +15,32 @@
 """Start-up entry of the nemo_patch overlay, run by the one line of ``nemo_patch.pth``.
 
 Loads ``nemo_patch/overlay/hook.py`` (standard library only) *without* importing the ``nemo_patch`` package (which
-would cost start-up time in every interpreter), and calls its ``install()`` with :func:`_apply_overlay`. Kept as a
-separate top-level file because ``.pth`` files can only import top-level modules; the logic itself lives in the
+would cost start-up time in every interpreter), and calls its ``install()`` with what runs before and after an edit
+of a NeMo module (:func:`_prepare`, :func:`_after_exec`: they import the package, once NeMo is being imported). Kept
+as a separate top-level file because ``.pth`` files can only import top-level modules; the logic itself lives in the
 package, so an editable install always runs the current code.
 """
 
 import importlib.util
 import os
 import sys
+import types
 
 HOOK_MODULE = "nemo_patch.overlay.hook"
 
 
-def _apply_overlay() -> bool:
-    """Called by the hook once NeMo's strategy module has been executed: NeMo is being imported, so is the package."""
-    from nemo_patch.overlay.apply import apply_overlay
+def _prepare() -> None:
+    """Called by the hook before its first edit: NeMo is being imported, so is the package (its version gate)."""
+    from nemo_patch.overlay.apply import prepare
 
-    return apply_overlay()
+    prepare()
+
+
+def _after_exec(module: types.ModuleType) -> None:
+    """Called by the hook once an edited NeMo module was executed."""
+    from nemo_patch.overlay.apply import after_exec
+
+    after_exec(module)
 
 
 def install() -> None:
@@ -48,4 +57,4 @@ def install() -> None:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[HOOK_MODULE] = module
         module_spec.loader.exec_module(module)
-    module.install(_apply_overlay)
+    module.install(_prepare, _after_exec)

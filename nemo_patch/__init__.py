@@ -14,33 +14,33 @@
 
 """nemo_patch: control over when NeMo 2.x training runs consolidate their distributed checkpoints.
 
-Importing this package enables the overlay (unless ``NEMO_PATCH_DISABLE=1``): ``nemo.lightning.MegatronStrategy``
-becomes :class:`nemo_patch.MegatronStrategy`, which accepts ``save_consolidated``, ``ckpt_consolidation_frequency``
-and ``ckpt_consolidation`` (a :class:`ConsolidationConfig`) -- at once if NeMo is already imported, else as soon as
-it is. Installing the package does the same for every interpreter, without importing NeMo at start-up (see
-:mod:`nemo_patch.overlay.hook`).
+Importing this package enables the overlay (unless ``NEMO_PATCH_DISABLE=1``): NeMo's ``MegatronStrategy``,
+``MegatronCheckpointIO``, ``ModelCheckpoint`` and ``PEFT`` run with the edits of ``nemo_patch/overlay/nemo_edits/``
+applied to their source, so that ``nemo.lightning.MegatronStrategy`` accepts ``save_consolidated``,
+``ckpt_consolidation_frequency`` and ``ckpt_consolidation`` (a :class:`ConsolidationConfig`) -- at once if NeMo is
+already imported, else as soon as it is. Installing the package does the same for every interpreter, without
+importing NeMo at start-up (see :mod:`nemo_patch.overlay.hook`).
 
 The package is three layers, one subpackage each, plus the export and the CLI (see "Architecture" in
 docs/how-it-works.md):
 
 * :mod:`nemo_patch.engine`: a distributed checkpoint in, safetensors out (torch and safetensors only);
-* :mod:`nemo_patch.training`: settings, cadence, NeMo's strategy and checkpoint IO extended, the consolidation
-  process and its queue, ``LATEST`` (NeMo and Lightning live here);
-* :mod:`nemo_patch.overlay`: the import hook and the version gate (standard library until NeMo is imported);
+* :mod:`nemo_patch.training`: settings, cadence, what NeMo's edited classes call, the consolidation process and its
+  queue, and the later features (retention and ``LATEST``, ``BEST``, the journal, hooks, metrics);
+* :mod:`nemo_patch.overlay`: the import hook that applies NeMo's edits, the version gate and the deprecated
+  spellings (standard library until NeMo is imported);
 * :mod:`nemo_patch.export` (Hugging Face) and :mod:`nemo_patch.cli` (``nemo-consolidate``).
 
-The public names (``__all__``) are those the API reference documents. The NeMo-dependent ones
-(:class:`MegatronStrategy`, :class:`MegatronCheckpointIO`) are imported on first use, so that the consolidation engine
+The public names (``__all__``) are those the API reference documents. :class:`MegatronStrategy` and
+:class:`MegatronCheckpointIO` are NeMo's own (edited) classes, imported on first use, so that the consolidation engine
 (:func:`consolidate_checkpoint`) can run in a process that never imports NeMo; so are the torch-dependent ones, so
 that ``import nemo_patch`` itself imports neither. Everything else lives in the subpackages and may change between
 releases.
 """
 
 import importlib
-import sys
 from typing import Any
 
-from nemo_patch.overlay import hook
 from nemo_patch.overlay.version import check_nemo_version
 
 __nemo_version__ = check_nemo_version()
@@ -61,8 +61,8 @@ _LAZY = {
     "load_consolidated_into": "nemo_patch.engine.load",
     "load_consolidated_state_dict": "nemo_patch.engine.load",
     "export_hf_checkpoint": "nemo_patch.export.hf",
-    "MegatronStrategy": "nemo_patch.training.strategy",
-    "MegatronCheckpointIO": "nemo_patch.training.checkpoint_io",
+    "MegatronStrategy": "nemo.lightning.pytorch.strategies.megatron_strategy",
+    "MegatronCheckpointIO": "nemo.lightning.io.pl",
     "ConsolidationOutcome": "nemo_patch.training.hooks",
     "find_best_checkpoint": "nemo_patch.engine.best_checkpoint",
 }
@@ -95,8 +95,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'nemo_patch' has no attribute {name!r}")
 
 
-if not hook.overlay_disabled():
-    if hook.TARGET_MODULE in sys.modules:
-        _apply_overlay()
-    else:
-        hook.install(_apply_overlay)
+_apply_overlay()

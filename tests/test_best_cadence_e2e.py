@@ -127,7 +127,7 @@ def test_the_phased_frequency_round_trips_through_the_checkpoint_context(best_ru
 
     root, _, _ = best_runs
     strategy = io.load_context(str(root / "BEST" / "context"), subpath="trainer.strategy")
-    assert str(strategy.consolidation_policy) == FREQUENCY
+    assert str(strategy.consolidation_settings.policy) == FREQUENCY
 
 
 def test_a_preempted_run_consolidates_its_best_checkpoint_before_it_exits(tmp_path):

@@ -25,7 +25,7 @@ import torch
 from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
 from nemo_patch.engine.best_checkpoint import NoMonitoredMetricError, find_best_checkpoint
 from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
-from nemo_patch.training.callback import check_best_has_a_metric
+from nemo_patch.training.best import check_best_has_a_metric, consolidate_best
 from nemo_patch.training.policy import parse_consolidation_frequency
 
 
@@ -159,15 +159,15 @@ def test_other_cadences_and_a_monitored_metric_pass_the_check():
     check_best_has_a_metric(None, parse_consolidation_frequency("every_n:2; latest"))
 
 
-def _io_with_best(root: Path, best: Path):
-    from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
+def _coordinator_with_best(root: Path, best: Path):
+    from nemo_patch import MegatronCheckpointIO
     from nemo_patch.training.settings import ConsolidationSettings
 
-    io = MegatronCheckpointIO(consolidation_settings=ConsolidationSettings(frequency="best"))
-    io.checkpoint_callback = SimpleNamespace(
+    coordinator = MegatronCheckpointIO(consolidation_settings=ConsolidationSettings(frequency="best")).consolidation
+    coordinator.checkpoint_callback = SimpleNamespace(
         best_model_path=f"{best}.ckpt", best_model_score=torch.tensor(3.2), monitor="val_loss", mode="min"
     )
-    return io
+    return coordinator
 
 
 @pytest.mark.parametrize("state", ["missing", "unfinished", "being-removed"])
@@ -180,11 +180,11 @@ def test_at_fit_end_a_best_that_never_finished_or_is_gone_is_logged_and_best_lef
     if state == "being-removed":
         Path(f"{best}-unfinished").touch()  # NeMo's marker while it deletes a checkpoint
     (root / "BEST").symlink_to(newest.name)
-    io = _io_with_best(root, best)
+    coordinator = _coordinator_with_best(root, best)
     with caplog.at_level("WARNING"):
-        assert io.consolidate_best() is None
+        assert consolidate_best(coordinator) is None
     assert f"The best checkpoint {best}" in caplog.text and "never finished or was removed" in caplog.text
-    assert (root / "BEST").resolve() == newest and io._queue is None  # nothing substituted, nothing queued
+    assert (root / "BEST").resolve() == newest and coordinator._queue is None  # nothing substituted, nothing queued
 
 
 def test_at_fit_end_a_best_already_consolidated_is_pointed_at_not_recomputed(tmp_path):
@@ -192,11 +192,11 @@ def test_at_fit_end_a_best_already_consolidated_is_pointed_at_not_recomputed(tmp
     best = _checkpoint(root, 4, 3.2)
     (best / "consolidated").mkdir()
     (best / "consolidated" / "metadata.json").write_text('{"global_step": 4}')
-    io = _io_with_best(root, best)
-    save = io.consolidate_best()
+    coordinator = _coordinator_with_best(root, best)
+    save = consolidate_best(coordinator)
     assert save.path == best and save.global_step == 4 and save.consolidated
     assert save.best == {"monitor": "val_loss", "value": pytest.approx(3.2), "mode": "min"}
-    assert os.readlink(root / "BEST") == best.name and io._queue is None
+    assert os.readlink(root / "BEST") == best.name and coordinator._queue is None
 
 
 def test_strategy_consolidate_best_checkpoint_on_demand_points_best_without_recomputing(tmp_path):
@@ -218,7 +218,7 @@ def test_strategy_consolidate_best_checkpoint_on_demand_points_best_without_reco
 
 def test_an_on_demand_consolidation_outside_fit_ends_the_process_it_started(tmp_path):
     from nemo_patch import MegatronStrategy
-    from nemo_patch.training.io_chain import find_base_checkpoint_io
+    from nemo_patch.training.callback import consolidation_of
 
     root = tmp_path / "checkpoints"
     best = _checkpoint(root, 4, 3.2)  # a bare stand-in: its consolidation fails, which is enough here
@@ -229,6 +229,6 @@ def test_an_on_demand_consolidation_outside_fit_ends_the_process_it_started(tmp_
         )
     )
     assert strategy.consolidate_best_checkpoint() is None  # failed (logged)
-    queue = find_base_checkpoint_io(strategy.checkpoint_io).queue
+    queue = consolidation_of(strategy.checkpoint_io).queue
     assert queue.processes_started == 1 and queue.process is None  # no idle process left behind
     assert len(queue.completed) == 1 and queue.completed[0][2].startswith("ConsolidationError: ")

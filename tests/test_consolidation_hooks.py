@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from nemo_patch.training import hooks
 from nemo_patch.training.config import ConsolidationConfig
 from nemo_patch.training.coordinator import ConsolidationCoordinator, weights_identity
 from nemo_patch.training.hooks import ConsolidationOutcome, HookCaller
@@ -92,16 +93,19 @@ def test_an_outcome_names_the_output_where_it_is_when_the_hooks_run(tmp_path, ca
     save = _published(tmp_path, 2)
     save.post_command = {"command": "x", "returncode": 0, "seconds": 10.0, "timed_out": False, "log": "l",
                          "metrics": {"eval/loss": 1.5}, "error": None, "stopped": False}  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="nemo_patch.training.coordinator"):
+    with caplog.at_level(logging.INFO, logger="nemo_patch.training.hooks"):
         coordinator._on_consolidated(save, None)
     assert "post command exited 0 after 10.0 s (log: l); metrics {'eval/loss': 1.5}" in caplog.text
     # NeMo's removal of the checkpoint waited for the consolidation and runs before the hooks: the output is kept
     coordinator.remove_checkpoint(save.path, lambda: shutil.rmtree(save.path))
-    (outcome,) = coordinator.outcomes()
+    (outcome,) = coordinator.observer(hooks.Observer).outcomes()
     assert outcome.published and outcome.output_dir == tmp_path / "retained" / save.path.name / "consolidated"
     assert outcome.metadata["global_step"] == 2 and outcome.metrics == {"eval/loss": 1.5}
     assert outcome.seconds == 2.0  # the consolidation's own time: the command's 10 s are not in it
-    assert coordinator.outcomes(1) == [] and coordinator.ended_count == 1
+    assert (
+        coordinator.observer(hooks.Observer).outcomes(1) == []
+        and coordinator.observer(hooks.Observer).ended_count == 1
+    )
 
 
 def test_a_post_command_lost_with_its_process_is_a_warning_and_recorded(tmp_path, caplog):
@@ -111,7 +115,7 @@ def test_a_post_command_lost_with_its_process_is_a_warning_and_recorded(tmp_path
     save = _published(tmp_path, 4)
     save.post_command = {"stopped": True, "error": "the consolidation process ended: killed by signal SIGKILL"}
     coordinator._on_consolidated(save, None)
-    (outcome,) = coordinator.outcomes()
+    (outcome,) = coordinator.observer(hooks.Observer).outcomes()
     assert outcome.published and outcome.post_command.stopped and outcome.post_command.command == "cmd"
     recorded = json.loads((save.path / "consolidated" / "metadata.json").read_text())["post_command"]
     assert recorded["stopped"] and "SIGKILL" in recorded["error"] and outcome.metadata["post_command"] == recorded
@@ -127,7 +131,7 @@ def test_a_failed_consolidation_has_a_failed_outcome_without_a_command(tmp_path)
     save = _published(tmp_path, 6)
     shutil.rmtree(save.path / "consolidated")
     coordinator._on_consolidated(save, "ConsolidationError: no space")
-    (outcome,) = coordinator.outcomes()
+    (outcome,) = coordinator.observer(hooks.Observer).outcomes()
     assert not outcome.published and outcome.error == "ConsolidationError: no space"
     assert outcome.post_command is None and outcome.metadata == {} and outcome.bytes == 0
 

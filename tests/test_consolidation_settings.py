@@ -19,9 +19,10 @@ import json
 
 import pytest
 
+from nemo_patch.overlay.deprecated import merge_deprecated_keywords
 from nemo_patch.training.config import DEFAULT_MAX_PENDING, DEFAULT_TIMEOUT, ConsolidationConfig
 from nemo_patch.training.policy import parse_consolidation_frequency
-from nemo_patch.training.settings import ConsolidationSettings, merge_deprecated_keywords
+from nemo_patch.training.settings import ConsolidationSettings
 
 
 @pytest.mark.parametrize(

@@ -124,7 +124,7 @@ def test_latest_replaced_by_a_directory_is_set_aside_when_it_is_next_moved(tmp_p
     (tmp_path / LATEST_NAME).mkdir()  # a sync tool's copy
     (tmp_path / LATEST_NAME / "consolidated").mkdir()
     with caplog.at_level("WARNING"):
-        coordinator._point(checkpoint)
+        coordinator.observer(retention.Observer).point(checkpoint)
     assert os.readlink(tmp_path / LATEST_NAME) == checkpoint.name
     aside = [p for p in tmp_path.iterdir() if p.name.startswith(".LATEST.replaced-")]
     assert len(aside) == 1 and (aside[0] / "consolidated").is_dir()

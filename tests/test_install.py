@@ -18,7 +18,7 @@ The wheel is built with ``pip wheel --no-deps`` and installed with the documente
 "blake3>=1.0" "zlib-ng>=0.5"`` into a fresh virtual environment. That environment then sees this one's site-packages
 (NeMo, torch, megatron-core) through a path entry, as a NeMo container's environment would hold them: a path entry's
 own ``.pth`` files are not run, so this checkout's editable nemo-patch and its start-up hook stay invisible there, and
-what makes ``nl.MegatronStrategy`` nemo-patch's is the wheel's ``nemo_patch.pth`` alone. Then the documented checks
+what edits NeMo's ``MegatronStrategy`` is the wheel's ``nemo_patch.pth`` alone. Then the documented checks
 run there, with the overlay on and off, and ``pip uninstall`` removes what the wheel put in.
 """
 
@@ -35,7 +35,10 @@ from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-CHECK = "import nemo.lightning as nl; print(nl.MegatronStrategy.__init__.__module__)"
+CHECK = (
+    "import inspect, nemo.lightning as nl; "
+    "print('ckpt_consolidation_frequency' in inspect.signature(nl.MegatronStrategy).parameters)"
+)
 
 
 def _run(args, cwd, env=None, timeout=900):
@@ -60,6 +63,7 @@ def test_no_deps_install_into_an_existing_nemo_environment_and_its_checks(tmp_pa
     with zipfile.ZipFile(wheel) as archive:  # the product only: no test aids
         names = archive.namelist()
     assert "nemo_patch/engine/consolidate.py" in names
+    assert {"nemo_patch/overlay/nemo_edits/series", "nemo_patch/overlay/nemo_edits/knob.diff"} <= set(names)
     assert not [name for name in names if name.startswith("nemo_patch/testing/")], names
 
     env_dir = tmp_path / "nemo-env"
@@ -86,15 +90,15 @@ def test_no_deps_install_into_an_existing_nemo_environment_and_its_checks(tmp_pa
     version = _run([str(env_dir / "bin" / "nemo-consolidate"), "--version"], cwd=tmp_path).stdout.strip()
     assert version == f"nemo-consolidate (nemo-patch {nemo_patch.__version__})"
     where = _run([str(python), "-c", CHECK + "; import nemo_patch; print(nemo_patch.__file__)"], cwd=tmp_path)
-    module, package_file = where.stdout.strip().splitlines()[-2:]
-    assert module == "nemo_patch.training.strategy"
+    active, package_file = where.stdout.strip().splitlines()[-2:]
+    assert active == "True"
     assert package_file.startswith(purelib), package_file  # the wheel's copy, not this checkout
     off = _run([str(python), "-c", CHECK], cwd=tmp_path, env={"NEMO_PATCH_DISABLE": "1"})
-    assert off.stdout.strip().splitlines()[-1] == "nemo.lightning.pytorch.strategies.megatron_strategy"
+    assert off.stdout.strip().splitlines()[-1] == "False"
 
     docs = (REPO / "docs" / "installation.md").read_text()
     assert CHECK in docs and CHECK in (REPO / "README.md").read_text()
-    assert re.search(r"prints `nemo_patch\.training\.strategy` when the overlay is active", docs)
+    assert re.search(r"prints `True` when the overlay is active", docs)
 
     os.remove(os.path.join(purelib, "zz_existing_nemo.pth"))
     _run([str(python), "-m", "pip", "uninstall", "-y", "-q", "nemo-patch"], cwd=tmp_path)

@@ -54,7 +54,8 @@ def test_the_strategy_reinstalls_or_names_the_replacement(kind, caplog):
 
     from nemo_patch import MegatronCheckpointIO, MegatronStrategy
     from nemo_patch.testing.io_swap import _PassThroughIO
-    from nemo_patch.training.io_chain import find_base_checkpoint_io
+    from nemo_patch.training import integration
+    from nemo_patch.training.callback import consolidation_of, find_base_checkpoint_io
 
     class CustomCheckpointIO(NeMoMegatronCheckpointIO):
         pass
@@ -65,17 +66,18 @@ def test_the_strategy_reinstalls_or_names_the_replacement(kind, caplog):
     else:
         replacement = _PassThroughIO(CustomCheckpointIO())
     strategy._checkpoint_io = replacement  # as NeMo's PEFT callback assigns it
-    with caplog.at_level("INFO", logger="nemo_patch.training.strategy"):
-        strategy._ensure_consolidating_io()
+    with caplog.at_level("INFO", logger="nemo_patch.training.integration"):
+        integration.ensure_consolidating_io(strategy)  # what strategy.setup calls
     assert strategy._checkpoint_io is replacement  # the wrappers stay the same objects
     base = find_base_checkpoint_io(strategy._checkpoint_io)
     if kind == "stock":
         assert (
             isinstance(base, MegatronCheckpointIO) and base.consolidation_settings is strategy.consolidation_settings
         )
+        assert base.consolidation is not None
         assert "re-installed" in caplog.text and "AsyncFinalizableCheckpointIO > " in caplog.text
     else:
-        assert type(base) is CustomCheckpointIO and strategy.consolidation_policy is None
+        assert type(base) is CustomCheckpointIO and consolidation_of(strategy.checkpoint_io) is None
         assert [r.levelname for r in caplog.records] == ["ERROR"] and "CustomCheckpointIO" in caplog.text
 
 

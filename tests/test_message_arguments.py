@@ -73,14 +73,12 @@ def known_arguments() -> Set[str]:
 
     from nemo_patch import MegatronCheckpointIO, MegatronStrategy
     from nemo_patch.cli.nemo_consolidate import build_parser
-    from nemo_patch.training.settings import deprecated_keywords
-    from nemo_patch.training.strategy import NeMoMegatronStrategy
+    from nemo_patch.overlay.deprecated import deprecated_keywords
     from nemo_patch.training.worker import build_parser as build_worker_parser
 
     known: Set[str] = set()
     for function in (
-        MegatronStrategy.__init__,
-        NeMoMegatronStrategy.__init__,
+        MegatronStrategy.__init__,  # NeMo's own arguments and the consolidation ones (the overlay edits NeMo's class)
         MegatronCheckpointIO.__init__,
         nl.ModelCheckpoint.__init__,
         lightning_callbacks.ModelCheckpoint.__init__,

@@ -15,6 +15,7 @@
 """The installed overlay, seen from fresh interpreters that never import nemo_patch themselves."""
 
 import json
+import shutil
 import textwrap
 
 import pytest
@@ -40,56 +41,74 @@ def test_startup_imports_no_nemo_and_no_torch():
 def test_nl_megatron_strategy_takes_the_new_arguments_without_importing_nemo_patch():
     code = textwrap.dedent(
         f"""
-        import json, sys
+        import inspect, json, sys
         import nemo.lightning as nl
         import nemo.lightning.pytorch.strategies as strategies
         import {NEMO_MODULE} as module
         s = nl.MegatronStrategy(ckpt_consolidation_frequency="latest")
-        original = nl.MegatronStrategy.__mro__[1]
         io = s.checkpoint_io
         print(json.dumps({{
             "nemo_patch_imported": "nemo_patch" in sys.modules,
-            "policy": str(s.consolidation_policy),
+            "applied": sys.modules["nemo_patch"].overlay_applied(),
+            "policy": str(s.consolidation_settings.policy),
             "same_everywhere": nl.MegatronStrategy is strategies.MegatronStrategy is module.MegatronStrategy,
             "is_nemo_patch_class": nl.MegatronStrategy is sys.modules["nemo_patch"].MegatronStrategy,
-            "original_is_nemos": original.__module__ == "{NEMO_MODULE}" and original.__name__ == "MegatronStrategy",
-            "isinstance_original": isinstance(s, original),
-            "io_chain": [type(io).__name__, type(io.checkpoint_io).__module__],
-            "default_policy": str(nl.MegatronStrategy().consolidation_policy),
+            "nemo_s_own_class": [c.__module__ for c in nl.MegatronStrategy.__mro__[:2]],
+            "io_chain": [type(io).__name__, type(io.checkpoint_io).__module__, bool(io.checkpoint_io.consolidation)],
+            "default_policy": str(nl.MegatronStrategy().consolidation_settings.policy),
+            "source_shows_the_edit": "checkpoint_consolidation.teardown(self)" in inspect.getsource(s.teardown),
+            "file": inspect.getsourcefile(module.MegatronStrategy) == module.__file__,
         }}))
         """
     )
     result = _json_result(run_python(code))
     assert result == {
         "nemo_patch_imported": True,
+        "applied": True,
         "policy": "latest",
         "same_everywhere": True,
         "is_nemo_patch_class": True,
-        "original_is_nemos": True,
-        "isinstance_original": True,
-        "io_chain": ["AsyncFinalizableCheckpointIO", "nemo_patch.training.checkpoint_io"],
+        "nemo_s_own_class": [NEMO_MODULE, "lightning.pytorch.strategies.ddp"],  # edited in place, no subclass
+        "io_chain": ["AsyncFinalizableCheckpointIO", "nemo.lightning.io.pl", True],
         "default_policy": "None",
+        "source_shows_the_edit": True,
+        "file": True,
     }
+
+
+def test_a_traceback_shows_the_edited_lines():
+    code = textwrap.dedent(
+        """
+        import traceback, nemo.lightning as nl
+        try:
+            nl.MegatronStrategy(ckpt_consolidation_frequency="weekly")
+        except ValueError:
+            print(traceback.format_exc())
+        """
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "megatron_strategy.py" in proc.stdout
+    assert "self.consolidation_settings = checkpoint_consolidation.strategy_settings(" in proc.stdout
 
 
 def test_disable_env_turns_the_overlay_off():
     code = textwrap.dedent(
         """
-        import json, sys
+        import inspect, json, sys
         import nemo.lightning as nl
         before = {"nemo_patch_imported": "nemo_patch" in sys.modules, "module": nl.MegatronStrategy.__module__}
         # NeMo's own class has no such argument: it swallows unknown keywords into Lightning's DDP kwargs.
         stock = nl.MegatronStrategy(ckpt_consolidation_frequency="latest")
-        ignored = not hasattr(stock, "consolidation_policy") and "ckpt_consolidation_frequency" in stock._ddp_kwargs
+        ignored = not hasattr(stock, "consolidation_settings") and "ckpt_consolidation_frequency" in stock._ddp_kwargs
         import nemo_patch
         print(json.dumps({
             **before,
             "new_argument_ignored": ignored,
-            "still_stock_after_import": nl.MegatronStrategy is not nemo_patch.MegatronStrategy,
+            "still_unedited_after_import": "ckpt_consolidation" not in str(inspect.signature(nl.MegatronStrategy)),
             "applied": nemo_patch.overlay.apply.apply_overlay(),
-            "explicit_class_works": str(nemo_patch.MegatronStrategy(ckpt_consolidation_frequency="every_n:2")
-                                        .consolidation_policy),
-            "explicit_class_module": nemo_patch.MegatronStrategy.__module__,
+            "overlay_applied": nemo_patch.overlay_applied(),
+            "nemo_patch_class_is_nemo_s": nemo_patch.MegatronStrategy is nl.MegatronStrategy,
         }))
         """
     )
@@ -98,10 +117,10 @@ def test_disable_env_turns_the_overlay_off():
         "nemo_patch_imported": False,
         "module": NEMO_MODULE,
         "new_argument_ignored": True,
-        "still_stock_after_import": True,
+        "still_unedited_after_import": True,
         "applied": False,
-        "explicit_class_works": "every_n:2",
-        "explicit_class_module": "nemo_patch.training.strategy",
+        "overlay_applied": False,
+        "nemo_patch_class_is_nemo_s": True,
     }
 
 
@@ -116,15 +135,90 @@ def test_explicit_import_applies_and_applying_twice_is_harmless():
         importlib.reload(sys.modules["nemo_patch.overlay.apply"]).apply_overlay()
         print(json.dumps({
             "stable": nl.MegatronStrategy is first is nemo_patch.MegatronStrategy,
-            "depth": [c.__module__ for c in nl.MegatronStrategy.__mro__[:3]],
+            "depth": [c.__module__ for c in nl.MegatronStrategy.__mro__[:2]],
             "applied": nemo_patch.overlay_applied(),
         }))
         """
     )
     result = _json_result(run_python(code))
     assert result["stable"] and result["applied"]
-    # Exactly one layer of nemo_patch on top of NeMo's class, then Lightning's DDPStrategy.
-    assert result["depth"] == [NEMO_MODULE, NEMO_MODULE, "lightning.pytorch.strategies.ddp"]
+    # NeMo's own class, edited: no layer on top of it, then Lightning's DDPStrategy.
+    assert result["depth"] == [NEMO_MODULE, "lightning.pytorch.strategies.ddp"]
+
+
+def test_nemo_imported_before_the_hook_is_edited_when_nemo_patch_is_imported():
+    """Without the start-up hook (a program that removed it, an interpreter that skipped ``.pth`` files), NeMo's
+    modules are imported unedited; importing nemo_patch executes them again, edited, rebinds the names other NeMo
+    modules hold and rebases the classes derived from them (LoRA from PEFT)."""
+    code = textwrap.dedent(
+        f"""
+        import inspect, json, sys
+        sys.meta_path[:] = [finder for finder in sys.meta_path if type(finder).__name__ != "_OverlayFinder"]
+        import nemo.lightning as nl
+        import nemo.lightning.pytorch.strategies as strategies
+        from nemo.collections.llm.peft.lora import LoRA
+        before = "ckpt_consolidation_frequency" in str(inspect.signature(nl.MegatronStrategy))
+        import nemo_patch
+        peft = sys.modules["nemo.lightning.pytorch.callbacks.peft"]
+        module = sys.modules[{NEMO_MODULE!r}]
+        s = nl.MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_async_save=False)
+        print(json.dumps({{
+            "before": before,
+            "applied": nemo_patch.overlay_applied(),
+            "rebound": nl.MegatronStrategy is strategies.MegatronStrategy is module.MegatronStrategy,
+            "lora_rebased": issubclass(LoRA, peft.PEFT) and LoRA.__mro__[1] is peft.PEFT,
+            "lora_setup_edited": "consolidation_settings" in inspect.getsource(LoRA.setup),
+            "consolidates": s.checkpoint_io.consolidation is not None,
+        }}))
+        """
+    )
+    assert _json_result(run_python(code)) == {
+        "before": False,
+        "applied": True,
+        "rebound": True,
+        "lora_rebased": True,
+        "lora_setup_edited": True,
+        "consolidates": True,
+    }
+
+
+def test_a_series_that_does_not_match_this_nemo_leaves_it_unedited_with_one_warning(tmp_path):
+    edits = tmp_path / "nemo_edits"
+    shutil.copytree(REPO / "nemo_patch" / "overlay" / "nemo_edits", edits)
+    knob = edits / "knob.diff"
+    text = knob.read_text()
+    assert text.count(" from nemo.lightning.io.capture import IOProtocol\n") == 1
+    knob.write_text(text.replace(" from nemo.lightning.io.capture import IOProtocol\n", " from nowhere import x\n"))
+    code = textwrap.dedent(
+        f"""
+        import inspect, json
+        from nemo_patch.overlay import hook
+        hook.EDITS_DIR = {str(edits)!r}
+        import nemo.lightning as nl
+        import nemo_patch
+        print(json.dumps({{
+            "edited": "ckpt_consolidation_frequency" in str(inspect.signature(nl.MegatronStrategy)),
+            "applied": nemo_patch.overlay_applied(),
+        }}))
+        """
+    )
+    proc = run_python(code)
+    assert _json_result(proc) == {"edited": False, "applied": False}
+    # NeMo's logging shows the warning (it captures Python's warnings once imported), once.
+    warning = (
+        "RuntimeWarning: nemo_patch overlay not applied: nemo/lightning/io/pl.py of nemo_toolkit 2.7.3 does not match "
+        "knob.diff (hunk 1's context is found 0 times); NeMo runs unedited"
+    )
+    assert proc.stderr.count(warning) == 1, proc.stderr[-3000:]
+
+
+def test_the_hunks_apply_strictly():
+    from nemo_patch.overlay.hook import apply_hunks
+
+    text = "a\nb\nc\nb\n"
+    assert apply_hunks(text, [(["a", "b"], ["a", "x", "b"])]) == ("a\nx\nb\nc\nb\n", None)
+    assert apply_hunks(text, [(["b"], ["y"])]) == (text, "hunk 1's context is found 2 times")
+    assert apply_hunks(text, [(["a"], ["a"]), (["z"], [])]) == (text, "hunk 2's context is found 0 times")
 
 
 def _fake_nemo_toolkit(tmp_path, version):
@@ -145,26 +239,28 @@ def test_nemo_3_is_refused_with_a_message(tmp_path):
 
 
 def test_older_nemo_is_refused_and_the_overlay_hook_never_breaks_nemo_import(tmp_path):
-    code = "import warnings, nemo.lightning as nl; print(nl.MegatronStrategy.__module__)"
+    code = "import inspect, nemo.lightning as nl; "
+    code += "print('ckpt_consolidation' in str(inspect.signature(nl.MegatronStrategy)))"
     proc = run_python(code, env=_fake_nemo_toolkit(tmp_path, "2.4.1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == NEMO_MODULE
+    assert proc.stdout.strip().splitlines()[-1] == "False"  # NeMo unedited
     assert "nemo_patch overlay not applied: nemo_patch supports nemo_toolkit >= 2.5, < 3" in proc.stderr
 
 
 @pytest.mark.parametrize(
     "first_import",
     [
-        "import nemo_patch.training.checkpoint_io",
+        "import nemo_patch.training.integration",
         "from nemo_patch import MegatronStrategy",
-        "import nemo_patch.training.strategy",
+        "import nemo_patch.training.coordinator",
         "import nemo_patch.training.callback",
         "import nemo.lightning.io.pl",
+        "import nemo.lightning.pytorch.callbacks.peft",
     ],
 )
 def test_overlay_applies_whatever_is_imported_first(first_import):
     code = f"{first_import}\nimport nemo_patch, nemo.lightning as nl\n"
-    code += "print(nl.MegatronStrategy is nemo_patch.MegatronStrategy)"
+    code += "print(nl.MegatronStrategy is nemo_patch.MegatronStrategy and nemo_patch.overlay_applied())"
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "True"
@@ -178,8 +274,8 @@ def test_two_copies_of_the_hook_do_not_recurse(tmp_path):
     copy.write_text((REPO / "nemo_patch" / "overlay" / "hook.py").read_text())
     code = (
         f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import other_autoload; "
-        "sys.meta_path.insert(0, other_autoload._OverlayFinder(lambda: False)); "
+        "sys.meta_path.insert(0, other_autoload._OverlayFinder()); "
         "import nemo.lightning as nl, nemo_patch, json; "
-        "print(json.dumps({'applied': nl.MegatronStrategy is nemo_patch.MegatronStrategy}))"
+        "print(json.dumps({'applied': nemo_patch.overlay_applied()}))"
     )
     assert _json_result(run_python(code)) == {"applied": True}

@@ -251,7 +251,9 @@ def test_checkpoint_io_keeps_the_output_and_moves_latest_before_nemo_removes(tmp
     old, new = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
     update_latest_pointer(new)
     _removing(new)
-    io.remove_checkpoint_safely(new, lambda: shutil.rmtree(new))
+    io.consolidation.remove_checkpoint(
+        new, lambda: shutil.rmtree(new)
+    )  # what MegatronStrategy.remove_checkpoint calls
     assert not new.exists()
     if keep is None:
         assert read_latest_pointer(tmp_path) == (tmp_path / RETAINED_DIRNAME / new.name).resolve()
@@ -261,11 +263,11 @@ def test_checkpoint_io_keeps_the_output_and_moves_latest_before_nemo_removes(tmp
     queued = [CheckpointSave(_checkpoint(tmp_path, step, consolidated=False), step, written=True) for step in (6, 8)]
     for save in queued:  # waiting behind a running one (none is started here)
         save.state = RequestState.WAITING
-        io.queue._pending.append(save)
+        io.consolidation.queue._pending.append(save)
     with caplog.at_level("DEBUG", logger="nemo_patch.training.coordinator"):
         for save in queued:
-            io.remove_checkpoint_safely(save.path, lambda path=save.path: shutil.rmtree(path))
-    assert io.dropped_by_removal == queued
+            io.consolidation.remove_checkpoint(save.path, lambda path=save.path: shutil.rmtree(path))
+    assert io.consolidation.dropped_by_removal == queued
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "was due for consolidation" in r.message]
     assert len(warnings) == 1
 

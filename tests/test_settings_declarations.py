@@ -35,7 +35,7 @@ from conftest import REPO
 
 from nemo_patch.cli.nemo_consolidate import build_parser
 from nemo_patch.training.config import SETTINGS, ConsolidationConfig, attributes_docstring
-from nemo_patch.training.settings import STRATEGY_ARGUMENTS, arguments_docstring
+from nemo_patch.training.integration import ARGUMENTS
 
 #: The one edit: a new setting declared after the last field.
 NEW_FIELD = '''
@@ -54,8 +54,8 @@ PROBE = textwrap.dedent(
     import nemo_patch
     from nemo_patch import ConsolidationConfig, ConsolidationSettings
     from nemo_patch.cli.nemo_consolidate import build_parser
-    from nemo_patch.training.io_chain import find_base_checkpoint_io
-    from nemo_patch.training.settings import deprecated_keywords
+    from nemo_patch.overlay.deprecated import deprecated_keywords
+    from nemo_patch.training.callback import find_base_checkpoint_io
     report = {"package": nemo_patch.__file__}
     report["default"] = ConsolidationConfig().example_count
     report["config_signature"] = str(inspect.signature(ConsolidationConfig))
@@ -116,7 +116,7 @@ def test_one_new_field_is_a_new_setting_everywhere(tmp_path):
     assert report["default"] == 7 and "example_count: int = 7" in report["config_signature"]
     assert report["config_doc"]
     assert report["strategy_value"] == report["io_value"] == report["json"] == 3
-    assert report["strategy_signature"] == [argument.name for argument in STRATEGY_ARGUMENTS]  # no new argument
+    assert report["strategy_signature"] == list(ARGUMENTS)  # no new argument
     assert "example_count" not in report["deprecated"]  # a new setting gets no flat keyword
     assert report["errors"] == [
         "ValueError: Invalid ConsolidationConfig.example_count -1: expected an integer >= 0 (e.g. 2).",
@@ -135,8 +135,7 @@ def test_the_declarations_are_the_config_s_fields_and_what_the_cli_offers():
         assert spec.default == field.default and spec.help.strip(), spec.field
         parameter = inspect.signature(ConsolidationConfig).parameters[spec.field]
         assert parameter.default == spec.default and parameter.annotation == spec.annotation, spec.field
-    for doc in (attributes_docstring(), arguments_docstring()):
-        assert max(len(line) for line in doc.splitlines()) <= 119
+    assert max(len(line) for line in attributes_docstring().splitlines()) <= 119
     entries = [
         line.split(":")[0].strip() for line in attributes_docstring().splitlines() if not line.startswith(" " * 12)
     ]

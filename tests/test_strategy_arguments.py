@@ -23,16 +23,17 @@ import warnings
 from typing import Optional
 
 import pytest
+from conftest import run_python
 from nemo.lightning.io.pl import MegatronCheckpointIO as NeMoMegatronCheckpointIO
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 import nemo_patch
 from nemo_patch import ConsolidationConfig, ConsolidationSettings, MegatronCheckpointIO, MegatronStrategy
 from nemo_patch.engine.output_layout import DTYPE_NAMES
-from nemo_patch.training.io_chain import find_base_checkpoint_io
+from nemo_patch.overlay.deprecated import DEPRECATED_FIELDS, deprecated_keywords
+from nemo_patch.training import integration
+from nemo_patch.training.callback import consolidation_of, find_base_checkpoint_io
 from nemo_patch.training.policy import ACCEPTED_FREQUENCIES, parse_consolidation_frequency
-from nemo_patch.training.settings import DEPRECATED_FIELDS, deprecated_keywords
-from nemo_patch.training.strategy import NeMoMegatronStrategy
 
 
 @pytest.mark.parametrize(
@@ -51,16 +52,16 @@ from nemo_patch.training.strategy import NeMoMegatronStrategy
 @pytest.mark.parametrize("async_save", [True, False])
 def test_policy_reaches_the_checkpoint_io(kwargs, expected, async_save):
     strategy = MegatronStrategy(ckpt_async_save=async_save, **kwargs)
-    assert strategy.consolidation_policy == expected
+    assert strategy.consolidation_settings.policy == expected
     io = strategy.checkpoint_io
     # NeMo's create_checkpoint_io built the chain; the async wrapper is still outermost when async save is on.
     assert isinstance(io, AsyncFinalizableCheckpointIO) == async_save
     base = find_base_checkpoint_io(io)
+    assert type(base) is NeMoMegatronCheckpointIO is MegatronCheckpointIO  # NeMo's own class, edited
     if expected is None:
-        assert type(base) is NeMoMegatronCheckpointIO  # stock IO, untouched
+        assert base.consolidation is None  # consolidates nothing
     else:
-        assert type(base) is MegatronCheckpointIO
-        assert base.consolidation_policy == expected
+        assert base.consolidation.policy == expected
         assert base.async_save == async_save and base.save_ckpt_format == "torch_dist"
 
 
@@ -139,16 +140,16 @@ def test_false_with_frequency_raises_naming_both(make):
 @pytest.mark.parametrize("switch", [{}, {"save_consolidated": False}])
 def test_a_config_without_a_frequency_warns_that_it_does_nothing(switch, caplog):
     config = ConsolidationConfig(dtype="bf16", keep=2)
-    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.strategy"):
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.integration"):
         strategy = MegatronStrategy(ckpt_consolidation=config, **switch)
-    assert strategy.consolidation_policy is None
+    assert strategy.consolidation_settings.policy is None
     warnings_ = [r.getMessage() for r in caplog.records if "consolidation is off" in r.getMessage()]
     assert warnings_ == [
         "ckpt_consolidation=ConsolidationConfig(dtype='bf16', keep=2) given, but checkpoint consolidation is off: "
         "pass ckpt_consolidation_frequency (or save_consolidated=True) to consolidate checkpoints."
     ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.strategy"):
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.integration"):
         MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation=config)
         MegatronStrategy(save_consolidated=False, ckpt_consolidation=ConsolidationConfig())
     assert not [r for r in caplog.records if "consolidation is off" in r.getMessage()]
@@ -159,24 +160,25 @@ def test_user_supplied_stock_checkpoint_io_is_upgraded_with_its_settings():
     strategy = MegatronStrategy(checkpoint_io=user_io, ckpt_consolidation_frequency="every_n:3")
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     assert type(base) is MegatronCheckpointIO and base.parallel_save is False
-    assert base.consolidation_policy == parse_consolidation_frequency("every_n:3")
-    assert user_io.__class__ is NeMoMegatronCheckpointIO  # the user's object is not mutated
+    assert base.consolidation.policy == parse_consolidation_frequency("every_n:3")
+    assert base is not user_io and user_io.consolidation is None  # the user's object is not changed
 
 
 def test_user_supplied_consolidating_io_keeps_its_own_policy_unless_the_strategy_sets_one():
     def own() -> MegatronCheckpointIO:
         return MegatronCheckpointIO(consolidation_settings=ConsolidationSettings(frequency="latest"))
 
-    assert MegatronStrategy(checkpoint_io=own()).consolidation_policy == parse_consolidation_frequency("latest")
+    kept = MegatronStrategy(checkpoint_io=own())
+    assert consolidation_of(kept.checkpoint_io).policy == parse_consolidation_frequency("latest")
     overridden = MegatronStrategy(checkpoint_io=own(), ckpt_consolidation_frequency="each")
-    assert overridden.consolidation_policy == parse_consolidation_frequency("each")
+    assert consolidation_of(overridden.checkpoint_io).policy == parse_consolidation_frequency("each")
 
 
 def test_checkpoint_io_set_after_construction_gets_the_settings():
     strategy = MegatronStrategy(ckpt_consolidation_frequency="each")
     strategy.checkpoint_io = AsyncFinalizableCheckpointIO(NeMoMegatronCheckpointIO(async_save=True))
     assert isinstance(strategy.checkpoint_io, AsyncFinalizableCheckpointIO)
-    assert type(find_base_checkpoint_io(strategy.checkpoint_io)) is MegatronCheckpointIO
+    assert consolidation_of(strategy.checkpoint_io).policy == parse_consolidation_frequency("each")
 
 
 def test_other_checkpoint_io_keeps_working_without_consolidation(caplog):
@@ -184,10 +186,10 @@ def test_other_checkpoint_io_keeps_working_without_consolidation(caplog):
         pass
 
     custom = CustomIO()
-    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.strategy"):
+    with caplog.at_level(logging.WARNING, logger="nemo_patch.training.integration"):
         strategy = MegatronStrategy(checkpoint_io=custom, ckpt_consolidation_frequency="each")
     assert strategy.checkpoint_io is custom
-    assert strategy.consolidation_policy is None
+    assert consolidation_of(strategy.checkpoint_io) is None
     assert "will not be consolidated" in caplog.text
 
 
@@ -223,7 +225,7 @@ def test_a_strategy_with_a_config_round_trips_through_nemo_context(tmp_path):
     ]
     restored = load_context(tmp_path)
     assert isinstance(restored, MegatronStrategy) and restored.async_save is False
-    assert restored.consolidation_settings.config == config and restored.ckpt_consolidation == config
+    assert restored.consolidation_settings.config == config
     assert restored.consolidation_settings == strategy.consolidation_settings
 
 
@@ -259,11 +261,12 @@ def test_a_consolidation_config_is_a_nemo_run_config():
 
 def test_upgrade_from_stock_io_keeps_every_setting():
     stock = NeMoMegatronCheckpointIO(async_save=True, torch_dist_multiproc=2, parallel_load=True)
-    upgraded = MegatronCheckpointIO.from_checkpoint_io(stock, ConsolidationSettings.from_arguments(True))
+    upgraded = integration.with_consolidation(stock, ConsolidationSettings.from_arguments(True))
     for name, value in vars(stock).items():
-        assert getattr(upgraded, name) == value, name
-    assert upgraded.consolidation_policy == parse_consolidation_frequency("each")
-    assert nemo_patch.MegatronCheckpointIO is MegatronCheckpointIO
+        if name not in ("consolidation_settings", "consolidation"):
+            assert getattr(upgraded, name) == value, name
+    assert upgraded.consolidation.policy == parse_consolidation_frequency("each") and stock.consolidation is None
+    assert nemo_patch.MegatronCheckpointIO is MegatronCheckpointIO is NeMoMegatronCheckpointIO
 
 
 #: (field, invalid value, what the message says is accepted)
@@ -371,11 +374,11 @@ def test_consolidation_settings_reach_the_io():
     )
     strategy = MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation=config)
     base = find_base_checkpoint_io(strategy.checkpoint_io)
-    assert strategy.ckpt_consolidation is config is base.consolidation_settings.config
+    assert strategy.consolidation_settings.config is config is base.consolidation_settings.config
     assert base.consolidation_settings.config.dtype == "bf16" and base.consolidation_settings.config.workers == 3
     assert strategy.consolidation_settings.config.timeout == 12.5
-    assert base.queue.settings is strategy.consolidation_settings  # one value, validated once, handed on
-    assert base.queue._max_pending == 0
+    assert base.consolidation.queue.settings is strategy.consolidation_settings  # one value, validated once
+    assert base.consolidation.queue._max_pending == 0
 
 
 def test_a_post_command_with_an_unknown_placeholder_raises_naming_the_four():
@@ -393,11 +396,11 @@ def test_the_post_command_reaches_the_io_and_the_consolidation_process():
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     assert base.consolidation_settings.config.post_command == command
     assert base.consolidation_settings.config.post_command_timeout == 60.0
-    sent = ConsolidationSettings.from_json(base.queue._settings_json)
+    sent = ConsolidationSettings.from_json(base.consolidation.queue._settings_json)
     assert (
         sent.config.post_command == command
         and sent.config.post_command_timeout == 60.0
-        and sent == base.queue.settings
+        and sent == base.consolidation.queue.settings
     )
 
 
@@ -413,9 +416,9 @@ def test_settings_are_validated_once_and_handed_on_as_one_value(monkeypatch, tmp
         ckpt_consolidation_frequency="every_n:3", ckpt_consolidation=ConsolidationConfig(format="hf")
     )
     base = find_base_checkpoint_io(strategy.checkpoint_io)
-    assert base.consolidation_settings is strategy.consolidation_settings is base.queue.settings
+    assert base.consolidation_settings is strategy.consolidation_settings is base.consolidation.queue.settings
     assert calls == [(None, "every_n:3")]
-    assert base.queue._settings_json == strategy.consolidation_settings.to_json()
+    assert base.consolidation.queue._settings_json == strategy.consolidation_settings.to_json()
 
 
 @pytest.mark.parametrize("frequency", ["best; every_n:3@10; latest", "every_n:10; each@50000"])
@@ -425,8 +428,8 @@ def test_a_phased_frequency_round_trips_through_a_nemo_run_config(frequency):
     from nemo import lightning as nl
 
     strategy = fdl.build(run.Config(nl.MegatronStrategy, ckpt_consolidation_frequency=frequency))
-    assert strategy.consolidation_policy == parse_consolidation_frequency(frequency)
-    assert strategy.ckpt_consolidation_frequency == frequency
+    assert strategy.consolidation_settings.policy == parse_consolidation_frequency(frequency)
+    assert strategy.consolidation_settings.frequency == frequency
 
 
 def test_nemo_run_command_line_overrides_parse_every_argument_by_its_type():
@@ -464,7 +467,13 @@ def test_nemo_run_command_line_overrides_parse_every_argument_by_its_type():
 
 
 def test_the_signatures_are_nemo_s_plus_the_consolidation_arguments():
-    nemo = inspect.signature(NeMoMegatronStrategy.__init__).parameters
+    stock = run_python(  # NeMo's own signatures, unedited
+        "import inspect, json, nemo.lightning as nl; from nemo.lightning.io.pl import MegatronCheckpointIO as io; "
+        "print(json.dumps([list(inspect.signature(c.__init__).parameters) for c in (nl.MegatronStrategy, io)]))",
+        env={"NEMO_PATCH_DISABLE": "1"},
+    )
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    nemo, nemo_io = json.loads(stock.stdout.strip().splitlines()[-1])
     ours = inspect.signature(MegatronStrategy.__init__).parameters
     assert [name for name in ours if name in nemo] == list(nemo)  # NeMo's, in NeMo's order, positional ones first
     assert [name for name in ours if name not in nemo] == [
@@ -479,7 +488,7 @@ def test_the_signatures_are_nemo_s_plus_the_consolidation_arguments():
         and ours["ckpt_consolidation"].default is None
     )
     io = inspect.signature(MegatronCheckpointIO.__init__).parameters
-    assert list(io) == [*inspect.signature(NeMoMegatronCheckpointIO.__init__).parameters, "consolidation_settings"]
+    assert list(io) == [*nemo_io, "consolidation_settings"]
     assert io["consolidation_settings"].annotation == Optional[ConsolidationSettings]
     assert MegatronCheckpointIO("zarr").save_ckpt_format == "zarr"
 
@@ -487,7 +496,7 @@ def test_the_signatures_are_nemo_s_plus_the_consolidation_arguments():
 def test_the_docstring_documents_the_three_arguments():
     doc = MegatronStrategy.__doc__
     for name in ("save_consolidated", "ckpt_consolidation_frequency", "ckpt_consolidation"):
-        assert f"\n        {name}: " in doc, name
+        assert f"\n        {name} (" in doc, name  # NeMo's docstring style: name (type): meaning
     assert "NeMo Automodel's checkpoint option ``save_consolidated`` (its 25.09 release)" in " ".join(doc.split())
     assert "{consolidation arguments}" not in doc
     attributes = ConsolidationConfig.__doc__

@@ -35,7 +35,7 @@ from conftest import REPO, run_fit
 
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.engine.verify import verify_consolidated
-from nemo_patch.training.coordinator import JOURNAL_NAME
+from nemo_patch.training.journal import JOURNAL_NAME
 from nemo_patch.training.latest import LATEST_NAME, read_latest_pointer
 from nemo_patch.training.retention import RETAINED_DIRNAME, consolidated_outputs
 

@@ -17,8 +17,7 @@
 Directives (usable from MyST Markdown as ```` ```{nemo-patch-strategy-arguments} ````):
 
 * ``nemo-patch-strategy-arguments``: one entry per ``MegatronStrategy`` consolidation argument (type, default,
-  meaning), from :data:`nemo_patch.training.settings.STRATEGY_ARGUMENTS`, the same declarations the strategy's
-  signature and docstring are made from.
+  meaning), from the edited class's own signature and docstring (the ``nemo_edits`` that go upstream).
 * ``nemo-patch-consolidation-config``: one entry per ``ConsolidationConfig`` field (type, default, ``nemo-consolidate``
   option, the deprecated flat keyword it replaces, meaning), from the fields' declarations
   (:data:`nemo_patch.training.config.SETTINGS`), the same ones the class's documentation and the CLI's options are made
@@ -81,25 +80,31 @@ def format_default(value: Any) -> str:
 
 
 def strategy_argument_entries() -> List[Tuple[str, str, str, str]]:
-    """``(argument, type, default, meaning)`` for every consolidation argument of ``MegatronStrategy``."""
+    """``(argument, type, default, meaning)`` for every consolidation argument of ``MegatronStrategy``: the signature
+    and the ``Args:`` entry (``name (type): meaning``) of NeMo's edited class."""
+    import nemo_patch
     from nemo_patch.training.config import annotation_text
-    from nemo_patch.training.settings import STRATEGY_ARGUMENTS
+    from nemo_patch.training.integration import ARGUMENTS
 
+    strategy = nemo_patch.MegatronStrategy  # NeMo's class, edited as NeMo's module is imported
+    parameters = inspect.signature(strategy.__init__).parameters
+    doc = inspect.getdoc(strategy) or ""
     entries = []
-    for argument in STRATEGY_ARGUMENTS:
-        if not argument.help.strip():
-            raise ExtensionError(f"strategy argument {argument.name!r} declares no help text")
-        entries.append(
-            (argument.name, annotation_text(argument.annotation), format_default(argument.default), argument.help)
-        )
+    for name in ARGUMENTS:
+        match = re.search(rf"^    {name} \([^)]*\): (.*?)(?=^    \S|^\S|\Z)", doc, re.S | re.M)
+        if name not in parameters or match is None:
+            raise ExtensionError(f"MegatronStrategy has no argument {name!r} documented (is the overlay applied?)")
+        parameter = parameters[name]
+        meaning = " ".join(match.group(1).split())
+        entries.append((name, annotation_text(parameter.annotation), format_default(parameter.default), meaning))
     return entries
 
 
 def config_field_entries() -> List[Tuple[str, str, str, str, str, str]]:
     """``(field, type, default, CLI option or "", deprecated flat keyword or "", meaning)`` for every
     ``ConsolidationConfig`` field."""
+    from nemo_patch.overlay.deprecated import deprecated_keywords
     from nemo_patch.training.config import SETTINGS, annotation_text
-    from nemo_patch.training.settings import deprecated_keywords
 
     flat = {field: keyword for keyword, field in deprecated_keywords("strategy").items()}
     entries = []

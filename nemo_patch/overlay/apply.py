@@ -12,54 +12,43 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Make NeMo's public ``MegatronStrategy`` name refer to :class:`nemo_patch.MegatronStrategy`.
+"""Apply the overlay: NeMo's modules edited by the start-up hook (:mod:`.hook`), and the overlay's own additions to
+the edited classes (:mod:`.deprecated`).
 
-Imports the standard library and :mod:`nemo_patch.overlay.hook` at module level; the training side's strategy (and
-with it NeMo) only inside :func:`apply_overlay`, which runs once NeMo's strategy module has been executed.
+Imports the standard library and :mod:`.hook` at module level; the training side (and with it NeMo) only inside the
+functions the hook calls once NeMo is being imported.
 """
 
-import sys
+from types import ModuleType
 
-from nemo_patch.overlay.hook import STRATEGY_MODULE, TARGET_MODULE, overlay_disabled, strategy_module_importing
+from nemo_patch.overlay import hook
+from nemo_patch.overlay.hook import overlay_applied, overlay_disabled
 
-__all__ = ["apply_overlay", "overlay_applied"]
+__all__ = ["after_exec", "apply_overlay", "overlay_applied", "prepare"]
 
 
-def overlay_applied() -> bool:
-    """Whether NeMo's ``megatron_strategy.MegatronStrategy`` currently is :class:`nemo_patch.MegatronStrategy`."""
-    module = sys.modules.get(TARGET_MODULE)
-    strategy = sys.modules.get(STRATEGY_MODULE)
-    return (
-        module is not None
-        and strategy is not None
-        and module.MegatronStrategy is vars(strategy).get("MegatronStrategy")
-    )
+def prepare() -> None:
+    """Before the first edit of a NeMo module: importing the package refuses a NeMo it does not support."""
+    import nemo_patch  # noqa: F401
+
+
+def after_exec(module: ModuleType) -> None:
+    """Once NeMo's ``module`` was executed edited: the deprecated keywords and attributes of its class."""
+    from nemo_patch.overlay import deprecated
+
+    deprecated.install(module)
 
 
 def apply_overlay() -> bool:
-    """Replace NeMo's ``MegatronStrategy`` by :class:`nemo_patch.MegatronStrategy` in every loaded ``nemo`` module.
-
-    That covers ``nemo.lightning.MegatronStrategy``, ``nemo.lightning.pytorch.strategies.MegatronStrategy`` and the
-    defining module, plus any ``nemo.*`` module that imported the name before. Applying twice is harmless. Instances
-    stay instances of NeMo's class (``nemo_patch.MegatronStrategy`` subclasses it). The class's ``__module__`` becomes
-    NeMo's module, so references to it that are written to disk (a checkpoint's ``context/io.json``) use NeMo's
-    public name, resolve to this class wherever the overlay is installed and to NeMo's own class elsewhere.
+    """Register the hook (unless the start-up did) and edit the NeMo modules imported before it; applying twice is
+    harmless.
 
     Returns:
-        ``True`` if the overlay is in effect; ``False`` if ``NEMO_PATCH_DISABLE`` turned it off, or if
-        :mod:`nemo_patch.training.strategy` is being imported right now (the import hook applies it once that module
-        has been executed).
+        Whether NeMo's ``MegatronStrategy`` module is in effect edited (``False`` with ``NEMO_PATCH_DISABLE``, or
+        before a program imports it: the hook edits it then).
     """
-    if overlay_disabled() or strategy_module_importing():
+    if overlay_disabled():
         return False
-    # Imported here, not at the top: the strategy module imports NeMo, whose import may be what called us.
-    from nemo_patch.training.strategy import MegatronStrategy, NeMoMegatronStrategy
-
-    # Under the overlay this class *is* NeMo's public MegatronStrategy: NeMo's IOMixin records it in a checkpoint's
-    # context/io.json by that importable name (as stock NeMo does), not by nemo_patch's.
-    MegatronStrategy.__module__ = TARGET_MODULE
-    for name, module in list(sys.modules.items()):
-        if (name == "nemo" or name.startswith("nemo.")) and module is not None:
-            if module.__dict__.get("MegatronStrategy") is NeMoMegatronStrategy:
-                setattr(module, "MegatronStrategy", MegatronStrategy)
-    return True
+    hook.install(prepare, after_exec)
+    hook.edit_loaded_modules()
+    return overlay_applied()

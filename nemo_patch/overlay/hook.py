@@ -12,40 +12,53 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The overlay's import hook (standard library only: it runs at interpreter start-up).
+"""The overlay's import hook: NeMo's modules are executed with the edits of ``nemo_edits/`` applied to their source.
 
-At interpreter start-up, ``site`` runs the one line of ``nemo_patch.pth``, which loads this file through the
-top-level ``_nemo_patch_autoload`` stub (without importing the ``nemo_patch`` package, which would cost start-up
-time) and calls :func:`install` with the function that applies the overlay. That adds a meta-path finder and nothing
-else: it never imports NeMo. When a program later imports NeMo's ``megatron_strategy`` module
-(:data:`TARGET_MODULE`), the finder lets NeMo's own loader execute it and then calls that function
-(:func:`nemo_patch.overlay.apply.apply_overlay`), which replaces ``MegatronStrategy`` with
-:class:`nemo_patch.MegatronStrategy` everywhere NeMo exposes it (``nemo.lightning.MegatronStrategy`` included). The
-same happens after :data:`STRATEGY_MODULE` is executed, for programs that import ``nemo_patch``'s strategy before NeMo
-(NeMo's module is then executed from inside it, before the class exists).
+The edits are the unified diffs that go upstream (one per pull request, in the order ``nemo_edits/series`` lists).
+At interpreter start-up ``nemo_patch.pth`` loads this file through ``_nemo_patch_autoload`` (without importing the
+``nemo_patch`` package) and calls :func:`install`, which adds a meta-path finder and nothing else. When a program
+imports a NeMo module that a diff edits, the finder's loader reads NeMo's source, applies every hunk of the series to
+it (strict: each hunk's old lines must be found exactly once, wherever they are), compiles it under NeMo's file name
+and registers the edited text in :mod:`linecache`, so tracebacks and ``inspect`` show the lines that run. A series
+that does not apply to the installed NeMo (another release changed a context line) leaves every NeMo module unedited,
+with one warning naming the NeMo version, the file and the hunk. :func:`edit_loaded_modules` does the same for NeMo
+modules imported before the hook was installed, and rebinds the names other ``nemo`` modules hold.
 
-Must import the standard library only, and no other ``nemo_patch`` module: the function to call is handed in, so
-this module knows nothing of what it triggers. Set ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to turn the
-overlay off.
+Standard library only, and no other ``nemo_patch`` module: what runs before and after an edit is handed in. Set
+``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to leave NeMo unedited.
 """
 
+import linecache
 import os
+import re
 import sys
 import warnings
 from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-__all__ = ["STRATEGY_MODULE", "TARGET_MODULE", "install", "overlay_disabled"]
+__all__ = ["EDITS_DIR", "TARGET_MODULE", "edit_loaded_modules", "install", "overlay_applied", "overlay_disabled"]
 
-#: The NeMo module whose import triggers the overlay.
+#: The diffs and their ``series`` file.
+EDITS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nemo_edits")
+#: The NeMo module whose edit means the overlay is active (``MegatronStrategy``'s).
 TARGET_MODULE = "nemo.lightning.pytorch.strategies.megatron_strategy"
-#: The module that defines :class:`nemo_patch.MegatronStrategy` (it imports :data:`TARGET_MODULE`).
-STRATEGY_MODULE = "nemo_patch.training.strategy"
-_WATCHED = (TARGET_MODULE, STRATEGY_MODULE)
 
-#: Called after a watched module has been executed; returns whether the overlay is in effect.
-ApplyOverlay = Callable[[], bool]
+#: Called once before the first edit (imports ``nemo_patch``, whose version gate may refuse this NeMo).
+Prepare = Callable[[], None]
+#: Called after an edited module was executed.
+AfterExec = Callable[[ModuleType], None]
+_Hunk = Tuple[List[str], List[str]]
+_HUNK_HEADER = re.compile(r"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@")
+
+
+class _State:
+    """What this process knows: the edited sources by module (``None`` until computed; empty when refused)."""
+
+    sources: Optional[Dict[str, str]] = None
+    edited: Set[str] = set()
+    prepare: Optional[Prepare] = None
+    after_exec: Optional[AfterExec] = None
 
 
 def overlay_disabled() -> bool:
@@ -53,53 +66,176 @@ def overlay_disabled() -> bool:
     return os.environ.get("NEMO_PATCH_DISABLE", "").strip().lower() in ("1", "true", "yes")
 
 
-def strategy_module_importing() -> bool:
-    """Whether :data:`STRATEGY_MODULE` is being executed right now (in ``sys.modules``, its class not yet defined)."""
-    strategy = sys.modules.get(STRATEGY_MODULE)
-    return strategy is not None and "MegatronStrategy" not in vars(strategy)
+def overlay_applied() -> bool:
+    """Whether NeMo's ``MegatronStrategy`` module was executed with the edits."""
+    return TARGET_MODULE in _State.edited and TARGET_MODULE in sys.modules
 
 
-class _OverlayLoader:
-    """Runs the module's own loader, then applies the overlay."""
+def read_series(directory: Optional[str] = None) -> List[Tuple[str, str, List[_Hunk]]]:
+    """The hunks of every diff ``series`` lists, in order, as ``(diff name, file path, [(old lines, new lines)])``.
 
-    def __init__(self, loader: Any, apply: ApplyOverlay) -> None:
+    Raises:
+        ValueError: a diff that is not a unified diff.
+    """
+    directory = directory or EDITS_DIR
+    with open(os.path.join(directory, "series")) as series:
+        names = [line.strip() for line in series if line.strip() and not line.startswith("#")]
+    result: List[Tuple[str, str, List[_Hunk]]] = []
+    for name in names:
+        with open(os.path.join(directory, name)) as diff:
+            lines = diff.read().split("\n")
+        path: Optional[str] = None
+        for number, line in enumerate(lines):
+            if line.startswith("+++ "):
+                path = line[4:].strip().removeprefix("b/")
+                result.append((name, path, []))
+            elif _HUNK_HEADER.match(line):
+                if path is None:
+                    raise ValueError(f"{name}:{number + 1}: a hunk before its file's header")
+                result[-1][2].append(([], []))
+            elif result and result[-1][2] and line[:1] in (" ", "-", "+") and not line.startswith(("--- ", "+++ ")):
+                old, new = result[-1][2][-1]
+                if line[0] != "+":
+                    old.append(line[1:])
+                if line[0] != "-":
+                    new.append(line[1:])
+            elif result and result[-1][2] and line == "" and number < len(lines) - 1:
+                raise ValueError(f"{name}:{number + 1}: an empty line inside a hunk (context lines start with ' ')")
+    return result
+
+
+def apply_hunks(text: str, hunks: Sequence[_Hunk]) -> Tuple[str, Optional[str]]:
+    """``text`` with ``hunks`` applied in order, or ``(text, reason)`` for the first hunk whose old lines are not
+    found exactly once (line numbers do not matter)."""
+    lines = text.split("\n")
+    for index, (old, new) in enumerate(hunks, 1):
+        found = [i for i in range(len(lines) - len(old) + 1) if lines[i : i + len(old)] == old]
+        if len(found) != 1:
+            return text, f"hunk {index}'s context is found {len(found)} times"
+        lines[found[0] : found[0] + len(old)] = new
+    return "\n".join(lines), None
+
+
+def _module_name(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _nemo_version() -> str:
+    try:
+        from importlib import metadata
+
+        return metadata.version("nemo_toolkit")
+    except Exception:  # noqa: BLE001 - only for the message
+        return "unknown"
+
+
+def _refuse(message: str) -> Dict[str, str]:
+    warnings.warn(f"nemo_patch overlay not applied: {message}; NeMo runs unedited", RuntimeWarning, stacklevel=3)
+    return {}
+
+
+def edited_sources() -> Dict[str, str]:
+    """The edited source of each NeMo module the series edits, by module name; ``{}`` when the overlay is disabled,
+    ``prepare`` refused this NeMo, or a hunk does not apply (each warned once). Computed once per process."""
+    if _State.sources is not None:
+        return _State.sources
+    _State.sources = {}
+    if overlay_disabled():
+        return _State.sources
+    try:
+        if _State.prepare is not None:
+            _State.prepare()
+        series = read_series()
+    except Exception as error:  # never break `import nemo` because of the overlay
+        _State.sources = _refuse(str(error))
+        return _State.sources
+    from importlib.util import find_spec
+
+    spec = find_spec("nemo")
+    root = os.path.dirname(list(spec.submodule_search_locations or [""])[0]) if spec is not None else ""
+    sources: Dict[str, str] = {}
+    for name, path, hunks in series:
+        module = _module_name(path)
+        if module not in sources:
+            try:
+                with open(os.path.join(root, path)) as file:
+                    sources[module] = file.read()
+            except OSError as error:
+                _State.sources = _refuse(f"{path} of nemo_toolkit {_nemo_version()} cannot be read ({error})")
+                return _State.sources
+        sources[module], reason = apply_hunks(sources[module], hunks)
+        if reason is not None:
+            _State.sources = _refuse(f"{path} of nemo_toolkit {_nemo_version()} does not match {name} ({reason})")
+            return _State.sources
+    _State.sources = sources
+    return sources
+
+
+def _execute(module: ModuleType, source: str) -> None:
+    """Execute ``source`` as ``module`` (in its namespace), under its file name, its text in :mod:`linecache`."""
+    filename = str(module.__spec__.origin if module.__spec__ is not None else module.__file__)
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)  # no mtime: checkcache() keeps it
+    code = compile(source, filename, "exec", dont_inherit=True)
+    _State.edited.add(module.__name__)
+    exec(code, module.__dict__)
+    if _State.after_exec is not None:
+        _State.after_exec(module)
+
+
+class _EditingLoader:
+    """Executes NeMo's module with the edits applied to its source; NeMo's own loader otherwise."""
+
+    nemo_patch_editing = True  # another copy of this hook leaves a spec with this loader alone
+
+    def __init__(self, loader: Any) -> None:
         self._loader = loader
-        self._apply = apply
 
     def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        if strategy_module_importing():
-            return  # NeMo's module, executed from inside nemo_patch's strategy module: the overlay follows that one
-        if module.__name__ == STRATEGY_MODULE and TARGET_MODULE not in sys.modules:
-            return  # cannot happen (the strategy module imports NeMo's), but nothing to overlay then
-        try:
-            self._apply()
-        except Exception as error:  # never break `import nemo` because of the overlay
-            warnings.warn(f"nemo_patch overlay not applied: {error}", RuntimeWarning, stacklevel=2)
+        _State.edited.add(module.__name__)  # being edited: not to be edited again meanwhile (edit_loaded_modules)
+        source = edited_sources().get(module.__name__)
+        if source is None:
+            _State.edited.discard(module.__name__)
+            self._loader.exec_module(module)
+        else:
+            _execute(module, source)
+
+    def get_source(self, name: str) -> Optional[str]:
+        source = edited_sources().get(name)
+        return source if source is not None else self._loader.get_source(name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 
 
-class _OverlayFinder:
-    """Meta-path finder that wraps the loaders of :data:`TARGET_MODULE` and :data:`STRATEGY_MODULE` only."""
+def watched_modules() -> List[str]:
+    """The NeMo modules the series edits, in the order it first names them."""
+    try:
+        names = [_module_name(path) for _, path, _ in read_series()]
+    except (OSError, ValueError):
+        return []
+    return list(dict.fromkeys(names))
 
-    # Set while this finder asks the others. Imports of one module are serialised by its import lock, and this
-    # finder answers for two modules only, so a plain flag suffices (importing threading would cost start-up time).
+
+class _OverlayFinder:
+    """Meta-path finder that wraps the loaders of the modules the series edits, and of no other."""
+
+    # Set while this finder asks the others (another copy of this hook would ask us back): answer nothing then.
     _searching = False
 
-    def __init__(self, apply: ApplyOverlay) -> None:
-        self._apply = apply
+    _watched: Optional[Set[str]] = None
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
     ) -> Optional[ModuleSpec]:
-        # Re-entered while asking the other finders (another copy of this hook from a second install would ask us
-        # back): answer nothing then, so the search cannot recurse.
-        if fullname not in _WATCHED or _OverlayFinder._searching:
+        if not fullname.startswith("nemo.lightning.") or _OverlayFinder._searching:
+            return None
+        if self._watched is None:
+            self._watched = set(watched_modules())
+        if fullname not in self._watched:
             return None
         _OverlayFinder._searching = True
         try:
@@ -108,21 +244,65 @@ class _OverlayFinder:
                     continue
                 spec = finder.find_spec(fullname, path, target)
                 if spec is not None:
-                    if spec.loader is not None and not isinstance(spec.loader, _OverlayLoader):
-                        spec.loader = _OverlayLoader(spec.loader, self._apply)  # type: ignore[assignment]
+                    if spec.loader is not None and not getattr(spec.loader, "nemo_patch_editing", False):
+                        spec.loader = _EditingLoader(spec.loader)  # type: ignore[assignment]
                     return spec
             return None
         finally:
             _OverlayFinder._searching = False
 
 
-def install(apply: ApplyOverlay) -> None:
+def install(prepare: Prepare, after_exec: Optional[AfterExec] = None) -> None:
     """Register the finder once, unless the overlay is disabled.
 
     Args:
-        apply: what to call after a watched module has been executed (the overlay's
-            :func:`nemo_patch.overlay.apply.apply_overlay`, or a function importing it).
+        prepare: called once, before the first edit; an exception leaves NeMo unedited (and is warned). It may call
+            this function again, with both arguments.
+        after_exec: called with each module once it was executed edited.
     """
-    if overlay_disabled() or any(isinstance(finder, _OverlayFinder) for finder in sys.meta_path):
+    if overlay_disabled():
         return
-    sys.meta_path.insert(0, _OverlayFinder(apply))
+    _State.prepare = prepare
+    _State.after_exec = after_exec if after_exec is not None else _State.after_exec
+    if not any(isinstance(finder, _OverlayFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _OverlayFinder())
+
+
+def edit_loaded_modules() -> List[str]:
+    """Execute again, edited, the NeMo modules that were imported unedited (before :func:`install`), and make every
+    loaded ``nemo`` module use their classes: names bound to an earlier class are rebound, and its subclasses (e.g.
+    ``LoRA`` of ``PEFT``) take the new class as their base.
+
+    Returns:
+        The modules edited now.
+    """
+    done: List[str] = []
+    for name in watched_modules():
+        module = sys.modules.get(name)
+        if module is None or name in _State.edited:
+            continue
+        source = edited_sources().get(name)
+        if source is None:
+            return done
+        before = {key: value for key, value in vars(module).items() if getattr(value, "__module__", None) == name}
+        _execute(module, source)
+        if module.__spec__ is not None and module.__spec__.loader is not None:
+            module.__spec__.loader = _EditingLoader(module.__spec__.loader)  # type: ignore[assignment]
+        _rebind({id(old): (old, vars(module)[key]) for key, old in before.items() if vars(module).get(key) is not old})
+        done.append(name)
+    return done
+
+
+def _rebind(replaced: Dict[int, Tuple[Any, Any]]) -> None:
+    """Rebind every ``nemo`` module's names of the ``replaced`` objects (``id(old) -> (old, new)``), and rebase the
+    subclasses of replaced classes defined elsewhere."""
+    for loaded_name, loaded in list(sys.modules.items()):
+        if loaded is not None and (loaded_name == "nemo" or loaded_name.startswith("nemo.")):
+            for key, value in list(vars(loaded).items()):
+                if id(value) in replaced and replaced[id(value)][0] is value:
+                    setattr(loaded, key, replaced[id(value)][1])
+    for old, new in replaced.values():
+        subclasses: List[type] = old.__subclasses__() if isinstance(old, type) else []
+        for subclass in subclasses:
+            if id(subclass) not in replaced:
+                subclass.__bases__ = tuple(new if base is old else base for base in subclass.__bases__)

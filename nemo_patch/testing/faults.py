@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from lightning.pytorch.callbacks import Callback
 
 from nemo_patch.engine.publish import TMP_PREFIX
-from nemo_patch.training.io_chain import find_base_checkpoint_io
+from nemo_patch.training.callback import consolidation_of
 
 __all__ = ["FaultInjector", "parse_fault"]
 
@@ -154,30 +154,35 @@ class FaultInjector(Callback):
         self._undo.append(lambda: setattr(retention, "link_output", link_output))
 
     def _patch_removal(self, trainer: Any) -> None:
-        """Wrap NeMo's own ``MegatronStrategy.remove_checkpoint`` (what the overlay's strategy calls once it has taken
-        a removal and kept the checkpoint's output): see ``holdremoval`` in the module docstring."""
-        from nemo_patch.training.strategy import NeMoMegatronStrategy
+        """Wrap NeMo's own deletion of a checkpoint (what ``MegatronStrategy.remove_checkpoint`` hands to the
+        coordinator, which runs it once it has taken the removal and kept the checkpoint's output): see
+        ``holdremoval`` in the module docstring."""
+        from nemo_patch.training import integration
 
-        remove, removals = NeMoMegatronStrategy.remove_checkpoint, [0]
+        remove_checkpoint, removals = integration.remove_checkpoint, [0]
 
-        def held_remove(strategy: Any, filepath: Any) -> Any:
-            path = Path(str(filepath).removesuffix(".ckpt"))
-            source = self._source_of(trainer, path)
-            if threading.current_thread() is not threading.main_thread() and source is not None:
-                removals[0] += 1
-                if removals[0] == self.number:
-                    self._hold(path, source)
-            return remove(strategy, filepath)
+        def held_remove_checkpoint(strategy: Any, checkpoint_dir: Any, remove: Any) -> None:
+            path = Path(checkpoint_dir)
 
-        NeMoMegatronStrategy.remove_checkpoint = held_remove
-        self._undo.append(lambda: setattr(NeMoMegatronStrategy, "remove_checkpoint", remove))
+            def held_remove() -> None:
+                source = self._source_of(trainer, path)
+                if threading.current_thread() is not threading.main_thread() and source is not None:
+                    removals[0] += 1
+                    if removals[0] == self.number:
+                        self._hold(path, source)
+                remove()
+
+            remove_checkpoint(strategy, checkpoint_dir, held_remove)
+
+        setattr(integration, "remove_checkpoint", held_remove_checkpoint)
+        self._undo.append(lambda: setattr(integration, "remove_checkpoint", remove_checkpoint))
 
     @staticmethod
     def _source_of(trainer: Any, path: Path) -> Any:
         """The save whose output the ``-last`` copy at ``path`` waits for, while that one is waiting or running."""
         if not path.name.endswith("-last"):
             return None
-        coordinator = getattr(find_base_checkpoint_io(trainer.strategy.checkpoint_io), "coordinator", None)
+        coordinator = consolidation_of(trainer.strategy.checkpoint_io)
         if coordinator is None:
             return None
         with coordinator.lock:
@@ -217,7 +222,8 @@ class FaultInjector(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         kinds = ("kill", "hold", "pause", "readonly", "fsize", "jobkill", "holdremoval")
         if self.kind in kinds and trainer.is_global_zero:
-            queue = find_base_checkpoint_io(trainer.strategy.checkpoint_io).queue
+            consolidation: Any = consolidation_of(trainer.strategy.checkpoint_io)
+            queue = consolidation.queue
             if self.kind in ("pause", "holdremoval"):  # requests made while it is paused must meet a ready process
                 queue.start_process()
                 deadline = time.monotonic() + 300

@@ -232,7 +232,7 @@ def run_tiny_fit(
     import nemo_patch
     from nemo_patch.testing import tiny_gpt
     from nemo_patch.testing.cpu_harness import megatron_on_cpu
-    from nemo_patch.training.io_chain import find_base_checkpoint_io
+    from nemo_patch.training.callback import consolidation_of
 
     kwargs: Dict[str, Any] = {"ckpt_async_save": async_save}
     if frequency is not None:
@@ -368,8 +368,8 @@ def run_tiny_fit(
         if probe_merged:
             report.update(_probe_merged_logits(model, root / "LATEST", out / "probe-merged"))
 
-    base = find_base_checkpoint_io(strategy.checkpoint_io)
-    schedule = getattr(base, "consolidation", None)
+    consolidation = consolidation_of(strategy.checkpoint_io)
+    schedule = consolidation.schedule if consolidation is not None else None
     steps = {save.path.name: save.global_step for save in schedule.history} if schedule else {}
     report["checkpoints"] = checkpoint_report(root, steps)
     latest = nemo_patch.read_latest_pointer(root)
@@ -381,10 +381,10 @@ def run_tiny_fit(
     report["val_loss"] = history.values
     report["tensorboard_dir"] = trainer.logger.log_dir if tensorboard and trainer.logger else None
     report["finished_count"] = schedule.finished_count if schedule else None
-    queue = getattr(base, "_queue", None)
+    queue = consolidation._queue if consolidation is not None else None
     report["skipped"] = [save.path.name for save in queue.skipped] if queue else []
     report["fault_records"] = [record for injector in injectors for record in injector.records]
-    report["dropped_by_removal"] = [save.path.name for save in getattr(base, "dropped_by_removal", [])]
+    report["dropped_by_removal"] = [save.path.name for save in getattr(consolidation, "dropped_by_removal", [])]
     report["retained"] = retained_report(root)
     report["completed_steps"] = [step for step, _, error in queue.completed if error is None] if queue else []
     report["resumed_from"] = str(trainer.ckpt_path) if trainer.ckpt_path else None

@@ -27,8 +27,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from nemo_patch.training.checkpoint_io import MegatronCheckpointIO
-from nemo_patch.training.io_chain import find_base_checkpoint_io
+from nemo_patch.training.callback import consolidation_of
 
 __all__ = ["WaitForConsolidation"]
 
@@ -45,7 +44,7 @@ class WaitForConsolidation(Callback):
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         """Wait for the consolidation queue to be idle (global rank 0; other ranks have none)."""
-        base = find_base_checkpoint_io(trainer.strategy.checkpoint_io)
-        if isinstance(base, MegatronCheckpointIO) and base.consolidation is not None and trainer.is_global_zero:
-            base.consolidate_finished()
-            base.wait_for_consolidation(self.timeout)
+        consolidation = consolidation_of(trainer.strategy.checkpoint_io)
+        if consolidation is not None and trainer.is_global_zero:
+            consolidation.consolidate_finished()
+            consolidation.wait(self.timeout)

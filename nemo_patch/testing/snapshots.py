@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from nemo_patch.training.io_chain import find_base_checkpoint_io
+from nemo_patch.training.callback import find_base_checkpoint_io
 
 __all__ = ["CheckpointSnapshots"]
 

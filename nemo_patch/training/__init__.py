@@ -12,14 +12,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The training side: when a run's checkpoints are consolidated, and where that plugs into NeMo and Lightning.
+"""The training side: when a run's checkpoints are consolidated, and what NeMo's edited classes call.
 
-User settings (:mod:`.settings`, with the cadence in :mod:`.policy`), NeMo's strategy and checkpoint IO extended
-(:mod:`.strategy`, :mod:`.checkpoint_io`, :mod:`.io_chain`), the Lightning callback that drives it (:mod:`.callback`),
-the bookkeeping of finished saves (:mod:`.schedule`), the consolidation process queue (:mod:`.queue`) and the process
-itself (:mod:`.worker`), and the run's ``LATEST`` pointer (:mod:`.latest`).
+The knob: the settings (:mod:`.config`, :mod:`.settings`, the cadence in :mod:`.policy`), what NeMo's
+``MegatronStrategy``, ``MegatronCheckpointIO`` and ``ModelCheckpoint`` call (:mod:`.integration`), the Lightning
+callback (:mod:`.callback`), the run's coordinator (:mod:`.coordinator`, the saves in :mod:`.schedule`), the
+consolidation process (:mod:`.queue`, :mod:`.worker`) and the end of ``fit`` on every rank (:mod:`.fit_end`). The later
+additions, each reached only through an optional import or the coordinator's observers: outputs kept past NeMo's
+removals and ``LATEST`` (:mod:`.retention`, :mod:`.latest`), the ``"best"`` cadence and ``BEST`` (:mod:`.best`),
+cadence phases (:mod:`.phases`), the journal of due consolidations (:mod:`.journal`), the post command and the
+callbacks' hooks (:mod:`.hooks`), and the training metrics (:mod:`.metrics`).
 
-NeMo and Lightning are imported by ``strategy``, ``checkpoint_io``, ``io_chain`` and ``callback`` only; ``worker``
-(the consolidation process) imports none of NeMo, Lightning or megatron-core. May import the engine and the export,
-never the overlay, the CLI or ``nemo_patch.testing``. This ``__init__`` imports nothing.
+NeMo is imported by ``integration`` only, inside its functions; the consolidation process (``worker``) imports none of
+NeMo, Lightning or megatron-core. May import the engine and the export, never the overlay, the CLI or
+``nemo_patch.testing``. This ``__init__`` imports nothing.
 """

@@ -15,18 +15,12 @@
 """How a run's checkpoints are consolidated: :class:`ConsolidationConfig`, each setting one field, declared once.
 
 ``MegatronStrategy(ckpt_consolidation=ConsolidationConfig(...))`` takes it, as NeMo's ``ddp=`` takes a
-``DistributedDataParallelConfig``; *when* checkpoints are consolidated is the strategy's own
-``ckpt_consolidation_frequency``. Each field's metadata (:func:`setting`) is the only declaration of that setting: its
-validator, its help text and, where ``nemo-consolidate`` has it, its command-line option (:class:`CliOption`).
-:data:`SETTINGS` lists the declarations in order; the class's ``Attributes:`` documentation, the CLI's options, the
-strategy's deprecated flat keywords, the consolidation process's JSON and the documentation's reference are made from
-them. Adding a setting is one field here plus its tests (and the code that uses it).
-
-A config is validated once, when it is made (``__post_init__``): an invalid value raises ``ValueError`` naming
-``ConsolidationConfig.<field>`` and the accepted forms. Values are stored in one normal form (``dtype`` as its short
-name, ``max_shard_size`` as bytes, the timeouts as floats), so configs compare, hash and serialise by value (NeMo's
-``context/io.json``, fiddle and NeMo-Run configs). Standard library only (plus the engine's torch-free output names and
-post-command placeholders).
+``DistributedDataParallelConfig``. Each field's metadata (:func:`setting`) is the setting's only declaration: its
+validator, its help text (the class's ``Attributes:`` and the documentation's reference are made from it), the later
+addition it needs (``feature``: a value other than the default is refused where that module is not installed), and
+its ``nemo-consolidate`` option (:class:`CliOption`). A config is validated once, when it is made, and stores values
+in one normal form, so that configs compare and serialise by value (NeMo's ``context/io.json``, fiddle, NeMo-Run).
+Standard library only (plus the engine's torch-free output names).
 """
 
 import math
@@ -35,10 +29,10 @@ import textwrap
 import typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
+from importlib.util import find_spec
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
-from nemo_patch.engine.post_command import DEFAULT_POST_COMMAND_TIMEOUT, check_placeholders
 
 __all__ = [
     "ACCEPTED_FORMATS",
@@ -51,6 +45,7 @@ __all__ = [
     "SETTINGS",
     "Setting",
     "annotation_text",
+    "feature_installed",
     "setting",
     "validate_count",
     "validate_dtype",
@@ -72,6 +67,10 @@ DEFAULT_FORMAT = "safetensors"
 DEFAULT_MAX_PENDING = 2
 #: Default ``ConsolidationConfig.timeout``: how long the end of ``fit`` waits for consolidations, in seconds.
 DEFAULT_TIMEOUT = 1800.0
+#: Default ``ConsolidationConfig.post_command_timeout``, in seconds.
+DEFAULT_POST_COMMAND_TIMEOUT = 3600.0
+#: The package the ``feature`` modules are in (``nemo_patch``, or NeMo's ``nemo.lightning.io.consolidation``).
+_ROOT = __package__.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,7 @@ class Setting:
             ``name`` and the accepted forms.
         help: what the setting means (reStructuredText; the class's ``Attributes:`` and the documentation).
         cli: the ``nemo-consolidate`` option, ``None`` when the CLI has none.
+        feature: the module (under the package root) a value other than the default needs, ``None`` for none.
     """
 
     field: str
@@ -117,6 +117,7 @@ class Setting:
     validate: Callable[[Any, str], Any]
     help: str
     cli: Optional[CliOption] = None
+    feature: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -124,9 +125,24 @@ class Setting:
         return f"ConsolidationConfig.{self.field}"
 
 
-def setting(default: Any, *, validate: Callable[[Any, str], Any], help: str, cli: Optional[CliOption] = None) -> Any:
+def setting(
+    default: Any,
+    *,
+    validate: Callable[[Any, str], Any],
+    help: str,
+    cli: Optional[CliOption] = None,
+    feature: Optional[str] = None,
+) -> Any:
     """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting` for the arguments)."""
-    return field(default=default, metadata={"setting": dict(validate=validate, help=help, cli=cli)})
+    return field(default=default, metadata={"setting": dict(validate=validate, help=help, cli=cli, feature=feature)})
+
+
+def feature_installed(feature: str) -> bool:
+    """Whether the module ``feature`` (e.g. ``"training.retention"``) is installed (looked up, not imported)."""
+    try:
+        return find_spec(f"{_ROOT}.{feature}") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _invalid(name: str, value: object, accepted: str) -> ValueError:
@@ -286,6 +302,8 @@ def validate_post_command(value: object, name: str) -> Optional[str]:
     if not isinstance(value, str) or not value.strip():
         accepted = "a shell command such as 'python eval.py {output}'"
         raise _invalid(name, value, accepted if _is_option(name) else f"None or {accepted}")
+    from nemo_patch.engine.post_command import check_placeholders
+
     try:
         check_placeholders(value)
     except ValueError as error:
@@ -324,6 +342,7 @@ class ConsolidationConfig:
     format: str = setting(
         DEFAULT_FORMAT,
         validate=validate_format,
+        feature="export.hf",
         help="``\"safetensors\"`` (default): ``<ckpt>/consolidated/`` with this package's layout (megatron-core "
         "names, any model); ``\"hf\"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory written through NeMo's "
         "registered exporter for the model class (e.g. Llama); see the documentation's Outputs page. Either runs in "
@@ -370,6 +389,7 @@ class ConsolidationConfig:
     keep: Optional[int] = setting(
         None,
         validate=validate_keep,
+        feature="training.retention",
         help="what happens to a consolidated output when NeMo's top-k retention (``ModelCheckpoint(save_top_k=...)``) "
         "removes its checkpoint: ``None`` (default) keeps every one, as ``<root>/retained/<checkpoint name>/``; ``N`` "
         "keeps one while it is among the run's newest ``N`` consolidated outputs; ``0`` keeps none (it goes with its "
@@ -392,6 +412,7 @@ class ConsolidationConfig:
     merge_adapters: bool = setting(
         False,
         validate=validate_flag,
+        feature="engine.adapter_merge",
         help="for PEFT (LoRA) runs, whose checkpoints hold only the adapters: ``False`` (default) writes "
         "``adapter_model.safetensors``; ``True`` writes the base model with the adapters merged as NeMo's "
         "``LoRAMerge`` computes it (``model.safetensors``, or a full ``transformers`` directory with the ``\"hf\"`` "
@@ -406,6 +427,7 @@ class ConsolidationConfig:
     post_command: Optional[str] = setting(
         None,
         validate=validate_post_command,
+        feature="training.hooks",
         help="a shell command the consolidation process runs after each output it publishes, never a training "
         "process: ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` are replaced (shell-quoted); its "
         "output goes to ``<output>.post-command.log``, its result (exit code, seconds, metrics from the JSON lines of "
@@ -425,6 +447,7 @@ class ConsolidationConfig:
     post_command_timeout: float = setting(
         DEFAULT_POST_COMMAND_TIMEOUT,
         validate=validate_timeout,
+        feature="training.hooks",
         help="seconds the post command may run before its process group is stopped (recorded as timed out). Default "
         "3600.",
         cli=CliOption(
@@ -466,9 +489,16 @@ class ConsolidationConfig:
 
 
 def _validate(config: ConsolidationConfig, names: Mapping[str, str]) -> None:
-    """Validate every field of ``config`` in place, storing each value in its normal form (``__post_init__``)."""
+    """Validate every field of ``config`` in place, storing each value in its normal form (``__post_init__``).
+
+    Raises:
+        ValueError: an invalid value, or one other than the default whose ``feature`` module is not installed.
+    """
     for spec in SETTINGS:
-        value = spec.validate(getattr(config, spec.field), names.get(spec.field) or spec.name)
+        name = names.get(spec.field) or spec.name
+        value = spec.validate(getattr(config, spec.field), name)
+        if spec.feature is not None and value != spec.default and not feature_installed(spec.feature):
+            raise ValueError(f"{name}={value!r} needs {_ROOT}.{spec.feature}, which is not installed.")
         object.__setattr__(config, spec.field, value)
 
 

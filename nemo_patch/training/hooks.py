@@ -12,35 +12,44 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""What the training process hears of each consolidation after it ended: its outcome, the callbacks' hooks, and the
-post command's metrics.
+"""What the training process hears of each consolidation after it ended: its outcome, the post command's result
+and metrics, and the callbacks' hooks.
 
-When the consolidation process answers a request (global rank 0, reaped in the training loop's hooks or, for those
-still running when ``fit`` ends, in the strategy's teardown), the coordinator makes a :class:`ConsolidationOutcome`;
-:class:`nemo_patch.training.callback.ConsolidationCallback` then logs the post command's metrics to the trainer's
-loggers at the checkpoint's global step and calls, on every callback of the trainer that defines it,
+For each consolidation that ended (global rank 0, reaped in the training loop's hooks or in the strategy's teardown),
+:class:`Observer` logs the post command's result (``ConsolidationConfig.post_command``), logs its metrics to the
+trainer's loggers at the checkpoint's global step and calls, on every callback of the trainer that defines it,
 
 * ``on_consolidation_end(trainer, pl_module, result)`` once per published output, and
-* ``on_consolidation_failed(trainer, pl_module, result)`` once per consolidation that ran and published nothing
-  (failed, stopped, or its checkpoint was removed or saved again while it ran);
+* ``on_consolidation_failed(trainer, pl_module, result)`` once per consolidation that ran and published nothing;
 
-``result`` is the :class:`ConsolidationOutcome`. A hook runs in the training loop: it is for quick work (log a line,
-record a path, start something that runs elsewhere); evaluations and uploads belong in the post command
-(``ConsolidationConfig.post_command``), which runs in the consolidation process. An exception in a hook is logged
+``result`` is the :class:`ConsolidationOutcome`. A hook runs in the training loop: it is for quick work (evaluations
+and uploads belong in the post command, which runs in the consolidation process). An exception in a hook is logged
 (the first of each hook with its traceback, later ones at debug level) and never fails training.
 
 Standard library and the engine's post command result only: never NeMo or Lightning (the trainer is duck-typed).
 """
 
+import dataclasses
 import json
 import logging
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
-from nemo_patch.engine.post_command import PostCommandResult
+from nemo_patch.engine.post_command import PostCommandResult, post_command_log_path, record_result
+from nemo_patch.engine.post_command import run_post_command as run_command
+from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver
 
-__all__ = ["END_HOOK", "FAILED_HOOK", "ConsolidationOutcome", "HookCaller", "read_metadata"]
+__all__ = [
+    "END_HOOK",
+    "FAILED_HOOK",
+    "ConsolidationOutcome",
+    "HookCaller",
+    "Observer",
+    "read_metadata",
+    "run_post_command",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -131,3 +140,116 @@ class HookCaller:
                     "; later exceptions of this hook are logged at debug level" if first else "",
                     exc_info=first,
                 )
+
+
+class Observer(ConsolidationObserver):
+    """A run's consolidations that ended: the post command's result logged (and recorded in ``metadata.json`` when
+    the consolidation process was lost with it), then reported in the training loop (:meth:`report`)."""
+
+    def __init__(self, coordinator: Any) -> None:
+        super().__init__(coordinator)
+        self._ended: List[Tuple[CheckpointSave, Optional[Any], Optional[PostCommandResult], Optional[str]]] = []
+        self._reported = 0
+        self._call_hooks = HookCaller()
+
+    @property
+    def ended_count(self) -> int:
+        """How many consolidations of this run have ended (published or not)."""
+        return len(self._ended)
+
+    def on_ended(self, save: CheckpointSave, record: Optional[Any], error: Optional[str]) -> None:
+        """Keep a request that ended for :meth:`outcomes` and log its post command's result: one INFO line, or a
+        WARNING when it failed, timed out or was stopped (the output stays published either way)."""
+        settings = self.coordinator.settings
+        output = save.path / settings.output_dirname
+        post: Optional[PostCommandResult] = None
+        if error is None and save.post_command is not None:
+            post = PostCommandResult.from_json(save.post_command)
+            if not post.command:  # lost with the consolidation process: record what is known
+                post = PostCommandResult.from_json(
+                    {**save.post_command, "command": settings.config.post_command or ""}
+                )
+                try:
+                    record_result(output, post)
+                except OSError:
+                    logger.debug("Could not record the post command's loss in %s", output, exc_info=True)
+            (logger.info if post.ok else logger.warning)(
+                "After publishing %s (global step %d): %s%s%s",
+                output,
+                save.global_step,
+                post.describe(),
+                f"; metrics {post.metrics}" if post.metrics else "",
+                "" if post.ok else "; the output stays published, training goes on",
+            )
+        with self.coordinator.lock:
+            self._ended.append((save, record, post, error))
+
+    def outcomes(self, start: int = 0) -> List[ConsolidationOutcome]:
+        """A :class:`ConsolidationOutcome` for each consolidation that ended, from the ``start``-th on (oldest
+        first), made now: an output is named where it is now (under ``retained/`` once NeMo removed its checkpoint)
+        and its ``metadata.json`` read from there."""
+        settings = self.coordinator.settings
+        with self.coordinator.lock:
+            outcomes = []
+            for save, record, post, error in self._ended[start:]:
+                output = save.path / settings.output_dirname
+                if error is None and save.output is not None and save.output.name == output.name:
+                    output = save.output
+                    kept_log = post_command_log_path(output)
+                    if post is not None and kept_log.is_file():  # retention kept the command's log beside it
+                        post = dataclasses.replace(post, log=str(kept_log))
+                outcomes.append(
+                    ConsolidationOutcome(
+                        output_dir=output,
+                        checkpoint_dir=save.path,
+                        format=settings.config.format,
+                        global_step=save.global_step,
+                        bytes=record.bytes if record is not None else 0,
+                        seconds=record.seconds if record is not None else save.seconds or 0.0,
+                        metadata=read_metadata(output) if error is None else {},
+                        post_command=post,
+                        error=error,
+                    )
+                )
+        return outcomes
+
+    def report(self, trainer: Any) -> None:
+        """For each consolidation that ended since the last call: its post command's metrics to ``trainer.loggers``
+        at its checkpoint's global step, then the callbacks' hooks."""
+        new = self.outcomes(self._reported)
+        self._reported += len(new)
+        pl_module = getattr(trainer, "lightning_module", None)
+        for outcome in new:
+            if outcome.metrics:
+                step = outcome.global_step if outcome.global_step >= 0 else trainer.global_step
+                try:
+                    for trainer_logger in trainer.loggers:
+                        trainer_logger.log_metrics(outcome.metrics, step=step)
+                except Exception:
+                    logger.exception("Checkpoint consolidation: logging the post command's metrics failed")
+            self._call_hooks(trainer, pl_module, outcome)
+
+
+def run_post_command(settings: Any, checkpoint: Path, global_step: Optional[int]) -> Tuple[PostCommandResult, bool]:
+    """Run the post command on ``checkpoint``'s published output; returns its result and whether a SIGTERM asked this
+    process to end meanwhile (the command was then stopped: this process answers before it ends, rather than dying
+    with the command's result unsaid). Never raises for anything the command does."""
+    asked: List[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
+    try:
+        result = run_command(
+            settings.config.post_command,
+            checkpoint / settings.output_dirname,
+            settings.config.format,
+            global_step if isinstance(global_step, int) and global_step >= 0 else None,
+            checkpoint,
+            timeout=settings.config.post_command_timeout,
+            should_stop=lambda: bool(asked),
+        )
+    except Exception as error:  # noqa: BLE001 - e.g. an unwritable log file: reported, the output stays published
+        result = PostCommandResult(
+            settings.config.post_command, None, 0.0, False, "", error=f"{type(error).__name__}: {error}"
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return result, bool(asked)

@@ -37,8 +37,8 @@ its checkpoint's output to ``retained/``, or is removed (logged) when that outpu
 the retained output ``BEST`` names. NeMo's resume ignores ``retained/`` (it lists
 the root's entries only one level deep and picks ``*-last``/``*-end`` checkpoints).
 
-Imports the standard library, the engine's layout and publishing helpers and the training side's ``LATEST`` only:
-never NeMo or Lightning.
+:class:`Observer` does all this for a run (the coordinator calls it). Imports the standard library, the engine's
+layout and publishing helpers and the training side's schedule and ``LATEST`` only: never NeMo or Lightning.
 """
 
 import json
@@ -47,17 +47,25 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
 from nemo_patch.engine.post_command import post_command_log_path
-from nemo_patch.engine.publish import link_output
-from nemo_patch.training.latest import BEST_NAME, LATEST_NAME, remove_latest_pointer, update_latest_pointer
+from nemo_patch.engine.publish import link_output, remove_stale_tmp_dirs
+from nemo_patch.training.latest import (
+    BEST_NAME,
+    LATEST_NAME,
+    remove_latest_pointer,
+    set_aside_non_link,
+    update_latest_pointer,
+)
+from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver, files_gone
 
 __all__ = [
     "RETAINED_DIRNAME",
     "ConsolidatedOutput",
+    "Observer",
     "consolidated_outputs",
     "prune_retained",
     "repair_best",
@@ -340,3 +348,161 @@ def _why(removing: Optional[Path]) -> str:
     return (
         f"checkpoint {removing.name} is being removed" if removing is not None else "the checkpoint it named is gone"
     )
+
+
+class Observer(ConsolidationObserver):
+    """A run's retention: outputs kept when NeMo removes their checkpoints (``ConsolidationConfig.keep``), ``LATEST``
+    on the newest output, and ``LATEST``/``BEST`` moved off what is removed and repaired when training starts."""
+
+    def on_train_start(self, root: Optional[Path]) -> None:
+        self._warn_if_top_k_drops_consolidations()
+        if root is None:
+            return
+        retained = root / RETAINED_DIRNAME
+        for entry in list(retained.iterdir()) if retained.is_dir() else []:
+            if entry.is_dir() and not entry.is_symlink():
+                remove_stale_tmp_dirs(entry)  # left by a consolidation process that was killed
+        name = self.coordinator.settings.output_dirname
+        with self.coordinator.lock:
+            for pointer in (LATEST_NAME, BEST_NAME):
+                repaired = self._set_aside(root, pointer)
+                outputs = consolidated_outputs(root, name) if repaired and pointer == LATEST_NAME else []
+                if outputs:
+                    try:
+                        update_latest_pointer(outputs[0].entry, root)
+                    except OSError:
+                        logger.exception("Could not point LATEST at %s", outputs[0].entry)
+                self.move_pointer_off(root, pointer, None)
+
+    def _warn_if_top_k_drops_consolidations(self) -> None:
+        """One warning when NeMo's top-k retention keeps at most one checkpoint while checkpoints are consolidated
+        during training: a due consolidation that has not started when the next checkpoint is saved is dropped."""
+        policy = self.coordinator.policy
+        save_top_k = getattr(self.coordinator.checkpoint_callback, "save_top_k", -1)
+        if not policy.consolidates_periodically or not 0 <= save_top_k <= 1:
+            return
+        logger.warning(
+            "ModelCheckpoint(save_top_k=%d) removes each checkpoint as soon as the next one is saved: a checkpoint "
+            "due for consolidation (ckpt_consolidation_frequency=%r) is dropped whenever the consolidation process is "
+            "still busy with an earlier one at that moment. Consolidated outputs themselves are kept under <root>/%s/ "
+            "(ConsolidationConfig.keep). To consolidate every due checkpoint, keep more checkpoints (a larger "
+            "save_top_k, or -1) or save less often than a consolidation takes; ckpt_consolidation_frequency='latest' "
+            "consolidates only the final one.",
+            save_top_k,
+            str(policy),
+            RETAINED_DIRNAME,
+        )
+
+    def before_removal(self, checkpoint_dir: Path) -> None:
+        """Keep the checkpoint's output (within ``keep``) and move ``LATEST``/``BEST`` off it, each step on its own: a
+        failure to keep (disk full, a link limit) is logged, leaves no entry behind, and the pointers still move."""
+        coordinator = self.coordinator
+        name, keep, root = coordinator.settings.output_dirname, coordinator.settings.config.keep, checkpoint_dir.parent
+        if keep != 0:
+            try:
+                entry = retain_output(checkpoint_dir, name)
+            except OSError as error:
+                entry = None
+                logger.error(
+                    "Could not keep the consolidated output of %s before its removal (%s): it goes with the "
+                    "checkpoint; LATEST and BEST move to a remaining output",
+                    checkpoint_dir,
+                    error,
+                )
+            if entry is not None:
+                logger.info(
+                    "Kept the consolidated output of %s as %s: NeMo is removing the checkpoint "
+                    "(ConsolidationConfig.keep=%s)",
+                    checkpoint_dir.name,
+                    entry,
+                    keep,
+                )
+                save = coordinator._outputs.get(checkpoint_dir)
+                if save is not None and save.output == checkpoint_dir / name:
+                    save.output = entry / name
+        try:
+            prune_retained(root, name, keep)
+        except OSError:
+            logger.exception("Could not prune the retained outputs in %s", root)
+        self.move_pointer_off(root, LATEST_NAME, checkpoint_dir)
+        self.move_pointer_off(root, BEST_NAME, checkpoint_dir)
+
+    def on_published(self, save: CheckpointSave) -> None:
+        self.point(save.path)
+        keep = self.coordinator.settings.config.keep
+        if keep is not None:  # a new output may push a retained one out of the newest N
+            with self.coordinator.lock:
+                try:
+                    prune_retained(save.path.parent, self.coordinator.settings.output_dirname, keep)
+                except OSError:
+                    logger.exception("Could not prune the retained outputs in %s", save.path.parent)
+                self.move_pointer_off(save.path.parent, LATEST_NAME, None)
+
+    def on_newest(self, save: CheckpointSave) -> None:
+        self.point(save.path)
+
+    def link_files(self, output: Path, copy: CheckpointSave) -> Dict[str, bytes]:
+        """An output kept under ``retained/`` had its ``metadata.json`` rewritten for that place: the copy's names its
+        own weights again."""
+        name = self.coordinator.settings.output_dirname
+        if copy.copy_of is None or output == copy.copy_of.path / name:
+            return {}
+        metadata = json.loads((output / METADATA_FILENAME).read_text())
+        metadata.pop("retained_from", None)
+        if isinstance(metadata.get("source_checkpoint"), str):
+            metadata["source_checkpoint"] = os.path.relpath(copy.path / "weights", copy.path / name)
+        return {METADATA_FILENAME: (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode()}
+
+    def point(self, checkpoint_dir: Path, pointer: str = LATEST_NAME) -> None:
+        """Point ``LATEST`` (or ``BEST``) at a checkpoint whose output was published, unless its removal has started.
+        Something that took the pointer's place (a directory a sync tool made by following the link) is moved aside
+        first (a warning)."""
+        with self.coordinator.lock:
+            if checkpoint_dir in self.coordinator.deleting or files_gone(checkpoint_dir):
+                return
+            try:
+                update_latest_pointer(checkpoint_dir, name=pointer)
+                return
+            except OSError:
+                if not self._set_aside(checkpoint_dir.parent, pointer):
+                    logger.exception("Could not point %s at %s", pointer, checkpoint_dir)
+                    return
+            try:
+                update_latest_pointer(checkpoint_dir, name=pointer)
+            except OSError:
+                logger.exception("Could not point %s at %s", pointer, checkpoint_dir)
+
+    def _set_aside(self, root: Path, pointer: str) -> bool:
+        """Move aside what took ``<root>/<pointer>``'s place (not a symlink); ``True`` if something was moved."""
+        try:
+            aside = set_aside_non_link(root, pointer)
+        except OSError as error:
+            logger.error("%s in %s is not a symlink and cannot be moved aside: %s", pointer, root, error)
+            return False
+        if aside is not None:
+            logger.warning(
+                "%s in %s was a directory or file, not the symlink this package keeps there (e.g. a copy made by a "
+                "tool that follows symlinks): moved it to %s and made %s a symlink again",
+                pointer,
+                root,
+                aside.name,
+                pointer,
+            )
+        return aside is not None
+
+    def move_pointer_off(self, root: Path, pointer: str, removing: Optional[Path]) -> None:
+        """Keep ``pointer`` off ``removing`` (and off a gone output); if it cannot be moved, remove it (logged)."""
+        name = self.coordinator.settings.output_dirname
+        try:
+            if pointer == LATEST_NAME:
+                repoint_latest(root, name, removing=removing)
+            elif removing is not None:
+                repoint_best(root, name, removing)
+            else:
+                repair_best(root, name)
+        except OSError as error:
+            try:
+                remove_latest_pointer(root, pointer)
+                logger.error("Could not move %s (%s): removed it, so that it does not dangle", pointer, error)
+            except OSError:
+                logger.exception("Could not move or remove %s in %s", pointer, root)

@@ -14,34 +14,33 @@
 
 """Book-keeping of a run's checkpoint saves: which are finished, and which of those to consolidate.
 
-Counting rule: the cadence counts *finished checkpoints by global step*. NeMo's ``ModelCheckpoint`` with
-``save_last=True`` writes a second, full ``<name>-last`` copy of a step it has just saved; that copy is the same
-global step and is not counted again, and it is not consolidated again: once the step's own checkpoint is
-consolidated, the copy gets the same files (hard links where the filesystem allows). A ``-last``
-checkpoint of a step that has no other checkpoint (e.g. the final step when ``max_steps`` is not a multiple of the
-save interval) is a finished checkpoint like any other.
+The cadence counts *finished checkpoints by global step*: NeMo's ``<name>-last`` copy of a step it has just saved is
+not counted again and not consolidated again (it gets the step's output). The count is stored in each checkpoint (as
+callback state), so a run resumed after its 3rd finished checkpoint with ``every_n:2`` consolidates its 4th; an
+``every_n`` phase counts the checkpoints saved in it. :class:`ConsolidationObserver` is how a later feature takes part
+in what happens to a save (see :class:`nemo_patch.training.coordinator.ConsolidationCoordinator`).
 
-The count is part of the Lightning checkpoint (as callback state), so it survives a resume: a run resumed after its
-3rd finished checkpoint with ``every_n:2`` consolidates its 4th. With phases (``"every_n:10; each@50000"``) an
-``every_n`` phase counts the finished checkpoints saved in it, from 1, and that count is stored and restored the same
-way.
-
-``"best"`` is decided when a save is issued, from NeMo's own bookkeeping: the checkpoint IO marks a save
-(:attr:`CheckpointSave.best`) when ``ModelCheckpoint.best_model_path`` names it, which ``ModelCheckpoint`` sets
-before it calls ``trainer.save_checkpoint``.
-
-Standard library and the cadence policy only: never torch, NeMo or Lightning.
+Standard library, the engine's checkpoint layout and the cadence only: never torch, NeMo or Lightning.
 """
 
 import enum
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
 from nemo_patch.training.policy import ConsolidationPolicy
 
-__all__ = ["CheckpointSave", "ConsolidationSchedule", "RequestState"]
+__all__ = [
+    "CheckpointSave",
+    "ConsolidationObserver",
+    "ConsolidationSchedule",
+    "RequestState",
+    "files_gone",
+    "weights_identity",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -283,3 +282,73 @@ class ConsolidationSchedule:
         for count in (self.finished, self._registered):
             count.total, count.last_step = int(state["finished_count"]), step
             count.phase_start, count.in_phase = start, in_phase
+
+
+def weights_identity(checkpoint_dir: Path) -> Tuple[int, ...]:
+    """Device, inode, size and modification time (ns) of the files a save writes last (DCP's ``.metadata``,
+    megatron-core's ``metadata.json``; ``-1`` for one missing): a new save into the directory changes it."""
+    parts: List[int] = []
+    for name in (".metadata", "metadata.json"):
+        try:
+            stat = os.stat(Path(checkpoint_dir) / "weights" / name)
+        except OSError:
+            parts.append(-1)
+            continue
+        parts += [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns]
+    return tuple(parts)
+
+
+def files_gone(checkpoint_dir: Path) -> bool:
+    """Whether a checkpoint is not (or no longer) a finished one on disk: NeMo's ``-unfinished`` marker is there (set
+    while it saves or deletes it), or the file its format writes last is missing."""
+    return is_marked_unfinished(checkpoint_dir) or not weights_written(checkpoint_dir / "weights")
+
+
+class ConsolidationObserver:
+    """A later feature's part in a run's consolidation (outputs kept past removals, ``BEST``, the journal, ...): the
+    coordinator calls each method at the moment its name says (global rank 0 unless noted; those marked *locked* with
+    the coordinator's lock held). Here they do nothing.
+
+    Args:
+        coordinator: the run's :class:`~nemo_patch.training.coordinator.ConsolidationCoordinator`.
+    """
+
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+    def on_fit_start(self, trainer: Any) -> None:
+        """``fit`` starts (every rank, before any step); may refuse the run with ``ValueError``."""
+
+    def on_train_start(self, root: Optional[Path]) -> None:
+        """Training starts; ``root`` is the checkpoint root when it exists."""
+
+    def on_register(self, save: CheckpointSave) -> None:
+        """``save`` was issued (not finished yet)."""
+
+    def before_removal(self, checkpoint_dir: Path) -> None:
+        """*Locked*: NeMo removes ``checkpoint_dir`` now, or saves into it again (its output goes)."""
+
+    def on_ended(self, save: CheckpointSave, record: Optional[Any], error: Optional[str]) -> None:
+        """A consolidation ended: published (``record``) or not (``error``)."""
+
+    def on_published(self, save: CheckpointSave) -> None:
+        """``save``'s output was published (after :meth:`on_ended`)."""
+
+    def on_newest(self, save: CheckpointSave) -> None:
+        """On-demand or end-of-fit ``latest``: the newest finished checkpoint, ``save``, is consolidated already."""
+
+    def on_fit_end(self) -> None:
+        """``fit`` ends normally: queue what the feature consolidates then."""
+
+    def on_exception(self) -> None:
+        """``fit`` ends by an exception: queue what the feature consolidates then."""
+
+    def on_changed(self) -> None:
+        """The waiting or running consolidations changed."""
+
+    def link_files(self, output: Path, copy: CheckpointSave) -> Dict[str, bytes]:
+        """*Locked*: files to write instead of linking them when ``output`` is linked into the ``-last`` ``copy``."""
+        return {}
+
+    def report(self, trainer: Any) -> None:
+        """What ended since the last call, reported in the training loop (never raises into it)."""

@@ -50,16 +50,21 @@ of ``import torch``.
 import argparse
 import json
 import os
-import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional
 
 from nemo_patch.engine.huge_pages import prefer_huge_pages
-from nemo_patch.engine.post_command import PostCommandResult
 from nemo_patch.engine.process_limits import die_with_parent, raise_oom_score
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
+
+try:  # a later addition: a command run after each output is published (ConsolidationConfig.post_command)
+    from nemo_patch.training import hooks
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    hooks = None  # type: ignore[assignment]
 
 __all__ = ["WORKER_NICENESS", "build_parser", "main"]
 
@@ -116,8 +121,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         error = consolidate(args.checkpoint, args.global_step, args.best)
         if error is not None:
             print(error, file=sys.stderr, flush=True)
-        elif settings.config.post_command is not None:
-            done, _ = _run_post_command(settings, args.checkpoint, args.global_step)
+        elif settings.config.post_command is not None and hooks is not None:
+            done, _ = hooks.run_post_command(settings, args.checkpoint, args.global_step)
             print(done.describe(), file=sys.stderr, flush=True)
         return 0 if error is None else 1
     results.write(json.dumps({"ready": True}) + "\n")
@@ -135,9 +140,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         reply: Dict[str, Any] = {"error": error}
         stopped = False
-        if error is None and settings.config.post_command is not None:
+        if error is None and settings.config.post_command is not None and hooks is not None:
             results.write(json.dumps({"published": True}) + "\n")  # a death from here on leaves the output published
-            done, stopped = _run_post_command(settings, Path(request["checkpoint"]), request.get("global_step"))
+            done, stopped = hooks.run_post_command(settings, Path(request["checkpoint"]), request.get("global_step"))
             reply["post_command"] = done.to_json()
         results.write(json.dumps(reply) + "\n")
         if stopped:
@@ -185,36 +190,6 @@ def _consolidator(
         return None
 
     return consolidate
-
-
-def _run_post_command(
-    settings: ConsolidationSettings, checkpoint: Path, global_step: Optional[int]
-) -> Tuple[PostCommandResult, bool]:
-    """Run the post command on ``checkpoint``'s published output; returns its result and whether a SIGTERM asked this
-    process to end meanwhile (the command was then stopped: this process answers before it ends, rather than dying
-    with the command's result unsaid). Never raises for anything the command does."""
-    from nemo_patch.engine.post_command import run_post_command
-
-    assert settings.config.post_command is not None
-    asked: List[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
-    try:
-        result = run_post_command(
-            settings.config.post_command,
-            checkpoint / settings.output_dirname,
-            settings.config.format,
-            global_step if isinstance(global_step, int) and global_step >= 0 else None,
-            checkpoint,
-            timeout=settings.config.post_command_timeout,
-            should_stop=lambda: bool(asked),
-        )
-    except Exception as error:  # noqa: BLE001 - e.g. an unwritable log file: reported, the output stays published
-        result = PostCommandResult(
-            settings.config.post_command, None, 0.0, False, "", error=f"{type(error).__name__}: {error}"
-        )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return result, bool(asked)
 
 
 def _niceness() -> int:
