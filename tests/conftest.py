@@ -33,6 +33,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: This module. NeMo's tree under tests/nemo/ has a conftest.py of its own in a directory without ``__init__.py``,
+#: which pytest imports under the same name, ``conftest``, replacing this one in ``sys.modules``; the suite's modules
+#: import their helpers with ``from conftest import ...`` (see :func:`pytest_collectstart`).
+_SUITE_CONFTEST = sys.modules[__name__]
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """Before a test module of the suite (not one of tests/nemo/) is imported, make ``conftest`` this module again."""
+    if isinstance(collector, pytest.Module) and "nemo" not in collector.path.relative_to(REPO / "tests").parts[:1]:
+        sys.modules["conftest"] = _SUITE_CONFTEST
+
 
 def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter of this venv; returns the completed process (text output)."""
