@@ -20,18 +20,35 @@ ckpt_consolidation=ConsolidationConfig(...))`` (the overlay's, reached through N
 ``ModelCheckpoint`` and ``NeMoLogger``, saving ``torch_dist`` distributed checkpoints. Only CUDA is stubbed out
 (``nemo_patch.testing.cpu_harness``). Running it again on the same ``--out`` resumes the run from its last checkpoint.
 
-Example:
+Needs a source checkout of nemo-patch (``bash scripts/setup_env.sh``, then ``.venv/bin/python``): the tiny models, the
+CPU harness and the fit runner are ``nemo_patch.testing``, which the wheel leaves out.
+
+Examples:
     python scripts/demo_consolidation_cadence.py --frequency every_n:2 --max-steps 10 --save-every 2 --out runs/demo
+    python scripts/demo_consolidation_cadence.py --best --out runs/best          # validation, "best", BEST
+    python scripts/demo_consolidation_cadence.py --hf --out runs/hf              # a tiny Llama, transformers loads it
+    python scripts/demo_consolidation_cadence.py --post-command --out runs/post  # a command after each output
 """
 
 import argparse
+import json
 import logging
 import re
+import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Dict
 
-from nemo_patch.engine.checkpoint_root import global_step_in_name
+#: What ``--post-command`` without a command runs: this script's ``--evaluate`` on each output, in the consolidation
+#: process (``{output}`` and ``{format}`` are filled in, shell-quoted, by nemo-patch).
+EVALUATE = "{python} {script} --evaluate {{output}} --format {{format}}"
+NEEDS_CHECKOUT = (
+    "this demo runs from a source checkout of nemo-patch: it trains with nemo_patch.testing (tiny models, a CPU "
+    "harness), which the wheel leaves out. Clone the repository, run `bash scripts/setup_env.sh`, then "
+    "`.venv/bin/python scripts/demo_consolidation_cadence.py ...`."
+)
 
 
 def _size(num_bytes: float) -> str:
@@ -43,34 +60,120 @@ def _size(num_bytes: float) -> str:
     return ""
 
 
-def format_table(report: dict) -> str:
-    """The demo's closing table: one row per checkpoint directory."""
-    rows = [("checkpoint", "global step", "consolidated", "consolidated/ on disk")]
-    natural = lambda entry: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", entry["name"])]  # noqa: E731
-    for entry in sorted(report["checkpoints"], key=natural):
+def format_table(report: dict, output_dir: str = "consolidated/") -> str:
+    """The demo's closing table: one row per checkpoint directory; with validation (``report["val_loss"]``), each
+    checkpoint's ``val_loss``, and ``BEST`` marked."""
+    from nemo_patch.engine.checkpoint_root import global_step_in_name
+
+    val_loss = {int(step): value for step, value in (report.get("val_loss") or {}).items()}
+    header = ["checkpoint", "global step", "consolidated", f"{output_dir} on disk"]
+    rows = [tuple(header[:2] + (["val_loss"] if val_loss else []) + header[2:])]
+    natural = lambda name: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]  # noqa: E731
+    by_step = lambda entry: (global_step_in_name(entry["name"]) or 0, natural(entry["name"]))  # noqa: E731
+    best = Path(report["best_target"]).name if report.get("best_target") else None
+    for entry in sorted(report["checkpoints"], key=by_step):
         step = entry["global_step"]
         if step is None and not report.get("resumed_from"):  # saved by this run, which consolidated none of it
             step = global_step_in_name(entry["name"])
+        markers = [name for name, target in (("LATEST", report["latest"]), ("BEST", best)) if entry["name"] == target]
+        loss = [f"{val_loss[step]:.4f}" if step in val_loss else "-"] if val_loss else []
         rows.append(
-            (
-                entry["name"] + ("   <- LATEST" if entry["name"] == report["latest"] else ""),
-                "-" if step is None else str(step),
-                "yes" if entry["consolidated"] else "no",
-                _size(entry["consolidated_bytes"]) if entry["consolidated"] else "-",
+            tuple(
+                [
+                    entry["name"] + (f"   <- {', '.join(markers)}" if markers else ""),
+                    "-" if step is None else str(step),
+                    *loss,
+                    "yes" if entry["consolidated"] else "no",
+                    _size(entry["consolidated_bytes"]) if entry["consolidated"] else "-",
+                ]
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def evaluate(output: Path, output_format: str) -> Dict[str, float]:
+    """``--evaluate``, the default post command: load one output and return metrics of it. A ``safetensors`` output is
+    read with the ``safetensors`` library (tensors, their global L2 norm); an ``hf`` one is loaded with
+    ``transformers.AutoModelForCausalLM`` and scored on a fixed sequence of the tiny vocabulary (its loss)."""
+    import torch
+
+    if output_format == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(output)).eval()  # fp32, as saved
+        tokens = (torch.arange(64) * 7 % (model.config.vocab_size - 3) + 3).unsqueeze(0)
+        with torch.no_grad():
+            loss = model(input_ids=tokens, labels=tokens).loss
+        parameters = sum(parameter.numel() for parameter in model.parameters())
+        return {"eval/loss": round(float(loss), 4), "eval/parameters": parameters}
+    from safetensors import safe_open
+
+    count, squares = 0, 0.0
+    for path in sorted(output.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as tensors:
+            for name in tensors.keys():
+                count += 1
+                squares += float(tensors.get_tensor(name).double().pow(2).sum())
+    return {"eval/tensors": count, "eval/weight_norm": round(squares**0.5, 4)}
+
+
+def make_tiny_llama(out: Path) -> Path:
+    """``out/hf``: a random 2-layer ``LlamaForCausalLM`` made locally with ``transformers`` (no download), and
+    ``out/nemo``, its import with NeMo's own ``HFLlamaImporter``; made once (a resumed run reuses them). Returns the
+    NeMo checkpoint to fine-tune."""
+    if not (out / "nemo" / "context").is_dir():
+        print(f"making a tiny Llama with transformers and importing it with NeMo's importer into {out} ...")
+        command = [sys.executable, "-m", "nemo_patch.testing.tiny_llama", "--out", str(out)]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"importing the tiny Llama failed:\n{proc.stderr[-3000:]}")
+    return out / "nemo"
+
+
+def print_post_commands(root: Path) -> None:
+    """Each output's post-command result, from its ``metadata.json``."""
+    outputs = [path for path in root.glob("*/*/metadata.json") if not path.parents[1].is_symlink()]
+    for metadata in sorted(outputs) + sorted(root.glob("retained/*/*/metadata.json")):
+        result = json.loads(metadata.read_text()).get("post_command")
+        if result is None:
+            continue
+        status = f"exit {result['returncode']}" if result.get("returncode") is not None else "not run"
+        if result.get("timed_out"):
+            status = "timed out"
+        metrics = json.dumps(result.get("metrics") or {})
+        print(
+            f"  {metadata.parent.relative_to(root)}: {status} after {result.get('seconds', 0):.1f} s, "
+            f"metrics {metrics} (log: {Path(result.get('log') or '-').name})"
+        )
+
+
+def print_transformers_load(root: Path) -> None:
+    """Load ``LATEST/hf`` with ``transformers``, as a user of the output would, and say what it is."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = root / "LATEST" / "hf"
+    if not hf_dir.is_dir():
+        print("no hf output yet (nothing was consolidated), so nothing for transformers to load")
+        return
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()  # fp32, as saved
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    files = sorted(path.name for path in hf_dir.iterdir())
+    print(
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(hf_dir)!r}): {type(model).__name__}, "
+        f"{parameters:,} parameters; {', '.join(files)}"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--frequency",
-        default="every_n:2",
-        help='ckpt_consolidation_frequency: "each", "latest", "every_n:<k>", or "off" (default: every_n:2)',
+        default=None,
+        help='ckpt_consolidation_frequency: "each", "latest", "every_n:<k>", "best", phases of those, or "off" '
+        '(default: every_n:2; "best" with --best)',
     )
     parser.add_argument("--max-steps", type=int, default=10, help="global steps to train (default: 10)")
     parser.add_argument(
@@ -96,7 +199,40 @@ def main() -> int:
         default=None,
         help="ConsolidationConfig.keep: consolidated outputs kept when top-k removes their checkpoints (default: all)",
     )
+    parser.add_argument(
+        "--best",
+        action="store_true",
+        help='validate every --save-every steps and rank checkpoints by NeMo\'s val_loss (ModelCheckpoint(monitor='
+        '"val_loss", mode="min")); the data makes val_loss fall, then rise; --frequency defaults to "best"',
+    )
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="fine-tune a tiny Llama (made with transformers, imported with NeMo's HFLlamaImporter) instead of the "
+        'tiny GPT, with ConsolidationConfig(format="hf"); then load LATEST/hf with transformers',
+    )
+    parser.add_argument(
+        "--post-command",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="COMMAND",
+        help="ConsolidationConfig.post_command, run after each output is published ({output}, {format}, "
+        "{global_step}, {checkpoint}); without COMMAND, this script's --evaluate, which loads the output and prints "
+        "metrics",
+    )
+    parser.add_argument(
+        "--evaluate",
+        type=Path,
+        default=None,
+        metavar="OUTPUT",
+        help="(what --post-command runs) load one output and print its metrics as a JSON line, then exit",
+    )
+    parser.add_argument("--format", default="safetensors", help="with --evaluate: the output's format")
     args = parser.parse_args()
+    if args.evaluate is not None:
+        print(json.dumps(evaluate(args.evaluate, args.format)))
+        return 0
     # nemo_patch's own INFO lines (a consolidation started, one published), on stderr in logging's default format.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
@@ -105,50 +241,78 @@ def main() -> int:
     package_logger.setLevel(logging.INFO)
     package_logger.propagate = False
 
-    from nemo_patch.testing.fit_run import run_tiny_fit
+    try:
+        from nemo_patch.testing.fit_run import run_tiny_fit
+    except ModuleNotFoundError as error:
+        if (error.name or "").startswith("nemo_patch"):
+            parser.exit(2, f"{parser.prog}: {NEEDS_CHECKOUT}\n")
+        raise
     from nemo_patch.training.policy import parse_consolidation_frequency
 
+    if args.frequency is None:
+        args.frequency = "best" if args.best else "every_n:2"
     frequency = None if args.frequency == "off" else args.frequency
-    demo_takes = 'the demo takes "each", "latest", "every_n:<k>", phases of those (e.g. "every_n:4; each@6"), or "off"'
+    demo_takes = 'the demo takes "each", "latest", "every_n:<k>", "best", phases of those (e.g. "every_n:4; each@6"), '
+    demo_takes += 'or "off"'
     if frequency is not None:
         try:
             policy = parse_consolidation_frequency(frequency)
         except ValueError as error:
             parser.error(f"{str(error).split('; expected ')[0]}; {demo_takes}")
         if any(phase.cadence == "best" for phase in policy.phases):
-            parser.error(
-                f"--frequency {frequency!r}: \"best\" needs ModelCheckpoint(monitor=...) on a validation metric, "
-                f"which this demo does not compute; {demo_takes}"
-            )
+            args.best = True  # "best" ranks checkpoints by a validation metric: validate
+    post_command = args.post_command
+    if post_command == "":
+        script = Path(__file__).resolve()
+        post_command = EVALUATE.format(python=shlex.quote(sys.executable), script=shlex.quote(str(script)))
+    options: Dict[str, Any] = {}
+    if args.best:
+        # Validation (2 batches) every --save-every steps; ModelCheckpoint saves after each, ranked by val_loss.
+        minimum = max(args.save_every, args.max_steps * 3 // 5 // args.save_every * args.save_every)
+        options.update(monitor="val_loss", validate_every=args.save_every, val_minimum_at=minimum, lr=5e-3)
+    else:
+        options["monitor"] = "step" if args.save_top_k >= 0 else None  # newest first, resumable (docs/retention.md)
+    if args.hf:
+        options.update(model_from=make_tiny_llama(args.out / "tiny-llama"), output_format="hf")
     start = time.perf_counter()
     report = run_tiny_fit(
-        args.out,
+        args.out.resolve(),  # absolute: the post command runs in the checkpoint's directory, where {output} resolves
         frequency=frequency,
         max_steps=args.max_steps,
         save_every=args.save_every,
         async_save=args.async_save,
         max_pending=args.max_pending,
         save_top_k=args.save_top_k,
-        monitor="step" if args.save_top_k >= 0 else None,  # newest first, and resumable (see docs/retention.md)
         keep=args.keep,
+        post_command=post_command,
+        **options,
     )
     wall = time.perf_counter() - start
+    root = args.out / "tiny_gpt" / "checkpoints"
+    model = "a tiny Llama (hf outputs)" if args.hf else "the tiny GPT"
+    validation = f", validated every {args.save_every} steps" if args.best else ""
     print()
     print(
-        f"ckpt_consolidation_frequency={args.frequency!r}: trained to global step {report['global_step']}, "
-        f"checkpoint every {args.save_every} steps, {'async' if args.async_save else 'sync'} save; "
+        f"ckpt_consolidation_frequency={args.frequency!r}: trained {model} to global step {report['global_step']}, "
+        f"checkpoint every {args.save_every} steps{validation}, {'async' if args.async_save else 'sync'} save; "
         f"fit {report['fit_seconds']:.1f} s, of which {report['end_wait_seconds']:.1f} s waiting for consolidation at "
         f"the end ({wall:.1f} s with NeMo's set-up)"
     )
-    print(f"checkpoints in {args.out / 'tiny_gpt' / 'checkpoints'}:")
-    print(format_table(report))
+    print(f"checkpoints in {root}:")
+    print(format_table(report, "hf/" if args.hf else "consolidated/"))
     if report.get("resumed_from") and any(entry["global_step"] is None for entry in report["checkpoints"]):
         print("global step '-': saved before this run (resumed); the every_n count carried on from the checkpoint.")
+    if args.best:
+        best = report.get("best_target")
+        print(f"BEST -> {best}: the lowest val_loss so far when it was saved" if best else "BEST: none yet")
     if report["retained"]:
         print("consolidated outputs kept after NeMo's top-k removed their checkpoints (retained/):")
         for entry in report["retained"]:
             marker = "   <- LATEST" if f"retained/{entry['name']}" == report["latest_target"] else ""
             print(f"  {entry['name']}{marker}  (global step {entry['global_step']}, {_size(entry['bytes'])})")
+    if post_command is not None:
+        print(f"post command after each output: {post_command}")
+        print_post_commands(root)
     if report["skipped"]:
         print(
             f"Skipped because the consolidation queue was full (checkpoints came faster than they could be "
@@ -159,6 +323,8 @@ def main() -> int:
             f"Dropped because NeMo's top-k removed the checkpoint while its consolidation was waiting (raise "
             f"--save-top-k to keep checkpoints longer): {', '.join(report['dropped_by_removal'])}"
         )
+    if args.hf:
+        print_transformers_load(root)
     return 0
 
 
