@@ -239,7 +239,7 @@ def test_verify_catches_a_corrupted_output_tensor_exit_9(checkpoint_copy, capsys
             "argument --post-command: Invalid --post-command ' ': expected a shell command such",
         ),
         (["--max-shard-size", "lots"], 'Invalid --max-shard-size \'lots\': expected an integer number of bytes'),
-        (["--frequency", "each"], "unrecognized arguments: --frequency each"),
+        (["--frequency", "each"], "--frequency only with --watch"),
     ],
 )
 def test_bad_arguments_exit_2_with_usage(checkpoint_copy, capsys, argv, message):

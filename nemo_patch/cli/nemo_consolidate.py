@@ -69,6 +69,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
+from nemo_patch.cli.watch import add_watch_options, check_watch_arguments, run_watch
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
@@ -297,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "node takes over its share of a large model, and rank 0's planning, --verify "
                                        "and publishing)")  # fmt: skip
     _add_setting_options(groups)
+    add_watch_options(parser)
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     parser.add_argument("--version", action=_VersionAction)
     return parser
@@ -429,8 +431,9 @@ def _main(argv: Optional[List[str]]) -> int:
     args = parser.parse_args(argv)
     if args.base_checkpoint is not None and not args.merge_adapters:
         parser.error("--base-checkpoint is only used with --merge-adapters")
-    if (args.monitor is not None or args.mode is not None) and not args.best:
-        parser.error("--monitor and --mode are only used with --best")
+    policy = check_watch_arguments(parser, args)
+    if (args.monitor is not None or args.mode is not None) and not args.best and policy is None:
+        parser.error("--monitor and --mode are only used with --best, or --watch")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # torch's own import warns about an old NVML binding on some machines; it says nothing about this command. The
     # -W option also reaches the writer processes' interpreters (multiprocessing passes sys.warnoptions on).
@@ -438,6 +441,8 @@ def _main(argv: Optional[List[str]]) -> int:
     if _PYNVML_WARNING not in sys.warnoptions:
         sys.warnoptions.append(_PYNVML_WARNING)
     prefer_huge_pages()  # before torch is imported: this process exists to consolidate
+    if policy is not None:
+        return run_watch(args, policy)
     from nemo_patch.cli.distributed import LaunchedGroup
 
     try:

@@ -19,8 +19,10 @@ Two records exist, read in this order:
 1. ``ModelCheckpoint``'s own state, which Lightning stores in every checkpoint (NeMo 2: in the distributed
    checkpoint's ``weights/common.pt``, under ``callbacks["ModelCheckpoint{'monitor': ..., 'mode': ...}"]``):
    ``monitor``, ``best_model_path``, ``best_model_score``. The newest finished checkpoint's state is the run's latest
-   word. ``common.pt`` is read with ``torch.load(weights_only=True)``, allowing ``pathlib`` paths only; a file that
-   needs anything else is not unpickled, and the names are used instead.
+   word. ``common.pt`` is read with ``torch.load(weights_only=True)``, allowing ``pathlib`` paths only, once its zip
+   members are checked as a shard's records are (:mod:`.record_checks`: uncompressed, inside the file, sharing no
+   data, so that what it allocates is bounded by the file's size); a file that needs anything else is not unpickled,
+   and the names are used instead.
 2. The metric in the checkpoint names, when ``ModelCheckpoint(filename=...)`` includes it (NeMo's default
    ``"{model_name}--{val_loss:.2f}-{step}-{consumed_samples}"`` does: ``...--val_loss=1.23-step=9-...``), as NeMo's
    own ``nemo_topk_check_previous_run`` reads it on resume. ``-last`` copies are left out, as NeMo does.
@@ -47,15 +49,16 @@ from nemo_patch.engine.errors import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
+from nemo_patch.engine.record_checks import open_record
 from nemo_patch.engine.safe_files import open_regular
 
 __all__ = [
-    "NoMonitoredMetricError",
     "NOT_A_METRIC",
     "BestCheckpoint",
     "NoMonitoredMetricError",
     "find_best_checkpoint",
     "read_checkpoint_callback_state",
+    "read_common_state",
 ]
 
 
@@ -116,16 +119,12 @@ def _finished(checkpoint_dir: Path) -> bool:
         return False
 
 
-def read_checkpoint_callback_state(checkpoint_dir: Path) -> Optional[Tuple[Dict[str, Any], Optional[str]]]:
-    """``ModelCheckpoint``'s state stored in a checkpoint, and its ``mode``, or ``None`` when there is none or it
-    cannot be read safely (logged at debug level).
+def read_common_state(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
+    """The state Lightning stored beside the weights of a NeMo 2 checkpoint (``weights/common.pt``: ``global_step``,
+    ``epoch``, ``callbacks``, ...), or ``None`` when there is none or it cannot be read safely (logged at debug level).
 
-    Args:
-        checkpoint_dir: a NeMo 2 checkpoint directory (``weights/common.pt`` is read).
-
-    Returns:
-        ``(state, mode)``: Lightning's ``ModelCheckpoint.state_dict()`` (``monitor``, ``best_model_path``,
-        ``best_model_score``, ...) and the ``mode`` from the state's key (``None`` if it does not say).
+    ``common.pt`` is read with ``torch.load(weights_only=True)`` allowing ``pathlib`` paths only, and only when it is a
+    regular file of at most :data:`MAX_COMMON_BYTES` bytes.
     """
     import torch
 
@@ -135,14 +134,34 @@ def read_checkpoint_callback_state(checkpoint_dir: Path) -> Optional[Tuple[Dict[
             open_regular(common) as handle,
             torch.serialization.safe_globals([pathlib.PosixPath, pathlib.WindowsPath]),
         ):
-            if os.fstat(handle.fileno()).st_size > MAX_COMMON_BYTES:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_COMMON_BYTES:
                 raise OSError(f"{common} is larger than {MAX_COMMON_BYTES} bytes")
-            payload = torch.load(handle, map_location="cpu", weights_only=True)
-    except Exception as error:  # missing, or needs a class we do not unpickle: fall back to the names
+            # members checked first (uncompressed, inside the file, sharing no data) so that what torch.load
+            # allocates is bounded by the file's size; their CRC-32 on the way
+            window, finish = open_record(handle, 0, size, str(common))
+            payload = torch.load(window, map_location="cpu", weights_only=True)
+            finish()
+    except Exception as error:  # missing, or needs a class we do not unpickle
         logger.debug("Not reading %s: %s", common, error)
         return None
-    callbacks = payload.get("callbacks") if isinstance(payload, dict) else None
-    for key, state in (callbacks or {}).items():
+    return payload if isinstance(payload, dict) else None
+
+
+def read_checkpoint_callback_state(checkpoint_dir: Path) -> Optional[Tuple[Dict[str, Any], Optional[str]]]:
+    """``ModelCheckpoint``'s state stored in a checkpoint, and its ``mode``, or ``None`` when there is none or it
+    cannot be read safely (:func:`read_common_state`).
+
+    Args:
+        checkpoint_dir: a NeMo 2 checkpoint directory (``weights/common.pt`` is read).
+
+    Returns:
+        ``(state, mode)``: Lightning's ``ModelCheckpoint.state_dict()`` (``monitor``, ``best_model_path``,
+        ``best_model_score``, ...) and the ``mode`` from the state's key (``None`` if it does not say).
+    """
+    payload = read_common_state(checkpoint_dir)
+    callbacks = payload.get("callbacks") if payload is not None else None
+    for key, state in (callbacks if isinstance(callbacks, dict) else {}).items():
         if isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, dict):
             mode = _MODE_IN_KEY.search(key)
             return state, mode.group(1) if mode else None

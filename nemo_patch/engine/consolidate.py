@@ -45,7 +45,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.converter import Consolidation, Producer
-from nemo_patch.engine.digests import digest_algorithm, file_entry, json_file_entry, new_digest, verify_digests
+from nemo_patch.engine.digests import (
+    digest_algorithm,
+    file_entry,
+    json_file_entry,
+    new_digest,
+    source_fingerprint,
+    verify_digests,
+)
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
@@ -199,10 +206,12 @@ class CheckpointConsolidation(Consolidation):
         parts: Optional[int] = None,
         parts_runner: Optional[PartsRunner] = None,
         allow_unfinished: bool = False,
+        staging_dir: Optional[Union[str, Path]] = None,
+        before_publish: Optional[Callable[[], None]] = None,
         **options: Any,
     ) -> None:
         super().__init__(checkpoint_dir, output_dir, **options)
-        self.allow_unfinished = allow_unfinished
+        self.allow_unfinished, self.staging_dir, self.before_publish = allow_unfinished, staging_dir, before_publish
         self.global_step, self.dtype, self.verify, self.progress = global_step, dtype, verify, progress
         self.expected_shapes, self.merge_adapters, self.base_checkpoint = (
             expected_shapes,
@@ -219,6 +228,7 @@ class CheckpointConsolidation(Consolidation):
         self.entries: Dict[str, Dict[str, Any]] = {}
         self.kind = "model"
         self.location: Optional[CheckpointLocation] = None
+        self.source: Dict[str, Any] = {}  # digests.source_fingerprint of the checkpoint, taken when it is opened
         self.layout: List[OutputFile] = []
 
     def locate(self) -> CheckpointLocation:
@@ -246,6 +256,7 @@ class CheckpointConsolidation(Consolidation):
     def open(self, location: CheckpointLocation) -> Tuple[List[OutputTensor], Producer]:
         self.location = location
         with self.times.timed("metadata"):
+            self.source = source_fingerprint(location.weights_dir)
             self.readers = open_sources(location, self.dtype, self.merge_adapters, self.base_checkpoint)
         if location.adapter and self.readers.merge is None:
             self.kind, self.stem = "adapter", ADAPTER_STEM
@@ -257,7 +268,8 @@ class CheckpointConsolidation(Consolidation):
         ``metadata.json`` is written, and with ``verify`` every tensor checked, once the weights are written."""
         failure = f"Consolidating {location.checkpoint_dir}"
         staging = super().staged(location) if publish is None else publish.staged_output(
-            location.checkpoint_dir, self.output_path, self.overwrite, failure)  # fmt: skip
+            location.checkpoint_dir, self.output_path, self.overwrite, failure, staging_dir=self.staging_dir,
+            before_publish=self.before_publish)  # fmt: skip
         with staging as directory:
             yield directory
             self.finish(directory, location, list(self.sources.values()))
@@ -309,6 +321,7 @@ class CheckpointConsolidation(Consolidation):
             "kind": self.kind,
             "global_step": self.global_step,
             "source_checkpoint": os.path.relpath(location.weights_dir, output_dir),
+            "source_metadata": self.source,
             "tensor_count": len(outputs),
             "total_bytes": sum(output.spec.nbytes for output in outputs),
             "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
@@ -353,6 +366,8 @@ def consolidate_checkpoint(
     workers: int = 1,
     parts: Optional[int] = None,
     parts_runner: Optional[PartsRunner] = None,
+    staging_dir: Optional[Union[str, Path]] = None,
+    before_publish: Optional[Callable[[], None]] = None,
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
@@ -394,6 +409,10 @@ def consolidate_checkpoint(
             default). The output is the same, byte for byte, whatever the number.
         parts: how many parts the tensors are cut into (default: ``workers``); with ``parts_runner``.
         parts_runner: runs the parts instead of ``workers`` processes on this node (several nodes).
+        staging_dir: where the output is written before it is renamed into place (on the output's filesystem;
+            default: the output's parent); see :func:`.publish.staged_output`.
+        before_publish: called right before the output is renamed into place; what it raises is raised, and
+            nothing is published (the sidecar checks there that the checkpoint is still finished).
 
     Returns:
         A :class:`ConsolidationResult`.
@@ -424,6 +443,8 @@ def consolidate_checkpoint(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         allow_unfinished=allow_unfinished,
+        staging_dir=staging_dir,
+        before_publish=before_publish,
     )
     outputs = job.run()
     total = sum(output.spec.nbytes for output in outputs)

@@ -80,6 +80,7 @@ __all__ = [
     "file_entry",
     "json_file_entry",
     "new_digest",
+    "source_fingerprint",
     "verify_digests",
 ]
 
@@ -248,3 +249,24 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
     if unreadable is not None:
         raise unreadable
     return checked
+
+
+def source_fingerprint(weights_dir: Union[str, Path]) -> Dict[str, Any]:
+    """Which save of a checkpoint an output was made from: the name, size and sha256 of the file the checkpoint's
+    format writes last (DCP's ``.metadata``; ``metadata.json`` for ``zarr``), recorded in the output's
+    ``metadata.json`` as ``"source_metadata"``. A checkpoint saved again under the same name has another one (DCP
+    records a new ``save_id`` at each save).
+
+    Raises:
+        CorruptShardError: the file cannot be read, or is not a regular file of at most 1 GiB.
+    """
+    from nemo_patch.engine.errors import CorruptShardError
+    from nemo_patch.engine.safe_files import read_regular_file
+
+    path = Path(weights_dir) / ".metadata"
+    path = path if os.path.lexists(path) else path.with_name("metadata.json")  # zarr has no DCP metadata
+    try:
+        data = read_regular_file(path, 1 << 30)
+    except OSError as error:
+        raise CorruptShardError(f"Cannot read {path}: {error}") from error
+    return {"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

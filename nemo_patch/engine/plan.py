@@ -15,10 +15,11 @@
 """Which tensors a consolidation writes, under which names, read from which checkpoint entries, in which files.
 
 The output is the TP=1, PP=1 megatron-core model's ``state_dict()`` but ``_extra_state``, under the checkpoint's names
-whatever parallelism saved it: the ``module.*`` tensor entries, ``module.`` dropped, layer-stacked entries split per
-layer (``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes ``decoder.layers.<i>.mlp.linear_fc1.weight``,
-the indices from the stored chunks). A tensor the chunks cover in part is refused, naming the key (chunks are counted
-as not overlapping: :mod:`.layout_checks` proves it). MoE expert entries need :mod:`.moe_names`, else are refused.
+whatever parallelism saved it: the ``module.*`` tensor entries, ``module.`` dropped (Megatron-LM's: all but
+``optimizer.*``), layer-stacked entries split per layer (``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
+``decoder.layers.<i>.mlp.linear_fc1.weight``, the indices from the stored chunks). A tensor the chunks cover in part
+is refused, naming the key (chunks are counted as not overlapping: :mod:`.layout_checks` proves it). MoE expert
+entries need :mod:`.moe_names`, else are refused.
 """
 
 import itertools
@@ -41,6 +42,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover
     moe_names = None  # type: ignore[assignment]
 
 _MODEL_PREFIX = "module."
+_OPTIMIZER = re.compile(r"^(?:chained_\d+\.)?optimizer\.")  # Megatron-LM's; ``chained_<i>.`` for several optimizers
 _STACKED = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<tail>[^0-9].*)$")
 #: The most output tensors one checkpoint entry may split into (layers x experts); more is a crafted size.
 MAX_OUTPUTS_PER_ENTRY = 1 << 20
@@ -83,10 +85,11 @@ def consolidated_key(checkpoint_key: str, layer: Optional[int] = None) -> str:
 
 
 def model_tensor_keys(metadata: Metadata) -> List[str]:
-    """The model weights of a DCP checkpoint (``module.*`` tensor entries but ``_extra_state``), in metadata order."""
-    entries = metadata.state_dict_metadata
-    return [k for k, v in entries.items() if k.startswith(_MODEL_PREFIX) and "_extra_state" not in k and isinstance(
+    """The model weights of a DCP checkpoint, in metadata order, never ``_extra_state``: NeMo's ``module.*`` tensor
+    entries or, where there are none (Megatron-LM, Megatron-Bridge), every tensor entry but the optimizer's."""
+    tensors = [k for k, v in metadata.state_dict_metadata.items() if "_extra_state" not in k and isinstance(
         v, TensorStorageMetadata)]  # fmt: skip
+    return [k for k in tensors if k.startswith(_MODEL_PREFIX)] or [k for k in tensors if not _OPTIMIZER.match(k)]
 
 
 def _leading_indices(key: str, item: TensorStorageMetadata, axes: int) -> List[Tuple[int, ...]]:

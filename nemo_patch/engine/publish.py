@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -199,7 +199,7 @@ def publish_dir(tmp_dir: Path, output_dir: Path, overwrite: bool = True) -> None
     the old output in that temporary directory, which :func:`remove_stale_tmp_dirs` removes later.
 
     Args:
-        tmp_dir: the complete output, in the same directory as ``output_dir`` (from :func:`make_tmp_dir`).
+        tmp_dir: the complete output, on ``output_dir``'s filesystem (from :func:`make_tmp_dir`).
         output_dir: the final name.
         overwrite: if ``False``, an existing ``output_dir`` raises :class:`FileExistsError` instead.
 
@@ -384,11 +384,17 @@ def _make_output_parent(checkpoint_dir: Path, output_dir: Path) -> None:
 
 @contextlib.contextmanager
 def staged_output(
-    checkpoint_dir: Path, output_dir: Path, overwrite: bool, failure: str, kind: str = ""
+    checkpoint_dir: Path,
+    output_dir: Path,
+    overwrite: bool,
+    failure: str,
+    kind: str = "",
+    staging_dir: Optional[Path] = None,
+    before_publish: Optional[Callable[[], None]] = None,
 ) -> Iterator[Path]:
-    """A hidden temporary directory next to ``output_dir``, published as ``output_dir`` when the block ends normally
-    and removed when it does not (whatever the exception, Ctrl-C included). Temporary output that killed processes
-    left in ``output_dir``'s parent or in ``checkpoint_dir`` is removed first.
+    """A hidden temporary directory next to ``output_dir`` (or in ``staging_dir``), published as ``output_dir`` when
+    the block ends normally and removed when it does not (whatever the exception, Ctrl-C included). Temporary output
+    that killed processes left there or in ``checkpoint_dir`` is removed first.
 
     Args:
         checkpoint_dir: the checkpoint being consolidated.
@@ -397,6 +403,10 @@ def staged_output(
             :func:`publish_dir` does) instead of raising :class:`OutputExistsError`.
         failure: how a failure message starts, e.g. ``"Consolidating <ckpt>"``.
         kind: a tag in the temporary name (``"hf-"``).
+        staging_dir: where the temporary directory is made instead of ``output_dir``'s parent (on the same
+            filesystem: it is renamed into place). The sidecar stages in the run's root, so that a trainer removing
+            the checkpoint meanwhile never meets files it did not list.
+        before_publish: called right before the rename; what it raises is raised, and nothing is published.
 
     Raises:
         ConsolidationError: the output cannot be written (``OSError`` naming the directory), or any other error of the
@@ -408,15 +418,18 @@ def staged_output(
     """
     try:
         _make_output_parent(checkpoint_dir, output_dir)
-        for parent in {output_dir.parent, checkpoint_dir}:
+        staging = output_dir.parent if staging_dir is None else Path(staging_dir)
+        for parent in {staging, checkpoint_dir}:
             remove_stale_tmp_dirs(parent)
-        tmp_dir = make_tmp_dir(output_dir.parent, kind)
+        tmp_dir = make_tmp_dir(staging, kind)
     except OSError as error:
         raise ConsolidationError(
             f"Cannot write the output of {checkpoint_dir} in {output_dir.parent}: {error}"
         ) from error
     try:
         yield tmp_dir
+        if before_publish is not None:
+            before_publish()
         publish_dir(tmp_dir, output_dir, overwrite=overwrite)
     except ConsolidationError:
         remove_tmp_dir(tmp_dir)

@@ -70,6 +70,7 @@ from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.casting import checked_cast
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, read_state_dict
+from nemo_patch.engine.digests import source_fingerprint
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
@@ -498,6 +499,8 @@ def export_hf_checkpoint(
     merge_adapters: bool = False,
     base_checkpoint: Optional[Union[str, Path]] = None,
     best: Optional[Mapping[str, Any]] = None,
+    staging_dir: Optional[Union[str, Path]] = None,
+    before_publish: Optional[Callable[[], None]] = None,
 ) -> ConsolidationResult:
     """Write a ``transformers``-loadable directory for a finished NeMo 2 ``torch_dist`` checkpoint.
 
@@ -522,6 +525,9 @@ def export_hf_checkpoint(
         best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
             monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
             ``ModelCheckpoint``'s).
+        staging_dir: where the output is written before it is renamed into place (default: its parent).
+        before_publish: called right before the output is renamed into place; what it raises is raised, and
+            nothing is published.
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
@@ -546,6 +552,7 @@ def export_hf_checkpoint(
     check_output_target(ckpt_dir, output_dir, overwrite)  # never the checkpoint, nor anything not a previous output
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
+    source = source_fingerprint(weights_dir)  # which save of the checkpoint this is, before anything is read
     model, exporter = _exporter_for(ckpt_dir, peft)
     metadata: Any = None
 
@@ -562,7 +569,8 @@ def export_hf_checkpoint(
     exporter._np_read, exporter._np_dtype, exporter._np_merged = read, dtype, location.adapter and merge_adapters
     exporter._np_max_shard_size, exporter._np_output_dir = max_shard_size, output_dir
     requested_dtype = dtype
-    with staged_output(ckpt_dir, output_dir, overwrite, f"Exporting {ckpt_dir} to Hugging Face", "hf-") as tmp_dir:
+    failure = f"Exporting {ckpt_dir} to Hugging Face"
+    with staged_output(ckpt_dir, output_dir, overwrite, failure, "hf-", staging_dir, before_publish) as tmp_dir:
         saved = _run_exporter(exporter, tmp_dir)
         written = _written_names(tmp_dir)
         total_bytes = sum(saved[n].numel() * saved[n].element_size() for n in written if n in saved)
@@ -580,6 +588,7 @@ def export_hf_checkpoint(
             "kind": "adapter" if peft else "model",
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
+            "source_metadata": source,
             "exporter": f"{exporter._np_exporter_class.__module__}.{exporter._np_exporter_class.__qualname__}",
             "tensor_count": len(written),
             "total_bytes": total_bytes,

@@ -1,0 +1,593 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""``nemo-consolidate --watch ROOT``: a sidecar that consolidates a run's checkpoints as they finish.
+
+The watcher lists ``ROOT`` (a NeMo 2 checkpoint root, or a Megatron-LM / Megatron-Bridge save directory:
+:mod:`nemo_patch.engine.run_checkpoints`) every ``--poll-interval`` seconds and consolidates the finished checkpoints
+that ``--frequency`` picks, one at a time, oldest first:
+
+* ``each`` / ``every_n:<k>`` / phases (``"every_n:10; each@5000"``): as ``ckpt_consolidation_frequency`` picks them
+  during training, counting the finished checkpoints of the root by distinct global step, in step order (a ``-last``
+  copy counts with its step). A watcher counts what it finds when it starts, then what finishes;
+* ``latest``: the newest finished checkpoint, whenever it changes (older ones it supersedes are skipped);
+* ``best`` (NeMo roots): the best finished checkpoint by the monitored metric NeMo recorded
+  (:func:`nemo_patch.engine.best_checkpoint.find_best_checkpoint`), whenever it changes.
+
+A checkpoint is consolidated into ``<ckpt>/consolidated`` (``<ckpt>/hf`` with ``--format hf``); the output is written
+under a hidden temporary name in ``ROOT``, not in the checkpoint (a trainer removing the checkpoint meanwhile never
+finds a file it did not list), and renamed into the checkpoint once complete, after checking that the checkpoint is
+still finished (NeMo marks a checkpoint unfinished before it removes it). Another checkpoint of the same step
+(NeMo's ``-last`` copy) gets the output's files as hard links. ``ROOT/LATEST`` then names the newest consolidated
+checkpoint; it only ever moves to a later global step.
+
+Restarts and company: a checkpoint whose output exists and is complete (its ``metadata.json`` records this save of the
+checkpoint and lists files that are all there with their sizes: :func:`output_is_complete`) is not consolidated
+again; while one watcher consolidates a checkpoint it holds a ``flock`` on the checkpoint's directory, and a second
+watcher on the same root passes over it. A checkpoint removed while it is read publishes nothing (one log line) and
+the watcher goes on.
+
+``--until-idle SECONDS``: exit once no checkpoint has finished for that long and nothing is due; a checkpoint that
+never finishes (a crashed save) does not hold the exit. Without it, the watcher runs until SIGTERM or SIGINT, then
+abandons the output being written (nothing is published) and exits. Either way the last line is a summary; the exit
+code is 0, or the exit code of the last consolidation that failed (:mod:`nemo_patch.cli.exit_codes`).
+"""
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, TextIO, Tuple
+
+from nemo_patch.engine.errors import ConsolidationError, UnsupportedFormatError
+from nemo_patch.engine.run_checkpoints import (
+    MEGATRON_LAYOUT,
+    NEMO_LAYOUT,
+    RunCheckpoint,
+    RunListing,
+    list_run_checkpoints,
+)
+from nemo_patch.training.policy import ConsolidationPolicy
+
+__all__ = ["WatchStopped", "Watcher", "output_is_complete"]
+
+logger = logging.getLogger(__name__)
+
+#: At most this many different log lines are remembered so as to be said once.
+_SEEN_REASONS_LIMIT = 10_000
+
+
+#: Writes one checkpoint's output (see :class:`Watcher`).
+Consolidate = Callable[[RunCheckpoint, Path, Path, Callable[[], None]], Tuple[int, int]]
+
+
+class WatchStopped(BaseException):
+    """SIGTERM or SIGINT reached the watcher while it consolidated: the output being written is abandoned."""
+
+
+def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
+    """Whether ``output_dir`` is a complete output of ``checkpoint`` as saved now: its ``metadata.json`` records the
+    checkpoint's current ``.metadata`` (:func:`nemo_patch.engine.digests.source_fingerprint`; a checkpoint saved again
+    under the same name has another) and lists files that all exist with the recorded sizes (a Hugging Face output:
+    its ``config.json`` exists)."""
+    from nemo_patch.engine.digests import source_fingerprint
+    from nemo_patch.engine.safe_files import read_json_file
+
+    try:
+        manifest = read_json_file(output_dir / "metadata.json")
+        weights = checkpoint / "weights" if (checkpoint / "weights").is_dir() else checkpoint
+        if not isinstance(manifest, dict) or manifest.get("source_metadata") != source_fingerprint(weights):
+            return False
+        if manifest.get("format") == "hf":
+            return (output_dir / "config.json").is_file()
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            return False
+        for name, entry in files.items():
+            size = entry.get("size") if isinstance(entry, dict) else None
+            if "/" in name or name.startswith(".") or (output_dir / name).stat().st_size != size:
+                return False
+        return True
+    except (ConsolidationError, OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def _held(checkpoint: Path) -> Iterator[bool]:
+    """An exclusive, non-blocking ``flock`` on the checkpoint's directory while the block runs: ``True`` when this
+    process holds it (or the filesystem has no ``flock``), ``False`` when another watcher does."""
+    try:
+        fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield True  # gone: the consolidation finds out and says so
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                yield False
+                return
+            logger.debug("No flock on %s (%s): two watchers are kept apart by the atomic publish only", checkpoint,
+                         error)  # fmt: skip
+        yield True
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Tally:
+    """What the watcher did, for the summary line."""
+
+    consolidated: int = 0
+    bytes: int = 0
+    linked: int = 0
+    removed: int = 0
+    failed: int = 0
+    exit_code: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Watcher:
+    """Consolidates the finished checkpoints of ``root`` that ``policy`` picks (see the module docstring).
+
+    Args:
+        root: the save directory watched.
+        policy: the parsed ``--frequency``.
+        consolidate: writes one checkpoint's output: called with the checkpoint, its output directory, the staging
+            directory and a check to run right before publishing (it raises when the checkpoint is no longer
+            finished); returns ``(tensor count, bytes)``; raises :class:`ConsolidationError` on failure.
+        output_name: ``"consolidated"`` or ``"hf"``.
+        until_idle: seconds without a newly finished checkpoint (and nothing due) after which :meth:`run` returns;
+            ``None``: run until stopped.
+        poll_interval: seconds between listings of ``root``.
+        best: ``(monitor, mode)`` for ``best`` cadences (``None`` entries: what NeMo recorded).
+        after_publish: called with the checkpoint and its published output (the post command).
+        out: where the one line per consolidation and the summary go (default: ``sys.stdout``).
+    """
+
+    root: Path
+    policy: ConsolidationPolicy
+    consolidate: "Consolidate"
+    output_name: str = "consolidated"
+    until_idle: Optional[float] = None
+    poll_interval: float = 10.0
+    best: "tuple[Optional[str], Optional[str]]" = (None, None)
+    after_publish: Optional[Callable[[RunCheckpoint, Path], Optional[int]]] = None
+    out: Optional[TextIO] = None
+    tally: _Tally = field(default_factory=_Tally)
+    stopping: bool = False
+    _index: Dict[int, int] = field(default_factory=dict)  # global step -> its count in its cadence phase
+    _phase_counts: Dict[int, int] = field(default_factory=dict)
+    _given_up: Set["tuple[Path, str]"] = field(default_factory=set)  # (checkpoint, which save) that failed
+    _said: Set["tuple[Path, str]"] = field(default_factory=set)
+    _latest_step: Optional[int] = None
+    _last_finished: float = field(default_factory=time.monotonic)
+    _busy: bool = False
+    layout: Optional[str] = None
+
+    def say(self, line: str) -> None:
+        """One line of the watcher's log (stdout), flushed."""
+        print(line, file=sys.stdout if self.out is None else self.out, flush=True)
+
+    # -- what is due ------------------------------------------------------------------------------------------------
+
+    def _count(self, steps: List[int]) -> None:
+        """Give each newly seen finished global step its index in its cadence phase."""
+        new = [step for step in steps if step not in self._index]
+        for step in new:
+            phase = self.policy.phase_at(step)
+            start = phase.start_step if phase is not None else -1
+            self._phase_counts[start] = self._phase_counts.get(start, 0) + 1
+            self._index[step] = self._phase_counts[start]
+        if new:
+            self._last_finished = time.monotonic()
+
+    def _output(self, checkpoint: RunCheckpoint) -> Path:
+        return checkpoint.path / self.output_name
+
+    def _done(self, group: List[RunCheckpoint]) -> Optional[RunCheckpoint]:
+        """The checkpoint of a step whose output is complete, if one is."""
+        for checkpoint in group:
+            if output_is_complete(checkpoint.path, self._output(checkpoint)):
+                return checkpoint
+        return None
+
+    def _best_step(self, listing: RunListing) -> Optional[int]:
+        if self.layout != NEMO_LAYOUT or not listing.finished:
+            return None
+        from nemo_patch.engine.best_checkpoint import NoMonitoredMetricError, find_best_checkpoint
+
+        try:
+            best = find_best_checkpoint(self.root, *self.best)
+        except NoMonitoredMetricError as error:
+            self._once(self.root, f"no best checkpoint yet: {error}")
+            return None
+        except ConsolidationError as error:
+            self._once(self.root, f"no best checkpoint now: {error}")
+            return None
+        steps = [c.global_step for c in listing.finished if c.path.name == best.checkpoint_dir.name]
+        return steps[0] if steps else None
+
+    def due(self, listing: RunListing) -> List[List[RunCheckpoint]]:
+        """The steps to consolidate now, oldest first, each as its checkpoints (the one to read first)."""
+        groups: Dict[int, List[RunCheckpoint]] = {}
+        for checkpoint in listing.finished:
+            groups.setdefault(checkpoint.global_step, []).append(checkpoint)
+        self._count(sorted(groups))
+        wanted = [
+            step
+            for step in groups
+            if (phase := self.policy.phase_at(step)) is not None
+            and phase.cadence != "best"
+            and self.policy.is_due(step, self._index[step])
+        ]
+        newest = max(groups, default=None)
+        if self.policy.consolidates_at_fit_end and newest is not None and newest not in wanted:
+            wanted.append(newest)
+        best = self._best_step(listing) if self.policy.uses_best else None
+        if best is not None and (phase := self.policy.phase_at(best)) is not None and phase.cadence == "best":
+            wanted.append(best)
+        due = []
+        for step in sorted(set(wanted)):
+            group = groups[step]
+            done = self._done(group)
+            if done is not None:
+                self._link_copies(done, group)
+                self._point_latest(done)
+                continue
+            if all((c.path, self._save_of(c.path)) in self._given_up for c in group):
+                continue
+            due.append(group)
+        return due
+
+    # -- doing it ---------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _save_of(checkpoint: Path) -> str:
+        """Which save of ``checkpoint`` this is (its ``.metadata``'s sha256): a failure is retried if saved again."""
+        from nemo_patch.engine.digests import source_fingerprint
+
+        weights = checkpoint / "weights" if (checkpoint / "weights").is_dir() else checkpoint
+        try:
+            return source_fingerprint(weights)["sha256"]
+        except ConsolidationError:
+            return ""
+
+    def _once(self, path: Path, line: str) -> None:
+        if (path, line) not in self._said and len(self._said) < _SEEN_REASONS_LIMIT:
+            self._said.add((path, line))
+            self.say(line)
+
+    def _still_finished(self, checkpoint: RunCheckpoint) -> bool:
+        listing = list_run_checkpoints(self.root)
+        return any(found.path == checkpoint.path for found in listing.finished)
+
+    def _check_still_finished(self, checkpoint: RunCheckpoint) -> Callable[[], None]:
+        def check() -> None:
+            if not self._still_finished(checkpoint):
+                raise ConsolidationError(f"{checkpoint.path} was removed or marked unfinished meanwhile")
+
+        return check
+
+    def _consolidate_group(self, group: List[RunCheckpoint]) -> None:
+        """Consolidate the first checkpoint of a step that is not held by another watcher; link the others."""
+        for checkpoint in group:
+            with _held(checkpoint.path) as mine:
+                if not mine:
+                    self._once(checkpoint.path, f"{checkpoint.path.name}: another watcher is consolidating it")
+                    continue
+                if output_is_complete(checkpoint.path, self._output(checkpoint)):  # done meanwhile, by another
+                    return
+                if self._consolidate_one(checkpoint):
+                    self._link_copies(checkpoint, group)
+                    self._point_latest(checkpoint)
+                return
+
+    def _consolidate_one(self, checkpoint: RunCheckpoint) -> bool:
+        output, started = self._output(checkpoint), time.monotonic()
+        save = self._save_of(checkpoint.path)
+        self._busy = True
+        try:
+            if self.stopping:
+                raise WatchStopped
+            count, size = self.consolidate(checkpoint, output, self.root, self._check_still_finished(checkpoint))
+        except ConsolidationError as error:
+            if not checkpoint.path.exists() or not self._still_finished(checkpoint):
+                self.tally.removed += 1
+                self.say(f"{checkpoint.path.name}: removed or marked unfinished by the trainer while it was "
+                         "consolidated; nothing published")  # fmt: skip
+                return False
+            self.tally.failed += 1
+            self.tally.exit_code = error.exit_code
+            self._given_up.add((checkpoint.path, save))
+            self.say(f"error: {checkpoint.path.name} (step {checkpoint.global_step}): {error} "
+                     f"(exit code {error.exit_code}; not retried unless saved again)")  # fmt: skip
+            return False
+        finally:
+            self._busy = False
+        seconds = time.monotonic() - started
+        self.tally.consolidated += 1
+        self.tally.bytes += size
+        self.say(f"Consolidated {checkpoint.path.name} (step {checkpoint.global_step}) -> {output}: {count} tensors, "
+                 f"{_human(size)} in {seconds:.1f} s")  # fmt: skip
+        if self.after_publish is not None:
+            code = self.after_publish(checkpoint, output)
+            if code:
+                self.tally.failed += 1
+                self.tally.exit_code = code
+        return True
+
+    def _link_copies(self, source: RunCheckpoint, group: List[RunCheckpoint]) -> None:
+        """Give the other checkpoints of ``source``'s step (NeMo's ``-last`` copies) its output as hard links."""
+        from nemo_patch.engine.publish import link_output
+
+        for other in group:
+            target = self._output(other)
+            if other.path == source.path or output_is_complete(other.path, target):
+                continue
+            try:
+                link_output(self._output(source), target)
+            except OSError as error:
+                self._once(other.path, f"{other.path.name}: not linked to {source.path.name}'s output: {error}")
+                continue
+            self.tally.linked += 1
+            self.say(f"Linked {other.path.name} (step {other.global_step}) -> {source.path.name}'s output")
+
+    def _point_latest(self, checkpoint: RunCheckpoint) -> None:
+        """``ROOT/LATEST`` -> ``checkpoint`` unless it names a later global step already."""
+        from nemo_patch.training.latest import LATEST_NAME, set_aside_non_link, update_latest_pointer
+
+        if self._latest_step is None:
+            self._latest_step = self._pointed_step()
+        if self._latest_step is not None and checkpoint.global_step < self._latest_step:
+            return
+        link = self.root / LATEST_NAME
+        try:
+            if link.is_symlink() and os.readlink(link) == checkpoint.path.name:
+                self._latest_step = checkpoint.global_step
+                return
+            aside = set_aside_non_link(self.root)
+            if aside is not None:
+                self.say(f"{link} was not a symbolic link; moved to {aside.name}")
+            update_latest_pointer(checkpoint.path, self.root)
+        except OSError as error:
+            self._once(link, f"{link} not updated: {error}")
+            return
+        self._latest_step = checkpoint.global_step
+
+    def _pointed_step(self) -> Optional[int]:
+        link = self.root / "LATEST"
+        if not link.is_symlink():
+            return None
+        name = os.readlink(link)
+        for checkpoint in list_run_checkpoints(self.root).finished:
+            if checkpoint.path.name == name:
+                return checkpoint.global_step
+        return None
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+
+    def _check_layout(self, listing: RunListing) -> None:
+        if listing.layout is None or self.layout is not None:
+            return
+        self.layout = listing.layout
+        if self.layout == MEGATRON_LAYOUT and self.output_name != "consolidated":
+            raise UnsupportedFormatError(
+                f"{self.root} is a Megatron-LM / Megatron-Bridge save directory: --format hf exports NeMo 2 "
+                "checkpoints only (take its safetensors output to Hugging Face with Megatron-Bridge's AutoBridge)"
+            )
+        if self.layout == MEGATRON_LAYOUT and self.policy.uses_best:
+            raise UnsupportedFormatError(f"{self.root} is a Megatron-LM / Megatron-Bridge save directory: it records "
+                                         "no monitored metric for a 'best' cadence")  # fmt: skip
+        self.say(f"Watching {self.root} ({'NeMo 2' if self.layout == NEMO_LAYOUT else 'Megatron-LM'} layout), "
+                 f"frequency {self.policy}")  # fmt: skip
+
+    def scan(self) -> bool:
+        """List the root once and consolidate what is due; ``True`` when something was due."""
+        listing = list_run_checkpoints(self.root)
+        self._check_layout(listing)
+        for path, why in listing.not_finished.items():
+            if not why.startswith("unfinished"):
+                self._once(path, f"skipped {path.name}: {why}")
+        due = self.due(listing)
+        for group in due:
+            if self.stopping:
+                break
+            self._consolidate_group(group)
+        return bool(due)
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.say(f"Stopping on {signal.Signals(signum).name}")
+        if self._busy:
+            raise WatchStopped
+
+    def run(self) -> int:
+        """Watch until idle or stopped; returns the exit code (0, or the last failed consolidation's)."""
+        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            if not self.root.is_dir():
+                self.say(f"Waiting for {self.root} to appear")
+            while not self.stopping:
+                try:
+                    busy = self.scan() if self.root.is_dir() else False
+                except WatchStopped:
+                    self.say("The output being written was abandoned; nothing half-written is published")
+                    break
+                idle = time.monotonic() - self._last_finished
+                if self.until_idle is not None and not busy and idle >= self.until_idle:
+                    break
+                deadline = time.monotonic() + self.poll_interval
+                while not self.stopping and time.monotonic() < deadline:
+                    time.sleep(min(0.2, self.poll_interval))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        tally = self.tally
+        self.say(
+            f"Watched {self.root} for {time.monotonic() - tally.started:.0f} s: {tally.consolidated} consolidated "
+            f"({_human(tally.bytes)}), {tally.linked} linked, {tally.removed} removed "
+            f"while read, {tally.failed} failed"
+        )
+        return tally.exit_code
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1000
+    return f"{size:.1f} GB"
+
+
+# -- the command line -------------------------------------------------------------------------------------------------
+
+#: Options of a one-checkpoint run that mean nothing to the watcher.
+_ONE_CHECKPOINT_OPTIONS = {
+    "out": "--out",
+    "best": "--best",
+    "force": "--force",
+    "allow_unfinished": "--allow-unfinished",
+    "merge_adapters": "--merge-adapters",
+    "base_checkpoint": "--base-checkpoint",
+}
+
+
+def add_watch_options(parser: argparse.ArgumentParser) -> None:
+    """``--watch``, ``--frequency``, ``--until-idle`` and ``--poll-interval`` (the ``watch`` group)."""
+    group = parser.add_argument_group("watch", "consolidate a run's checkpoints as they finish (a sidecar)")
+    group.add_argument("--watch", action="store_true", help="path is a NeMo 2 checkpoint root or a Megatron-LM / "
+                       "Megatron-Bridge save directory: consolidate its checkpoints as they finish, until stopped "
+                       "(SIGTERM, SIGINT) or --until-idle")  # fmt: skip
+    group.add_argument("--frequency", default=None, metavar="FREQ", help="with --watch: which finished checkpoints "
+                       "(ckpt_consolidation_frequency's values: each, every_n:<k>, latest, best, phases; default "
+                       "each)")  # fmt: skip
+    group.add_argument("--until-idle", type=_positive_seconds, default=None, metavar="SECONDS", help="with --watch: "
+                       "exit once no checkpoint has finished for SECONDS and nothing is due")  # fmt: skip
+    group.add_argument("--poll-interval", type=_positive_seconds, default=None, metavar="SECONDS",
+                       help="with --watch: seconds between listings of the root (default 10)")  # fmt: skip
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if 0 < seconds < float("inf"):
+        return seconds
+    raise argparse.ArgumentTypeError(f"Invalid number of seconds {value!r}: expected a number > 0.")
+
+
+def check_watch_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[ConsolidationPolicy]:
+    """The parsed ``--frequency`` with ``--watch`` (``None`` without it); a usage error (exit 2) for watch options
+    without ``--watch``, one-checkpoint options with it, or an invalid frequency."""
+    from nemo_patch.training.policy import parse_consolidation_frequency
+
+    if not args.watch:
+        given = [flag for flag in ("--frequency", "--until-idle", "--poll-interval")
+                 if getattr(args, flag[2:].replace("-", "_")) is not None]  # fmt: skip
+        if given:
+            parser.error(f"{', '.join(given)} only with --watch")
+        return None
+    given = [flag for name, flag in _ONE_CHECKPOINT_OPTIONS.items() if getattr(args, name, None) not in (None, False)]
+    if given:
+        parser.error(f"--watch consolidates each checkpoint into its own directory: {', '.join(given)} cannot be used")
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        parser.error("--watch runs as one process: do not launch it with torchrun or srun on several ranks")
+    try:
+        return parse_consolidation_frequency("each" if args.frequency is None else args.frequency)
+    except ValueError as error:
+        parser.error(str(error).replace("ckpt_consolidation_frequency", "--frequency"))
+    return None  # not reached: parser.error exits
+
+
+def _consolidator(args: argparse.Namespace) -> Consolidate:
+    """The function that writes one checkpoint's output with the command line's output options."""
+    import torch
+
+    from nemo_patch.engine.output_layout import DTYPE_NAMES
+
+    options: Dict[str, Any] = dict(
+        dtype=None if args.dtype is None else getattr(torch, DTYPE_NAMES[args.dtype]), overwrite=True,
+        verify=args.verify,
+    )  # fmt: skip
+    if args.max_shard_size is not None:
+        options["max_shard_size"] = args.max_shard_size
+
+    def consolidate(
+        checkpoint: RunCheckpoint, output: Path, staging: Path, before_publish: Callable[[], None]
+    ) -> "tuple[int, int]":
+        common = dict(global_step=checkpoint.global_step, staging_dir=staging, before_publish=before_publish)
+        if args.format == "hf":
+            from nemo_patch.export.context_trust import check_context_trusted
+            from nemo_patch.export.hf import export_hf_checkpoint
+
+            check_context_trusted(checkpoint.path / "context", args.trust_context)
+            result = export_hf_checkpoint(checkpoint.path, output, **options, **common)
+        else:
+            from nemo_patch.engine.consolidate import consolidate_checkpoint
+            from nemo_patch.engine.parts import default_workers
+
+            workers = args.workers or default_workers()
+            result = consolidate_checkpoint(checkpoint.path, output, workers=workers, **options, **common)
+        return result.tensor_count, result.total_bytes
+
+    return consolidate
+
+
+def _post_command(args: argparse.Namespace) -> Optional[Callable[[RunCheckpoint, Path], Optional[int]]]:
+    if args.post_command is None:
+        return None
+    from nemo_patch.engine.post_command import PostCommandError, run_post_command
+
+    def run(checkpoint: RunCheckpoint, output: Path) -> Optional[int]:
+        done = run_post_command(args.post_command, output, args.format, checkpoint.global_step, checkpoint.path,
+                                timeout=args.post_command_timeout)  # fmt: skip
+        print(f"Post command for {checkpoint.path.name}: {done.describe()}", flush=True)
+        return None if done.ok else PostCommandError.exit_code
+
+    return run
+
+
+def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy) -> int:
+    """``nemo-consolidate --watch``: returns the exit code (module docstring)."""
+    from nemo_patch.engine.checkpoint_root import checkpoint_root
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    watcher = Watcher(
+        root=checkpoint_root(args.path) if Path(args.path).is_dir() else Path(args.path),
+        policy=policy,
+        consolidate=_consolidator(args),
+        output_name="hf" if args.format == "hf" else "consolidated",
+        until_idle=args.until_idle,
+        poll_interval=10.0 if args.poll_interval is None else args.poll_interval,
+        best=(args.monitor, args.mode),
+        after_publish=_post_command(args),
+    )
+    try:
+        return watcher.run()
+    except ConsolidationError as error:
+        print(f"nemo-consolidate: error: {error}", file=sys.stderr)
+        return error.exit_code

@@ -1,0 +1,192 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The checkpoints of a training run's save directory, which of them are finished, and their global steps.
+
+Two layouts are recognised from what the directory holds:
+
+* **NeMo 2** (``<log_dir>/<name>/checkpoints``): a directory per checkpoint with ``weights/``. A checkpoint is finished
+  when the file its format writes last is there and NeMo's ``<name>-unfinished`` marker is not
+  (:func:`.checkpoint_layout.inspect_checkpoint`; NeMo also sets the marker before it removes a checkpoint). Its
+  global step is NeMo's ``step=<N>`` in the name plus one or, for a name without it, ``global_step`` in
+  ``weights/common.pt`` (read with ``torch.load(weights_only=True)``). A name ending in ``-last`` or
+  ``-last-v<k>`` (Lightning's version counter) is NeMo's copy of its step's save.
+* **Megatron-LM and Megatron-Bridge** (their ``--save`` / ``CheckpointConfig.save`` directory): ``iter_<N>/``
+  directories that hold the distributed checkpoint itself, and ``latest_checkpointed_iteration.txt`` (the tracker),
+  which the trainer rewrites once a save is finalized (after the background write of an async save). ``iter_<N>`` is
+  finished when the tracker names ``N`` or a later iteration and its ``.metadata`` is there; with no tracker nothing
+  is finished. Its global step is ``N``. ``common.pt`` (``args`` as an ``argparse.Namespace``) is never unpickled.
+
+Hidden entries, ``LATEST``/``BEST`` and outputs kept under ``retained/`` are never checkpoints. Reads only: nothing
+here writes. Standard library, and torch for ``common.pt``.
+"""
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
+from nemo_patch.engine.checkpoint_root import global_step_in_name
+from nemo_patch.engine.safe_files import read_regular_file
+
+__all__ = [
+    "MEGATRON_LAYOUT",
+    "NEMO_LAYOUT",
+    "TRACKER_FILENAME",
+    "RunCheckpoint",
+    "RunListing",
+    "is_copy_name",
+    "list_run_checkpoints",
+    "read_tracker",
+    "run_layout",
+]
+
+logger = logging.getLogger(__name__)
+
+#: A NeMo 2 checkpoint root.
+NEMO_LAYOUT = "nemo"
+#: A Megatron-LM / Megatron-Bridge save directory.
+MEGATRON_LAYOUT = "megatron"
+#: Megatron-LM's and Megatron-Bridge's record of the newest finished iteration.
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+
+_ITERATION = re.compile(r"^iter_(\d{1,18})$")
+_COPY = re.compile(r"-last(?:-v\d+)?$")
+_MAX_TRACKER_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """A finished checkpoint of a run: its directory, its global step and whether it is NeMo's ``-last`` copy."""
+
+    path: Path
+    global_step: int
+    copy: bool = False
+
+
+@dataclass
+class RunListing:
+    """What a save directory holds: its layout (``None`` while it holds no checkpoint), the finished checkpoints in
+    step order (a step's own save before its copies, then by name), and the checkpoints that are not finished with
+    why (unfinished, removed while listed, no global step, an iteration the tracker passed without ``.metadata``)."""
+
+    layout: Optional[str]
+    finished: List[RunCheckpoint] = field(default_factory=list)
+    not_finished: Dict[Path, str] = field(default_factory=dict)
+
+
+def is_copy_name(name: str) -> bool:
+    """Whether a NeMo checkpoint name is ``ModelCheckpoint``'s ``-last`` copy (``-last``, ``-last-v1``, ...)."""
+    return _COPY.search(name) is not None
+
+
+def read_tracker(root: Union[str, Path]) -> Optional[int]:
+    """The iteration ``<root>/latest_checkpointed_iteration.txt`` names, or ``None`` when it is absent, not a regular
+    file, or holds no iteration (``release``, or damaged: logged at debug level)."""
+    try:
+        text = read_regular_file(Path(root) / TRACKER_FILENAME, _MAX_TRACKER_BYTES).decode("ascii").strip()
+        return int(text) if text.isdigit() else None
+    except (OSError, ValueError) as error:
+        logger.debug("No iteration in %s: %s", Path(root) / TRACKER_FILENAME, error)
+        return None
+
+
+def _entries(root: Path) -> List[os.DirEntry]:
+    try:
+        with os.scandir(root) as found:
+            return [entry for entry in found if not entry.name.startswith(".")]
+    except FileNotFoundError:
+        return []
+
+
+def run_layout(root: Union[str, Path]) -> Optional[str]:
+    """:data:`MEGATRON_LAYOUT`, :data:`NEMO_LAYOUT`, or ``None`` while ``root`` holds neither kind of checkpoint."""
+    root = Path(root)
+    entries = _entries(root)
+    if any(entry.name == TRACKER_FILENAME for entry in entries) or any(
+        _ITERATION.match(entry.name) and entry.is_dir(follow_symlinks=False) for entry in entries
+    ):
+        return MEGATRON_LAYOUT
+    for entry in entries:
+        if entry.name.endswith("-unfinished") or (
+            entry.is_dir(follow_symlinks=False) and (Path(entry.path) / "weights").is_dir()
+        ):
+            return NEMO_LAYOUT
+    return None
+
+
+def common_global_step(checkpoint_dir: Path) -> Optional[int]:
+    """``global_step`` in a NeMo checkpoint's ``weights/common.pt`` (Lightning's checkpoint state), or ``None``."""
+    from nemo_patch.engine.best_checkpoint import read_common_state
+
+    state = read_common_state(checkpoint_dir)
+    step = state.get("global_step") if state is not None else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def _nemo(root: Path, listing: RunListing) -> None:
+    found: List[Tuple[int, bool, str, RunCheckpoint]] = []
+    for entry in _entries(root):
+        path = Path(entry.path)
+        if not entry.is_dir(follow_symlinks=False) or not (path / "weights").is_dir():
+            continue
+        if is_marked_unfinished(path) or not weights_written(path / "weights"):
+            listing.not_finished[path] = "unfinished"
+            continue
+        step = global_step_in_name(entry.name)
+        step = common_global_step(path) if step is None else step
+        if step is None:
+            listing.not_finished[path] = "no global step: no 'step=<N>' in its name or 'global_step' in common.pt"
+            continue
+        copy = is_copy_name(entry.name)
+        found.append((step, copy, entry.name, RunCheckpoint(path, step, copy)))
+    listing.finished = [item[-1] for item in sorted(found, key=lambda item: item[:3])]
+
+
+def _megatron(root: Path, listing: RunListing) -> None:
+    tracked = read_tracker(root)
+    found = []
+    for entry in _entries(root):
+        match = _ITERATION.match(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        path, iteration = Path(entry.path), int(match.group(1))
+        if tracked is None or iteration > tracked:
+            listing.not_finished[path] = "unfinished: the tracker has not reached it"
+        elif not (path / ".metadata").is_file():
+            listing.not_finished[path] = f"no '.metadata' although the tracker names iteration {tracked}"
+        else:
+            found.append(RunCheckpoint(path, iteration))
+    listing.finished = sorted(found, key=lambda checkpoint: checkpoint.global_step)
+
+
+def list_run_checkpoints(root: Union[str, Path]) -> RunListing:
+    """The checkpoints of a save directory (see the module docstring), as the directory is now.
+
+    Args:
+        root: a NeMo 2 checkpoint root, or a Megatron-LM / Megatron-Bridge save directory.
+
+    Returns:
+        A :class:`RunListing`; a checkpoint removed while the directory is listed is left out.
+    """
+    root = Path(root)
+    listing = RunListing(run_layout(root))
+    if listing.layout == MEGATRON_LAYOUT:
+        _megatron(root, listing)
+    elif listing.layout == NEMO_LAYOUT:
+        _nemo(root, listing)
+    return listing
