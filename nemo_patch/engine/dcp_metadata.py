@@ -98,14 +98,14 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = _load_build
 
 
-def load_dcp_metadata(data: bytes) -> Metadata:
-    """The DCP metadata pickled in ``data`` (a ``.metadata`` file's bytes), unpickled with the allowlist.
+def load_dcp_metadata(data: bytes, unpickler: Optional[type] = None) -> Metadata:
+    """The DCP metadata in ``data`` (a ``.metadata`` file's bytes), unpickled with the allowlist (or ``unpickler``'s).
 
     Raises:
         pickle.UnpicklingError: a name outside the allowlist, corrupt data, or something else than a ``Metadata``.
     """
     try:
-        loaded = _MetadataUnpickler(io.BytesIO(data)).load()
+        loaded = (unpickler or _MetadataUnpickler)(io.BytesIO(data)).load()
     except pickle.UnpicklingError:
         raise
     except Exception as error:  # EOFError, ValueError, TypeError, ... from damaged data
