@@ -17,6 +17,7 @@
 import json
 import shutil
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import REPO, run_python
@@ -279,3 +280,32 @@ def test_two_copies_of_the_hook_do_not_recurse(tmp_path):
         "print(json.dumps({'applied': nemo_patch.overlay_applied()}))"
     )
     assert _json_result(run_python(code)) == {"applied": True}
+
+
+def test_the_edits_are_git_patches_that_apply_to_the_installed_nemo(tmp_path):
+    """Each diff of the series is a real patch: ``git apply`` takes them in order on NeMo's files (the start-up hook
+    applies the same hunks, by their lines)."""
+    import subprocess
+
+    import nemo
+
+    from nemo_patch.overlay.hook import EDITS_DIR, read_series
+
+    series = read_series()
+    nemo_root = Path(nemo.__file__).parent.parent
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    for path in {path for _, path, _ in series}:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(nemo_root / path, tmp_path / path)
+    names = [name for name in dict.fromkeys(name for name, _, _ in series)]
+    assert names[0] == "knob.diff" and set(names) == {"knob.diff", "best.diff", "peft.diff"}
+    for name in names:
+        proc = subprocess.run(
+            ["git", "apply", str(Path(EDITS_DIR) / name)], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, (name, proc.stderr)
+    from nemo_patch.overlay.hook import edited_sources
+
+    for path in {path for _, path, _ in series}:
+        module = path.removesuffix(".py").replace("/", ".")
+        assert edited_sources()[module] == (tmp_path / path).read_text(), path

@@ -608,3 +608,15 @@ def test_the_checkpoint_io_flat_keywords_still_work_and_warn():
         MegatronCheckpointIO(consolidation_settings=ConsolidationSettings(), consolidation_keep=3)
     with pytest.raises(TypeError):  # NeMo's own class takes no unknown keyword, and neither does this one
         MegatronCheckpointIO(consolidation_timeout=5)
+
+
+def test_the_former_attributes_still_work_and_warn():
+    strategy = MegatronStrategy(ckpt_consolidation_frequency="every_n:2")
+    with pytest.warns(DeprecationWarning, match=r"read \.consolidation_settings\.policy instead"):
+        assert strategy.consolidation_policy == parse_consolidation_frequency("every_n:2")
+    with pytest.warns(DeprecationWarning, match=r"read \.consolidation_settings\.frequency instead"):
+        assert strategy.ckpt_consolidation_frequency == "every_n:2"
+    io = MegatronCheckpointIO()
+    with pytest.warns(DeprecationWarning, match="pass consolidation_settings= when the checkpoint IO is built"):
+        io.set_consolidation_settings(ConsolidationSettings(frequency="latest"))
+    assert io.consolidation.policy == parse_consolidation_frequency("latest")

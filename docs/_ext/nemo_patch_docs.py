@@ -289,8 +289,30 @@ def class_signature(
     return (None, return_annotation) if str(bare) == signature else (str(bare), return_annotation)
 
 
+def edited_class_docstring(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: List[str]) -> None:
+    """``autodoc-process-docstring``: NeMo's edited classes are documented by what the overlay adds to them (their own
+    docstrings are NeMo's, documented in NeMo's reference, and not written for this site's checks)."""
+    if what != "class":
+        return
+    if name == "nemo_patch.MegatronStrategy":
+        lines[:] = [
+            "NeMo's ``MegatronStrategy`` (``nemo.lightning.MegatronStrategy``), edited by the overlay: NeMo's own",
+            "arguments are documented in NeMo's reference; the consolidation arguments, keyword-only, are:",
+            "",
+        ]
+        for argument, _, _, meaning in strategy_argument_entries():
+            lines.append(f":param {argument}: {meaning}")
+    elif name == "nemo_patch.MegatronCheckpointIO":
+        lines[:] = [
+            "NeMo's ``MegatronCheckpointIO`` (``nemo.lightning.io.pl.MegatronCheckpointIO``), edited by the overlay: it",
+            "takes ``consolidation_settings`` (a :class:`~nemo_patch.ConsolidationSettings`; ``None``: no consolidation)",
+            "and holds the run's coordinator as ``consolidation`` (``None`` when it consolidates nothing).",
+        ]
+
+
 def setup(app: Sphinx) -> Dict[str, Any]:
     app.connect("autodoc-process-signature", class_signature)
+    app.connect("autodoc-process-docstring", edited_class_docstring)
     app.add_directive("nemo-patch-strategy-arguments", StrategyArguments)
     app.add_directive("nemo-patch-consolidation-config", ConsolidationConfigFields)
     app.add_directive("nemo-patch-exit-codes", ExitCodes)

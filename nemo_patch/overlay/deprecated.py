@@ -20,7 +20,8 @@
   ``context/io.json``) to turn them into ``ckpt_consolidation=ConsolidationConfig(...)`` or
   ``consolidation_settings=ConsolidationSettings(...)``, with a ``DeprecationWarning`` naming it;
 * the attributes named as those keywords (and as ``save_consolidated`` and ``ckpt_consolidation_frequency``), and
-  ``consolidation_policy``: read-only views of ``consolidation_settings`` that warn the same way.
+  ``consolidation_policy``: read-only views of ``consolidation_settings`` that warn the same way;
+* ``MegatronCheckpointIO.set_consolidation_settings(settings)``.
 """
 
 import functools
@@ -29,7 +30,7 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable, Dict, Mapping, Optional
 
-from nemo_patch.training.config import SETTINGS, ConsolidationConfig
+from nemo_patch.training.config import SETTINGS, ConsolidationConfig, validate_fields
 from nemo_patch.training.settings import ConsolidationSettings
 
 __all__ = ["DEPRECATED_FIELDS", "deprecated_keywords", "install", "merge_deprecated_keywords", "warn_deprecated"]
@@ -92,7 +93,10 @@ def merge_deprecated_keywords(
         )
     base = config if config is not None else ConsolidationConfig()
     values = {spec.field: getattr(base, spec.field) for spec in SETTINGS}
-    merged = ConsolidationConfig.from_keywords(names, **{**values, **given})
+    merged = object.__new__(ConsolidationConfig)  # validated once, each message naming the keyword given
+    for spec in SETTINGS:
+        object.__setattr__(merged, spec.field, given.get(spec.field, values[spec.field]))
+    validate_fields(merged, names)
     for spec in SETTINGS:
         if spec.field in given and values[spec.field] not in (spec.default, getattr(merged, spec.field)):
             raise ValueError(
@@ -175,6 +179,17 @@ def _view(owner: str, name: str, path: str) -> property:
     return property(view, doc=f"Deprecated: ``consolidation_settings.{path}`` (read-only).")
 
 
+def _set_consolidation_settings(self: Any, settings: ConsolidationSettings) -> None:
+    """Deprecated: build the checkpoint IO with ``consolidation_settings=``."""
+    warn_deprecated(
+        "MegatronCheckpointIO.set_consolidation_settings is deprecated and will be removed in the next minor release: "
+        "pass consolidation_settings= when the checkpoint IO is built."
+    )
+    from nemo_patch.training.integration import coordinator
+
+    self.consolidation_settings, self.consolidation = settings, coordinator(settings)
+
+
 def install(module: ModuleType) -> None:
     """Give the edited ``MegatronStrategy`` or ``MegatronCheckpointIO`` of NeMo's ``module`` the deprecated
     keywords and attributes (called once the overlay executed it)."""
@@ -193,3 +208,4 @@ def install(module: ModuleType) -> None:
         views = {**common, **{keyword: f"config.{field}" for keyword, field in deprecated_keywords("io").items()}}
         for name, path in views.items():
             setattr(io, name, _view("MegatronCheckpointIO", name, path))
+        setattr(io, "set_consolidation_settings", _set_consolidation_settings)

@@ -34,30 +34,11 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 
-__all__ = [
-    "ACCEPTED_FORMATS",
-    "CliOption",
-    "ConsolidationConfig",
-    "DEFAULT_FORMAT",
-    "DEFAULT_MAX_PENDING",
-    "DEFAULT_POST_COMMAND_TIMEOUT",
-    "DEFAULT_TIMEOUT",
-    "SETTINGS",
-    "Setting",
-    "annotation_text",
-    "feature_installed",
-    "setting",
-    "validate_count",
-    "validate_dtype",
-    "validate_flag",
-    "validate_format",
-    "validate_keep",
-    "validate_max_pending",
-    "validate_max_shard_size",
-    "validate_post_command",
-    "validate_timeout",
-    "validate_workers",
-]
+__all__ = ["CliOption", "ConsolidationConfig", "SETTINGS", "Setting", "annotation_text", "attributes_docstring"]
+__all__ += ["ACCEPTED_FORMATS", "DEFAULT_FORMAT", "DEFAULT_MAX_PENDING", "DEFAULT_POST_COMMAND_TIMEOUT"]
+__all__ += ["DEFAULT_TIMEOUT", "feature_installed", "setting", "validate_dtype", "validate_fields", "validate_flag"]
+__all__ += ["validate_format", "validate_keep", "validate_max_pending", "validate_max_shard_size"]
+__all__ += ["validate_post_command", "validate_timeout", "validate_workers"]
 
 #: Output formats of a consolidation: ``ConsolidationConfig.format`` and the CLI's ``--format``.
 ACCEPTED_FORMATS = tuple(OUTPUT_DIRNAMES)
@@ -75,18 +56,9 @@ _ROOT = __package__.rpartition(".")[0]
 
 @dataclass(frozen=True)
 class CliOption:
-    """How ``nemo-consolidate`` takes a setting on its command line.
-
-    Attributes:
-        flag: the option, e.g. ``"--max-shard-size"``.
-        help: the option's help text (the CLI's own wording: its defaults may be resolved differently).
-        group: the CLI's option group it is listed in (``"output"``, ``"adapters"``, ``"parallelism"``, ...).
-        parse: turns the command-line string into the value handed to the setting's validator; a string that does
-            not parse is handed on as it is, so that the validator's message names it. ``None``: the string itself.
-            A ``bool`` setting is a flag (``store_true``) and has no parse.
-        metavar: the value's name in the usage line (``None``: argparse's).
-        choices: the accepted values, listed in the usage line (``None``: any the validator accepts).
-    """
+    """How ``nemo-consolidate`` takes a setting: its ``flag``, ``help``, option ``group``, how a string is parsed
+    before validation (``None``: as it is; a string that does not parse is handed on, for the validator's message),
+    the value's ``metavar`` and the ``choices`` listed in the usage line."""
 
     flag: str
     help: str
@@ -98,18 +70,9 @@ class CliOption:
 
 @dataclass(frozen=True)
 class Setting:
-    """The declaration of one consolidation setting: one field of :class:`ConsolidationConfig`.
-
-    Attributes:
-        field: the field, e.g. ``"max_shard_size"``.
-        default: its default (in its stored form).
-        annotation: its type annotation (what it accepts; NeMo-Run converts command-line overrides by it).
-        validate: ``(value, name) -> value``: the accepted value in its stored form; raises ``ValueError`` naming
-            ``name`` and the accepted forms.
-        help: what the setting means (reStructuredText; the class's ``Attributes:`` and the documentation).
-        cli: the ``nemo-consolidate`` option, ``None`` when the CLI has none.
-        feature: the module (under the package root) a value other than the default needs, ``None`` for none.
-    """
+    """One setting: a field of :class:`ConsolidationConfig` with its default, annotation, validator (``(value,
+    name) -> value`` in its stored form, or ``ValueError`` naming ``name``), help text, ``nemo-consolidate`` option,
+    and the module (``feature``, under the package root) a value other than the default needs."""
 
     field: str
     default: Any
@@ -121,7 +84,7 @@ class Setting:
 
     @property
     def name(self) -> str:
-        """The setting's name in messages: ``ConsolidationConfig.<field>``."""
+        """``ConsolidationConfig.<field>``, for messages."""
         return f"ConsolidationConfig.{self.field}"
 
 
@@ -133,7 +96,7 @@ def setting(
     cli: Optional[CliOption] = None,
     feature: Optional[str] = None,
 ) -> Any:
-    """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting` for the arguments)."""
+    """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting`)."""
     return field(default=default, metadata={"setting": dict(validate=validate, help=help, cli=cli, feature=feature)})
 
 
@@ -170,31 +133,19 @@ def _whole_number(text: str) -> Union[int, str]:
 
 
 def validate_count(value: object, name: str, what: str) -> int:
-    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``): a number of writer processes.
-
-    Raises:
-        ValueError: for anything else; the message names the argument and the accepted values.
-    """
+    """``value`` if it is an ``int`` >= 1 (not ``bool``): a number of ``what``."""
     if _is_int(value, 1):
         return cast(int, value)
     raise _invalid(name, value, f"a whole number of {what} >= 1")
 
 
 def validate_workers(value: object, name: str) -> Optional[int]:
-    """Return ``value``: ``None`` (the default number of writer processes) or an ``int`` >= 1 (not ``bool``).
-
-    Raises:
-        ValueError: for anything else; the message names the argument and the accepted values.
-    """
+    """``None`` (the default number of writer processes) or an ``int`` >= 1."""
     return None if value is None else validate_count(value, name, "writer processes")
 
 
 def validate_timeout(value: object, name: str) -> float:
-    """Return ``value`` (seconds, an ``int`` or ``float`` > 0 and finite; not ``bool``) as a float.
-
-    Raises:
-        ValueError: for anything else; the message names the accepted form.
-    """
+    """Seconds, an ``int`` or ``float`` > 0 and finite (not ``bool``), as a float."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
         return float(value)
     raise _invalid(name, value, "a number of seconds > 0 (e.g. 1800)")
@@ -206,21 +157,10 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 def validate_max_shard_size(value: object, name: str) -> int:
-    """Return ``value`` as bytes of tensor data per safetensors file (>= 1).
-
-    Args:
-        value: an ``int`` (not ``bool``), or a string as ``transformers``' ``save_pretrained(max_shard_size=...)``
-            takes it: a number with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000) or
-            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), e.g. ``"5GB"``, ``"500MiB"``, ``"1000000"``. Units are
-            case-insensitive except for a final lowercase ``b`` after a power of 1000 (or alone), which counts bits,
-            as ``transformers.utils.hub.convert_file_size_to_int`` reads it: ``"5Gb"`` and ``"5gb"`` are 625,000,000
-            bytes, ``"5GB"`` and ``"5gB"`` 5,000,000,000; ``"5GiB"`` and ``"5gib"`` are bytes. The bytes are rounded
-            down, as there.
-        name: the argument's name, for the message.
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms.
-    """
+    """Bytes of tensor data per safetensors file (>= 1): an ``int``, or a string as ``transformers``'
+    ``save_pretrained(max_shard_size=...)`` takes it, ``"5GB"`` (powers of 1000), ``"500MiB"`` (powers of 1024), case
+    aside a final lowercase ``b`` after a power of 1000, which counts bits as there (``"5Gb"`` is 625,000,000 bytes);
+    rounded down."""
     if isinstance(value, int) and _is_int(value, 1):
         return value
     if isinstance(value, str):
@@ -240,25 +180,16 @@ def validate_max_shard_size(value: object, name: str) -> int:
 
 
 def validate_format(value: object, name: str) -> str:
-    """Return ``value`` if it is ``"safetensors"`` (this package's layout) or ``"hf"`` (a Hugging Face directory).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms.
-    """
+    """``"safetensors"`` (this package's layout) or ``"hf"`` (a Hugging Face directory)."""
     if isinstance(value, str) and value in ACCEPTED_FORMATS:
         return value
     raise _invalid(name, value, '"safetensors" or "hf"')
 
 
 def validate_dtype(value: object, name: str) -> Optional[str]:
-    """Return ``None`` (keep the checkpoint's dtype) or the short name of ``value`` (``"bf16"``, ``"fp16"``,
-    ``"fp32"``; also accepted, case-insensitive, with or without ``torch.``: ``"bfloat16"``, ``"float16"``/``"half"``,
-    ``"float32"``/``"float"``, and ``torch.dtype`` objects: :func:`nemo_patch.engine.output_layout.dtype_name`).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms (for a command-line option, ``name``
-            starting with ``--``, without ``None``, which a command line cannot give).
-    """
+    """``None`` (the checkpoint's dtype) or the short name (``"bf16"``, ``"fp16"``, ``"fp32"``) of ``value``: one of
+    those, ``"bfloat16"``, ``"float16"``/``"half"``, ``"float32"``/``"float"`` (any case, with or without ``torch.``)
+    or a ``torch.dtype``. A command-line option's message (``name`` ``--...``) leaves ``None`` out."""
     if value is None:
         return None
     try:
@@ -269,34 +200,22 @@ def validate_dtype(value: object, name: str) -> Optional[str]:
 
 
 def validate_flag(value: object, name: str) -> bool:
-    """Return ``value`` if it is ``True`` or ``False`` (not a truthy stand-in such as ``1`` or ``"yes"``).
-
-    Raises:
-        ValueError: for anything else.
-    """
+    """``True`` or ``False`` (not a stand-in such as ``1`` or ``"yes"``)."""
     if isinstance(value, bool):
         return value
     raise _invalid(name, value, "True or False")
 
 
 def validate_keep(value: object, name: str) -> Optional[int]:
-    """Return ``value`` (``None``: keep every consolidated output; an ``int`` >= 0, not ``bool``: keep the newest N).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted forms.
-    """
+    """``None`` (keep every consolidated output) or an ``int`` >= 0 (the newest N)."""
     if value is None or (isinstance(value, int) and _is_int(value, 0)):
         return value
     raise _invalid(name, value, "None (keep every consolidated output) or an integer >= 0 (e.g. 3)")
 
 
 def validate_post_command(value: object, name: str) -> Optional[str]:
-    """Return ``value``: ``None`` (no command), or a shell command (a non-empty string) whose placeholders are among
-    ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` (literal braces doubled).
-
-    Raises:
-        ValueError: for anything else; the message names the argument and the accepted form.
-    """
+    """``None`` or a shell command whose placeholders are among ``{output}``, ``{format}``, ``{global_step}`` and
+    ``{checkpoint}`` (literal braces doubled)."""
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
@@ -312,11 +231,7 @@ def validate_post_command(value: object, name: str) -> Optional[str]:
 
 
 def validate_max_pending(value: object, name: str) -> int:
-    """Return ``value`` (consolidation requests that may wait behind the running one, an ``int`` >= 0; not ``bool``).
-
-    Raises:
-        ValueError: for anything else; the message names the accepted form.
-    """
+    """Consolidation requests that may wait behind the running one, an ``int`` >= 0."""
     if isinstance(value, int) and _is_int(value, 0):
         return value
     raise _invalid(name, value, "an integer >= 0 (e.g. 2)")
@@ -324,13 +239,9 @@ def validate_max_pending(value: object, name: str) -> int:
 
 @dataclass(frozen=True)
 class ConsolidationConfig:
-    """How a run's finished checkpoints are consolidated (immutable, validated when made).
-
-    Give it to the strategy, ``MegatronStrategy(ckpt_consolidation_frequency="each",
-    ckpt_consolidation=ConsolidationConfig(format="hf", dtype="bf16"))``; the frequency says *when* checkpoints are
-    consolidated, this config *how*. Every field has a default, so ``ConsolidationConfig()`` is the default behaviour.
-    Values are kept in one normal form: ``dtype`` as its short name (``"bf16"``), ``max_shard_size`` as bytes, the
-    timeouts as floats.
+    """How a run's finished checkpoints are consolidated (immutable, validated when made):
+    ``MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation=ConsolidationConfig(dtype="bf16"))``.
+    Values are kept in one normal form: ``dtype`` as its short name, ``max_shard_size`` as bytes, timeouts as floats.
 
     Attributes:
         {attributes}
@@ -460,36 +371,18 @@ class ConsolidationConfig:
     )
 
     def __post_init__(self) -> None:
-        _validate(self, {})
-
-    @classmethod
-    def from_keywords(cls, names: Mapping[str, str], **values: Any) -> "ConsolidationConfig":
-        """A config with ``values`` (by field; the others default), validated once, each error naming the field by
-        ``names[field]`` instead of ``ConsolidationConfig.<field>``: for values given under other names (the
-        deprecated flat keywords of ``MegatronStrategy`` and ``MegatronCheckpointIO``).
-
-        Raises:
-            TypeError: a keyword that is not a field.
-            ValueError: an invalid value.
-        """
-        unknown = set(values) - {spec.field for spec in SETTINGS}
-        if unknown:
-            raise TypeError(f"not a ConsolidationConfig field: {', '.join(sorted(unknown))}")
-        config = object.__new__(cls)
-        for spec in SETTINGS:
-            object.__setattr__(config, spec.field, values.get(spec.field, spec.default))
-        _validate(config, names)
-        return config
+        validate_fields(self, {})
 
     def changed(self) -> Dict[str, Any]:
-        """The fields whose value is not the default, by name, in field order."""
+        """The fields whose value is not the default, in field order."""
         return {
             spec.field: getattr(self, spec.field) for spec in SETTINGS if getattr(self, spec.field) != spec.default
         }
 
 
-def _validate(config: ConsolidationConfig, names: Mapping[str, str]) -> None:
-    """Validate every field of ``config`` in place, storing each value in its normal form (``__post_init__``).
+def validate_fields(config: ConsolidationConfig, names: Mapping[str, str]) -> None:
+    """Validate every field of ``config`` in place, storing each value in its normal form; ``names`` gives a field
+    another name in messages (default: ``ConsolidationConfig.<field>``).
 
     Raises:
         ValueError: an invalid value, or one other than the default whose ``feature`` module is not installed.
@@ -511,16 +404,14 @@ SETTINGS: Tuple[Setting, ...] = tuple(
 
 
 def annotation_text(annotation: Any) -> str:
-    """A type annotation as Python source, names without their modules (``Optional[int]``, ``Union[int, str]``,
-    ``Optional[ConsolidationConfig]``)."""
+    """A type annotation as Python source, names without their modules (``Optional[int]``)."""
     if isinstance(annotation, type) and typing.get_origin(annotation) is None:
         return annotation.__name__
     return re.sub(r"\b(?:[A-Za-z_]\w*\.)+(\w+)", r"\1", str(annotation))
 
 
 def attributes_docstring(indent: int = 8, width: int = 119) -> str:
-    """The ``Attributes:`` entries of :class:`ConsolidationConfig`, Google style: one ``field: help`` entry per
-    setting, wrapped at ``width`` columns, continuation lines indented four more."""
+    """The ``Attributes:`` entries of :class:`ConsolidationConfig`: one ``field: help`` entry per setting, wrapped."""
     entries = []
     for spec in SETTINGS:
         if not spec.help.strip():

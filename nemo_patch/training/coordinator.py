@@ -14,20 +14,14 @@
 
 """The one owner of a run's consolidation state on global rank 0: what happens to a checkpoint after its save.
 
-NeMo's checkpoint IO tells the coordinator about saves; the coordinator owns the rest: the cadence's schedule, the
-queue of the consolidation process, the outputs and the ``-last`` copies that receive them, and NeMo's removals. The
-later features (outputs kept past removals, ``LATEST``/``BEST``, the journal, the hooks, the metrics) take part as
-:class:`~nemo_patch.training.schedule.ConsolidationObserver` s, each from its own module where it is installed.
-
-Threads: NeMo removes checkpoints from its own thread under async save. Every decision that reads or changes the state
-is taken under one lock (shared with the queue), so that a checkpoint whose removal has started is never queued,
-started, linked into or pointed at any more, and a consolidation already running delays the removal until it ended.
-
-Identity: a save is the :class:`~nemo_patch.training.schedule.CheckpointSave` object, not its global step (a second
-``fit`` starts its steps again; NeMo may save into a directory that held an earlier checkpoint, e.g. ``-last``). An
-output is published or linked only while the weights it was made from (:func:`weights_identity`) are still there.
-
-Standard library, the engine's layout and publishing helpers and the training side's schedule and queue only.
+NeMo's checkpoint IO tells the coordinator about saves; it owns the rest: the cadence's schedule, the queue of the
+consolidation process, the ``-last`` copies that receive their step's output, and NeMo's removals. Every decision is
+taken under one lock, shared with the queue (NeMo removes checkpoints from its own thread under async save): a
+checkpoint whose removal has started is never queued, started or linked into any more, and a consolidation running
+delays the removal until it has ended. A save is the :class:`~nemo_patch.training.schedule.CheckpointSave` object,
+not its global step (a second ``fit`` starts its steps again; NeMo saves into ``-last`` directories again), and an
+output is published or linked only while the weights it was made from are still there. The later additions take part
+as observers, from their own modules where they are installed. Standard library and the engine's helpers only.
 """
 
 import logging
@@ -55,31 +49,31 @@ from nemo_patch.training.schedule import (
 from nemo_patch.training.settings import ConsolidationSettings
 
 try:  # a later addition: outputs kept past NeMo's top-k removal, and LATEST
-    from nemo_patch.training import retention
+    import nemo_patch.training.retention as retention
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
     retention = None  # type: ignore[assignment]
 try:  # a later addition: the "best" cadence and BEST
-    from nemo_patch.training import best
+    import nemo_patch.training.best as best
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
     best = None  # type: ignore[assignment]
 try:  # a later addition: the journal of due consolidations, resumed by the next run
-    from nemo_patch.training import journal
+    import nemo_patch.training.journal as journal
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
     journal = None  # type: ignore[assignment]
 try:  # a later addition: consolidation metrics in the trainer's loggers
-    from nemo_patch.training import metrics
+    import nemo_patch.training.metrics as metrics
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
     metrics = None  # type: ignore[assignment]
 try:  # a later addition: the post command's result and the callbacks' on_consolidation_end/failed hooks
-    from nemo_patch.training import hooks
+    import nemo_patch.training.hooks as hooks
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
@@ -98,8 +92,7 @@ _BY_CHECKPOINT_CALLBACK: "weakref.WeakKeyDictionary[Any, ConsolidationCoordinato
 
 @dataclass(frozen=True)
 class ConsolidationRecord:
-    """A published consolidation: its output directory, the checkpoint's global step, the wall seconds of the
-    consolidation (a post command's excluded) and the bytes of its files on disk."""
+    """A published consolidation: output, global step, wall seconds (a post command's excluded), bytes on disk."""
 
     output_dir: Path
     global_step: int
@@ -178,8 +171,7 @@ class ConsolidationCoordinator:
         return self._queue
 
     def start_process(self) -> None:
-        """Start the consolidation process now when the cadence consolidates during training (``"latest"`` alone waits
-        for the end of ``fit``), so that its start-up overlaps with training."""
+        """Start the consolidation process now unless the cadence consolidates only when ``fit`` ends."""
         if self.policy.consolidates_periodically or self.policy.uses_best:
             self.queue.start_process()
 
@@ -219,9 +211,8 @@ class ConsolidationCoordinator:
                 _BY_CHECKPOINT_CALLBACK[checkpoint_callback] = self
 
     def before_save(self, checkpoint_dir: Path) -> None:
-        """NeMo is about to save into ``checkpoint_dir`` (global rank 0, before any file is written). An output
-        already there is an earlier save's: observers see it as removed, then it is deleted, so that it is never taken
-        for the new weights' output."""
+        """NeMo is about to save into ``checkpoint_dir`` (global rank 0): an output already there is an earlier save's;
+        observers see it as removed, then it is deleted (it would pass for the new weights')."""
         if not self.is_global_zero():
             return
         checkpoint_dir = Path(checkpoint_dir)
@@ -242,8 +233,8 @@ class ConsolidationCoordinator:
                 earlier.output = None
 
     def register_save(self, checkpoint_dir: Path, checkpoint: Dict[str, Any], request: Any) -> None:
-        """NeMo's checkpoint IO issued a save of ``checkpoint`` into ``checkpoint_dir`` (global rank 0 records it): it
-        is finished once written, at once for a sync save, in ``request``'s finalize step for an async one."""
+        """NeMo's checkpoint IO issued a save (global rank 0 records it): finished once written, at once for a sync
+        save, in the async ``request``'s finalize step."""
         if not self.is_global_zero():
             return
         save = self.register(Path(checkpoint_dir), int(checkpoint.get("global_step", -1)))
@@ -277,11 +268,8 @@ class ConsolidationCoordinator:
 
     def consolidate_finished(self, bounded: bool = True) -> None:
         """Hand the saves that finished since the last call and are due to the consolidation process, give ``-last``
-        copies their step's output, and reap/start consolidations. Returns at once (called from the training loop).
-
-        Args:
-            bounded: apply the queue's ``max_pending`` bound (while training runs); ``False`` when ``fit`` ends.
-        """
+        copies their step's output, reap and start consolidations; returns at once. ``bounded``: apply the queue's
+        ``max_pending`` (``False`` when ``fit`` ends)."""
         removed_before = len(self.schedule.removed_while_due)
         due, copies = self.schedule.collect_finished(self.is_gone)
         for save in due + copies:
@@ -298,11 +286,7 @@ class ConsolidationCoordinator:
         self.notify("on_changed")
 
     def consolidate_newest(self) -> bool:
-        """Queue the newest finished checkpoint of the run (unless it is consolidated already).
-
-        Returns:
-            ``True`` if there is a newest finished checkpoint (queued now, or already consolidated).
-        """
+        """Queue the newest finished checkpoint (unless consolidated already); ``False`` if there is none."""
         self.consolidate_finished()
         newest = self.schedule.newest_finished
         if newest is None:
@@ -329,9 +313,8 @@ class ConsolidationCoordinator:
     # --- -last copies -------------------------------------------------------------------------------------------
 
     def _place_copy(self, copy: CheckpointSave) -> None:
-        """Give a finished ``-last`` copy its output: links of its step's output when that exists (or once it is
-        published, also for a step ``fit``'s end may still consolidate), else, when that checkpoint was removed before
-        it could be consolidated, its own consolidation."""
+        """Give a finished ``-last`` copy its step's output (links, now or once published), or its own consolidation
+        when that checkpoint was removed before it could be consolidated."""
         source = copy.copy_of
         if source is None or not copy.path.name.endswith(_LAST_SUFFIX):
             return
@@ -346,8 +329,7 @@ class ConsolidationCoordinator:
                 self._substitute(source, copy)  # removed before it could start, or its output went with it
 
     def _substitute(self, source: CheckpointSave, copy: CheckpointSave) -> None:
-        """``source`` was removed before its consolidation could start: consolidate its ``-last`` copy (the same
-        weights) instead, from the training thread (called with the lock held)."""
+        """``source`` was removed before its consolidation could start: consolidate its ``-last`` copy instead."""
         if self.is_gone(copy) or copy in self._substitutes:
             return
         if source in self.dropped_by_removal:
@@ -391,9 +373,9 @@ class ConsolidationCoordinator:
     # --- removals -----------------------------------------------------------------------------------------------
 
     def remove_checkpoint(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
-        """Run ``remove`` for a checkpoint (NeMo's removal, from any thread) without racing its consolidation: from
-        this call on, nothing queues, starts, links into or points at it; a waiting request of it is dropped (logged);
-        a running one delays ``remove`` until it has ended. Observers see the removal just before ``remove`` runs."""
+        """Run ``remove`` (NeMo's removal, any thread) without racing the checkpoint's consolidation: from now on
+        nothing queues, starts or links into it; a waiting request is dropped; a running one delays ``remove`` until
+        it has ended. Observers see the removal just before ``remove`` runs."""
         checkpoint_dir = Path(checkpoint_dir)
         with self.lock:
             self._removing.add(checkpoint_dir)
@@ -428,7 +410,7 @@ class ConsolidationCoordinator:
         self.notify("on_changed")
 
     def _lost(self, save: CheckpointSave, reason: str) -> None:
-        """Count a due consolidation that did not happen because of a removal and log it (the first as a warning)."""
+        """Count a due consolidation lost to a removal, and log it (the first as a warning)."""
         with self.lock:
             if save in self.dropped_by_removal:
                 return

@@ -14,22 +14,12 @@
 
 """Every rank leaves ``fit`` together while global rank 0 waits for its consolidations.
 
-At the end of ``fit`` (normally or by an exception) global rank 0 waits in the strategy's ``teardown`` for running and
-queued consolidations, up to ``ConsolidationConfig.timeout`` (default 30 minutes). Were the other ranks to leave
-``fit`` meanwhile, the next collective they run (``trainer.validate()``, an end-of-run barrier, NeMo's next ``fit``)
-would wait on rank 0 inside the training job's process group and fail at its timeout (10 minutes for NCCL by
-default). So the other ranks wait in their own ``teardown`` until rank 0 has finished (:meth:`FitEnd.wait`), and rank
-0 releases them once its wait is over (:meth:`FitEnd.release`): every rank leaves ``fit`` at the same time and the
-next collective finds every rank there.
-
-The wait is no collective: rank 0 sets a key in the job's rendezvous store (the store ``torch.distributed`` was
-initialised with, to which every rank already holds a connection), and the other ranks wait for that key with a
-timeout of their own, ``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS`, measured on each rank's own clock. No
-process-group timeout applies, no communicator is created, and no NCCL or gloo operation is pending meanwhile. Should
-rank 0 be lost (its process gone, the store closed with it) or not release them in that time, the other ranks log one
-warning and leave ``fit``.
-
-Imports the standard library and ``torch.distributed`` only.
+Rank 0 waits in the strategy's ``teardown`` for its consolidations (up to ``ConsolidationConfig.timeout``); were the
+other ranks to leave meanwhile, their next collective (``trainer.validate()``, a barrier) would time out on rank 0
+(NCCL's default: 10 minutes). So they wait in their own ``teardown`` for a key rank 0 sets in the job's rendezvous
+store once it is done: no collective, no communicator, no process-group timeout. Each waits at most
+``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS` by its own clock, then logs one warning and leaves.
+Standard library and ``torch.distributed`` only.
 """
 
 import datetime
@@ -42,23 +32,22 @@ __all__ = ["GRACE_SECONDS", "MAX_WAIT_SECONDS", "FitEnd", "capped_timedelta"]
 logger = logging.getLogger(__name__)
 
 #: Seconds the other ranks wait beyond ``ConsolidationConfig.timeout``: what rank 0 may still need after its wait runs
-#: out (stopping a consolidation: SIGTERM, 5 s, SIGKILL; ending the idle process: up to 10 s; logging the metrics).
+#: out (stopping a consolidation, ending the idle process, reporting).
 GRACE_SECONDS = 120.0
-#: The longest wait asked of the store (about 31 years): any longer ``ConsolidationConfig.timeout`` (1e14, sys.maxsize)
-#: means as long as it takes. ``datetime.timedelta`` ends at 999,999,999 days, and the stores count the timeout in
-#: 64-bit nanoseconds from now: from about 9.2e9 s a ``HashStore`` times out at once or never wakes.
+#: The longest wait asked of the store (about 31 years: ``timedelta`` and the stores' 64-bit nanoseconds overflow
+#: beyond); a longer ``ConsolidationConfig.timeout`` means as long as it takes.
 MAX_WAIT_SECONDS = 10.0**9
 _KEY = "nemo_patch/fit_end/{}"
 
 
 def capped_timedelta(seconds: float) -> datetime.timedelta:
-    """``seconds`` as the ``timedelta`` a store or process group takes, at most :data:`MAX_WAIT_SECONDS` (``inf`` and
-    ``nan`` included): a longer wait means as long as it takes, where ``timedelta`` or the store would overflow."""
+    """``seconds`` as a ``timedelta`` for a store or process group, at most :data:`MAX_WAIT_SECONDS` (``inf`` and
+    ``nan`` included)."""
     return datetime.timedelta(seconds=seconds if seconds < MAX_WAIT_SECONDS else MAX_WAIT_SECONDS)
 
 
 #: Teardowns of consolidating strategies in this process: every rank counts the same ones, so round ``n`` has the same
-#: key on every rank (also across several ``fit``/``validate`` calls, and several trainers, in one job).
+#: key on every rank.
 _rounds = itertools.count()
 
 
@@ -96,13 +85,8 @@ class FitEnd:
             logger.debug("Could not release the other ranks at the end of fit: %s", error)
 
     def wait(self) -> bool:
-        """Every other rank: wait until global rank 0 has released them, at most ``timeout`` + :data:`GRACE_SECONDS`
-        (or :data:`MAX_WAIT_SECONDS`, when that is less).
-
-        Returns:
-            ``True`` when rank 0 released them (or there is nothing to wait for), ``False`` when it was lost or late
-            (logged once).
-        """
+        """Every other rank: wait until global rank 0 has released them, at most ``timeout`` + :data:`GRACE_SECONDS`;
+        ``False`` when it was lost or late (logged once)."""
         if self._store is None:
             return True
         limit = self.timeout + GRACE_SECONDS

@@ -30,7 +30,7 @@ from importlib.util import find_spec
 from typing import Literal, Optional, Tuple
 
 try:  # a later addition: phases that change the cadence at given global steps
-    from nemo_patch.training import phases
+    import nemo_patch.training.phases as phases
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise

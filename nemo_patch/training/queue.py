@@ -12,31 +12,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Consolidation off the training path: one long-lived process per run, fed by a small bounded queue.
+"""Consolidation off the training path: one long-lived process per run (global rank 0), fed by a small bounded queue.
 
-The training process (global rank 0 only) never consolidates itself. :class:`ConsolidationQueue` hands its requests,
-one at a time, to one ``python -m nemo_patch.training.worker --serve`` process (:mod:`nemo_patch.training.worker`)
-that lives for the whole run: started when training starts (:meth:`ConsolidationQueue.start_process`; the strategy's
-callback does so for the cadences that consolidate during training) or by the first request, and ended at teardown
-(:meth:`ConsolidationQueue.close`). The interpreter's start (2-5 s, mostly ``import torch``) is therefore paid once
-per run, not once per checkpoint.
+:class:`ConsolidationQueue` hands its requests, one at a time, to one ``python -m nemo_patch.training.worker --serve``
+process that lives for the whole run, so the interpreter's start (2-5 s, mostly ``import torch``) is paid once per
+run. Protocol: one JSON line per request on its stdin, ``{"checkpoint", "global_step", "best"}``; on its stdout
+``{"ready": true}`` once it has imported what it needs, then one line per ended request,
+``{"error": null | "<one-line reason>"}`` (``{"published": true}`` before it when a post command runs after the
+publish); anything else it prints goes to an anonymous temporary file. A process that dies fails the request it was
+serving (with the signal, or its last line of output), its temporary output is removed, and the next request starts
+a new one. The training loop only polls (a non-blocking read, microseconds); it waits only when ``fit`` ends.
 
-The protocol is one JSON line per request on the process's stdin, ``{"checkpoint", "global_step", "best"}``, and on
-its stdout one line ``{"ready": true}`` once it has imported what it needs, then one JSON line per ended request,
-``{"error": null | "<one-line reason>"}`` (with a post command, ``{"published": true}`` before it and the command's
-result in it, which the queue keeps in the request's ``post_command``); everything else the process prints goes to an
-anonymous temporary file.
-Requests that arrive before the process is ready are not skipped for the queue bound: they wait for a start that is
-paid once per run, not for consolidations that cannot keep up.
-
-A process that dies (killed, out of memory, an unexpected exception) fails the request it was serving with the reason
-(``killed by signal SIGKILL``, or its last line of output), its temporary output is removed, and the next request
-starts a new process. The training loop only ever polls (a
-non-blocking read of the result pipe and ``Popen.poll``, microseconds); it waits only when ``fit`` ends, up to a
-timeout, after which the process is terminated.
-
-Imports the standard library, the engine's publishing helpers and the training side's schedule and settings only:
-never NeMo or Lightning.
+Standard library, the engine's publishing helpers and the training side's schedule and settings only.
 """
 
 import contextlib
@@ -58,6 +45,13 @@ from nemo_patch.engine.publish import tmp_dirs_of
 from nemo_patch.training.schedule import CheckpointSave, RequestState
 from nemo_patch.training.settings import ConsolidationSettings
 
+try:  # a later addition: the process kept apart from the training job on a GPU node (Linux)
+    import nemo_patch.training.isolation as isolation
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    isolation = None  # type: ignore[assignment]
+
 __all__ = ["ConsolidationQueue"]
 
 logger = logging.getLogger(__name__)
@@ -68,43 +62,11 @@ _POLL_SECONDS = 0.05
 _TERMINATE_GRACE_SECONDS = 5.0
 #: Seconds an idle process gets to exit by itself once its stdin is closed, before it is killed.
 _CLOSE_GRACE_SECONDS = 10.0
-#: Environment that makes a process a rank of the training job (torchrun, Lightning, SLURM, MPI launchers), which the
-#: consolidation process and its children are not: none of them needs any of it (they read files and use no process
-#: group), and a library that looks for it (a launcher's error file, a cluster-environment probe) must not find it.
-_PROCESS_GROUP_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NTASKS",
-    "SLURM_NPROCS",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "PMIX_RANK",
-)
-#: Prefixes of more such variables (torchrun's agent: run id, restart count, agent store, error file).
-_PROCESS_GROUP_PREFIXES = ("TORCHELASTIC_",)
 
 #: Called when a request ends: ``(save, error)`` with ``error`` ``None`` on success, else a one-line reason.
 DoneCallback = Callable[[CheckpointSave, Optional[str]], None]
 
-#: The request states (:class:`nemo_patch.training.schedule.RequestState`) and the only moves between them; every
-#: move happens under the queue's lock (:meth:`ConsolidationQueue._move`). A request taken off the queue is RUNNING in
+#: The only moves between request states, each under the queue's lock. A request taken off the queue is RUNNING in
 #: the same locked step, so a removal of its checkpoint either drops it while it waits or waits until it has ended.
 _NEXT = {
     RequestState.NONE: {RequestState.WAITING},
@@ -146,8 +108,7 @@ class _Process:
         return True
 
     def result(self) -> Optional[Tuple[Optional[str], Dict[str, object]]]:
-        """The next result line as ``(error, line)``, or ``None`` while none has arrived (never blocks); notes the
-        ``ready`` and ``published`` lines on the way."""
+        """The next result line as ``(error, line)``, or ``None`` while none has arrived (never blocks)."""
         assert self.process.stdout is not None
         while True:
             while b"\n" not in self._received:
@@ -175,8 +136,8 @@ class _Process:
             return (None if error is None else str(error), message)
 
     def lost_result(self) -> Tuple[Optional[str], Dict[str, object]]:
-        """The result of the request the (ended) process served without answering: its death's reason, or, when it
-        had published the output already and died in its post command, success with the post command's loss."""
+        """The result of the request the ended process served without answering: its death's reason, or, when it had
+        published the output already (and died in its post command), success with the command's loss."""
         reason = self.death_reason()
         if not self.published:
             return (reason, {})
@@ -203,9 +164,8 @@ class _Process:
             self.process.wait()
 
     def close(self) -> None:
-        """End the idle process: close its stdin (a ready one exits at once), kill it if it is still there after
-        :data:`_CLOSE_GRACE_SECONDS` or at once if it is still importing (nothing in it is of value), and close the
-        pipes and the log file."""
+        """End the idle process: close its stdin (a ready one exits at once); kill it after
+        :data:`_CLOSE_GRACE_SECONDS`, or at once while it is still importing."""
         try:
             if self.alive and not self.ready:
                 self.result()  # idle: only its ready line can come
@@ -227,14 +187,13 @@ class _Process:
     def death_reason(self) -> str:
         """Why the (ended) process ended, in one line."""
         code = self.process.wait()
-        if code < 0:  # killed by a signal: whatever it printed last is not the reason
+        if code < 0:  # killed by a signal: what it printed last is not the reason
             return f"consolidation process was killed by {_describe_exit(code)}"
         return self.last_line() or f"consolidation process exited with {_describe_exit(code)}"
 
 
 class _Running:
-    """The request being consolidated: RUNNING from the moment it left the queue; ``server`` is set once the request
-    was handed to the consolidation process (:meth:`ConsolidationQueue._start`)."""
+    """The request being consolidated (RUNNING since it left the queue) and, once handed over, its process."""
 
     def __init__(self, save: CheckpointSave, server: Optional[_Process] = None) -> None:
         self.save = save
@@ -250,21 +209,16 @@ class _Running:
 class ConsolidationQueue:
     """Runs consolidations in the run's consolidation process, one at a time, first come first served.
 
-    :meth:`submit`/:meth:`poll`/:meth:`wait` are called by one thread (the training loop's);
-    :meth:`remove_checkpoint` may be called from NeMo's async checkpoint-removal thread. Every change of a request's
-    state (:data:`_NEXT`) happens under one lock, which the caller may share (the coordinator's), and a request is
-    checked with ``is_gone`` in the same locked step in which it would be queued or started.
+    The training loop's thread calls it; :meth:`remove_checkpoint` may come from NeMo's async removal thread. Every
+    change of a request's state happens under one lock (the caller's, shared), together with the ``is_gone`` check.
 
     Args:
-        on_done: called in the training process, from :meth:`poll` or :meth:`wait`, when a request ends.
-        settings: the run's settings. ``max_pending`` requests may wait behind the running one; when a new request
-            would exceed it, the oldest waiting request is skipped and logged (the first time with a warning, then at
-            debug level). The whole value is handed to the consolidation process (its format and shard size).
-        on_dropped: called (in the caller's thread, without the lock) for a request dropped because its checkpoint
-            is removed (:meth:`remove_checkpoint`, or ``is_gone`` when it would be queued or started).
-        lock: the lock that guards the request states (default: a new one); the coordinator passes its own, so that
-            its checks and the queue's moves are atomic together.
-        is_gone: tells, under the lock, whether a request's checkpoint is removed or being removed (default: never).
+        on_done: called from :meth:`poll` or :meth:`wait` when a request ends.
+        settings: the run's settings: ``max_pending`` requests may wait behind the running one (when one more would
+            exceed it, the oldest waiting one is skipped and logged); the process gets the whole value.
+        on_dropped: called, without the lock, for a request dropped because its checkpoint is removed.
+        lock: the lock that guards the request states (default: a new one).
+        is_gone: tells, under the lock, whether a request's checkpoint is removed or being removed.
 
     Raises:
         ValueError: ``settings.config.max_pending`` < 0.
@@ -292,15 +246,12 @@ class ConsolidationQueue:
         self._lock = lock if lock is not None else threading.RLock()
         self._is_gone = is_gone or (lambda save: False)
         self._warned_skip = False
-        #: Checkpoints whose request was skipped because the queue was full.
+        #: Requests skipped because the queue was full; ``(global step, seconds, error)`` per ended request; seconds
+        #: waited in :meth:`wait`; requests handed to a process already running; processes started.
         self.skipped: List[CheckpointSave] = []
-        #: ``(global step, wall seconds of the consolidation, error or None)`` per ended request.
         self.completed: List[Tuple[int, float, Optional[str]]] = []
-        #: Seconds spent inside :meth:`wait` (the end of ``fit`` waiting for consolidations).
         self.waited_seconds = 0.0
-        #: Requests handed to a consolidation process that was running already (no interpreter start for them).
         self.warm_requests = 0
-        #: Consolidation processes started so far (1 in a run where none died).
         self.processes_started = 0
 
     @property
@@ -321,11 +272,6 @@ class ConsolidationQueue:
             server.result()  # idle: only its ready line can come
         return server is not None and server.ready
 
-    def holds(self, save: CheckpointSave) -> bool:
-        """Whether ``save`` is waiting or being consolidated."""
-        with self._lock:
-            return save.state.outstanding
-
     def outstanding(self) -> List[CheckpointSave]:
         """The running request (first) and the waiting ones, oldest first."""
         with self._lock:
@@ -333,11 +279,7 @@ class ConsolidationQueue:
             return running + list(self._pending)
 
     def _move(self, save: CheckpointSave, state: RequestState) -> None:
-        """Change a request's state (with the lock held) along :data:`_NEXT`.
-
-        Raises:
-            RuntimeError: a move the table does not allow (a bug).
-        """
+        """Change a request's state (lock held) along :data:`_NEXT`; another move is a bug (``RuntimeError``)."""
         if state not in _NEXT[save.state]:
             raise RuntimeError(f"consolidation request of {save.path}: {save.state.name} -> {state.name} is no move")
         save.state = state
@@ -347,17 +289,13 @@ class ConsolidationQueue:
         self.submit_all([save], bounded)
 
     def submit_all(self, saves: Sequence[CheckpointSave], bounded: bool = True) -> None:
-        """Queue saves that finished together (in one NeMo finalization) and start the first if nothing is running.
+        """Queue saves that finished together (oldest first) and start the first if nothing is running. One whose
+        checkpoint is gone is dropped; one already waiting or running is left as it is.
 
         Args:
-            saves: the finished checkpoints, oldest first. One whose checkpoint is gone (``is_gone``) is dropped
-                (reported to ``on_dropped``), one already waiting or running is left as it is.
-            bounded: apply the bound: the oldest waiting requests are skipped while more than ``max_pending`` wait
-                behind the running one, but not those of ``saves`` when there are several: saves that finish
-                together are never skipped on arrival (NeMo's async save finalizes in bursts; a burst is not
-                consolidation falling behind), only when later ones arrive. The bound applies only once the
-                consolidation process is ready (its start-up is not falling behind either). ``False`` queues
-                ``saves`` without skipping anything (the requests made when ``fit`` ends).
+            bounded: skip the oldest waiting requests while more than ``max_pending`` wait, once the process is ready
+                (its start-up is not falling behind) and never those of a burst on arrival (NeMo's async save
+                finalizes in bursts); ``False`` when ``fit`` ends.
         """
         if not saves:
             return
@@ -395,10 +333,8 @@ class ConsolidationQueue:
         self.poll()
 
     def poll(self) -> None:
-        """Reap an ended request and hand the next one to the consolidation process; returns at once.
-
-        The next request leaves the queue and becomes RUNNING in one locked step (a removal of its checkpoint from
-        another thread then waits for it); one whose checkpoint is gone by then is dropped instead."""
+        """Reap an ended request and hand the next one to the process (RUNNING in the same locked step that takes it
+        off the queue; dropped if its checkpoint is gone by then). Returns at once."""
         running = self._running
         if running is not None and running.server is not None:
             result = running.server.result()
@@ -426,11 +362,11 @@ class ConsolidationQueue:
                 self._on_dropped(save)
 
     def wait(self, timeout: float) -> bool:
-        """Wait until all running and queued consolidations have ended, at most ``timeout`` seconds.
+        """Wait up to ``timeout`` seconds for running and queued consolidations.
 
         Returns:
-            ``True`` if everything ended; ``False`` if the timeout ran out, in which case the consolidation process is
-            terminated (its temporary output removed) and waiting requests are dropped; both are logged.
+            ``True`` if everything ended; ``False`` if the timeout ran out: the process is then terminated and the
+            waiting requests dropped (logged).
         """
         start = time.monotonic()
         deadline = start + timeout
@@ -461,16 +397,8 @@ class ConsolidationQueue:
         return False
 
     def remove_checkpoint(self, checkpoint_dir: Path, remove: Callable[[], None]) -> bool:
-        """Remove a checkpoint without racing its consolidation (used for NeMo's top-k removal).
-
-        A waiting request for it is dropped (reported to ``on_dropped``) and ``remove`` runs now; if it is being
-        consolidated (RUNNING: also while it is being handed to the process), ``remove`` runs as soon as that request
-        has ended (so the consolidation never reads a vanishing checkpoint and never leaves a half-made
-        ``consolidated/`` behind). Both decisions are made in one locked step.
-
-        Returns:
-            ``True`` if ``remove`` ran now, ``False`` if it was deferred.
-        """
+        """Run ``remove`` now, dropping a waiting request of the checkpoint, or, while it is being consolidated, once
+        that has ended (decided in one locked step). Returns whether it ran now."""
         checkpoint_dir = Path(checkpoint_dir)
         with self._lock:
             dropped = [save for save in self._pending if save.path == checkpoint_dir]
@@ -488,8 +416,7 @@ class ConsolidationQueue:
         return True
 
     def start_process(self) -> None:
-        """Start the consolidation process now unless one is alive, so that its start-up overlaps with training.
-        A failure to start it is logged at debug level; the first request then starts its own."""
+        """Start the consolidation process now unless one is alive (a failure is logged; the first request retries)."""
         if self.process is not None:
             return
         self._discard_server()  # one that exited while idle (e.g. killed): reap it
@@ -499,8 +426,7 @@ class ConsolidationQueue:
             logger.debug("Could not start the consolidation process: %s", error)
 
     def retire_process(self) -> None:
-        """End the consolidation process once it is idle: now if it is, else when its current request has ended. The
-        next request starts a new one (with this process's limits as they are then)."""
+        """End the consolidation process once it is idle (now, or when its current request has ended)."""
         server = self._running.server if self._running is not None else None
         if server is not None and server is self._server:
             server.retire = True
@@ -508,8 +434,7 @@ class ConsolidationQueue:
             self._discard_server()
 
     def close(self) -> None:
-        """End the consolidation process (at teardown, after :meth:`wait`); a request still running is stopped and
-        reported as failed. A later request starts a new process."""
+        """End the consolidation process (at teardown, after :meth:`wait`); a request still running fails."""
         self._stop_running()
         self._discard_server()
 
@@ -523,19 +448,11 @@ class ConsolidationQueue:
             self._finish(running, *(running.server.result() or running.server.lost_result()))
 
     def _spawn(self) -> _Process:
-        """Start a consolidation process in ``--serve`` mode: it imports what it needs, then serves requests.
-
-        Raises:
-            OSError: the process cannot be started.
-        """
+        """Start a consolidation process in ``--serve`` mode (``OSError`` if it cannot be started)."""
         args = [sys.executable, "-m", WORKER_MODULE, "--serve", "--settings", self._settings_json]
-        if threading.current_thread() is threading.main_thread():
-            # It dies with this process (PR_SET_PDEATHSIG): the signal follows the thread that starts it, so only
-            # the main thread, which lives as long as the process, asks for it.
-            args += ["--parent", str(os.getpid())]
-        env = _consolidation_environment(os.environ)
-        # Its output goes to an anonymous temporary file (not into the checkpoint directory, which may be read-only);
-        # its last line is the reason of a failure that ended the process.
+        args += isolation.parent_arguments() if isolation is not None else []
+        env = isolation.environment(os.environ) if isolation is not None else None
+        # Its output goes to an anonymous temporary file (the checkpoint directory may be read-only).
         log_file = tempfile.TemporaryFile()
         try:
             process = subprocess.Popen(
@@ -559,8 +476,7 @@ class ConsolidationQueue:
             server.close()
 
     def _start(self, save: CheckpointSave) -> None:
-        """Hand ``save`` (RUNNING since :meth:`poll` took it off the queue) to the consolidation process, starting a
-        new one if none is alive; a process that cannot be started fails the request."""
+        """Hand ``save`` to the consolidation process, starting one if none is alive (or failing the request)."""
         running = self._running
         assert running is not None and running.save is save
         line = json.dumps({"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}) + "\n"
@@ -606,20 +522,6 @@ class ConsolidationQueue:
                 remove()
 
 
-def _consolidation_environment(environ: Mapping[str, str]) -> Dict[str, str]:
-    """The consolidation process's environment (its writers inherit it): ``environ`` without the training job's rank
-    variables, and with no GPU visible (``CUDA_VISIBLE_DEVICES=""``: it never uses one, and importing NeMo or
-    Transformer Engine for the ``hf`` format would otherwise create a CUDA context on the training rank's GPU, or fail
-    on a GPU in exclusive-process mode)."""
-    env = {
-        name: value
-        for name, value in environ.items()
-        if name not in _PROCESS_GROUP_VARIABLES and not name.startswith(_PROCESS_GROUP_PREFIXES)
-    }
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
-
-
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -630,6 +532,6 @@ def _describe_exit(code: int) -> str:
 
 
 def _remove_tmp_dirs(parent: Path, pid: int) -> None:
-    """Remove temporary output left by a consolidation that failed or died (their names carry the process's pid)."""
+    """Remove temporary output left by a consolidation that failed or died (named with the process's pid)."""
     for path in tmp_dirs_of(parent, pid):
         shutil.rmtree(path, ignore_errors=True)

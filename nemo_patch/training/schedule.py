@@ -46,23 +46,16 @@ logger = logging.getLogger(__name__)
 
 
 class RequestState(enum.Enum):
-    """Where a save's consolidation request stands. Only :class:`nemo_patch.training.queue.ConsolidationQueue`
-    changes it, under its lock, along the transitions its ``_NEXT`` table allows."""
+    """Where a save's consolidation request stands (only the queue changes it, under its lock): never queued,
+    waiting, running (a removal of its checkpoint then waits for it), published, failed (or stopped), skipped (queue
+    full), dropped before it could start (its checkpoint removed, or ``fit`` ended first)."""
 
-    #: Never handed to the queue.
     NONE = "none"
-    #: Waiting in the queue.
     WAITING = "waiting"
-    #: Taken off the queue for the consolidation process (set in the same locked step): from then on a removal of
-    #: its checkpoint waits until it has ended.
     RUNNING = "running"
-    #: Its output was published.
     PUBLISHED = "published"
-    #: It ended with an error (or was stopped).
     FAILED = "failed"
-    #: Skipped because the queue was full.
     SKIPPED = "skipped"
-    #: Dropped before it could start: its checkpoint was removed (or is being removed), or ``fit`` ended first.
     DROPPED = "dropped"
 
     @property
@@ -73,33 +66,22 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False)
 class CheckpointSave:
-    """One checkpoint save issued by the run (identity: the object itself; a directory NeMo saves again is a new
-    save).
+    """One checkpoint save issued by the run (identity: the object itself; NeMo saving into a directory again is a
+    new save).
 
     Attributes:
-        path: the checkpoint directory (``<root>/<name>``, holding ``weights/`` and ``context/``).
-        global_step: the trainer's global step when it was saved.
-        written: ``True`` once the checkpoint IO has finished writing it (immediately for a sync save, in the
-            async request's finalize step for an async save).
-        consolidated: ``True`` once an output of these weights is in its directory (published, linked, or found).
-        best: set when ``ModelCheckpoint`` named this checkpoint its best one when it was saved (and the cadence
-            uses ``"best"``): ``{"monitor": name, "value": float, "mode": "min" | "max"}``, recorded in the output's
-            ``metadata.json``.
-        seconds: wall seconds its consolidation process ran (set when it ended).
-        fit: which ``fit`` of this process saved it (1, 2, ...: a second ``trainer.fit`` starts its global steps
-            again, so a global step alone does not name weights).
-        state: its consolidation request's :class:`RequestState`.
-        due: whether the cadence made it due (set when it finished).
-        copy_of: for NeMo's ``-last`` copy, the save of the same step in the same ``fit`` (the same weights: no
-            optimizer step between the two saves), whose output it receives.
-        copies: the ``-last`` copies waiting for this save's output.
-        identity: the checkpoint's weights as they were when it finished (device, inode, size and modification time
-            of the file its format writes last), so that a directory saved again since is not mistaken for it.
-        output: where its output lives now (``<path>/consolidated``, or under ``retained/`` after NeMo removed it).
-        post_command: what the post command (``ConsolidationConfig.post_command``) did after its output was published,
-            as the consolidation process reported it (the JSON form of
-            :class:`nemo_patch.engine.post_command.PostCommandResult`); set when its request ended, ``None`` without
-            one.
+        path, global_step: the checkpoint directory, and the trainer's global step when it was saved.
+        written: whether the checkpoint IO finished writing it (at once for a sync save, when an async one is
+            finalized).
+        consolidated, output: whether an output of these weights exists, and where it is now.
+        best: the ``"best"`` cadence's record, for ``metadata.json``, when it was the best checkpoint when saved.
+        seconds: wall seconds its consolidation process ran.
+        fit: which ``fit`` of this process saved it (a second ``fit`` starts its global steps again).
+        state, due: its request's :class:`RequestState`, and whether the cadence made it due.
+        copy_of, copies: for NeMo's ``-last`` copy, the save of the same step in the same ``fit`` (the same weights),
+            whose output it receives; for that save, the copies waiting for it.
+        identity: :func:`weights_identity` when it finished (a directory saved again since is not mistaken for it).
+        post_command: what a post command did after the publish, as the consolidation process reported it.
     """
 
     path: Path
@@ -116,11 +98,6 @@ class CheckpointSave:
     identity: Optional[Tuple[int, ...]] = None
     output: Optional[Path] = None
     post_command: Optional[Dict[str, Any]] = None
-
-    @property
-    def queued(self) -> bool:
-        """Whether it was ever handed to the consolidation queue."""
-        return self.state is not RequestState.NONE
 
     def mark_written(self) -> None:
         """Finalize callback for async saves."""
@@ -150,11 +127,7 @@ class _Count:
 
 
 class ConsolidationSchedule:
-    """Decides which finished checkpoint saves of a run get consolidated, following a :class:`ConsolidationPolicy`.
-
-    Args:
-        policy: the cadence.
-    """
+    """Which finished checkpoint saves of a run are consolidated under ``policy``."""
 
     def __init__(self, policy: ConsolidationPolicy) -> None:
         self.policy = policy
@@ -179,9 +152,8 @@ class ConsolidationSchedule:
         return self.finished.total
 
     def begin_fit(self) -> None:
-        """A new ``fit`` starts: its global steps may start again (a second ``trainer.fit`` on the same trainer), so
-        its first save of a step is never taken for a copy of an earlier fit's save of that step. The counts go on
-        (a resume restores them afterwards, in :meth:`load_state_dict`)."""
+        """A new ``fit`` starts: its global steps may start again, so its first save of a step is never taken for a
+        copy of an earlier fit's save of that step. The counts go on."""
         self.finished.last_step = self._registered.last_step = None
         self._counted = None
 
@@ -195,23 +167,14 @@ class ConsolidationSchedule:
     def collect_finished(
         self, is_gone: Callable[[CheckpointSave], bool]
     ) -> Tuple[List[CheckpointSave], List[CheckpointSave]]:
-        """Move finished saves out of :attr:`pending`, in save order.
-
-        A save is finished once the checkpoint IO has written it (:attr:`CheckpointSave.written`: set when
-        ``save_checkpoint`` returns for a sync save, by the async request's finalize step, in the training thread,
-        for an async save). NeMo removes its ``<ckpt>-unfinished`` marker in that same sequence, before this is
-        called from a later hook. Saves finish in the order they were issued, so collection stops at the first
-        save not yet written.
+        """Move finished saves out of :attr:`pending`, in save order (up to the first not yet written).
 
         Args:
-            is_gone: tells whether a finished checkpoint has been removed, or is being removed, since (NeMo replaces
-                its previous ``-last`` copy, and top-k removal marks a checkpoint unfinished while deleting it). Such
-                a save still counts but is not consolidated.
+            is_gone: tells whether a finished checkpoint was removed since (it still counts, but is not consolidated).
 
         Returns:
-            ``(due, copies)``: the saves to consolidate now, and the finished saves of a step already counted (NeMo's
-            ``-last`` copies), oldest first. A copy's :attr:`CheckpointSave.copy_of` is the counted save of its step
-            when both were saved by the same ``fit`` (else ``None``), and it is due when that save was.
+            ``(due, copies)``: the saves to consolidate now, and the finished ``-last`` copies of a step already
+            counted (each with its ``copy_of`` when both were saved by the same ``fit``, and due when that one was).
         """
         due, copies = [], []
         while self.pending and self.pending[0].written:
@@ -249,13 +212,8 @@ class ConsolidationSchedule:
         return dropped
 
     def state_dict(self, global_step: int) -> Dict[str, Any]:
-        """State to store in a checkpoint saved at ``global_step`` (called just before the save is issued).
-
-        Returns:
-            ``{"finished_count": n, "global_step": s, "phase_start": p, "phase_count": m}``: ``n`` finished
-            checkpoints of the run and ``m`` of the cadence phase starting at global step ``p``, both counting this
-            checkpoint's own step: when a run is resumed from this checkpoint, every save up to it has finished.
-        """
+        """``{"finished_count", "global_step", "phase_start", "phase_count"}`` for a checkpoint saved at
+        ``global_step`` (counting its own step: when a run resumes from it, every save up to it has finished)."""
         count = _Count(**vars(self._registered))
         count.add(int(global_step), self.policy)
         return {
@@ -266,12 +224,8 @@ class ConsolidationSchedule:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore the counts from a checkpoint the run resumes from.
-
-        A state without phase counts (saved by an earlier version), or whose phase is not the one this run's cadence
-        gives its global step (the cadence was changed), counts the run's finished checkpoints as the phase's when
-        the phase starts at step 0, else none.
-        """
+        """Restore the counts from the checkpoint the run resumes from (a state of another cadence counts the run's
+        finished checkpoints as its first phase's)."""
         step = int(state["global_step"])
         phase = self.policy.phase_at(step)
         start = phase.start_step if phase is not None else 0

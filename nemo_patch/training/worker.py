@@ -14,37 +14,14 @@
 
 """The consolidation process: ``python -m nemo_patch.training.worker --serve --settings JSON``.
 
-Started once per run by :class:`nemo_patch.training.queue.ConsolidationQueue`, it imports everything a consolidation
-needs, writes ``{"ready": true}`` on stdout, then serves requests until its stdin ends: one JSON line per request on
-stdin, ``{"checkpoint": path, "global_step": n, "best": {...} | null}``, and one JSON line per ended request on
-stdout, ``{"error": null | "<one-line reason>"}``. Anything else printed (by this process, torch or the engine) goes to
-stderr: fd 1 is redirected to fd 2 before anything is imported, and the result lines go to a private copy of the
-original stdout. With a post command (``ConsolidationConfig.post_command``), a request whose output was published
-first gets the line ``{"published": true}``, then the command runs here
-(:func:`nemo_patch.engine.post_command.run_post_command`), and its result line carries ``"post_command"``: the
-JSON form of :class:`~nemo_patch.engine.post_command.PostCommandResult`. A SIGTERM while the command runs (the end of
-``fit`` stopped waiting) stops the command's process group, answers with its result (``stopped``) and ends this
-process. So the interpreter's start (2-5 s, mostly ``import torch``; more for the ``hf`` format, which
-imports NeMo) is paid once per run instead of once per checkpoint. ``python -m nemo_patch.training.worker <ckpt>
---global-step N`` consolidates one checkpoint and exits (0, or 1 with the reason on stderr).
-
-A request that fails with a :class:`~nemo_patch.engine.errors.ConsolidationError` is answered with its reason and the
-process serves the next one; any other exception is answered too, then ends the process (exit 1, traceback on
-stderr), and the queue starts a fresh one for the next request.
-
-It imports at the CPU priority it was started with, so that it is ready by the first finished checkpoint (a start
-paid once per run), then lowers its priority (:data:`WORKER_NICENESS`) for the consolidations, and runs the engine
-(:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`) or, for ``format="hf"``, the Hugging Face export
-(:func:`nemo_patch.export.hf.export_hf_checkpoint`, which imports NeMo in this process to find the model's exporter).
-It reads only files and uses no ``torch.distributed`` process group or collective (a consolidation calling a
-collective on the training communicator is a known way to hang a run). On a GPU node it touches no GPU and is the OOM
-killer's first choice: the queue starts it with ``CUDA_VISIBLE_DEVICES=""`` and without the training job's rank
-variables, and it raises its ``oom_score_adj`` (+500) before importing anything and, given ``--parent PID``, dies with
-that process (``PR_SET_PDEATHSIG``; :mod:`nemo_patch.engine.process_limits`); its writers inherit all of it.
-
-Must not import NeMo, Lightning or megatron-core itself (an import-linter contract in ``setup.cfg``; the ``hf``
-export is the one, explicit, exception), so that the default ``safetensors`` consolidation starts in about the time
-of ``import torch``.
+Started once per run by :class:`nemo_patch.training.queue.ConsolidationQueue` (protocol there), it imports what a
+consolidation needs, says it is ready, lowers its CPU priority (:data:`WORKER_NICENESS`; ``NEMO_PATCH_WORKER_NICENESS``
+sets another, 0 to 19) and serves requests until its stdin ends. Its stdout carries result lines only (fd 1 goes to
+fd 2 before anything is imported). A request that fails with a ``ConsolidationError`` is answered with its reason;
+any other exception is answered, then ends the process (the queue starts a new one). It reads only files and uses no
+process group. ``python -m nemo_patch.training.worker <ckpt> --global-step N`` consolidates one checkpoint (exit 1
+with the reason on stderr). It imports neither NeMo, Lightning nor megatron-core (the ``hf`` format excepted: it
+imports NeMo to find the model's exporter).
 """
 
 import argparse
@@ -55,16 +32,20 @@ import warnings
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, List, Optional
 
-from nemo_patch.engine.huge_pages import prefer_huge_pages
-from nemo_patch.engine.process_limits import die_with_parent, raise_oom_score
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
 try:  # a later addition: a command run after each output is published (ConsolidationConfig.post_command)
-    from nemo_patch.training import hooks
+    import nemo_patch.training.hooks as hooks
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
     hooks = None  # type: ignore[assignment]
+try:  # a later addition: the process kept apart from the training job on a GPU node (Linux)
+    import nemo_patch.training.isolation as isolation
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    isolation = None  # type: ignore[assignment]
 
 __all__ = ["WORKER_NICENESS", "build_parser", "main"]
 
@@ -77,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--best", type=json.loads, default=None)
     parser.add_argument("--serve", action="store_true", help="import, then serve JSON requests from stdin")
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
-    parser.add_argument("--parent", type=int, default=None, help="die (SIGKILL) when this process dies")
+    parser.add_argument("--parent", type=int, default=None, help="the training process that started this one")
     return parser
 
 
@@ -86,23 +67,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     Args:
         argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]``, or ``--serve [--settings
-            JSON]`` to read ``{"checkpoint", "global_step", "best"}`` lines from stdin. ``--best``: the checkpoint
-            is the best by the monitored metric, ``{"monitor", "value", "mode"}``, recorded in ``metadata.json``;
-            settings ``JSON`` from :meth:`ConsolidationSettings.to_json`, default settings when absent;
-            ``--parent PID``: the process that started this one, which this one dies with.
+            JSON]`` (``--best``: the best-checkpoint record for ``metadata.json``; settings from
+            :meth:`ConsolidationSettings.to_json`).
 
     Returns:
-        The process exit code. One checkpoint: 0 on success, 1 on a
-        :class:`nemo_patch.engine.errors.ConsolidationError` (its reason printed on stderr). ``--serve``: 0 at the
-        end of stdin; an exception other than ``ConsolidationError`` propagates after its result line is written.
+        One checkpoint: 0, or 1 on a ``ConsolidationError``. ``--serve``: 0 at the end of stdin.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     if (args.checkpoint is None) != args.serve:
         parser.error("give either a checkpoint or --serve")
-    raise_oom_score()  # the OOM killer picks this process and its writers (they inherit it) before a training rank
-    if args.parent is not None:
-        die_with_parent(args.parent)  # a training process that dies leaves no consolidation behind
+    if isolation is not None:
+        isolation.set_up(args.parent)  # before torch is imported
     results: Optional[IO[str]] = None
     if args.serve:  # fd 1 carries result lines only: a private copy of it for them, stderr for everything else
         sys.stdout.flush()
@@ -111,7 +87,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings: ConsolidationSettings = args.settings
     # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
-    prefer_huge_pages()  # before torch is imported: this process exists to consolidate
     consolidate = _consolidator(settings, preload=args.serve)
     try:
         os.nice(_niceness())  # the consolidations yield to the training job's threads
@@ -170,21 +145,17 @@ def _consolidator(
     dtype = None if settings.config.dtype is None else getattr(torch, DTYPE_NAMES[settings.config.dtype])
 
     def consolidate(checkpoint: Path, global_step: Optional[int], best: Optional[Dict[str, Any]]) -> Optional[str]:
-        options: Dict[str, Any] = {}
+        options: Dict[str, Any] = {"global_step": global_step, "max_shard_size": settings.config.max_shard_size}
         if settings.config.format != "hf":  # the Hugging Face export writes through transformers, in this process
             from nemo_patch.engine.parts import default_workers
 
             options["workers"] = settings.config.workers or default_workers(share=4)
+        if settings.config.merge_adapters:  # a later addition's option: given only when set
+            options["merge_adapters"] = True
+        if best is not None:
+            options["best"] = best
         try:
-            run(
-                checkpoint,
-                global_step=global_step,
-                max_shard_size=settings.config.max_shard_size,
-                dtype=dtype,
-                merge_adapters=settings.config.merge_adapters,
-                best=best,
-                **options,
-            )
+            run(checkpoint, dtype=dtype, **options)
         except ConsolidationError as error:
             return f"ConsolidationError: {error}"
         return None
@@ -193,9 +164,7 @@ def _consolidator(
 
 
 def _niceness() -> int:
-    """:data:`WORKER_NICENESS`, or ``NEMO_PATCH_WORKER_NICENESS`` (an int from 0 to 19) when set: e.g. 0 where the
-    consolidation should not yield to the node's other processes. Any other value is ignored, as is one that is not
-    ASCII digits (``"²"`` is a digit to ``str.isdigit`` but not to ``int``) or has too many for ``int``."""
+    """``NEMO_PATCH_WORKER_NICENESS`` when it is ASCII digits for 0 to 19, else :data:`WORKER_NICENESS`."""
     value = os.environ.get("NEMO_PATCH_WORKER_NICENESS", "").strip()
     try:
         niceness = int(value) if value.isascii() and value.isdigit() else -1
