@@ -31,8 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent / "_ext"))
 
 project = "nemo-patch"
-author = "nemo-patch developers"
-copyright = "2026, NVIDIA CORPORATION"
+# One place for the authorship: pyproject.toml's `authors`, read from the installed metadata; the footer's copyright
+# line names the same. (The source files keep the Apache-2.0 headers they are written with to go upstream.)
+author = metadata.metadata("nemo-patch")["Author"]
+copyright = f"2026, {author}"
 release = metadata.version("nemo-patch")
 version = release
 
@@ -41,11 +43,18 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx_argparse_cli",
+    "sphinx_copybutton",
     "nemo_patch_docs",
 ]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "_ext", "upstream"]  # upstream/: the NeMo pull requests' texts, not pages
+exclude_patterns = [
+    "_build",
+    "_ext",
+    "_templates",
+    "_static",
+    "upstream",
+]  # upstream/: the NeMo pull requests' texts, not pages
 
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
@@ -57,6 +66,31 @@ autodoc_default_options = {"show-inheritance": True}  # members: only those docs
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
-html_theme = "alabaster"
+# The PyData theme: NeMo's own documentation theme (nvidia-sphinx-theme) is built on it, but comes under NVIDIA's
+# proprietary licence, limited to NVIDIA's products. Navigation on the left, the page's own table of contents on the
+# right, a fluid content column (no fixed 940 px body); wide tables scroll inside their own box, never the page
+# (tests/test_docs.py opens every page in Chromium at 1280 px).
+html_theme = "pydata_sphinx_theme"
 html_title = f"nemo-patch {release}"
-html_theme_options = {"description": "When NeMo 2.x consolidates its distributed checkpoints", "fixed_sidebar": True}
+html_show_sourcelink = False
+html_theme_options = {
+    "secondary_sidebar_items": ["page-toc"],
+    "show_toc_level": 2,
+    "navigation_depth": 2,
+    "show_nav_level": 1,
+    "navbar_center": [],  # the pages are in the left sidebar, not in the header
+    "footer_start": ["copyright"],
+    "footer_center": [],
+    "footer_end": ["sphinx-version", "theme-version"],
+    "navbar_align": "left",
+    "use_edit_page_button": False,
+}
+html_context = {"default_mode": "light"}
+html_sidebars = {"**": ["sidebar-nav-all"]}  # _templates/: the whole navigation, not only the current section's
+templates_path = ["_templates"]
+html_static_path = ["_static"]
+html_css_files = ["nemo-patch.css"]
+# sphinx-copybutton: copy a block's commands without prompts or the output lines that follow a "$ " prompt.
+copybutton_prompt_text = r"\$ |>>> "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = False

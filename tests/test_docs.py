@@ -25,11 +25,14 @@ not a skip: the ``docs`` extra is part of the test environment (``scripts/setup_
 """
 
 import ast
+import concurrent.futures
 import dataclasses
 import html
 import inspect
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -50,7 +53,7 @@ README = REPO / "README.md"
 DEVELOPER_PAGES = {"development.md", "UPSTREAM.md", "gpu-wheels.md"}
 #: The pages the site must have.
 REQUIRED_PAGES = [
-    *("installation", "cadences", "outputs", "retention", "parallel", "troubleshooting"),
+    *("installation", "choosing", "cadences", "outputs", "retention", "parallel", "nemo-run", "troubleshooting"),
     *("strategy-arguments", "cli", "api", "how-it-works", "benchmarks", "upgrading", "development"),
 ]
 #: The README's first block: the two set-up commands (main job, tests), as CI and a fresh machine run them.
@@ -404,3 +407,119 @@ def test_user_pages_carry_no_internal_matter():
         for pattern in (r"(?<![\w/&])#\d+\b", r"\btests/", r"\bCI machine\b", r"fresh clone of `"):
             found = re.findall(pattern, text)
             assert not found, (path.name, pattern, found)
+
+
+#: Measures a page once it is laid out (fonts included) and appends the result as JSON in a ``<pre>`` that Chromium's
+#: ``--dump-dom`` prints: the root's scroll width against its width (the page scrolls sideways), visible elements that
+#: reach past the right edge without a box of their own that clips or scrolls them, and tables wider than their box.
+_OVERFLOW_PROBE = """
+window.addEventListener("load", () => document.fonts.ready.then(() => {
+  const root = document.documentElement;
+  const width = root.clientWidth;
+  const describe = (el) => el.tagName.toLowerCase() + (el.id ? "#" + el.id : "") +
+    (typeof el.className === "string" && el.className ? "." + el.className.trim().split(/\\s+/).join(".") : "");
+  const offenders = [];
+  for (const el of document.body.querySelectorAll("*")) {
+    const style = getComputedStyle(el);
+    if (style.visibility === "hidden" || style.display === "none") continue;
+    const box = el.getBoundingClientRect();
+    if (box.width === 0) continue;
+    // The box that clips or scrolls it: a code block may scroll sideways, tables are checked below, any other box
+    // (the article, a sidebar) must not, nor may the window.
+    let clip = el.parentElement;
+    while (clip && clip !== document.body && getComputedStyle(clip).overflowX === "visible") clip = clip.parentElement;
+    if (clip && clip.closest("pre, div.highlight, .pst-scrollable-table-container")) continue;
+    const clipped = clip && clip !== document.body;
+    const edge = clipped ? clip.getBoundingClientRect().left + clip.clientLeft + clip.clientWidth : width;
+    if (box.right > edge + 1) offenders.push(describe(el) + " ends at " + Math.round(box.right) + " px, past " +
+      (clipped ? describe(clip) + "'s edge" : "the window's edge") + " at " +
+      Math.round(edge) + " px");
+  }
+  const tables = [...document.querySelectorAll("table")].filter((table) => {
+    const box = table.parentElement;
+    return table.getBoundingClientRect().width > box.clientWidth + 1;
+  }).map((table) => describe(table) + " needs " + Math.round(table.getBoundingClientRect().width) + " px of " +
+    table.parentElement.clientWidth);
+  const out = document.createElement("pre");
+  out.id = "nemo-patch-overflow";
+  out.textContent = JSON.stringify({scrollWidth: root.scrollWidth, width: width, innerWidth: window.innerWidth,
+                                    offenders: offenders.slice(0, 5), tables: tables});
+  document.body.appendChild(out);
+}));
+"""
+
+
+def _chromium() -> str:
+    """Debian's Chromium; missing, a skip on a developer's machine and a failure where the browser test must run:
+    ``NEMO_PATCH_REQUIRE_BROWSER=1`` (``.ci/run`` installs Chromium and sets it) or ``CI`` set."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    message = "Chromium is not installed: apt-get install -y chromium (Debian's package; .ci/run installs it)"
+    required = [os.environ.get(name, "").lower() for name in ("NEMO_PATCH_REQUIRE_BROWSER", "CI")]
+    if any(value not in ("", "0", "false", "no") for value in required):
+        pytest.fail(f"{message}; CI must run the browser test, not skip it")
+    pytest.skip(message)
+
+
+def _layout(chromium: str, page, profile) -> Optional[dict]:
+    """The probe's result for ``page`` in headless Chromium at 1280 x 900 px, or ``None`` if it printed none."""
+    proc = subprocess.run(
+        [
+            chromium,
+            *("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"),
+            *("--disable-background-networking", "--disable-component-update", "--disable-sync"),
+            f"--user-data-dir={profile}",
+            "--window-size=1280,900",
+            "--virtual-time-budget=5000",  # the page's scripts and fonts run before the DOM is printed
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = re.search(r'<pre id="nemo-patch-overflow"[^>]*>(.*?)</pre>', proc.stdout, re.S)
+    return json.loads(html.unescape(found.group(1))) if found else None
+
+
+@pytest.mark.slow
+def test_every_page_fits_a_1280_px_browser_window(site, tmp_path):
+    """Every built page, opened in a real browser (headless Chromium) 1280 px wide: the page never scrolls sideways,
+    nothing visible reaches past the window's right edge, and every table fits its column (code blocks may scroll
+    inside their own box)."""
+    chromium = _chromium()
+    copy = tmp_path / "site"
+    shutil.copytree(site, copy)
+    (copy / "_static" / "overflow-probe.js").write_text(_OVERFLOW_PROBE)
+    pages = sorted(copy.rglob("*.html"))
+    pages = [page for page in pages if not page.relative_to(copy).parts[0].startswith("_")]
+    assert len(pages) >= len(REQUIRED_PAGES) + 2, pages  # every page, the index and search included
+    for page in pages:
+        script = "../" * (len(page.relative_to(copy).parts) - 1) + "_static/overflow-probe.js"
+        text = page.read_text()
+        assert text.count("</body>") == 1, page
+        page.write_text(text.replace("</body>", f'<script src="{script}"></script></body>'))
+
+    def measure(index_page):
+        index, page = index_page
+        for attempt in range(2):
+            result = _layout(chromium, page, tmp_path / f"profile-{index}-{attempt}")
+            if result is not None:
+                return page, result
+        return page, None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(measure, enumerate(pages)))
+    problems = []
+    for page, result in results:
+        name = page.relative_to(copy).as_posix()
+        if result is None:
+            problems.append(f"{name}: Chromium printed no measurement")
+            continue
+        assert result["innerWidth"] == 1280, result
+        if result["scrollWidth"] > result["width"]:
+            problems.append(f"{name}: the page scrolls sideways ({result['scrollWidth']} px of {result['width']})")
+        problems += [f"{name}: {offender}" for offender in result["offenders"]]
+        problems += [f"{name}: table {table}" for table in result["tables"]]
+    assert not problems, "\n".join(problems)
