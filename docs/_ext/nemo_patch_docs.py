@@ -304,9 +304,10 @@ def edited_class_docstring(app: Sphinx, what: str, name: str, obj: Any, options:
             lines.append(f":param {argument}: {meaning}")
     elif name == "nemo_patch.MegatronCheckpointIO":
         lines[:] = [
-            "NeMo's ``MegatronCheckpointIO`` (``nemo.lightning.io.pl.MegatronCheckpointIO``), edited by the overlay: it",
-            "takes ``consolidation_settings`` (a :class:`~nemo_patch.ConsolidationSettings`; ``None``: no consolidation)",
-            "and holds the run's coordinator as ``consolidation`` (``None`` when it consolidates nothing).",
+            "NeMo's ``MegatronCheckpointIO`` (``nemo.lightning.io.pl.MegatronCheckpointIO``), edited by the",
+            "overlay: it takes ``consolidation_settings`` (a :class:`~nemo_patch.ConsolidationSettings`; ``None``: no",
+            "consolidation) and holds the run's coordinator as ``consolidation`` (``None`` when it consolidates",
+            "nothing).",
         ]
 
 
