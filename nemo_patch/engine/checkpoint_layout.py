@@ -16,6 +16,7 @@
 ``*.distcp`` shards, megatron-core's ``metadata.json``) and ``<ckpt>-unfinished`` while NeMo saves it."""
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -54,8 +55,9 @@ def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
 
 def _json(path: Path) -> Dict[str, Any]:
     """The object in a JSON side file (``{}`` unless it is a regular file of at most 1 MB holding a JSON object)."""
-    try:
-        value = json.loads(path.read_bytes()) if path.is_file() and path.stat().st_size <= 1 << 20 else {}
+    try:  # opened without blocking (a FIFO would block a plain open for ever), 1 MB read at most (a device never ends)
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+            value = json.loads(file.read((1 << 20) + 1))
     except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
@@ -102,9 +104,8 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
             raise CorruptShardError(f"{part} is a symbolic link to {part.resolve()}, outside the checkpoint")
     backend = str(_json(weights_dir / "metadata.json").get("sharded_backend", "torch_dist"))
     if backend not in ("torch_dist", "zarr"):
-        raise UnsupportedFormatError(
-            f"{checkpoint_dir} is a '{backend}' checkpoint, not 'torch_dist' or 'zarr'; {only}"
-        )
+        raise UnsupportedFormatError(f"{checkpoint_dir} is a '{backend}' checkpoint, not 'torch_dist' or 'zarr'; "
+                                     f"{only}")  # fmt: skip
     adapter = (weights_dir / "adapter_metadata.json").is_file()
     finished = weights_written(weights_dir) and not is_marked_unfinished(checkpoint_dir)
     if not finished and not allow_unfinished:

@@ -138,10 +138,16 @@ def file_entry(file: OutputFile, tensor_blake3: Mapping[str, str]) -> Dict[str, 
 
 
 def json_file_entry(path: Path, algorithm: Optional[str] = None) -> Dict[str, Any]:
-    """``metadata.json``'s entry for a small file written whole (``model.safetensors.index.json``)."""
+    """``metadata.json``'s entry for a small file written whole (``model.safetensors.index.json``): its size and
+    digest, read as a regular file in blocks (whatever size it has, memory stays one block).
+
+    Raises:
+        OSError: it cannot be read, or is not a regular file (:class:`~.safe_files.UnsafeFileError`).
+    """
     algorithm = algorithm or digest_algorithm()
-    data = Path(path).read_bytes()
-    return {"size": len(data), algorithm: new_digest(algorithm, data).hexdigest()}
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        return {"size": size, algorithm: _blake3_of(handle, 0, size, algorithm)}
 
 
 def _blake3_of(handle: Any, offset: int, size: int, algorithm: str = "blake3") -> str:
@@ -158,6 +164,9 @@ def _blake3_of(handle: Any, offset: int, size: int, algorithm: str = "blake3") -
 
 def verify_digests(output_dir: Union[str, Path]) -> int:
     """Check every file ``metadata.json`` lists against its recorded size and digests.
+
+    Each file is opened as a regular file without blocking (a FIFO or a device is refused) and read in blocks of
+    1 MiB, so the check's memory is one block whatever sizes the files have or ``metadata.json`` claims.
 
     Args:
         output_dir: a consolidated output directory (``safetensors`` format, format version 2).
@@ -205,8 +214,13 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
     try:
         for name, entry in sorted(files.items()):
             path = output_dir / name
-            if not path.is_file() or path.stat().st_size != entry.get("size"):
-                have = "missing" if not path.is_file() else f"{path.stat().st_size} bytes"
+            try:
+                with open_regular(path) as handle:  # never a FIFO or a device: no blocking, no endless read
+                    size: Optional[int] = os.fstat(handle.fileno()).st_size
+                have = f"{size} bytes"
+            except OSError as error:
+                size, have = None, "missing" if isinstance(error, FileNotFoundError) else f"unreadable ({error})"
+            if size != entry.get("size"):
                 raise VerificationError(f"{path}: {have}, {METADATA_FILENAME} records {entry.get('size')} bytes")
             # The checks below name BLAKE3's keys; an output written without blake3 records sha256 under sha256's.
             algorithm = next((a for a in _ALGORITHMS if a in entry or f"tensors_{a}" in entry), "blake3")

@@ -23,14 +23,18 @@ strategy's ``ckpt_consolidation_post_command``) and runs through ``/bin/sh -c`` 
   and the same in the environment: ``NEMO_CONSOLIDATED_OUTPUT``, ``NEMO_CONSOLIDATED_FORMAT``,
   ``NEMO_CONSOLIDATED_GLOBAL_STEP`` (empty when unknown) and ``NEMO_CONSOLIDATED_CHECKPOINT``;
 * its stdout and stderr kept in ``<output>.post-command.log`` beside the output (not inside it: the output's files
-  stay exactly those its ``metadata.json`` records), replaced at each run;
+  stay exactly those its ``metadata.json`` records), replaced at each run: the log is created as a new file under a
+  random name (``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed over that name, so whatever was there (a symbolic link
+  to a file of the user's, a FIFO, in a checkpoint this process did not write) is replaced, never written through or
+  opened;
 * a timeout of its own: at the deadline its whole process group gets SIGTERM, and SIGKILL 5 s later; the same
   when the caller asks it to stop (``should_stop``: the consolidation process is being ended), with a shorter grace;
 * metrics: each line of its stdout that is one JSON object of numbers (``{"eval/perplexity": 12.3}``) is a set of
   metrics for the checkpoint's global step (later lines win for a repeated name).
 
 The result is recorded in the output's ``metadata.json`` under ``"post_command"`` (command, exit code, seconds,
-whether it timed out, the log's name, metrics), rewritten atomically; a command that fails or times out is recorded
+whether it timed out, the log's name, metrics), rewritten atomically (a new file, created as the log is, renamed over
+it); a command that fails or times out is recorded
 as such, never as success, and the output itself stays published (it is complete and correct either way).
 
 Standard library only; never torch, NeMo, Lightning or megatron-core, and nothing outside the engine.
@@ -44,11 +48,13 @@ import signal
 import string
 import subprocess
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.safe_files import MAX_JSON_BYTES, read_json_file
 
 __all__ = [
     "PostCommandError",
@@ -223,24 +229,51 @@ def post_command_log_path(output_dir: Union[str, Path]) -> Path:
     return output_dir.parent / f"{output_dir.name}.post-command.log"
 
 
+def _create_in_place_of(path: Path) -> BinaryIO:
+    """A new, empty file opened for writing that is now ``path``: created under a random name beside it with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW`` (nothing planted there is opened) and renamed over ``path`` (whatever was there,
+    a symbolic link or a FIFO included, is replaced, never followed).
+
+    Raises:
+        OSError: it cannot be created, or ``path`` is a directory (nothing is left behind).
+    """
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o666)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return os.fdopen(fd, "wb")
+
+
 def record_result(output_dir: Union[str, Path], result: PostCommandResult) -> None:
-    """Add ``result`` to the output's ``metadata.json`` under ``"post_command"``, atomically (a temporary file renamed
-    over it); nothing when there is no readable ``metadata.json``."""
+    """Add ``result`` to the output's ``metadata.json`` under ``"post_command"``, atomically (a new file, created with
+    ``O_EXCL | O_NOFOLLOW`` under a random name, written, synced and renamed over it); nothing when there is no
+    readable ``metadata.json`` (a bounded regular file holding a JSON object)."""
     output_dir = Path(output_dir)
     path = output_dir / _METADATA
     try:
-        manifest = json.loads(path.read_text())
+        manifest = read_json_file(path, MAX_JSON_BYTES)
     except (OSError, ValueError):
         return
     if not isinstance(manifest, dict):
         return
     manifest["post_command"] = result.to_json()
-    tmp = output_dir / f".{_METADATA}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    tmp = output_dir / f".{_METADATA}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def run_post_command(
@@ -286,7 +319,7 @@ def run_post_command(
     started = time.monotonic()
     metrics: Dict[str, float] = {}
     try:
-        with open(log_path, "wb") as log:
+        with _create_in_place_of(log_path) as log:
             process = subprocess.Popen(
                 ["/bin/sh", "-c", expanded],
                 stdin=subprocess.DEVNULL,
