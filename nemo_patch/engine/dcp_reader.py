@@ -15,18 +15,30 @@
 """Read tensors, or one layer of a layer-stacked tensor, from a ``torch_dist`` checkpoint without a process group.
 
 ``torch.distributed.checkpoint.load`` reads whole tensors (all layers of a stacked parameter); a consolidation reads
-one output tensor at a time. DCP's planner helper gives the stored chunks' overlaps with the region, and each chunk is
-loaded with ``torch.load(weights_only=True)`` from its record in a ``.distcp`` file, so memory is one region plus one
-chunk. The read loop is not ``FileSystemReader.read_data``, because a checkpoint is not trusted: a record must lie in a
-plain, regular file of ``weights/`` (never a path joined from the metadata) and hold exactly the dtype and shape its
-chunk declares (DCP would narrow or cast silently), and the chunks must cover the region:
-:mod:`.layout_checks` proves each key's layout first, :mod:`.record_checks` checks
-each record's members and CRC-32.
+one output tensor at a time. DCP's planner helper gives the stored chunks' overlaps with the region (from the chunks
+that hold its layer or expert, found through an index of the chunks by their leading offsets, so that reading every
+layer costs time linear in the chunks, not their square), and each chunk is loaded from its record in a ``.distcp``
+file, so memory is one region plus one chunk. The read loop is not ``FileSystemReader.read_data``, because a
+checkpoint is not trusted: a record must lie in a plain, regular file of ``weights/`` (never a path joined from the
+metadata) and hold exactly the dtype and shape its chunk declares (DCP would narrow or cast silently), and the chunks
+must cover the region: :mod:`.layout_checks` proves each key's layout first, :mod:`.record_checks` checks each
+record's members and CRC-32.
+
+A record is read in one pass over its bytes: ``torch.load(weights_only=True, map_location="meta")`` reads what the
+record says it holds (dtype, shape, where its data is) without its data, and the data is read straight into its place
+in the output when the chunk lands there whole and contiguous (into a reused buffer otherwise), its CRC-32 checked on
+the same bytes. A record not laid out as ``torch.save`` writes a contiguous tensor (a view of a larger storage,
+big-endian data) is loaded with ``torch.load`` as a whole instead. A record ``torch.load`` refuses (a global outside
+its allowlist) fails with one line naming what it refused.
 """
 
+import itertools
 import math
+import pickle
+import re
+import sys
 from pathlib import Path
-from typing import IO, Any, Dict, Iterable, List, Optional, Set, Tuple, Union, cast
+from typing import IO, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -34,10 +46,48 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from nemo_patch.engine.layout_checks import check_dcp_layout
-from nemo_patch.engine.record_checks import open_record
+from nemo_patch.engine.record_checks import RecordWindow, open_record
 from nemo_patch.engine.safe_files import open_regular
 
 __all__ = ["DCPRegionReader"]
+
+#: The line of ``torch.load``'s message about what its ``weights_only`` unpickler refused.
+_REFUSED = re.compile(r"(?:WeightsUnpickler error: |Trying to load )(?P<what>[^\n]*)")
+
+
+def _refused_in_one_line(where: str, load: Callable[[], Any]) -> Any:
+    """``load()``; torch's message of several lines for a refused global becomes one naming the record and what."""
+    try:
+        return load()
+    except pickle.UnpicklingError as error:
+        match = _REFUSED.search(str(error))
+        what = match.group("what") if match else " ".join(str(error).split())
+        what = what.split(". ")[0]
+        raise pickle.UnpicklingError(f"{where}: torch.load(weights_only=True) refused it: {what}") from error
+
+
+def _check_holds(tensor: Any, where: str, key: str, item: TensorStorageMetadata, sizes: Any) -> None:
+    """Refuse a record that does not hold a tensor of its chunk's dtype and shape."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != item.properties.dtype or tensor.shape != sizes:
+        got = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{where}: holds {got}; the metadata declares this chunk of {key} as "
+                         f"{item.properties.dtype} {list(sizes or [])}")  # fmt: skip
+
+
+def _data_start(window: RecordWindow, meta: torch.Tensor) -> Optional[int]:
+    """Where in the record the data of the tensor ``torch.load`` described (``meta``) starts, when it is laid out as
+    ``torch.save`` writes a contiguous tensor in this machine's byte order: a member of exactly its bytes."""
+    storage, nbytes = meta.untyped_storage(), meta.numel() * meta.element_size()
+    start = getattr(storage, "_checkpoint_offset", None)
+    member = window.member_at(start) if isinstance(start, int) else None
+    if member is None or member[1] != nbytes or storage.nbytes() != nbytes or meta.storage_offset():
+        return None
+    order = next((m for m in window.members.values() if m[3].rsplit("/", 1)[-1] == "byteorder"), None)
+    if order is not None:
+        window.seek(order[0])
+        if window.read(order[1]) != sys.byteorder.encode():
+            return None
+    return start if meta.is_contiguous() else None
 
 
 class DCPRegionReader:
@@ -62,6 +112,31 @@ class DCPRegionReader:
         self.path, self.metadata, self.verify_checksums = Path(path), metadata, verify_checksums
         self._files: Dict[str, Tuple[Path, int]] = dict(files or {})
         self._checked: Set[str] = set(checked)
+        self._by_leading: Dict[Tuple[str, int], Dict[Tuple[int, ...], List[ChunkStorageMetadata]]] = {}
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    def _chunks_holding(self, key: str, item: TensorStorageMetadata, leading: Tuple[int, ...]) -> Any:
+        """``item`` with only the chunks that hold ``key[leading]`` (all of them for no index), from an index of the
+        chunks by their leading offsets made at the first read of ``key`` (one pass over its chunks: the index
+        pairs :mod:`.plan` bounds)."""
+        if not leading:
+            return item
+        index = self._by_leading.get((key, len(leading)))
+        if index is None:
+            index = self._by_leading[(key, len(leading))] = {}
+            for chunk in item.chunks:
+                if all(chunk.sizes):  # a chunk of no element holds nothing to read
+                    ranges = [range(o, o + s) for o, s in zip(chunk.offsets[: len(leading)], chunk.sizes)]
+                    for at in itertools.product(*ranges):
+                        index.setdefault(at, []).append(chunk)
+        return TensorStorageMetadata(item.properties, item.size, index.get(leading, []))
+
+    def _staged(self, like: torch.Tensor) -> torch.Tensor:
+        """A reused buffer shaped as ``like`` (a chunk that does not land whole in the output)."""
+        nbytes = like.numel() * like.element_size()
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging[:nbytes].view(like.dtype).view(like.shape)
 
     def files_of(self, key: str) -> List[str]:
         """Names of the shard files that hold chunks of ``key``."""
@@ -74,18 +149,27 @@ class DCPRegionReader:
             self._files.update(check_dcp_layout(self.path, self.metadata, [key]))
             self._checked.add(key)
 
-    def _load(self, stream: Any, key: str, item: TensorStorageMetadata, storage_index: Any) -> torch.Tensor:
+    def _load(self, stream: Any, key: str, item: TensorStorageMetadata, storage_index: Any, place: Any) -> None:
+        """Load one record and hand its tensor to ``place(tensor, whole)``; ``whole`` says whether ``place`` may ask
+        for the data to be read straight into its memory instead (:meth:`_read_into`)."""
         info = self.metadata.storage_data[storage_index]
         where = f"{info.relative_path}, record at byte {info.offset}"
         window, finish = open_record(stream, info.offset, info.length, where, self.verify_checksums)
-        tensor = torch.load(cast(IO[bytes], window), map_location="cpu", weights_only=True)
-        finish()
         sizes = next((c.sizes for c in item.chunks if c.offsets == storage_index.offset), None)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != item.properties.dtype or tensor.shape != sizes:
-            got = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{where}: holds {got}; the metadata declares this chunk of {key} as "
-                             f"{item.properties.dtype} {list(sizes or [])}")  # fmt: skip
-        return tensor
+        meta = _refused_in_one_line(where, lambda: torch.load(cast(IO[bytes], window), map_location="meta",
+                                                              weights_only=True))  # fmt: skip
+        _check_holds(meta, where, key, item, sizes)
+        start = _data_start(window, meta)
+        if start is None:  # not laid out as torch.save writes a contiguous tensor: load it whole
+            window.seek(0)
+            tensor = _refused_in_one_line(where, lambda: torch.load(cast(IO[bytes], window), map_location="cpu",
+                                                                    weights_only=True))  # fmt: skip
+            finish()
+            _check_holds(tensor, where, key, item, sizes)
+            place(tensor, None)
+        else:
+            place(meta, lambda out: window.read_member(start, out.reshape(-1).view(torch.uint8).numpy().data))
+            finish()
 
     def read(
         self, key: str, index: Union[None, int, Tuple[int, ...]] = None, out: Optional[torch.Tensor] = None
@@ -120,7 +204,7 @@ class DCPRegionReader:
             raise ValueError(f"out is {destination.dtype} {list(destination.shape)}; {key} needs {shape}")
         region = destination.reshape([1] * len(leading) + shape)  # a view: the read lands in ``destination``
         wanted = ChunkStorageMetadata(offsets=torch.Size([*leading] + [0] * len(shape)), sizes=region.shape)
-        requests = create_read_items_for_chunk_list(key, item, [wanted])
+        requests = create_read_items_for_chunk_list(key, self._chunks_holding(key, item, leading), [wanted])
         if sum(math.prod(request.lengths) for request in requests) != region.numel():
             raise ValueError(f"the stored chunks of {key} do not cover the {region.numel()} elements read")
         records = self.metadata.storage_data
@@ -128,7 +212,18 @@ class DCPRegionReader:
         for name in dict.fromkeys(records[request.storage_index].relative_path for request in requests):
             with open_regular(self._files[name][0]) as stream:
                 for request in (r for r in requests if records[r.storage_index].relative_path == name):
-                    tensor = self._load(stream, key, item, request.storage_index)
                     target = narrow_tensor_by_index(region, request.dest_offsets, request.lengths)
-                    target.copy_(narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths))
+
+                    def place(tensor: torch.Tensor, read_into: Optional[Callable[[torch.Tensor], None]]) -> None:
+                        whole = list(request.lengths) == list(tensor.shape) and not any(request.storage_offsets)
+                        if read_into is not None and whole and target.is_contiguous():
+                            read_into(target)  # straight into the output
+                            return
+                        if read_into is not None:
+                            staged = self._staged(tensor)
+                            read_into(staged)
+                            tensor = staged
+                        target.copy_(narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths))
+
+                    self._load(stream, key, item, request.storage_index, place)
         return destination

@@ -18,19 +18,20 @@
 Before any tensor is read or any output is allocated, :func:`check_dcp_layout` checks every model tensor entry
 (``module.*``) of the DCP metadata:
 
-* **tiling**: each chunk lies inside the tensor's declared size, no two chunks overlap, and no chunk repeats; the
-  coverage of each output tensor is then counted exactly by :mod:`.plan` (a hole fails there, naming
-  the tensor). With overlapping or out-of-bounds chunks, adding up volumes would hide a hole, and the output would hold
-  whatever memory the hole had;
+* **dtype**: one a safetensors file can hold (:data:`SAFETENSORS_DTYPES`);
+* **tiling**: each chunk lies inside the tensor's declared size, no two chunks overlap, and no chunk repeats, proved
+  in O(n log n) steps for n chunks (:func:`check_chunk_tiling`); the coverage of each output tensor is then counted
+  exactly by :mod:`.plan` (a hole fails there, naming the tensor). With overlapping or out-of-bounds chunks, adding
+  up volumes would hide a hole, and the output would hold whatever memory the hole had;
 * **storage**: each chunk has its storage record (``storage_data[MetadataIndex(key, offsets)]``), and each stored
   record of the key has its chunk (a chunk taken out of the metadata would otherwise silently drop a layer: a layer no
   chunk covers has no output, as for the layers of another kind in a heterogeneous or MoE model); the record names a
   plain file of ``weights/`` (one path component, no ``..``, not absolute), which resolves inside ``weights/``
   (symlinks followed) and is a regular file; the record lies inside that file, holds at least the chunk's bytes
-  (``torch.save`` stores tensor data uncompressed), shares no byte with another record, and carries no storage
-  transform (compression: megatron-core never writes it, and its output size could not be bounded). So the bytes a
-  plan allocates are bounded by the bytes the checkpoint holds (a record's members must be uncompressed too:
-  :mod:`.dcp_reader`).
+  (``torch.save`` stores tensor data uncompressed), shares no byte with another record (files compared by device and
+  inode: a symbolic or hard link is the same file), and carries no storage transform (compression: megatron-core
+  never writes it, and its output size could not be bounded). So the bytes a plan allocates are bounded by the bytes
+  the checkpoint holds (a record's members must be uncompressed too: :mod:`.dcp_reader`).
 
 What each stored record actually holds (its dtype and shape) is checked when it is read
 (:class:`.dcp_reader.DCPRegionReader`).
@@ -44,14 +45,16 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Sequence, Set, Tuple, Union
 
+import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from nemo_patch.engine.errors import CorruptShardError
+from nemo_patch.engine.errors import CorruptShardError, UnknownLayoutError
 from nemo_patch.engine.safe_files import UnsafeFileError
 
 __all__ = [
+    "SAFETENSORS_DTYPES",
     "check_chunk_tiling",
     "check_dcp_layout",
     "check_no_missing_layer",
@@ -59,6 +62,15 @@ __all__ = [
     "resolve_inside",
     "shard_file",
 ]
+
+
+#: The dtypes a model weight may have (a safetensors file's name of each): any other (``qint8``, ``bits8``, ``uint1``,
+#: ``quint4x2``, complex, ...) has no safetensors encoding and is refused when the layout is checked.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
 
 
 def resolve_inside(directory: Union[str, Path], name: Union[str, Path]) -> Path:
@@ -93,42 +105,108 @@ def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
     ) and all(n > 0 for n in (*a.sizes, *b.sizes))
 
 
-def check_chunk_tiling(key: str, size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> None:
+def _overlapping(key: str, a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> CorruptShardError:
+    return CorruptShardError(
+        f"{key}: chunks {_describe(a)} and {_describe(b)} overlap; refusing a layout in which a part of the tensor is "
+        "stored twice or not at all"
+    )
+
+
+#: Steps every tiling proof may take beyond its O(n log n) budget: a few milliseconds, enough to prove any layout of a
+#: few dozen chunks however entangled (a spiral of 40 strips, each cut peeling one, takes about 8,500).
+_SPARE_STEPS = 1 << 14
+
+
+def _cut(group: List[ChunkStorageMetadata], dim: int) -> List[List[ChunkStorageMetadata]]:
+    """``group`` cut along ``dim`` where no chunk crosses: runs of chunks whose intervals there chain-overlap."""
+    ordered = sorted(group, key=lambda chunk: chunk.offsets[dim])
+    parts, end = [[ordered[0]]], ordered[0].offsets[dim] + ordered[0].sizes[dim]
+    for chunk in ordered[1:]:
+        if chunk.offsets[dim] >= end:
+            parts.append([])
+        parts[-1].append(chunk)
+        end = max(end, chunk.offsets[dim] + chunk.sizes[dim])
+    return parts
+
+
+def check_chunk_tiling(key: str, size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> int:
     """Check that ``chunks`` lie inside a tensor of ``size`` and that no two of them overlap.
 
-    Overlap is found with a sweep along the dimension with the most distinct chunk offsets: chunks are sorted by their
-    start there, and each is compared only with those whose interval along that dimension it meets.
+    Chunks of no element overlap nothing (two at one offset still share a storage record, and are refused). The others
+    are cut apart along any dimension in which a straight cut between them crosses no chunk (the grid that tensor,
+    pipeline and expert parallelism make is cut apart this way, dimension by dimension), and the cut groups are
+    checked each on its own; only chunks no such cut separates are compared pair by pair, along the dimension with
+    the most distinct offsets. The steps are counted, and a layout that would take more than about
+    ``8 * n * log2(n) * dims`` of them for ``n`` chunks (plus :data:`_SPARE_STEPS`, a few milliseconds, so that small
+    layouts of any shape are proved) is refused, so the proof takes O(n log n) time whatever the
+    metadata says (a staircase of chunks, each meeting all the others along one dimension, used to take quadratic
+    time).
 
     Args:
         key: the tensor's key (for messages).
         size: its global shape.
         chunks: its stored chunks.
 
+    Returns:
+        The steps the proof took (chunks visited and pairs compared).
+
     Raises:
-        CorruptShardError: naming ``key`` and the first chunk that sticks out of the tensor, or the first pair that
-            overlaps (a repeated chunk included).
+        CorruptShardError: naming ``key`` and the first chunk that sticks out of the tensor, or a pair that overlaps
+            (a repeated chunk included).
+        UnknownLayoutError: naming ``key``: chunks whose proof would take more steps than that.
     """
+    offsets: Set[Tuple[int, ...]] = set()
     for chunk in chunks:
         if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size):
             raise CorruptShardError(f"{key}: chunk {_describe(chunk)} does not have the tensor's {len(size)} dims")
         if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, size)):
             raise CorruptShardError(f"{key}: chunk {_describe(chunk)} lies outside the tensor's size {list(size)}")
-    if len(chunks) < 2 or not size:
-        if len(chunks) > 1:
-            raise CorruptShardError(f"{key}: a scalar stored as {len(chunks)} chunks")
-        return
-    axis = max(range(len(size)), key=lambda dim: len({chunk.offsets[dim] for chunk in chunks}))
-    ordered = sorted(chunks, key=lambda chunk: (chunk.offsets[axis], tuple(chunk.offsets)))
-    for position, chunk in enumerate(ordered):
-        end = chunk.offsets[axis] + chunk.sizes[axis]
-        for other in ordered[position + 1 :]:
-            if other.offsets[axis] >= end:
+        if tuple(chunk.offsets) in offsets:
+            raise _overlapping(key, chunk, next(c for c in chunks if tuple(c.offsets) == tuple(chunk.offsets)))
+        offsets.add(tuple(chunk.offsets))
+    if len(chunks) > 1 and not size:
+        raise CorruptShardError(f"{key}: a scalar stored as {len(chunks)} chunks")
+    boxes = [chunk for chunk in chunks if all(n > 0 for n in chunk.sizes)]
+    budget = 8 * len(boxes) * (len(boxes).bit_length() + 1) * max(1, len(size)) + _SPARE_STEPS
+    pending: List[Tuple[List[ChunkStorageMetadata], Tuple[int, ...]]] = [(boxes, tuple(range(len(size))))]
+    steps = 0
+    while pending and steps <= budget:
+        group, dims = pending.pop()
+        steps += len(group) * (len(dims) + 1)
+        if len(group) < 2:
+            continue
+        dims = tuple(d for d in dims if len({(c.offsets[d], c.sizes[d]) for c in group}) > 1)
+        if not dims:  # the same interval in every dimension
+            raise _overlapping(key, group[0], group[1])
+        parts = None
+        for dim in dims:  # a cut costs a sort of the group
+            steps, parts = steps + len(group) * len(group).bit_length(), _cut(group, dim)
+            if len(parts) > 1:
                 break
-            if _overlap(chunk, other) or tuple(chunk.offsets) == tuple(other.offsets):
-                raise CorruptShardError(
-                    f"{key}: chunks {_describe(chunk)} and {_describe(other)} overlap; refusing a layout in which "
-                    "a part of the tensor is stored twice or not at all"
-                )
+        if parts is not None and len(parts) > 1:
+            pending.extend((part, dims) for part in parts)
+            continue
+        axis = max(dims, key=lambda dim: len({chunk.offsets[dim] for chunk in group}))
+        ordered = sorted(group, key=lambda chunk: chunk.offsets[axis])
+        for position, chunk in enumerate(ordered):
+            end = chunk.offsets[axis] + chunk.sizes[axis]
+            for other in ordered[position + 1 :]:
+                if other.offsets[axis] >= end:
+                    break
+                steps += 1
+                if steps > budget:
+                    break
+                if _overlap(chunk, other):
+                    raise _overlapping(key, chunk, other)
+            if steps > budget:
+                break
+    if steps > budget:
+        raise UnknownLayoutError(
+            f"{key}: proving that its {len(boxes)} chunks do not overlap would take more than {budget} steps (they "
+            "are not a grid that a few rounds of straight cuts take apart); refusing a layout no distributed "
+            "checkpoint writes"
+        )
+    return steps
 
 
 def check_shard_name(name: str) -> None:
@@ -141,8 +219,8 @@ def check_shard_name(name: str) -> None:
         raise CorruptShardError(f"the metadata names the shard file {name!r}: not a plain file name in weights/")
 
 
-def shard_file(weights_dir: Path, name: str) -> Tuple[Path, int]:
-    """The resolved path and size of the shard file a storage record names.
+def shard_file(weights_dir: Path, name: str) -> Tuple[Path, os.stat_result]:
+    """The resolved path and status of the shard file a storage record names.
 
     Raises:
         CorruptShardError: a name that is not a plain file name, that leads outside ``weights_dir``, that is missing,
@@ -158,11 +236,15 @@ def shard_file(weights_dir: Path, name: str) -> Tuple[Path, int]:
         raise CorruptShardError(f"shard file {Path(weights_dir) / name}: {error.strerror}") from None
     if not stat.S_ISREG(status.st_mode):
         raise CorruptShardError(f"shard file {Path(weights_dir) / name} is not a regular file")
-    return path, status.st_size
+    return path, status
 
 
 def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str]) -> Dict[str, Tuple[Path, int]]:
-    """Check the tiling and the storage of every chunk of ``keys`` (see the module docstring).
+    """Check the dtype, the tiling and the storage of every chunk of ``keys`` (see the module docstring).
+
+    Records are compared by the identity of their files (device and inode, after every symbolic link is resolved),
+    not by the names the metadata gives them: a symbolic or hard link in ``weights/`` is the same file, and two
+    records in it may not share a byte either.
 
     Args:
         weights_dir: the DCP directory.
@@ -174,12 +256,15 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
         (:func:`shard_file`), for the reader to open files by their checked paths only.
 
     Raises:
-        CorruptShardError: naming the tensor and the first bad chunk or record, or the file.
+        CorruptShardError: naming the tensor and the first bad chunk or record, or the file; a dtype that no
+            safetensors file can hold (:data:`SAFETENSORS_DTYPES`).
+        UnknownLayoutError: chunks too many and too entangled to prove that they do not overlap
+            (:func:`check_chunk_tiling`).
     """
-    files: Dict[str, Tuple[Path, int]] = {}
+    files: Dict[str, Tuple[Path, os.stat_result]] = {}
     storage = metadata.storage_data or {}
-    wanted = set(keys)
-    extents: List[Tuple[str, int, int, str]] = []
+    wanted = dict.fromkeys(keys)
+    extents: List[Tuple[Tuple[int, int], int, int, str, str]] = []
     records: Dict[str, List[Tuple[int, ...]]] = {}
     for index in storage:
         if index.fqn in wanted:
@@ -188,6 +273,11 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
         item = metadata.state_dict_metadata[key]
         if not isinstance(item, TensorStorageMetadata):
             continue
+        if item.properties.dtype not in SAFETENSORS_DTYPES:
+            raise CorruptShardError(
+                f"{key}: dtype {item.properties.dtype} has no safetensors encoding (a model's weights are one of "
+                f"{', '.join(sorted(str(dtype).removeprefix('torch.') for dtype in SAFETENSORS_DTYPES))})"
+            )
         check_chunk_tiling(key, item.size, item.chunks)
         orphans = set(records.get(key, ())) - {tuple(chunk.offsets) for chunk in item.chunks}
         if orphans:
@@ -207,27 +297,31 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
                 )
             if info.relative_path not in files:
                 files[info.relative_path] = shard_file(weights_dir, info.relative_path)
-            _, file_size = files[info.relative_path]
+            status = files[info.relative_path][1]
             needed = math.prod(chunk.sizes) * element
-            if info.offset + info.length > file_size:
+            if info.offset + info.length > status.st_size:
                 raise CorruptShardError(
                     f"{key}: chunk {_describe(chunk)}: its record ends at byte {info.offset + info.length} of "
-                    f"{info.relative_path}, which has {file_size} bytes (truncated)"
+                    f"{info.relative_path}, which has {status.st_size} bytes (truncated)"
                 )
             if info.length < needed:
                 raise CorruptShardError(
                     f"{key}: chunk {_describe(chunk)} declares {needed} bytes of data; its record in "
                     f"{info.relative_path} has {info.length}"
                 )
-            extents.append((info.relative_path, info.offset, info.length, key))
+            identity = (status.st_dev, status.st_ino)
+            extents.append((identity, info.offset, info.length, key, info.relative_path))
     extents.sort()
-    for (name, offset, length, key), (other_name, other_offset, _, other_key) in zip(extents, extents[1:]):
-        if name == other_name and offset + length > other_offset:
+    for (file, offset, length, key, name), (other_file, other_offset, _, other_key, other_name) in zip(
+        extents, extents[1:]
+    ):
+        if file == other_file and offset + length > other_offset:
+            also = "" if name == other_name else f" ({other_name}, the same file as {name}: a link)"
             raise CorruptShardError(
-                f"{other_key}: its record at byte {other_offset} of {name} overlaps the record of {key} at byte "
-                f"{offset}; each record holds its own bytes"
+                f"{other_key}: its record at byte {other_offset} of {other_name} overlaps the record of {key} at "
+                f"byte {offset} of {name}{also}; each record holds its own bytes"
             )
-    return files
+    return {name: (path, status.st_size) for name, (path, status) in files.items()}
 
 
 _STACK = re.compile(r"^module\.(?P<head>(?:.*\.)?layers)\.[^0-9]")
@@ -236,22 +330,26 @@ _STACK = re.compile(r"^module\.(?P<head>(?:.*\.)?layers)\.[^0-9]")
 def check_no_missing_layer(metadata: Metadata, keys: Iterable[str]) -> None:
     """Refuse a layer index that no entry of its layer stack holds, below the smallest layer count the stack's entries
     declare (``decoder.layers``, ``mtp.layers``): a hole in the metadata, not a layer of another kind (a dense layer
-    among MoE layers is held by another entry), which would otherwise give a smaller model.
+    among MoE layers is held by another entry), which would otherwise give a smaller model. The layers held are
+    merged as intervals (time O(n log n) in the chunks, whatever layer counts they declare).
 
     Raises:
         CorruptShardError: naming the stack's first missing layer and an entry that declares it.
     """
-    stacks: Dict[str, List[Tuple[int, str, set]]] = {}
+    stacks: Dict[str, List[Tuple[int, str, List[Tuple[int, int]]]]] = {}
     for key in keys:
         item, match = metadata.state_dict_metadata[key], _STACK.match(key)
         if match is None or not isinstance(item, TensorStorageMetadata) or not item.size:
             continue
-        held = {layer for chunk in item.chunks for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])}
+        held = [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) for chunk in item.chunks if chunk.sizes[0]]
         stacks.setdefault(match.group("head"), []).append((item.size[0], key, held))
     for head, entries in stacks.items():
         layers, key, _ = min(entries)
-        covered = set().union(*(entry[2] for entry in entries))
-        missing = next(layer for layer in range(len(covered) + 1) if layer not in covered)
+        missing = 0
+        for start, end in sorted(interval for entry in entries for interval in entry[2]):
+            if start > missing:
+                break
+            missing = max(missing, end)
         if missing < layers:
             raise CorruptShardError(
                 f"{key}[{missing}]: no stored chunk of any of the {len(entries)} {head}.* entries holds layer "

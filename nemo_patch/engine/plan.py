@@ -26,7 +26,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -44,7 +44,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover
 _MODEL_PREFIX = "module."
 _OPTIMIZER = re.compile(r"^(?:chained_\d+\.)?optimizer\.")  # Megatron-LM's; ``chained_<i>.`` for several optimizers
 _STACKED = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<tail>[^0-9].*)$")
-#: The most output tensors one checkpoint entry may split into (layers x experts); more is a crafted size.
+#: The most (output tensor, chunk) pairs of one checkpoint entry (layers x experts x chunks); more is a crafted size.
 MAX_OUTPUTS_PER_ENTRY = 1 << 20
 
 
@@ -92,15 +92,16 @@ def model_tensor_keys(metadata: Metadata) -> List[str]:
     return [k for k in tensors if k.startswith(_MODEL_PREFIX)] or [k for k in tensors if not _OPTIMIZER.match(k)]
 
 
-def _leading_indices(key: str, item: TensorStorageMetadata, axes: int) -> List[Tuple[int, ...]]:
-    """The indices into the first ``axes`` dimensions that a stored chunk covers (never from the size alone)."""
-    found: Set[Tuple[int, ...]] = set()
+def _leading_indices(key: str, item: TensorStorageMetadata, axes: int) -> Dict[Tuple[int, ...], int]:
+    """The indices into the first ``axes`` dimensions stored chunks cover (never the size alone) -> elements held."""
+    found, pairs = cast(Dict[Tuple[int, ...], int], {}), 0
     for chunk in item.chunks:
         ranges = [range(offset, offset + size) for offset, size in zip(chunk.offsets[:axes], chunk.sizes[:axes])]
-        if math.prod(map(len, ranges)) + len(found) > MAX_OUTPUTS_PER_ENTRY:
+        if (pairs := pairs + math.prod(map(len, ranges))) > MAX_OUTPUTS_PER_ENTRY:
             raise UnknownLayoutError(f"{key}: shape {list(item.size)} splits into too many output tensors")
-        found.update(itertools.product(*ranges))
-    return sorted(found)
+        for index in itertools.product(*ranges):
+            found[index] = found.get(index, 0) + math.prod(chunk.sizes[axes:])
+    return dict(sorted(found.items()))
 
 
 def _outputs_of(key: str, item: TensorStorageMetadata) -> List[OutputTensor]:
@@ -114,13 +115,11 @@ def _outputs_of(key: str, item: TensorStorageMetadata) -> List[OutputTensor]:
         raise UnknownLayoutError(f"{key}: shape {list(size)} lacks the layer or expert axis its name says it has")
     indices = _leading_indices(key, item, axes)
     if experts:
-        moe_names.check_experts(key, size, indices, stacked)
+        moe_names.check_experts(key, size, list(indices), stacked)
     elif not stacked and not indices:
         raise UnknownLayoutError(f"{key}: no stored chunk holds it; refusing a missing tensor")
     outputs = []
-    for index in indices:
-        covered = sum(math.prod(c.sizes[axes:]) for c in item.chunks if all(
-            o <= i < o + s for i, o, s in zip(index, c.offsets, c.sizes)))  # fmt: skip
+    for index, covered in indices.items():
         if covered != math.prod(size[axes:]):
             raise UnknownLayoutError(
                 f"{key}{list(index)}: the stored chunks cover {covered} of its {math.prod(size[axes:])} elements; "

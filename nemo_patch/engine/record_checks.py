@@ -18,9 +18,12 @@ Each tensor chunk of a ``torch_dist`` checkpoint is one ``torch.save`` record (a
 file. :func:`open_record` gives :class:`.dcp_reader.DCPRegionReader` a view of one record that
 
 * refuses a compressed member (``torch.save`` stores members uncompressed; a deflated one would make ``torch.load``
-  allocate far more than the record holds) and members whose data share bytes (a central directory naming one stored
-  member many times would make ``torch.load`` allocate it as often): what ``torch.load`` allocates is bounded by the
-  record's bytes;
+  allocate far more than the record holds), a member whose data would end past the record, and members whose data
+  share bytes (a central directory naming one stored member many times would make ``torch.load`` allocate it as
+  often): what ``torch.load`` allocates is bounded by the record's bytes;
+* reads a member's data straight into the caller's memory with :meth:`RecordWindow.read_member` (the tensor's place
+  in the output, when the chunk lands there whole), checking its CRC-32 on the same bytes block by block while they
+  are in the CPU's cache: one pass over the bytes for reading and checking;
 * checks each member's CRC-32 on the bytes ``torch.load`` reads (one ``readinto`` of the member's size), so the data
   is not read twice; a member read any other way is streamed through ``zipfile`` by the returned ``finish``.
 
@@ -28,9 +31,10 @@ The CRC-32 is ``zlib-ng``'s where installed (the same values as ``zlib.crc32``, 
 :mod:`.dcp_reader` uses this module where it is present.
 """
 
+
 import io
 import zipfile
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 try:  # the same values as zlib's crc32, about 7 times faster
     from zlib_ng.zlib_ng import crc32
@@ -39,13 +43,49 @@ except ImportError:  # pragma: no cover - zlib-ng is optional
 
 __all__ = ["RecordWindow", "open_record"]
 
+#: Bytes read (and checked) at a time by :meth:`RecordWindow.read_member`: small enough to stay in the CPU's cache.
+_BLOCK = 4 << 20
+_Member = Tuple[int, int, int, str]  # data offset in the record, size, CRC-32, name
+
 
 class RecordWindow(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of an open file from ``offset`` (a record in a shard file)."""
+    """A read-only, seekable view of ``length`` bytes of an open file from ``offset`` (a record in a shard file), and
+    the record's ``members`` (``(data offset, size, CRC-32, name)``) once checked."""
 
-    def __init__(self, file: Any, offset: int, length: int) -> None:
+    def __init__(self, file: Any, offset: int, length: int, members: Sequence[_Member] = (), where: str = "") -> None:
         super().__init__()
         self._file, self._offset, self._length, self._pos = file, offset, length, 0
+        self.members, self.where = {member[0]: member for member in members}, where
+
+    def member_at(self, start: int) -> Optional[_Member]:
+        """The member whose data starts at byte ``start`` of the record, if any."""
+        return self.members.get(start)
+
+    def read_member(self, start: int, out: memoryview) -> None:
+        """Read the data of the member at ``start`` (:meth:`member_at`) into ``out``, which has its size.
+
+        Raises:
+            zipfile.BadZipFile: no such member, a size that differs, the record ends early, or (in a checked view) a
+                CRC-32 that differs; naming the record.
+        """
+        member = self.members.get(start)
+        if member is None or member[1] != len(out):
+            raise zipfile.BadZipFile(f"{self.where}: no member of {len(out)} bytes at byte {start}")
+        crc, done = 0, 0
+        self.seek(start)
+        while done < len(out):
+            got = RecordWindow.readinto(self, out[done : done + _BLOCK])
+            if got <= 0:
+                raise zipfile.BadZipFile(f"{self.where}: member {member[3]} ends {len(out) - done} bytes early")
+            crc = self._check(crc, out[done : done + got])
+            done += got
+        self._checked(member, crc)
+
+    def _check(self, crc: int, data: memoryview) -> int:
+        return crc
+
+    def _checked(self, member: _Member, crc: int) -> None:
+        pass
 
     def readable(self) -> bool:
         return True
@@ -71,9 +111,6 @@ class RecordWindow(io.RawIOBase):
         return got
 
 
-_Member = Tuple[int, int, int, str]  # data offset in the record, size, CRC-32, name
-
-
 def _members(file: Any, offset: int, length: int) -> List[_Member]:
     """The record's members, after refusing compressed ones and members whose data overlap.
 
@@ -94,7 +131,13 @@ def _members(file: Any, offset: int, length: int) -> List[_Member]:
             if len(header) < 30 or header[:4] != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"bad local header of {info.filename}")
             start = info.header_offset + 30 + int.from_bytes(header[26:28], "little")
-            members.append((start + int.from_bytes(header[28:30], "little"), info.file_size, info.CRC, info.filename))
+            start += int.from_bytes(header[28:30], "little")
+            if start + info.file_size > length:
+                raise zipfile.BadZipFile(
+                    f"member {info.filename} declares {info.file_size} bytes from byte {start} of a {length}-byte "
+                    "record"
+                )
+            members.append((start, info.file_size, info.CRC, info.filename))
     ordered = sorted(members)
     for (start, size, _, name), (other, _, _, other_name) in zip(ordered, ordered[1:]):
         if start + size > other:
@@ -103,12 +146,21 @@ def _members(file: Any, offset: int, length: int) -> List[_Member]:
 
 
 class _CheckedWindow(RecordWindow):
-    """A :class:`RecordWindow` that checks each member's CRC-32 on the bytes of a ``readinto`` of its whole data."""
+    """A :class:`RecordWindow` that checks each member's CRC-32 on the bytes of a ``readinto`` of its whole data, or
+    of a :meth:`read_member`."""
 
-    def __init__(self, file: Any, offset: int, length: int, members: List[_Member]) -> None:
-        super().__init__(file, offset, length)
+    def __init__(self, file: Any, offset: int, length: int, members: List[_Member], where: str) -> None:
+        super().__init__(file, offset, length, members, where)
         self.pending: Dict[int, Tuple[int, int, str]] = {s: (n, c, name) for s, n, c, name in members if c and n}
         self.failed: List[str] = []
+
+    def _check(self, crc: int, data: memoryview) -> int:
+        return crc32(data, crc)
+
+    def _checked(self, member: _Member, crc: int) -> None:
+        if member[0] in self.pending and crc != member[2]:
+            raise zipfile.BadZipFile(f"{self.where}: corrupt data (Bad CRC-32 for file {member[3]!r})")
+        self.pending.pop(member[0], None)
 
     def readinto(self, buffer: Any) -> int:
         start = self._pos
@@ -150,16 +202,16 @@ def open_record(
         verify_checksums: check the members' CRC-32 (the members' layout is checked either way).
 
     Raises:
-        zipfile.BadZipFile: (from either) a compressed member, members sharing data, a bad CRC-32 or a corrupt
-            archive, naming ``where``.
+        zipfile.BadZipFile: (from either) a compressed member, a member past the record's end, members sharing
+            data, a bad CRC-32 or a corrupt archive, naming ``where``.
     """
     try:
         members = _members(file, offset, length)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as error:
         raise zipfile.BadZipFile(f"{where}: corrupt data ({error})") from error
     if not verify_checksums:
-        return RecordWindow(file, offset, length), lambda: None
-    window = _CheckedWindow(file, offset, length, members)
+        return RecordWindow(file, offset, length, members, where), lambda: None
+    window = _CheckedWindow(file, offset, length, members, where)
 
     def finish() -> None:
         try:

@@ -119,7 +119,8 @@ def verify_consolidated(
     Floating-point sources are cast to the output's dtype first (for outputs written with a ``dtype`` cast); the
     cast is the same one the consolidation used, so the comparison is exact. As a cast to a narrower dtype would turn
     a finite value that overflows into the same ``inf`` on both sides, an output value that is not finite where its
-    source is fails first (:func:`.plan.cast_overflow`). Reads one tensor at a time.
+    source is fails first (:func:`.plan.cast_overflow`). Reads one tensor at a time, once its shape in the output's
+    header is its source's (a header claiming a larger tensor costs nothing).
 
     Args:
         weights_dir: the checkpoint's DCP directory (``<ckpt>/weights``).
@@ -155,8 +156,14 @@ def verify_consolidated(
         try:
             with safe_open(str(output_dir / filename), framework="pt") as handle:
                 for name in names:
-                    actual = handle.get_tensor(name)
                     source = sources[name]
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    if shape != tuple(source.spec.shape):  # before reading it: its size is then the checkpoint's
+                        raise VerificationError(
+                            f"Tensor {name} in {output_dir / filename} has shape {list(shape)}; {_where(source)} of "
+                            f"{weights_dir} has {list(source.spec.shape)}"
+                        )
+                    actual = handle.get_tensor(name)
                     try:
                         expected = reader.read(source.key, source.index)
                     except (Exception, CheckpointException) as error:
