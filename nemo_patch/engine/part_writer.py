@@ -22,15 +22,22 @@ the files, hashes each tensor's bytes (BLAKE3, :mod:`.digests`) as it writes the
 them durable while the next tensors are produced, and fsyncs what it wrote. Parts are disjoint, so their writers need
 no locks, and the bytes of a file do not depend on how many parts filled it.
 
+A filesystem that refuses writes at offsets or reopening a file (write-once volumes: Databricks volumes, some FUSE
+mounts) fails here with :class:`OffsetWritesRefusedError`, which says what works there: one writer, which writes each
+file front to back (:func:`.safetensors_writer.write_file`), or a local output directory.
+
 Imports the standard library, torch and the engine's digests, errors, layout and stage times only; never NeMo,
 Lightning or megatron-core.
 """
 
+import contextlib
+import errno
+import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence
 
 import torch
 
@@ -39,13 +46,38 @@ from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.safetensors_writer import OutputFile, TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 
-__all__ = ["Placement", "create_files", "placements_of", "split_parts", "write_part"]
+__all__ = ["OffsetWritesRefusedError", "Placement", "create_files", "placements_of", "split_parts", "write_part"]
 
 #: Bytes per ``pwrite`` call. One call per tensor (tens to hundreds of MB) made a whole consolidation about 20% slower
 #: than cache-sized pieces (in-process A/B on ``scripts/bench_consolidation.py``'s 2.55 GB checkpoint, 2 cores).
 _WRITE_BLOCK = 1 << 18
 #: Bytes written to a file after which its writeback is started (:class:`_Writeback`).
 _WRITEBACK_BYTES = 64 << 20
+#: What a filesystem that cannot write at offsets answers ``ftruncate``, ``pwrite`` or reopening a file with.
+_REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ESPIPE, errno.EINVAL, errno.EPERM)
+
+
+class OffsetWritesRefusedError(ConsolidationError):
+    """Several writers fill the output files at offsets, and the output's filesystem refuses it (write-once volumes
+    such as Databricks volumes and some FUSE mounts); one writer, which writes each file front to back, works there."""
+
+    exit_code, summary = 20, "an output filesystem that refuses writes at offsets (several writers)"
+
+
+@contextlib.contextmanager
+def _offsets_refused(path: Path, what: str) -> Iterator[None]:
+    """Turn the refusal of ``what`` (an ``OSError`` of :data:`_REFUSED`) into :class:`OffsetWritesRefusedError`."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _REFUSED:
+            raise
+        raise OffsetWritesRefusedError(
+            f"{path}: the filesystem refuses {what} ({error.strerror}): several writers fill the output's files at "
+            "offsets, which a write-once filesystem (a Databricks volume, some FUSE mounts) does not allow; write "
+            "with one writer (workers=1), which writes each file front to back, or to a local output directory and "
+            "copy it from there"
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -74,13 +106,16 @@ def create_files(directory: Path, files: Sequence[OutputFile]) -> None:
     (:func:`write_part`); the data reads as zeros until then. Headers are fsynced.
 
     Raises:
+        OffsetWritesRefusedError: the filesystem refuses to set a file's size.
         OSError: a file cannot be created.
     """
     for file in files:
-        with open(Path(directory) / file.name, "xb") as handle:
+        path = Path(directory) / file.name
+        with open(path, "xb") as handle:
             handle.write(file.header)
-            handle.truncate(file.size)
             handle.flush()
+            with _offsets_refused(path, "setting a file's size (ftruncate)"):
+                os.ftruncate(handle.fileno(), file.size)
             os.fsync(handle.fileno())
 
 
@@ -110,9 +145,9 @@ def split_parts(files: Sequence[OutputFile], count: int) -> List[List[Placement]
     return parts
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
     start = 0
-    with stage_times.timed("write"):
+    with stage_times.timed("write"), _offsets_refused(path, "writing at an offset (pwrite)"):
         while start < len(data):
             start += os.pwrite(fd, data[start : start + _WRITE_BLOCK], offset + start)
 
@@ -190,6 +225,7 @@ def write_part(
     Raises:
         ConsolidationError: a placement's size differs from its spec's (the two sides planned different outputs), or a
             produced tensor does not match its spec; the message names the tensor.
+        OffsetWritesRefusedError: the filesystem refuses to reopen a file or to write at an offset.
         OSError: a file cannot be opened, written or synced.
     """
     directory = Path(directory)
@@ -225,9 +261,11 @@ def write_part(
                 data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
                 settle()
                 if placement.file not in fds:
-                    fds[placement.file] = os.open(directory / placement.file, os.O_WRONLY)
+                    with _offsets_refused(directory / placement.file, "reopening a file to write it"):
+                        fds[placement.file] = os.open(directory / placement.file, os.O_WRONLY | os.O_NOFOLLOW)
                 fd = fds[placement.file]
-                in_flight = [pool.submit(_pwrite_all, fd, data, placement.offset), pool.submit(_digest, data)]
+                write = functools.partial(_pwrite_all, fd, data, placement.offset, directory / placement.file)
+                in_flight = [pool.submit(write), pool.submit(_digest, data)]
                 pending = [placement]
                 del tensor, data  # the futures keep the buffer alive until written and hashed
             settle()

@@ -25,6 +25,7 @@ naming): ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`
 tensor gets a file of its own) plus ``model.safetensors.index.json``; one ``model.safetensors`` when all fits.
 """
 
+import errno
 import json
 import os
 import struct
@@ -36,18 +37,16 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from nemo_patch.engine.errors import UnknownLayoutError
+from nemo_patch.engine.layout_checks import SAFETENSORS_DTYPES
 from nemo_patch.engine.output_layout import MODEL_STEM
 from nemo_patch.engine.plan import TensorSpec, plan_shards
+from nemo_patch.engine.stage_times import stage_times
 
 __all__ = ["MAX_HEADER_BYTES", "OutputFile", "TensorSpec", "encode_header", "plan_files", "write_file", "write_index"]
 
 #: The largest header the ``safetensors`` library reads (its ``MAX_HEADER_SIZE``).
 MAX_HEADER_BYTES = 100_000_000
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+_DTYPES = SAFETENSORS_DTYPES
 
 
 def encode_header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:
@@ -110,9 +109,25 @@ def plan_files(specs: Sequence[TensorSpec], max_shard_size: int, stem: str = MOD
     ]
 
 
+#: Bytes :func:`write_file` writes between two ``fdatasync`` calls it starts in the background.
+WRITEBACK_BYTES = 64 << 20
+
+
 def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data[: 1 << 26]) :]
+    with stage_times.timed("write"):
+        while data:
+            data = data[os.write(fd, data[: 1 << 26]) :]
+
+
+def _writeback(fd: int) -> None:
+    """``fdatasync`` what is written so far, beside the writes; a filesystem without it is left to the final
+    ``fsync``."""
+    with stage_times.timed("fsync"):
+        try:
+            os.fdatasync(fd)
+        except OSError as error:
+            if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
 
 
 def write_file(
@@ -124,7 +139,10 @@ def write_file(
     """Create ``directory/file.name`` (it must not exist) and write it front to back, then ``fsync`` it.
 
     While one tensor's bytes are written (and handed to ``on_tensor``, e.g. to hash them, at the same time), the next
-    one is produced: at most two tensors are in memory.
+    one is produced: at most two tensors are in memory. Every :data:`WRITEBACK_BYTES` written, an ``fdatasync`` starts
+    in a thread of its own, so that the device's time overlaps the reading instead of following it. The file is
+    created with ``O_EXCL`` and ``O_NOFOLLOW``, written with ``write`` only (no seek, no reopen, no truncate): a
+    write-once filesystem takes it.
 
     Args:
         directory: where to create the file.
@@ -138,10 +156,13 @@ def write_file(
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(Path(directory) / file.name, flags, 0o666)
+    syncs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safetensors-writeback")
     try:
+        synced: List[Future] = []
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="safetensors-writer") as pool:
             _write_all(fd, memoryview(file.header))
             pending: List[Future] = []
+            unsynced, in_flight = 0, 0
             for spec in file.specs:
                 tensor = produce(spec)
                 if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
@@ -149,14 +170,21 @@ def write_file(
                 data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
                 for done in pending:
                     done.result()
+                unsynced, in_flight = unsynced + in_flight, spec.nbytes
+                if unsynced >= WRITEBACK_BYTES:
+                    synced, unsynced = synced + [syncs.submit(_writeback, fd)], 0
                 pending = [pool.submit(_write_all, fd, data)]
                 if on_tensor is not None:
                     pending.append(pool.submit(on_tensor, spec, data))
                 del tensor, data  # the futures keep the bytes alive until written
             for done in pending:
                 done.result()
-        os.fsync(fd)
+        for done in synced:
+            done.result()
+        with stage_times.timed("fsync"):
+            os.fsync(fd)
     finally:
+        syncs.shutdown(wait=True, cancel_futures=True)  # before the descriptor it syncs is closed
         os.close(fd)
 
 
