@@ -32,6 +32,8 @@ __all__ = ["ERROR_MODULES", "error_classes"]
 ERROR_MODULES = (
     "nemo_patch.engine.errors",
     "nemo_patch.engine.casting",
+    "nemo_patch.engine.output_target",
+    "nemo_patch.engine.part_writer",
     "nemo_patch.engine.verify",
     "nemo_patch.engine.adapter_merge",
     "nemo_patch.engine.best_checkpoint",

@@ -74,7 +74,7 @@ from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
 from nemo_patch.engine.output_layout import DTYPE_NAMES, OUTPUT_DIRNAMES
-from nemo_patch.engine.output_target import check_output_target
+from nemo_patch.engine.output_target import check_output_target, is_url, refuse_remote
 from nemo_patch.training.config import SETTINGS, Setting
 from nemo_patch.training.latest import locate_checkpoint
 
@@ -180,6 +180,39 @@ def _add_setting_options(groups: Dict[str, Any]) -> None:
         )
 
 
+def _path_argument(text: str) -> Any:
+    """argparse's ``type=`` for a path: a :class:`~pathlib.Path`, but a URL (``s3://b/out``) as given, for
+    :func:`_refuse_urls` to name it (``Path`` would make it ``s3:/b/out``). A local directory named like a scheme is
+    given as a relative path (``./s3:/out``): ``Path`` drops the ``./`` and would make that a URL too, so it is made
+    absolute (``<cwd>/s3:/out``), which no URL is."""
+    if is_url(text):
+        return text
+    path = Path(text)
+    return path.absolute() if is_url(path) else path
+
+
+#: How to get an output to remote storage, for the message of a URL given as ``--out``.
+_UPLOAD_ADVICE = (
+    ", then upload it with a post command, e.g. --post-command 'aws s3 cp --recursive --only-show-errors {output} "
+    "s3://bucket/run/' (docs/after-consolidation.md, \"Upload: a model hub or object storage\")"
+)
+
+
+def _refuse_urls(args: argparse.Namespace) -> None:
+    """Exit code 19 (:class:`~nemo_patch.engine.output_target.RemoteStorageError`) for a URL as the checkpoint, the
+    base checkpoint or ``--out``."""
+    refuse_remote(args.path, "the checkpoint")
+    if args.base_checkpoint is not None:
+        refuse_remote(args.base_checkpoint, "the base checkpoint")
+    if args.out is not None:
+        refuse_remote(args.out, "--out", _UPLOAD_ADVICE)
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line (a message quoting another library's, e.g. torch's, may have several)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
 def _seconds(value: str) -> float:
     try:
         seconds = float(value)
@@ -262,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         ]
     }
     group = groups["input"]
-    group.add_argument("path", type=Path, help="checkpoint directory, its weights/ directory, a checkpoint root "
-                       "(LATEST, else the newest finished checkpoint), or the run directory holding "
+    group.add_argument("path", type=_path_argument, help="checkpoint directory, its weights/ directory, a "
+                       "checkpoint root (LATEST, else the newest finished checkpoint), or the run directory holding "
                        "checkpoints/")  # fmt: skip
     group.add_argument("--trust-context", action="store_true", help="load the checkpoint's context/ even if it names "
                        "code a NeMo model's context has no need of (that code is imported and run): only for "
@@ -271,17 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--allow-unfinished", action="store_true",
                        help="consolidate a checkpoint whose save never finished (unsafe)")  # fmt: skip
     group = groups["output"]
-    group.add_argument("--out", type=Path, default=None, help="output directory (default: <ckpt>/consolidated, "
-                       "or <ckpt>/hf for --format hf)")  # fmt: skip
+    group.add_argument("--out", type=_path_argument, default=None, help="output directory (default: "
+                       "<ckpt>/consolidated, or <ckpt>/hf for --format hf); a local or mounted one: a URL (s3://...) "
+                       "exits 19, upload with --post-command instead (a local directory named like one: "
+                       "./s3:/out)")  # fmt: skip
     group.add_argument("--verify", action="store_true", help="re-read the output and compare every tensor with "
                        "the checkpoint; with an existing safetensors output and no --force, only check that output "
                        "(for an existing hf one: "
                        "nemo_patch.export.hf_verify.verify_hf_output)")  # fmt: skip
     group.add_argument("--force", action="store_true", help="replace an existing output: only a previous output of "
                        "nemo-consolidate or an empty directory (anything else exits 7)")  # fmt: skip
-    groups["adapters"].add_argument("--base-checkpoint", type=Path, default=None, help="with --merge-adapters: the "
-                                    "base model's checkpoint (default: the path NeMo recorded in "
-                                    "weights/adapter_metadata.json, a relative one resolved against the current "
+    groups["adapters"].add_argument("--base-checkpoint", type=_path_argument, default=None, help="with "
+                                    "--merge-adapters: the base model's checkpoint (default: the path NeMo recorded "
+                                    "in weights/adapter_metadata.json, a relative one resolved against the current "
                                     "directory)")  # fmt: skip
     group = groups["best"]
     group.add_argument("--best", action="store_true", help="path is a run's checkpoint root: consolidate its best "
@@ -452,7 +487,7 @@ def _main(argv: Optional[List[str]]) -> int:
             if group.rank != 0:
                 return group.serve()  # rank 0 reports the outcome, once; every rank reports a lost peer
     except ConsolidationError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
         return error.exit_code
     if group is None:
         return _consolidate(args, None)
@@ -475,6 +510,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
 
     started = time.perf_counter()
     try:
+        _refuse_urls(args)
         best = None
         if args.best:
             from nemo_patch.engine.best_checkpoint import find_best_checkpoint
@@ -522,7 +558,9 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
                 check_context_trusted(location.checkpoint_dir / "context", args.trust_context)
 
             with _nemo_output_held_back():
-                result = export_hf_checkpoint(location.checkpoint_dir, args.out, **options)
+                result = export_hf_checkpoint(
+                    location.checkpoint_dir, args.out, trust_context=args.trust_context, **options
+                )
         else:
             from nemo_patch.engine.consolidate import consolidate_checkpoint
             from nemo_patch.engine.parts import default_workers
@@ -535,7 +573,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             result = consolidate_checkpoint(location.checkpoint_dir, args.out, **options)
     except ConsolidationError as error:
         close()
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         close()
@@ -543,8 +581,8 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
         return 130  # CLI_EXIT_CODES
     except Exception as error:  # noqa: BLE001 - a bug, not bad input: still one line and the documented exit code 1
         close()
-        print(f"{PROG}: error: unexpected {type(error).__name__}: {error} (nothing was written; please report this "
-              "with the command line)", file=sys.stderr)  # fmt: skip
+        print(f"{PROG}: error: unexpected {type(error).__name__}: {_one_line(error)} (nothing was written; please "
+              "report this with the command line)", file=sys.stderr)  # fmt: skip
         return 1
     close()
     seconds = time.perf_counter() - started

@@ -27,29 +27,70 @@ is under that name goes. :func:`check_output_target` says, before anything is re
   Face export write it, and which holds no ``weights/``) or an empty directory. A file, a symbolic link, or a
   directory holding anything else is refused, naming what is there.
 
-Both refusals raise :class:`.errors.OutputExistsError` (exit code 7).
+Both refusals raise :class:`.errors.OutputExistsError` (exit code 7). A URL (``s3://``, ``msc://``, ``gs://``,
+``https://``, any ``scheme://``) given as the checkpoint or the output is refused first (:func:`refuse_remote`,
+:class:`RemoteStorageError`): ``pathlib`` would read ``s3://bucket/out`` as the local directory ``s3:/bucket/out``,
+and write the output there.
 
 Imports the standard library and the engine's checkpoint layout and errors only (no torch), so the CLI checks its
 ``--out`` before importing torch.
 """
 
 import os
+import re
 from pathlib import Path
 from typing import List, Union
 
-from nemo_patch.engine.errors import NotACheckpointError, OutputExistsError
+from nemo_patch.engine.errors import ConsolidationError, NotACheckpointError, OutputExistsError
 from nemo_patch.engine.safe_files import read_json_file
 
 __all__ = [
+    "RemoteStorageError",
     "check_output_target",
     "describe_entry",
+    "is_url",
     "is_consolidated_output",
     "is_replaceable_output",
     "refuse_an_output_as_checkpoint",
+    "refuse_remote",
 ]
 
 #: The checkpoint's subdirectories that no output may be on or inside.
 PROTECTED_SUBDIRS = ("weights", "context")
+#: A URL's scheme and its slashes; ``pathlib`` makes ``s3://b`` ``s3:/b``, so one slash is enough.
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/+")
+
+
+class RemoteStorageError(ConsolidationError):
+    """The checkpoint or the output was given as a URL (``s3://``, ``msc://``, ``gs://``, ``https://``, any
+    ``scheme://``): remote storage is not read or written directly. Consolidate into a local (or mounted) directory
+    and upload it from there."""
+
+    exit_code, summary = 19, "a URL (s3://, msc://, ...) as the checkpoint or the output: local paths only"
+
+
+def is_url(path: Union[str, Path]) -> bool:
+    """Whether ``path`` is a URL: ``<scheme>:/...`` with a scheme of two characters or more (``s3://b``, or ``s3:/b``
+    as ``pathlib`` leaves it)."""
+    return _URL.match(os.fspath(path)) is not None
+
+
+def refuse_remote(path: Union[str, Path], what: str, advice: str = "") -> None:
+    """Refuse ``path`` if it is a URL (see :class:`RemoteStorageError`); ``what`` names it (``"the output"``) and
+    ``advice`` is added to the message (how to upload, where the caller can do it).
+
+    Raises:
+        RemoteStorageError: naming the URL as it was given (a path's ``s3:/b`` shown as ``s3://b``).
+    """
+    text = os.fspath(path)
+    match = _URL.match(text)
+    if match is None:
+        return
+    shown = text if "://" in text else f"{match.group('scheme')}://{text[match.end():]}"
+    raise RemoteStorageError(
+        f"{what[:1].upper()}{what[1:]} {shown} is a URL: remote storage is not read or written directly, and a "
+        f"local directory of that name would be used instead; give a local or mounted directory{advice or ''}"
+    )
 
 
 def _resolved(path: Union[str, Path]) -> Path:
@@ -130,11 +171,13 @@ def check_output_target(
         read_only: the output is only read (``--verify`` of an existing output): only where it is is checked.
 
     Raises:
+        RemoteStorageError: ``output_dir`` is a URL.
         OutputExistsError: ``output_dir`` is the checkpoint, its root or a directory above them, or on or inside its
             ``weights/`` or ``context/`` (symbolic links resolved); or something is there and ``overwrite`` is
             ``False``; or what is there is neither a previous output nor an empty directory. The message names the
             resolved paths and what is there.
     """
+    refuse_remote(output_dir, "the output")
     checkpoint, target = _resolved(checkpoint_dir), _resolved(output_dir)
     shown = f"{output_dir}" if str(output_dir) == str(target) else f"{output_dir} (resolved: {target})"
     elsewhere = f"the default is {checkpoint / 'consolidated'}, or hf/ for --format hf"

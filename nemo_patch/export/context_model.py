@@ -31,7 +31,7 @@ from typing import Dict, Tuple
 import torch
 
 from nemo_patch.engine.load import canonical_key_map
-from nemo_patch.export.context_trust import check_context_trusted
+from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.errors import ExportError
 
 __all__ = ["context_model_shapes"]
@@ -59,7 +59,8 @@ def context_model_shapes(checkpoint_dir: Path, trust_context: bool = False) -> D
     Args:
         checkpoint_dir: a NeMo 2 checkpoint directory holding ``context/``.
         trust_context: build whatever ``context/io.json`` names; by default a context that names code outside NeMo's
-            packages is refused before NeMo reads it (:func:`nemo_patch.export.context_trust.check_context_trusted`).
+            packages, holds a file NeMo cannot open safely or names a hub artifact is refused before NeMo reads it,
+            and it is loaded off the network (:func:`nemo_patch.export.context_trust.context_loading`).
 
     Returns:
         Name -> shape (a tuple of ints); ``_extra_state`` entries are not weights and are left out.
@@ -68,9 +69,10 @@ def context_model_shapes(checkpoint_dir: Path, trust_context: bool = False) -> D
         ExportError: NeMo is not importable, the context cannot be read, a process group is already initialised in
             this process, or the model cannot be built here (e.g. its layer spec needs Transformer Engine); the
             message says which.
-        UntrustedContextError: the context names code outside NeMo's packages and ``trust_context`` is ``False``.
+        UntrustedContextError: the context names code outside NeMo's packages, or a file or a hub artifact that loading
+            it would open or fetch, and ``trust_context`` is ``False``.
     """
-    check_context_trusted(Path(checkpoint_dir) / "context", trust_context)
+    loading = context_loading(Path(checkpoint_dir) / "context", trust_context)  # checked now unless trusted
     try:
         import torch.distributed as dist
         from megatron.core import parallel_state
@@ -78,7 +80,8 @@ def context_model_shapes(checkpoint_dir: Path, trust_context: bool = False) -> D
     except ImportError as error:
         raise ExportError(f"Comparing with the checkpoint's context needs NeMo importable: {error}") from error
     try:
-        model = io.load_context(str(Path(checkpoint_dir) / "context"), subpath="model")
+        with loading():
+            model = io.load_context(str(Path(checkpoint_dir) / "context"), subpath="model")
         config = model.config
     except Exception as error:
         raise ExportError(f"Cannot read the model from {Path(checkpoint_dir) / 'context'}: {error}") from error
@@ -90,7 +93,7 @@ def context_model_shapes(checkpoint_dir: Path, trust_context: bool = False) -> D
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(1, 1)
-        with torch.device("meta"):
+        with torch.device("meta"), loading():
             module = config.configure_model(tokenizer=getattr(model, "tokenizer", None))
         state = module.state_dict()
         return {canonical: tuple(state[key].shape) for key, canonical in canonical_key_map(module).items()}

@@ -50,6 +50,19 @@ Anything else is refused (:class:`~nemo_patch.engine.errors.UntrustedContextErro
 Hugging Face's ``trust_remote_code``: ``nemo-consolidate --trust-context``. The training path does not call this: the
 context it reads is the one the run itself just wrote.
 
+Loading a context that passed, without ``--trust-context``, goes through :func:`untrusted_context_loading`, which
+besides:
+
+* proves every entry under ``context/`` a directory or a regular file of at most :data:`MAX_CONTEXT_FILE_BYTES`
+  (no symbolic link, FIFO, device or socket: NeMo opens the files with a plain ``open()``, and a FIFO would block it
+  for ever), and every string of ``io.json`` that names an existing path (NeMo joins artifact and pickle paths to the
+  directory, or takes them as they are when absolute) a directory or such a file (:func:`check_context_files`);
+* refuses hub artifacts: a ``DirOrStringArtifact`` holding a name rather than a directory of the context (NeMo's
+  ``AutoTokenizer`` would fetch that repository from the Hugging Face hub);
+* keeps the process off the network while NeMo loads it: ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` set (in the
+  environment and in ``huggingface_hub``'s and ``transformers``' module constants, read at their import), and any
+  socket connection or name lookup made through Python's ``socket`` module refused (an audit hook).
+
 This is a check of names, not a sandbox: a trusted package's own functions run with the arguments the file gives them
 (as they do whenever NeMo loads a checkpoint), and the list of parts that run code by design is best effort.
 
@@ -57,10 +70,15 @@ Imports the standard library and the engine's errors and file access at module l
 names only inside :func:`check_context_trusted`.
 """
 
+import contextlib
+import errno
 import importlib
+import os
+import stat
+import sys
 import types
 from pathlib import Path
-from typing import Any, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.export.errors import UntrustedContextError
@@ -74,8 +92,15 @@ __all__ = [
     "TRUSTED_SETTINGS_CLASSES",
     "TRUSTED_OBJECTS",
     "TRUSTED_PACKAGES",
+    "HUB_ARTIFACTS",
+    "MAX_CONTEXT_ENTRIES",
+    "MAX_CONTEXT_FILE_BYTES",
+    "check_context_files",
     "check_context_trusted",
+    "context_loading",
     "context_references",
+    "offline",
+    "untrusted_context_loading",
 ]
 
 #: Top-level packages whose names a trusted context may reference.
@@ -183,15 +208,27 @@ TRUSTED_BUILTINS = frozenset(
     {"dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bool", "slice"}
 )
 _IO_JSON = "io.json"
+#: The most bytes one file under ``context/`` may have (tokenizer files are a few MB), and the most entries in it.
+MAX_CONTEXT_FILE_BYTES = 1 << 30
+MAX_CONTEXT_ENTRIES = 100_000
+#: Artifacts that hold a name NeMo resolves on the Hugging Face hub when it is not a directory of the context.
+HUB_ARTIFACTS = frozenset(
+    {("nemo.lightning.io.artifact.file", "DirOrStringArtifact"), ("nemo.lightning.io.artifact", "DirOrStringArtifact")}
+)
+
+
+def _io_json(context_dir: Union[str, Path]) -> Any:
+    path = Path(context_dir) / _IO_JSON
+    try:
+        return read_json_file(path)
+    except (OSError, ValueError) as error:
+        raise UntrustedContextError(f"Cannot read {path} as JSON: {error}") from error
 
 
 def _scan(context_dir: Union[str, Path]) -> Tuple[Set[Tuple[str, str]], bool]:
     """The references of ``io.json`` and whether the file mentions ``trust_remote_code``."""
     path = Path(context_dir) / _IO_JSON
-    try:
-        data = read_json_file(path)
-    except (OSError, ValueError) as error:
-        raise UntrustedContextError(f"Cannot read {path} as JSON: {error}") from error
+    data = _io_json(context_dir)
     found: Set[Tuple[str, str]] = set()
     remote_code = False
     stack: List[Any] = [data]
@@ -297,3 +334,197 @@ def check_context_trusted(context_dir: Union[str, Path], trust: bool = False) ->
             f"{', '.join(untrusted[:3])}{' ...' if len(untrusted) > 3 else ''}; loading it would import "
             "and run that code. Pass --trust-context if you trust whoever wrote this checkpoint."
         )
+
+
+def _strings(value: Any) -> Iterator[str]:
+    stack: List[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            yield item
+
+
+def _bounded_or_directory(path: Path, status: os.stat_result) -> Optional[str]:
+    """Why ``path`` may not be opened by NeMo, or ``None`` for a directory or a regular file of bounded size."""
+    if stat.S_ISDIR(status.st_mode):
+        return None
+    if not stat.S_ISREG(status.st_mode):
+        return "not a regular file or a directory (a FIFO, device or socket would block or never end a read)"
+    if status.st_size > MAX_CONTEXT_FILE_BYTES:
+        return f"a file of {status.st_size} bytes, more than the {MAX_CONTEXT_FILE_BYTES} a context file may have"
+    return None
+
+
+def _hub_artifacts(data: Any) -> List[str]:
+    """The names the hub artifacts of ``io.json`` hold: fiddle configs of a :data:`HUB_ARTIFACTS` class (NeMo saves one
+    for a name that was no path when the context was written), by their ``attr``."""
+    found = []
+    for value in _objects(data):
+        if _referenced_callable(data, value.get("metadata")) in HUB_ARTIFACTS:
+            attr = next((item[1] for item in value.get("items") or [] if isinstance(item, list) and len(item) == 2
+                         and item[0] == "Attr(name='attr')"), None)  # fmt: skip
+            found.append(str(attr.get("value") if isinstance(attr, dict) else attr))
+    return found
+
+
+def _objects(data: Any) -> Iterator[Dict[str, Any]]:
+    stack: List[Any] = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _referenced_callable(data: Any, metadata: Any) -> Optional[Tuple[Any, Any]]:
+    """The ``(module, name)`` a fiddle config's metadata names as its callable (through a ``ref`` to an object of
+    ``data["objects"]``, as fiddle's serialization writes it)."""
+    objects = data.get("objects") if isinstance(data, dict) else None
+    for _ in range(2):  # the metadata, or a reference to it
+        if isinstance(metadata, dict) and metadata.get("type") == "ref" and isinstance(objects, dict):
+            metadata = objects.get(metadata.get("key"))
+    if not isinstance(metadata, dict):
+        return None
+    for item in metadata.get("items") or []:
+        if isinstance(item, list) and len(item) == 2 and item[0] == "Attr(name='fn_or_cls')":
+            ref = item[1]
+            if isinstance(ref, dict):
+                return ref.get("module"), ref.get("name")
+    return None
+
+
+def check_context_files(context_dir: Union[str, Path]) -> None:
+    """Prove what NeMo opens when it loads ``context_dir`` safe to open (module docstring): every entry under it a
+    directory or a regular file of at most :data:`MAX_CONTEXT_FILE_BYTES` (at most :data:`MAX_CONTEXT_ENTRIES` of
+    them, no symbolic link), every string of ``io.json`` naming an existing path (joined to ``context_dir``, or
+    absolute) a directory or such a file, and no hub artifact.
+
+    Raises:
+        UntrustedContextError: naming the entry, the string or the artifact.
+    """
+    context_dir = Path(context_dir)
+    pending, seen = [context_dir], 0
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    seen += 1
+                    path = Path(entry.path)
+                    if seen > MAX_CONTEXT_ENTRIES:
+                        raise UntrustedContextError(f"{context_dir} holds more than {MAX_CONTEXT_ENTRIES} entries")
+                    if entry.is_symlink():
+                        raise UntrustedContextError(
+                            f"{path} is a symbolic link (to {os.readlink(path)}); a context holds its own files"
+                        )
+                    why = _bounded_or_directory(path, entry.stat(follow_symlinks=False))
+                    if why is not None:
+                        raise UntrustedContextError(f"{path} is {why}; NeMo would open it loading the context")
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(path)
+        except OSError as error:
+            raise UntrustedContextError(f"Cannot list {directory}: {error}") from error
+    data = _io_json(context_dir)
+    for text in _strings(data):
+        if not text or "\0" in text or len(text) > 4096:
+            continue
+        path = Path(text) if os.path.isabs(text) else context_dir / text
+        try:
+            status = path.stat()
+        except (OSError, ValueError):
+            continue  # no such path: a plain string
+        why = _bounded_or_directory(path, status)
+        if why is not None:
+            raise UntrustedContextError(
+                f"{context_dir / _IO_JSON} names {text!r}, which is {why}; NeMo would open it loading the context"
+            )
+    hub = _hub_artifacts(data)
+    if hub:
+        raise UntrustedContextError(
+            f"{context_dir / _IO_JSON} names {hub[0]!r} as a hub artifact (a DirOrStringArtifact that is no directory "
+            "of the context): NeMo would fetch it from the Hugging Face hub. Pass --trust-context if you trust "
+            "whoever wrote this checkpoint and want it fetched"
+        )
+
+
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+_NETWORK_EVENTS = ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.sendto", "socket.sendmsg")
+_offline_depth = [0]
+_hook_installed = [False]
+
+
+def _refuse_network(event: str, args: Tuple[Any, ...]) -> None:
+    if _offline_depth[0] and event in _NETWORK_EVENTS:
+        raise OSError(
+            errno.ENETUNREACH, f"network access ({event}) refused while a checkpoint's context is loaded untrusted"
+        )
+
+
+def _hub_constants(offline: Optional[bool]) -> None:
+    """Set the offline flags ``huggingface_hub`` and ``transformers`` read at import time, where they are imported
+    (``None``: as the environment now says)."""
+    if offline is None:
+        offline = any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in _OFFLINE_VARIABLES)
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        setattr(constants, "HF_HUB_OFFLINE", offline)
+    hub = sys.modules.get("transformers.utils.hub")
+    if hub is not None and hasattr(hub, "_is_offline_mode"):
+        setattr(hub, "_is_offline_mode", offline)
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """While the block runs: the Hugging Face hub in offline mode (environment and module constants) and every
+    connection or name lookup through Python's ``socket`` module refused (``OSError``); restored after."""
+    if not _hook_installed[0]:
+        sys.addaudithook(_refuse_network)  # stays installed: it acts only inside this block
+        _hook_installed[0] = True
+    saved = {name: os.environ.get(name) for name in _OFFLINE_VARIABLES}
+    os.environ.update({name: "1" for name in _OFFLINE_VARIABLES})
+    _hub_constants(True)
+    _offline_depth[0] += 1
+    try:
+        yield
+    finally:
+        _offline_depth[0] -= 1
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if not _offline_depth[0]:
+            _hub_constants(None)
+
+
+def context_loading(context_dir: Union[str, Path], trust: bool = False) -> Callable[[], ContextManager[None]]:
+    """What to run NeMo's loading of ``context_dir`` in: unless ``trust``, its names (:func:`check_context_trusted`)
+    and files (:func:`check_context_files`) are checked now, and :func:`offline` is returned; else a block that does
+    nothing. Each ``with context_loading(...)()`` block may load (a part of) the context.
+
+    Raises:
+        UntrustedContextError: from the checks.
+    """
+    if trust:
+        return contextlib.nullcontext
+    check_context_trusted(context_dir)
+    check_context_files(context_dir)
+    return offline
+
+
+@contextlib.contextmanager
+def untrusted_context_loading(context_dir: Union[str, Path], trust: bool = False) -> Iterator[None]:
+    """:func:`context_loading`'s checks, then its block around the ``with`` block.
+
+    Raises:
+        UntrustedContextError: from the checks, before the block runs.
+    """
+    with context_loading(context_dir, trust)():
+        yield

@@ -74,10 +74,11 @@ from nemo_patch.engine.digests import source_fingerprint
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
-from nemo_patch.engine.output_target import check_output_target
+from nemo_patch.engine.output_target import check_output_target, refuse_remote
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
+from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.errors import AdapterCheckpointError, ExportError
 from nemo_patch.export.hf_verify import ImporterUnavailable, check_through_importer
 from nemo_patch.export.layer_norms import te_layer_norm_names
@@ -501,6 +502,7 @@ def export_hf_checkpoint(
     best: Optional[Mapping[str, Any]] = None,
     staging_dir: Optional[Union[str, Path]] = None,
     before_publish: Optional[Callable[[], None]] = None,
+    trust_context: Optional[bool] = None,
 ) -> ConsolidationResult:
     """Write a ``transformers``-loadable directory for a finished NeMo 2 ``torch_dist`` checkpoint.
 
@@ -528,6 +530,10 @@ def export_hf_checkpoint(
         staging_dir: where the output is written before it is renamed into place (default: its parent).
         before_publish: called right before the output is renamed into place; what it raises is raised, and
             nothing is published.
+        trust_context: ``False`` for a checkpoint from elsewhere (``nemo-consolidate`` without ``--trust-context``):
+            its ``context/`` is checked before NeMo loads it, and loaded off the network
+            (:func:`nemo_patch.export.context_trust.context_loading`); ``True`` (``--trust-context``) or ``None``
+            (the training run's own checkpoint) load it as NeMo does.
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
@@ -545,6 +551,8 @@ def export_hf_checkpoint(
         ConsolidationError: or another subclass from :mod:`nemo_patch.engine.errors`, as for
             :func:`nemo_patch.engine.consolidate.consolidate_checkpoint`. Nothing partial is left on failure.
     """
+    refuse_remote(checkpoint_dir, "the checkpoint")
+    refuse_remote(output_dir or "", "the output")
     location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
     ckpt_dir, weights_dir = location.checkpoint_dir, location.weights_dir
     peft = location.adapter and not merge_adapters
@@ -553,7 +561,9 @@ def export_hf_checkpoint(
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
     source = source_fingerprint(weights_dir)  # which save of the checkpoint this is, before anything is read
-    model, exporter = _exporter_for(ckpt_dir, peft)
+    loading = context_loading(ckpt_dir / "context", trust_context is not False)  # checked now, if from elsewhere
+    with loading():
+        model, exporter = _exporter_for(ckpt_dir, peft)
     metadata: Any = None
 
     def read() -> Dict[str, torch.Tensor]:
@@ -571,12 +581,14 @@ def export_hf_checkpoint(
     requested_dtype = dtype
     failure = f"Exporting {ckpt_dir} to Hugging Face"
     with staged_output(ckpt_dir, output_dir, overwrite, failure, "hf-", staging_dir, before_publish) as tmp_dir:
-        saved = _run_exporter(exporter, tmp_dir)
+        with loading():  # the exporter loads the context's tokenizer
+            saved = _run_exporter(exporter, tmp_dir)
         written = _written_names(tmp_dir)
         total_bytes = sum(saved[n].numel() * saved[n].element_size() for n in written if n in saved)
         if verify:
             try:
-                _verify_against_checkpoint(location, tmp_dir, model, exporter, saved, peft, base_checkpoint)
+                with loading():
+                    _verify_against_checkpoint(location, tmp_dir, model, exporter, saved, peft, base_checkpoint)
             except VerificationError as error:  # named by the output's own path (nothing is published)
                 raise VerificationError(str(error).replace(str(tmp_dir), str(output_dir))) from error
         saved.clear()

@@ -78,6 +78,7 @@ from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.engine.tensor_sources import open_sources
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import tokenizer_vocab_size
+from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.layer_norms import te_layer_norm_names
 
 __all__ = [
@@ -279,6 +280,10 @@ def _hf_config(output_dir: Path) -> Any:
     ``transformers`` does not know, a plain ``PretrainedConfig`` with the file's keys."""
     from transformers import AutoConfig, PretrainedConfig
 
+    try:
+        read_json_file(output_dir / "config.json")  # a bounded regular file (no FIFO) before transformers opens it
+    except (OSError, ValueError) as unreadable:
+        raise VerificationError(f"Cannot read {output_dir / 'config.json'}: {unreadable}") from unreadable
     try:
         return AutoConfig.from_pretrained(str(output_dir), trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - any failure: fall back to the keys themselves
@@ -681,13 +686,14 @@ def verify_hf_output(
     merge_adapters: bool = False,
     base_checkpoint: Optional[Union[str, Path]] = None,
     allow_unfinished: bool = False,
+    trust_context: bool = False,
 ) -> int:
     """Check a Hugging Face directory written for a checkpoint (by ``nemo-consolidate --format hf`` or
     ``ckpt_consolidation=ConsolidationConfig(format="hf")``) against the checkpoint, through NeMo's importer (module
     docstring).
 
-    Loads the checkpoint's ``context/`` (NeMo's ``io.load_context``, which imports the classes it names: only for
-    checkpoints whose writer you trust, see :mod:`nemo_patch.export.context_trust`).
+    Loads the checkpoint's ``context/`` (NeMo's ``io.load_context``, which imports the classes it names): unless
+    ``trust_context``, it is checked first and loaded off the network (:mod:`nemo_patch.export.context_trust`).
 
     Args:
         checkpoint_dir: the checkpoint directory (with ``context/`` and ``weights/``).
@@ -696,6 +702,7 @@ def verify_hf_output(
             model, as :func:`~nemo_patch.engine.consolidate.read_state_dict` merges it).
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
         allow_unfinished: check an unfinished checkpoint's output too.
+        trust_context: load the context whatever it names (as ``nemo-consolidate --trust-context``).
 
     Returns:
         The number of written tensors checked.
@@ -703,20 +710,24 @@ def verify_hf_output(
     Raises:
         VerificationError: a mismatch (the message names the written tensor and its file), or the check cannot run
             for this model class (no ``"hf"`` importer, or one that needs more than names and a config).
+        UntrustedContextError: the context may not be loaded without ``trust_context``.
         ConsolidationError: or a subclass, from reading the checkpoint.
     """
     location = inspect_checkpoint(checkpoint_dir, allow_unfinished=allow_unfinished)
+    loading = context_loading(location.checkpoint_dir / "context", trust_context)  # checked now unless trusted
     try:
         from nemo.lightning import io
     except ImportError as error:
         raise VerificationError(f"Checking a Hugging Face output needs NeMo importable: {error}") from error
     try:
-        model = io.load_context(str(location.checkpoint_dir / "context"), subpath="model")
+        with loading():
+            model = io.load_context(str(location.checkpoint_dir / "context"), subpath="model")
     except Exception as error:
         raise VerificationError(f"Cannot read the model class from {location.checkpoint_dir / 'context'}: "
                                 f"{error}") from error  # fmt: skip
     try:
-        return check_through_importer(location, Path(output_dir), model, merge_adapters, base_checkpoint)
+        with loading():
+            return check_through_importer(location, Path(output_dir), model, merge_adapters, base_checkpoint)
     except ImporterUnavailable as error:
         raise VerificationError(f"Cannot check {output_dir} against {location.checkpoint_dir}: {error}") from error
 
