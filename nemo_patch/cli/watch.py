@@ -577,7 +577,7 @@ def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     watcher = Watcher(
-        root=checkpoint_root(args.path) if Path(args.path).is_dir() else Path(args.path),
+        root=Path(os.path.abspath(checkpoint_root(args.path) if Path(args.path).is_dir() else args.path)),
         policy=policy,
         consolidate=_consolidator(args),
         output_name="hf" if args.format == "hf" else "consolidated",
