@@ -19,6 +19,7 @@ The oracle is PyTorch's ``dcp_to_torch_save`` of each checkpoint (model entries,
 
 import importlib.util
 import io
+import json
 import os
 import shutil
 import signal
@@ -230,6 +231,9 @@ def test_last_copies_count_with_their_step_and_get_hard_links(nemo_checkpoint, t
     names = ["model--step=3-consumed_samples=8.0", "model--step=3-consumed_samples=8.0-last-v1",
              "model--step=5-consumed_samples=12.0", "model--step=5-consumed_samples=12.0-last"]  # fmt: skip
     root = nemo_root(nemo_checkpoint, tmp_path / "checkpoints", names)
+    shutil.rmtree(root / names[3])
+    save_checkpoint(root / names[3])  # a save of its own, as NeMo's copy is: another .metadata (DCP's save id)
+    assert (root / names[3] / "weights/.metadata").read_bytes() != (root / names[2] / "weights/.metadata").read_bytes()
     watcher = make_watcher(root, "every_n:2")
     assert watcher.run() == 0
     log = watcher.out.getvalue()
@@ -239,6 +243,10 @@ def test_last_copies_count_with_their_step_and_get_hard_links(nemo_checkpoint, t
     assert (own / "model.safetensors").stat().st_ino == (copy / "model.safetensors").stat().st_ino
     assert os.readlink(root / "LATEST") == names[2]
     assert "1 consolidated" in log.splitlines()[-1] and "1 linked" in log.splitlines()[-1]
+    assert json.loads((copy / "metadata.json").read_text())["linked_from"] == names[2]
+    again = make_watcher(root, "every_n:2")  # a restarted watcher: both outputs are complete, nothing to do
+    assert again.run() == 0
+    assert "0 consolidated (0 B), 0 linked" in again.out.getvalue().splitlines()[-1], again.out.getvalue()
 
 
 def test_a_checkpoint_removed_while_read_publishes_nothing_and_the_watcher_goes_on(nemo_checkpoint, tmp_path):

@@ -49,6 +49,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import json
 import os
 import signal
 import sys
@@ -338,16 +339,24 @@ class Watcher:
         return True
 
     def _link_copies(self, source: RunCheckpoint, group: List[RunCheckpoint]) -> None:
-        """Give the other checkpoints of ``source``'s step (NeMo's ``-last`` copies) its output as hard links."""
+        """Give the other checkpoints of ``source``'s step (NeMo's ``-last`` copies) its output as hard links, with a
+        ``metadata.json`` of their own: it records the copy's ``.metadata`` (so that :func:`output_is_complete` knows
+        the copy's output) and ``"linked_from"``, the checkpoint whose output it is."""
+        from nemo_patch.engine.digests import source_fingerprint
         from nemo_patch.engine.publish import link_output
+        from nemo_patch.engine.safe_files import read_json_file
 
         for other in group:
             target = self._output(other)
             if other.path == source.path or output_is_complete(other.path, target):
                 continue
             try:
-                link_output(self._output(source), target)
-            except OSError as error:
+                manifest = read_json_file(self._output(source) / "metadata.json")
+                weights = other.path / "weights" if (other.path / "weights").is_dir() else other.path
+                manifest.update(source_metadata=source_fingerprint(weights), linked_from=source.path.name)
+                text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+                link_output(self._output(source), target, replace_files={"metadata.json": text.encode()})
+            except (OSError, ValueError, AttributeError, ConsolidationError) as error:
                 self._once(other.path, f"{other.path.name}: not linked to {source.path.name}'s output: {error}")
                 continue
             self.tally.linked += 1
