@@ -54,9 +54,12 @@ def read_regular_file(path: Union[str, Path], limit: int) -> bytes:
     """
     with open_regular(path) as handle:
         size = os.fstat(handle.fileno()).st_size
-        data = handle.read(limit + 1) if size <= limit else b""
+        # ``read(n)`` allocates ``n`` bytes first: the file's size (+1, to see it grow), never the limit
+        data = handle.read(size + 1) if size <= limit else b""
     if size > limit or len(data) > limit:
         raise UnsafeFileError(f"{path} has {max(size, len(data))} bytes; at most {limit} are read")
+    if len(data) > size:
+        raise UnsafeFileError(f"{path} grew while it was read (from {size} bytes)")
     return data
 
 
