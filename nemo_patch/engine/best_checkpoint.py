@@ -39,7 +39,7 @@ import pathlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import IO, Any, Dict, List, Optional, Tuple, Union, cast
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
@@ -140,7 +140,7 @@ def read_common_state(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
             # members checked first (uncompressed, inside the file, sharing no data) so that what torch.load
             # allocates is bounded by the file's size; their CRC-32 on the way
             window, finish = open_record(handle, 0, size, str(common))
-            payload = torch.load(window, map_location="cpu", weights_only=True)
+            payload = torch.load(cast(IO[bytes], window), map_location="cpu", weights_only=True)
             finish()
     except Exception as error:  # missing, or needs a class we do not unpickle
         logger.debug("Not reading %s: %s", common, error)

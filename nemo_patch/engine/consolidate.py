@@ -61,7 +61,7 @@ from nemo_patch.engine.output_layout import (
     METADATA_FILENAME,
     index_filename,
 )
-from nemo_patch.engine.output_target import check_output_target, refuse_an_output_as_checkpoint
+from nemo_patch.engine.output_target import check_output_target, refuse_an_output_as_checkpoint, refuse_remote
 from nemo_patch.engine.plan import OutputTensor, TensorSpec
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header, write_file
 from nemo_patch.engine.stage_times import StageTimes, stage_times
@@ -233,6 +233,7 @@ class CheckpointConsolidation(Consolidation):
 
     def locate(self) -> CheckpointLocation:
         with self.times.timed("metadata"):
+            refuse_remote(self.checkpoint_dir, "the checkpoint")
             refuse_an_output_as_checkpoint(self.checkpoint_dir)
             location = inspect_checkpoint(self.checkpoint_dir, allow_unfinished=self.allow_unfinished)
             if self.output_dir is None:
@@ -420,7 +421,8 @@ def consolidate_checkpoint(
     Raises:
         ConsolidationError: or one of its subclasses in :mod:`.errors` naming the cause: not
             a checkpoint, unfinished, unsupported format (``fsdp_dtensor``, a ``zarr`` array it cannot read safely),
-            output exists, a shard file that cannot be read or metadata that leaves a layer out
+            a URL as the checkpoint or the output (:class:`~.output_target.RemoteStorageError`), output exists, a
+            shard file that cannot be read or metadata that leaves a layer out
             (:class:`CorruptShardError`, naming the file or the layer), a ``dtype`` too narrow for the values
             (:class:`DtypeOverflowError`), a verification mismatch, or an output that cannot be written. Nothing is
             left under ``output_dir``'s name or in a temporary directory.

@@ -389,7 +389,7 @@ def staged_output(
     overwrite: bool,
     failure: str,
     kind: str = "",
-    staging_dir: Optional[Path] = None,
+    staging_dir: Optional[Union[str, Path]] = None,
     before_publish: Optional[Callable[[], None]] = None,
 ) -> Iterator[Path]:
     """A hidden temporary directory next to ``output_dir`` (or in ``staging_dir``), published as ``output_dir`` when
