@@ -42,7 +42,7 @@ from nemo_patch.engine.run_checkpoints import TRACKER_FILENAME, list_run_checkpo
 from nemo_patch.training.policy import parse_consolidation_frequency
 
 REPO = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("io_checkpoints", REPO / "tests/nemo/lightning/_io/conftest.py")
+_SPEC = importlib.util.spec_from_file_location("io_checkpoints", REPO / "tests/nemo/lightning/conftest.py")
 _IO_CHECKPOINTS = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(_IO_CHECKPOINTS)
 save_checkpoint = _IO_CHECKPOINTS.save_checkpoint  # NeMo-layout checkpoints that megatron-core saves
