@@ -36,7 +36,11 @@ Restarts and company: a checkpoint whose output exists and is complete (its ``me
 checkpoint and lists files that are all there with their sizes: :func:`output_is_complete`) is not consolidated
 again; while one watcher consolidates a checkpoint it holds a ``flock`` on the checkpoint's directory, and a second
 watcher on the same root passes over it. A checkpoint removed while it is read publishes nothing (one log line) and
-the watcher goes on.
+the watcher goes on; so does one saved again under its name while it is read (the next poll takes the new save).
+Any failure of one checkpoint is one log line (names with newlines or escapes are escaped), and so is a root that
+cannot be listed for a while (``EACCES``, ``ESTALE``). An output is complete only as a directory of regular files,
+never through a symbolic link planted at its name. Each poll of a root of consolidated checkpoints costs ``stat``
+calls, not reads.
 
 ``--until-idle SECONDS``: exit once no checkpoint has finished for that long and nothing is due; a checkpoint that
 never finishes (a crashed save) does not hold the exit. Without it, the watcher runs until SIGTERM or SIGINT, then
@@ -48,10 +52,12 @@ import argparse
 import contextlib
 import errno
 import fcntl
-import logging
 import json
+import logging
 import os
+import shutil
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -84,6 +90,34 @@ class WatchStopped(BaseException):
     """SIGTERM or SIGINT reached the watcher while it consolidated: the output being written is abandoned."""
 
 
+def _printable(text: object) -> str:
+    """``text`` with what is not printable escaped (``\\n``, ``\\x1b``, ``\\udcff``): a checkpoint named with a
+    newline or a terminal escape must not write a second log line or a forged one."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(text))
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line (a message quoting torch's may have several)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+class _SavedAgain(ConsolidationError):
+    """The checkpoint was saved again under its name while it was consolidated (another ``.metadata``)."""
+
+
+def _stat_key(path: Path) -> Optional[Tuple[int, ...]]:
+    """What changes when a file is replaced or rewritten: device, inode, size, mtime and ctime (``None``: absent)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _weights(checkpoint: Path) -> Path:
+    return checkpoint / "weights" if (checkpoint / "weights").is_dir() else checkpoint
+
+
 def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
     """Whether ``output_dir`` is a complete output of ``checkpoint`` as saved now: its ``metadata.json`` records the
     checkpoint's current ``.metadata`` (:func:`nemo_patch.engine.digests.source_fingerprint`; a checkpoint saved again
@@ -93,6 +127,8 @@ def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
     from nemo_patch.engine.safe_files import read_json_file
 
     try:
+        if not stat.S_ISDIR(os.lstat(output_dir).st_mode):  # a link planted there is nobody's output
+            return False
         manifest = read_json_file(output_dir / "metadata.json")
         weights = checkpoint / "weights" if (checkpoint / "weights").is_dir() else checkpoint
         if not isinstance(manifest, dict) or manifest.get("source_metadata") != source_fingerprint(weights):
@@ -104,7 +140,10 @@ def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
             return False
         for name, entry in files.items():
             size = entry.get("size") if isinstance(entry, dict) else None
-            if "/" in name or name.startswith(".") or (output_dir / name).stat().st_size != size:
+            if "/" in name or name.startswith("."):
+                return False
+            info = os.lstat(output_dir / name)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
                 return False
         return True
     except (ConsolidationError, OSError, ValueError, TypeError, AttributeError):
@@ -185,10 +224,12 @@ class Watcher:
     _last_finished: float = field(default_factory=time.monotonic)
     _busy: bool = False
     layout: Optional[str] = None
+    _complete: Dict[Path, Tuple[Any, ...]] = field(default_factory=dict)  # output -> what it was complete as
+    _saves: Dict[Path, Tuple[Any, str]] = field(default_factory=dict)  # checkpoint -> (.metadata's stat, sha256)
 
     def say(self, line: str) -> None:
         """One line of the watcher's log (stdout), flushed."""
-        print(line, file=sys.stdout if self.out is None else self.out, flush=True)
+        print(_printable(line), file=sys.stdout if self.out is None else self.out, flush=True)
 
     # -- what is due ------------------------------------------------------------------------------------------------
 
@@ -209,9 +250,29 @@ class Watcher:
     def _done(self, group: List[RunCheckpoint]) -> Optional[RunCheckpoint]:
         """The checkpoint of a step whose output is complete, if one is."""
         for checkpoint in group:
-            if output_is_complete(checkpoint.path, self._output(checkpoint)):
+            if self._is_complete(checkpoint.path, self._output(checkpoint)):
                 return checkpoint
         return None
+
+    @staticmethod
+    def _metadata_file(checkpoint: Path) -> Path:
+        weights = _weights(checkpoint)
+        metadata = weights / ".metadata"
+        return metadata if os.path.lexists(metadata) else weights / "metadata.json"
+
+    def _is_complete(self, checkpoint: Path, output: Path) -> bool:
+        """:func:`output_is_complete`, read once per output: while the checkpoint's ``.metadata``, the output
+        directory and its ``metadata.json`` are the same files, unchanged (inode, size, times), it stays complete;
+        each poll of a root of thousands of consolidated checkpoints costs ``stat`` calls, not reads."""
+        key = (_stat_key(self._metadata_file(checkpoint)), _stat_key(output), _stat_key(output / "metadata.json"))
+        if None not in key and self._complete.get(output) == key:
+            return True
+        self._complete.pop(output, None)
+        if not output_is_complete(checkpoint, output):
+            return False
+        if None not in key:
+            self._complete[output] = key
+        return True
 
     def _best_step(self, listing: RunListing) -> Optional[int]:
         if self.layout != NEMO_LAYOUT or not listing.finished:
@@ -263,30 +324,50 @@ class Watcher:
 
     # -- doing it ---------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _save_of(checkpoint: Path) -> str:
-        """Which save of ``checkpoint`` this is (its ``.metadata``'s sha256): a failure is retried if saved again."""
+    def _save_of(self, checkpoint: Path) -> str:
+        """Which save of ``checkpoint`` this is (its ``.metadata``'s sha256): a failure is retried if saved again.
+        Read again only when the file changed (inode, size, times)."""
         from nemo_patch.engine.digests import source_fingerprint
 
-        weights = checkpoint / "weights" if (checkpoint / "weights").is_dir() else checkpoint
+        key = _stat_key(self._metadata_file(checkpoint))
+        known = self._saves.get(checkpoint)
+        if key is not None and known is not None and known[0] == key:
+            return known[1]
         try:
-            return source_fingerprint(weights)["sha256"]
+            sha = source_fingerprint(_weights(checkpoint))["sha256"]
         except ConsolidationError:
+            self._saves.pop(checkpoint, None)
             return ""
+        if key is not None and _stat_key(self._metadata_file(checkpoint)) == key:
+            self._saves[checkpoint] = (key, sha)
+        return sha
 
     def _once(self, path: Path, line: str) -> None:
         if (path, line) not in self._said and len(self._said) < _SEEN_REASONS_LIMIT:
             self._said.add((path, line))
             self.say(line)
 
+    def _list(self) -> RunListing:
+        return list_run_checkpoints(self.root, self.layout)
+
     def _still_finished(self, checkpoint: RunCheckpoint) -> bool:
-        listing = list_run_checkpoints(self.root)
+        try:
+            listing = self._list()
+        except OSError:
+            return False
         return any(found.path == checkpoint.path for found in listing.finished)
 
-    def _check_still_finished(self, checkpoint: RunCheckpoint) -> Callable[[], None]:
+    def _check_still_finished(self, checkpoint: RunCheckpoint, save: str) -> Callable[[], None]:
+        """The check before publishing: ``checkpoint`` is still listed as finished, and is still the save that was
+        read (``save``, its ``.metadata``'s sha256; a checkpoint saved again under its name meanwhile -- a rollback
+        -- may have been read half from each save)."""
+
         def check() -> None:
             if not self._still_finished(checkpoint):
                 raise ConsolidationError(f"{checkpoint.path} was removed or marked unfinished meanwhile")
+            self._saves.pop(checkpoint.path, None)  # read it again: its times may not have moved
+            if self._save_of(checkpoint.path) != save:
+                raise _SavedAgain(f"{checkpoint.path} was saved again while it was consolidated")
 
         return check
 
@@ -297,7 +378,7 @@ class Watcher:
                 if not mine:
                     self._once(checkpoint.path, f"{checkpoint.path.name}: another watcher is consolidating it")
                     continue
-                if output_is_complete(checkpoint.path, self._output(checkpoint)):  # done meanwhile, by another
+                if self._is_complete(checkpoint.path, self._output(checkpoint)):  # done meanwhile, by another
                     return
                 if self._consolidate_one(checkpoint):
                     self._link_copies(checkpoint, group)
@@ -311,19 +392,11 @@ class Watcher:
         try:
             if self.stopping:
                 raise WatchStopped
-            count, size = self.consolidate(checkpoint, output, self.root, self._check_still_finished(checkpoint))
-        except ConsolidationError as error:
-            if not checkpoint.path.exists() or not self._still_finished(checkpoint):
-                self.tally.removed += 1
-                self.say(f"{checkpoint.path.name}: removed or marked unfinished by the trainer while it was "
-                         "consolidated; nothing published")  # fmt: skip
-                return False
-            self.tally.failed += 1
-            self.tally.exit_code = error.exit_code
-            self._given_up.add((checkpoint.path, save))
-            self.say(f"error: {checkpoint.path.name} (step {checkpoint.global_step}): {error} "
-                     f"(exit code {error.exit_code}; not retried unless saved again)")  # fmt: skip
-            return False
+            check = self._check_still_finished(checkpoint, save)
+            count, size = self.consolidate(checkpoint, output, self.root, check)
+        except Exception as error:  # noqa: BLE001 - any failure of one checkpoint is one line; the watcher goes on
+            self._busy = False
+            return self._failed(checkpoint, save, error)
         finally:
             self._busy = False
         seconds = time.monotonic() - started
@@ -338,36 +411,94 @@ class Watcher:
                 self.tally.exit_code = code
         return True
 
+    def _failed(self, checkpoint: RunCheckpoint, save: str, error: Exception) -> bool:
+        """Say why ``checkpoint`` was not consolidated (one line); ``False``."""
+        if not checkpoint.path.exists() or not self._still_finished(checkpoint):
+            self.tally.removed += 1
+            self.say(f"{checkpoint.path.name}: removed or marked unfinished by the trainer while it was "
+                     "consolidated; nothing published")  # fmt: skip
+            return False
+        if isinstance(error, _SavedAgain) or (save and self._save_of(checkpoint.path) not in (save, "")):
+            self.tally.removed += 1  # the save that was read is gone; the new one is due at the next poll
+            self.say(f"{checkpoint.path.name}: saved again while it was consolidated; nothing published, the new save "
+                     "is consolidated next")  # fmt: skip
+            return False
+        code = error.exit_code if isinstance(error, ConsolidationError) else ConsolidationError.exit_code
+        message = _one_line(error) if isinstance(error, ConsolidationError) else (
+            f"unexpected {type(error).__name__}: {_one_line(error)}")  # fmt: skip
+        self.tally.failed += 1
+        self.tally.exit_code = code
+        self._given_up.add((checkpoint.path, save))
+        self.say(f"error: {checkpoint.path.name} (step {checkpoint.global_step}): {message} "
+                 f"(exit code {code}; not retried unless saved again)")  # fmt: skip
+        return False
+
     def _link_copies(self, source: RunCheckpoint, group: List[RunCheckpoint]) -> None:
         """Give the other checkpoints of ``source``'s step (NeMo's ``-last`` copies) its output as hard links, with a
         ``metadata.json`` of their own: it records the copy's ``.metadata`` (so that :func:`output_is_complete` knows
         the copy's output) and ``"linked_from"``, the checkpoint whose output it is."""
         from nemo_patch.engine.digests import source_fingerprint
-        from nemo_patch.engine.publish import link_output
         from nemo_patch.engine.safe_files import read_json_file
 
         for other in group:
             target = self._output(other)
-            if other.path == source.path or output_is_complete(other.path, target):
+            if other.path == source.path or self._is_complete(other.path, target):
                 continue
             try:
                 manifest = read_json_file(self._output(source) / "metadata.json")
-                weights = other.path / "weights" if (other.path / "weights").is_dir() else other.path
-                manifest.update(source_metadata=source_fingerprint(weights), linked_from=source.path.name)
+                fingerprint = source_fingerprint(_weights(other.path))
+                manifest.update(source_metadata=fingerprint, linked_from=source.path.name)
                 text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-                link_output(self._output(source), target, replace_files={"metadata.json": text.encode()})
+                check = self._check_still_finished(other, fingerprint["sha256"])
+                self._link_output(self._output(source), target, text.encode(), check)
             except (OSError, ValueError, AttributeError, ConsolidationError) as error:
-                self._once(other.path, f"{other.path.name}: not linked to {source.path.name}'s output: {error}")
+                self._once(other.path, f"{other.path.name}: not linked to {source.path.name}'s output: "
+                                       f"{_one_line(error)}")  # fmt: skip
                 continue
             self.tally.linked += 1
             self.say(f"Linked {other.path.name} (step {other.global_step}) -> {source.path.name}'s output")
+
+    def _link_output(self, source: Path, target: Path, metadata: bytes, before_publish: Callable[[], None]) -> None:
+        """Publish ``target`` with ``source``'s files as hard links (copies where links fail) and ``metadata`` as its
+        ``metadata.json``: staged in the root, as a consolidation is (nothing is created inside the copy's directory
+        before the rename, which NeMo's removal of the copy would meet), and published only if ``before_publish``
+        passes (the copy is still finished, still the save whose digest ``metadata`` records)."""
+        from nemo_patch.engine import publish
+
+        tmp_dir = publish.make_tmp_dir(self.root)
+        try:
+            with os.scandir(source) as entries:
+                names = sorted(entry.name for entry in entries)
+            for name in names:
+                if name == publish.TMP_LOCK_NAME:
+                    continue
+                if name == "metadata.json":
+                    with open(tmp_dir / name, "xb") as handle:
+                        handle.write(metadata)
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                    continue
+                if not stat.S_ISREG(os.lstat(source / name).st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file in the output", str(source / name))
+                try:
+                    os.link(source / name, tmp_dir / name, follow_symlinks=False)
+                except OSError:
+                    shutil.copyfile(source / name, tmp_dir / name, follow_symlinks=False)
+            before_publish()
+            publish.publish_dir(tmp_dir, target)
+        except BaseException:
+            publish.remove_tmp_dir(tmp_dir)
+            raise
 
     def _point_latest(self, checkpoint: RunCheckpoint) -> None:
         """``ROOT/LATEST`` -> ``checkpoint`` unless it names a later global step already."""
         from nemo_patch.training.latest import LATEST_NAME, set_aside_non_link, update_latest_pointer
 
         if self._latest_step is None:
-            self._latest_step = self._pointed_step()
+            try:
+                self._latest_step = self._pointed_step()
+            except OSError:  # LATEST replaced meanwhile, or the root unreadable: taken as pointing nowhere known
+                self._latest_step = None
         if self._latest_step is not None and checkpoint.global_step < self._latest_step:
             return
         link = self.root / LATEST_NAME
@@ -389,7 +520,7 @@ class Watcher:
         if not link.is_symlink():
             return None
         name = os.readlink(link)
-        for checkpoint in list_run_checkpoints(self.root).finished:
+        for checkpoint in self._list().finished:
             if checkpoint.path.name == name:
                 return checkpoint.global_step
         return None
@@ -413,7 +544,7 @@ class Watcher:
 
     def scan(self) -> bool:
         """List the root once and consolidate what is due; ``True`` when something was due."""
-        listing = list_run_checkpoints(self.root)
+        listing = self._list()
         self._check_layout(listing)
         for path, why in listing.not_finished.items():
             if not why.startswith("unfinished"):
@@ -445,6 +576,9 @@ class Watcher:
                 except WatchStopped:
                     self.say("The output being written was abandoned; nothing half-written is published")
                     break
+                except OSError as error:  # EACCES, ESTALE, EIO on the root: said once, tried again next poll
+                    self._once(self.root, f"cannot list {self.root} now: {_one_line(error)}; trying again")
+                    busy = False
                 idle = time.monotonic() - self._last_finished
                 if self.until_idle is not None and not busy and idle >= self.until_idle:
                     break
@@ -548,7 +682,9 @@ def _consolidator(args: argparse.Namespace) -> Consolidate:
     def consolidate(
         checkpoint: RunCheckpoint, output: Path, staging: Path, before_publish: Callable[[], None]
     ) -> "tuple[int, int]":
-        common = dict(global_step=checkpoint.global_step, staging_dir=staging, before_publish=before_publish)
+        common: Dict[str, Any] = dict(
+            global_step=checkpoint.global_step, staging_dir=staging, before_publish=before_publish
+        )
         if args.format == "hf":
             from nemo_patch.export.context_trust import check_context_trusted
             from nemo_patch.export.hf import export_hf_checkpoint
@@ -574,7 +710,7 @@ def _post_command(args: argparse.Namespace) -> Optional[Callable[[RunCheckpoint,
     def run(checkpoint: RunCheckpoint, output: Path) -> Optional[int]:
         done = run_post_command(args.post_command, output, args.format, checkpoint.global_step, checkpoint.path,
                                 timeout=args.post_command_timeout)  # fmt: skip
-        print(f"Post command for {checkpoint.path.name}: {done.describe()}", flush=True)
+        print(_printable(f"Post command for {checkpoint.path.name}: {done.describe()}"), flush=True)
         return None if done.ok else PostCommandError.exit_code
 
     return run

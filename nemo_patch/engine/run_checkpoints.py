@@ -23,7 +23,8 @@ Two layouts are recognised from what the directory holds:
   ``weights/common.pt`` (read with ``torch.load(weights_only=True)``). A name ending in ``-last`` or
   ``-last-v<k>`` (Lightning's version counter) is NeMo's copy of its step's save.
 * **Megatron-LM and Megatron-Bridge** (their ``--save`` / ``CheckpointConfig.save`` directory): ``iter_<N>/``
-  directories that hold the distributed checkpoint itself, and ``latest_checkpointed_iteration.txt`` (the tracker),
+  directories, named as they name them (``iter_0000100``: seven digits at least, no other zero-padding, ASCII digits
+  only), that hold the distributed checkpoint itself, and ``latest_checkpointed_iteration.txt`` (the tracker),
   which the trainer rewrites once a save is finalized (after the background write of an async save). ``iter_<N>`` is
   finished when the tracker names ``N`` or a later iteration and its ``.metadata`` is there; with no tracker nothing
   is finished. Its global step is ``N``. ``common.pt`` (``args`` as an ``argparse.Namespace``) is never unpickled.
@@ -64,7 +65,7 @@ MEGATRON_LAYOUT = "megatron"
 #: Megatron-LM's and Megatron-Bridge's record of the newest finished iteration.
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
-_ITERATION = re.compile(r"^iter_(\d{1,18})$")
+_ITERATION = re.compile(r"^iter_([0-9]{7,18})$")
 _COPY = re.compile(r"-last(?:-v\d+)?$")
 _MAX_TRACKER_BYTES = 4096
 
@@ -105,6 +106,17 @@ def read_tracker(root: Union[str, Path]) -> Optional[int]:
         return None
 
 
+def _iteration(name: str) -> Optional[int]:
+    """The iteration of a directory named as Megatron-LM and Megatron-Bridge name them (``iter_{:07d}``), else
+    ``None``: ``iter_100`` or ``iter_00000100`` beside ``iter_0000100`` would be a second checkpoint of one
+    iteration, and ``\\d`` would take other scripts' digits."""
+    match = _ITERATION.match(name)
+    if match is None:
+        return None
+    iteration = int(match.group(1))
+    return iteration if name == f"iter_{iteration:07d}" else None
+
+
 def _entries(root: Path) -> List[os.DirEntry]:
     try:
         with os.scandir(root) as found:
@@ -118,7 +130,7 @@ def run_layout(root: Union[str, Path]) -> Optional[str]:
     root = Path(root)
     entries = _entries(root)
     if any(entry.name == TRACKER_FILENAME for entry in entries) or any(
-        _ITERATION.match(entry.name) and entry.is_dir(follow_symlinks=False) for entry in entries
+        _iteration(entry.name) is not None and entry.is_dir(follow_symlinks=False) for entry in entries
     ):
         return MEGATRON_LAYOUT
     for entry in entries:
@@ -161,10 +173,10 @@ def _megatron(root: Path, listing: RunListing) -> None:
     tracked = read_tracker(root)
     found = []
     for entry in _entries(root):
-        match = _ITERATION.match(entry.name)
-        if match is None or not entry.is_dir(follow_symlinks=False):
+        iteration = _iteration(entry.name)
+        if iteration is None or not entry.is_dir(follow_symlinks=False):
             continue
-        path, iteration = Path(entry.path), int(match.group(1))
+        path = Path(entry.path)
         if tracked is None or iteration > tracked:
             listing.not_finished[path] = "unfinished: the tracker has not reached it"
         elif not (path / ".metadata").is_file():
@@ -174,17 +186,22 @@ def _megatron(root: Path, listing: RunListing) -> None:
     listing.finished = sorted(found, key=lambda checkpoint: checkpoint.global_step)
 
 
-def list_run_checkpoints(root: Union[str, Path]) -> RunListing:
+def list_run_checkpoints(root: Union[str, Path], layout: Optional[str] = None) -> RunListing:
     """The checkpoints of a save directory (see the module docstring), as the directory is now.
 
     Args:
         root: a NeMo 2 checkpoint root, or a Megatron-LM / Megatron-Bridge save directory.
+        layout: the layout to list it as (a watcher's, found once: a stray tracker file dropped into a NeMo root
+            later must not turn it into a Megatron-LM one); default: :func:`run_layout`.
 
     Returns:
         A :class:`RunListing`; a checkpoint removed while the directory is listed is left out.
+
+    Raises:
+        OSError: ``root`` cannot be listed (other than its absence: nothing is listed then).
     """
     root = Path(root)
-    listing = RunListing(run_layout(root))
+    listing = RunListing(run_layout(root) if layout is None else layout)
     if listing.layout == MEGATRON_LAYOUT:
         _megatron(root, listing)
     elif listing.layout == NEMO_LAYOUT:
