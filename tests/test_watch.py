@@ -185,6 +185,15 @@ def test_hf_and_best_are_refused_for_megatron_layouts(megatron_copy, capsys):
     assert main(["--watch", str(megatron_copy), "--frequency", "best", "--until-idle", "1"]) == 6
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/run/checkpoints", "msc://profile/run"])
+def test_a_url_as_the_root_exits_19_and_writes_nothing(tmp_path, monkeypatch, capsys, url):
+    monkeypatch.chdir(tmp_path)
+    assert main([url, "--watch", "--until-idle", "0.1"]) == 19
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{url} is a URL" in err, err
+    assert not list(tmp_path.iterdir()), "a local directory named like the URL was made"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -690,7 +690,9 @@ def _consolidator(args: argparse.Namespace) -> Consolidate:
             from nemo_patch.export.hf import export_hf_checkpoint
 
             check_context_trusted(checkpoint.path / "context", args.trust_context)
-            result = export_hf_checkpoint(checkpoint.path, output, **options, **common)
+            result = export_hf_checkpoint(
+                checkpoint.path, output, trust_context=args.trust_context, **options, **common
+            )
         else:
             from nemo_patch.engine.consolidate import consolidate_checkpoint
             from nemo_patch.engine.parts import default_workers
@@ -719,19 +721,21 @@ def _post_command(args: argparse.Namespace) -> Optional[Callable[[RunCheckpoint,
 def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy) -> int:
     """``nemo-consolidate --watch``: returns the exit code (module docstring)."""
     from nemo_patch.engine.checkpoint_root import checkpoint_root
+    from nemo_patch.engine.output_target import refuse_remote
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    watcher = Watcher(
-        root=Path(os.path.abspath(checkpoint_root(args.path) if Path(args.path).is_dir() else args.path)),
-        policy=policy,
-        consolidate=_consolidator(args),
-        output_name="hf" if args.format == "hf" else "consolidated",
-        until_idle=args.until_idle,
-        poll_interval=10.0 if args.poll_interval is None else args.poll_interval,
-        best=(args.monitor, args.mode),
-        after_publish=_post_command(args),
-    )
     try:
+        refuse_remote(args.path, "the checkpoint root")  # exit 19: a URL would be watched as a local directory
+        watcher = Watcher(
+            root=Path(os.path.abspath(checkpoint_root(args.path) if Path(args.path).is_dir() else args.path)),
+            policy=policy,
+            consolidate=_consolidator(args),
+            output_name="hf" if args.format == "hf" else "consolidated",
+            until_idle=args.until_idle,
+            poll_interval=10.0 if args.poll_interval is None else args.poll_interval,
+            best=(args.monitor, args.mode),
+            after_publish=_post_command(args),
+        )
         return watcher.run()
     except ConsolidationError as error:
         print(f"nemo-consolidate: error: {error}", file=sys.stderr)
