@@ -21,7 +21,13 @@ strategy's ``ckpt_consolidation_post_command``) and runs through ``/bin/sh -c`` 
 
 * placeholders ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` replaced by the shell-quoted values,
   and the same in the environment: ``NEMO_CONSOLIDATED_OUTPUT``, ``NEMO_CONSOLIDATED_FORMAT``,
-  ``NEMO_CONSOLIDATED_GLOBAL_STEP`` (empty when unknown) and ``NEMO_CONSOLIDATED_CHECKPOINT``;
+  ``NEMO_CONSOLIDATED_GLOBAL_STEP`` (empty when unknown) and ``NEMO_CONSOLIDATED_CHECKPOINT``; the two paths absolute
+  (made so against this process's working directory, symbolic links not followed);
+* the working directory of the process that runs it (the training job's, which the consolidation process inherits, or
+  ``nemo-consolidate``'s): a relative path in the command means what it means where the job was started;
+* its process group ended with the process that runs it: a guard in the group (a ``/bin/sh`` subshell blocked reading
+  a pipe whose only writer is this process) sends the group SIGTERM, and SIGKILL 2 s later, once this process is gone,
+  also when it was SIGKILLed;
 * its stdout and stderr kept in ``<output>.post-command.log`` beside the output (not inside it: the output's files
   stay exactly those its ``metadata.json`` records), replaced at each run: the log is created as a new file under a
   random name (``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed over that name, so whatever was there (a symbolic link
@@ -82,6 +88,14 @@ _KILL_GRACE = 5.0
 #: Seconds between SIGTERM and SIGKILL when the caller asks the command to stop (its own process is being ended and
 #: has only a few seconds itself).
 _STOP_GRACE = 2.0
+#: What ``/bin/sh -c`` runs: a guard (a subshell in the command's process group, immune to SIGTERM, blocked reading
+#: the pipe given as the shell's stdin; at EOF, when the process that runs the command is gone, SIGKILLed included, it
+#: sends the group SIGTERM, then SIGKILL 2 s later), then the command itself (``$1``) in a shell of its own without
+#: the pipe; the guard is ended when the command has, and the command's exit status is this shell's.
+_GUARDED = (
+    "exec 9<&0 </dev/null; ( trap '' TERM; read _ <&9; kill -TERM 0; sleep 2; kill -KILL 0 ) >/dev/null 2>&1 & "
+    'guard=$!; exec 9<&-; /bin/sh -c "$1"; status=$?; kill -KILL $guard 2>/dev/null; exit $status'
+)
 #: The placeholders a command may use.
 PLACEHOLDERS = ("output", "format", "global_step", "checkpoint")
 _METADATA = "metadata.json"
@@ -305,7 +319,8 @@ def run_post_command(
     """
     if not timeout > 0:
         raise ValueError(f"the post command's timeout must be a positive number of seconds, got {timeout!r}")
-    output_dir, checkpoint_dir = Path(output_dir), Path(checkpoint_dir)
+    # absolute: the command may change directory, and a relative path would mean nothing in another process's
+    output_dir, checkpoint_dir = Path(os.path.abspath(output_dir)), Path(os.path.abspath(checkpoint_dir))
     values = {
         "output": str(output_dir),
         "format": output_format,
@@ -320,20 +335,28 @@ def run_post_command(
     metrics: Dict[str, float] = {}
     try:
         with _create_in_place_of(log_path) as log:
-            process = subprocess.Popen(
-                ["/bin/sh", "-c", expanded],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-                cwd=str(output_dir.parent),
-                start_new_session=True,  # its own process group: a timeout stops everything it started
-            )
+            guard_read, guard_write = os.pipe()  # this process holds the only writer: EOF for the guard once it ends
+            try:
+                process = subprocess.Popen(
+                    ["/bin/sh", "-c", _GUARDED, "sh", expanded],
+                    stdin=guard_read,  # the guard's; the command's own stdin is /dev/null
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,  # its own process group: a timeout stops everything it started
+                )
+            except BaseException:
+                os.close(guard_write)
+                raise
+            finally:
+                os.close(guard_read)
             try:
                 timed_out, stopped = _collect(process, log, metrics, started + timeout, should_stop)
             except BaseException:  # e.g. KeyboardInterrupt: nothing the command started outlives this call
                 _stop(process, _STOP_GRACE)
                 raise
+            finally:
+                os.close(guard_write)
     except OSError as error:
         result = PostCommandResult(command, None, time.monotonic() - started, False, str(log_path), error=str(error))
         record_result(output_dir, result)
