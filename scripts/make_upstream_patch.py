@@ -30,8 +30,9 @@ starts with a ``.. pull-request: <key>`` line) and each pull request's descripti
 installed one). The series is built in a temporary git repository holding that tree, one commit per pull request, and
 written with ``git format-patch``; ``OUTDIR/series`` lists the patches in order. Checks before anything is written:
 no ``nemo_patch`` name left, no line over 119 columns, every module a file imports outside an optional-import block
-present in the tree by then. ``tests/test_upstream_patch.py`` applies the series to the installed NeMo and runs each
-pull request's tests there: the same test files the product's suite runs against the overlay.
+(or a :data:`GATED` one, in a function) present in the tree by then. ``tests/test_upstream_patch.py`` applies the
+series to the installed NeMo and runs each pull request's tests there: the same test files the product's suite runs
+against the overlay.
 """
 
 import argparse
@@ -52,6 +53,7 @@ RENAMES = (
     ("nemo_patch.engine", PACKAGE),
     ("nemo_patch.training", f"{PACKAGE}.training"),
     ("nemo_patch.export", f"{PACKAGE}.export"),
+    ("NEMO_PATCH_WORKER_NICENESS", "NEMO_CONSOLIDATION_WORKER_NICENESS"),  # an environment variable's name
 )
 #: Product path prefix -> NeMo path prefix.
 PLACES = (
@@ -71,6 +73,9 @@ ISORT_SETTINGS = dict(
     known_third_party=["nemo_text_processing", "examples", "scripts"],
     default_section="THIRDPARTY",
 )
+#: Modules imported inside functions only for a ``ConsolidationConfig`` value whose ``feature`` (the module that
+#: ships with them) the config refuses where it is missing: later pull requests add them.
+GATED = (f"{PACKAGE}.export.", f"{PACKAGE}.post_command")
 LEFTOVERS = re.compile(r"nemo_patch|nemo-patch|NEMO_PATCH|nemo-consolidate")
 
 
@@ -103,7 +108,7 @@ SERIES = (
         tuple(f"nemo_patch/engine/{name}.py" for name in (
             "safe_files", "pickle_limits", "metadata_checks", "layout_checks", "record_checks", "dcp_reader",
             "moe_names", "casting", "stage_times", "checkpoint_reader", "tensor_sources"))  # fmt: skip
-        + ("tests/nemo/lightning/_io/conftest.py", "tests/nemo/lightning/_io/test_consolidation_reader.py"),
+        + ("tests/nemo/lightning/conftest.py", "tests/nemo/lightning/_io/test_consolidation_reader.py"),
     ),
     PullRequest(
         "outputs",
@@ -118,6 +123,19 @@ SERIES = (
         "Checkpoint consolidation: writer processes and publishing that survives a killed process",
         tuple(f"nemo_patch/engine/{name}.py" for name in ("publish", "process_limits", "part_writer", "parts"))
         + ("tests/nemo/lightning/_io/test_consolidation_writers.py",),
+    ),
+    PullRequest(
+        "process",
+        "Checkpoint consolidation: ConsolidationConfig and a background process that consolidates checkpoints",
+        tuple(f"nemo_patch/training/{name}.py" for name in (
+            "__init__", "config", "policy", "settings", "schedule", "queue", "worker"))  # fmt: skip
+        + ("tests/nemo/lightning/_io/test_consolidation_process.py",),
+    ),
+    PullRequest(
+        "knob",
+        "MegatronStrategy(ckpt_consolidation_frequency=...): consolidate checkpoints as training saves them",
+        tuple(f"nemo_patch/training/{name}.py" for name in ("callback", "coordinator", "fit_end", "integration"))
+        + ("tests/nemo/lightning/pytorch/strategies/test_megatron_strategy_consolidation.py",),
     ),
 )
 
@@ -151,9 +169,16 @@ def formatted(text: str) -> str:
 
 
 def _optional_imports(tree: ast.Module) -> set:
-    """The ``import`` nodes inside ``try: ... except ModuleNotFoundError`` blocks: extension points."""
+    """The ``import`` nodes inside ``try: ... except ModuleNotFoundError`` blocks (extension points), and those of
+    :data:`GATED` modules inside functions."""
     found = set()
     for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.update(
+                id(child)
+                for child in ast.walk(node)
+                if isinstance(child, ast.ImportFrom) and (child.module or "").startswith(GATED)
+            )
         if isinstance(node, ast.Try) and any(
             isinstance(h.type, ast.Name) and h.type.id == "ModuleNotFoundError" for h in node.handlers
         ):

@@ -67,6 +67,10 @@ def _added(patch: Path) -> List[str]:
     return re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), flags=re.M)
 
 
+def _created(patch: Path) -> List[str]:
+    return re.findall(r"^--- /dev/null\n\+\+\+ b/(\S+)$", patch.read_text(), flags=re.M)
+
+
 def _added_lines(patch: Path) -> int:
     return sum(
         1
@@ -123,10 +127,14 @@ def test_each_pull_request_applies_and_its_tests_pass_in_the_patched_tree(series
 
 
 def test_added_python_follows_nemos_lint(series, tree):
-    """flake8 with NeMo's selection and line length on every Python file the series adds (black and isort formatting
-    is made by the packager); no ``assert`` in library code."""
+    """flake8 with NeMo's selection and line length on every Python file the series creates (black and isort
+    formatting is made by the packager), NeMo's line length on the lines it adds to NeMo's files; no ``assert`` in
+    library code."""
     _apply_through(tree, series, len(series))
-    added = sorted({path for patch in series for path in _added(patch) if path.endswith(".py")})
+    added = sorted({path for patch in series for path in _created(patch) if path.endswith(".py")})
+    for patch in series:
+        long = [line for line in patch.read_text().splitlines() if line.startswith("+") and len(line) > 120]
+        assert not long, f"{patch.name}: {long}"
     select = "--select=F541,F841,F401,E741,F821,E266,E501"
     proc = subprocess.run([sys.executable, "-m", "flake8", "--max-line-length=119", select, *added], cwd=tree,
                           capture_output=True, text=True)  # fmt: skip

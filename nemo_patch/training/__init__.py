@@ -24,6 +24,6 @@ cadence phases (:mod:`.phases`), the journal of due consolidations (:mod:`.journ
 callbacks' hooks (:mod:`.hooks`), and the training metrics (:mod:`.metrics`).
 
 NeMo is imported by ``integration`` only, inside its functions; the consolidation process (``worker``) imports none of
-NeMo, Lightning or megatron-core. May import the engine and the export, never the overlay, the CLI or
-``nemo_patch.testing``. This ``__init__`` imports nothing.
+NeMo, Lightning or megatron-core. May import the engine and the export, nothing else of this package's parent. This
+``__init__`` imports nothing.
 """

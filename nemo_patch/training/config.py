@@ -18,7 +18,7 @@
 ``DistributedDataParallelConfig``. Each field's metadata (:func:`setting`) is the setting's only declaration: its
 validator, its help text (the class's ``Attributes:`` and the documentation's reference are made from it), the later
 addition it needs (``feature``: a value other than the default is refused where that module is not installed), and
-its ``nemo-consolidate`` option (:class:`CliOption`). A config is validated once, when it is made, and stores values
+its command-line option (:class:`CliOption`). A config is validated once, when it is made, and stores values
 in one normal form, so that configs compare and serialise by value (NeMo's ``context/io.json``, fiddle, NeMo-Run).
 Standard library only (plus the engine's torch-free output names).
 """
@@ -50,13 +50,13 @@ DEFAULT_MAX_PENDING = 2
 DEFAULT_TIMEOUT = 1800.0
 #: Default ``ConsolidationConfig.post_command_timeout``, in seconds.
 DEFAULT_POST_COMMAND_TIMEOUT = 3600.0
-#: The package the ``feature`` modules are in (``nemo_patch``, or NeMo's ``nemo.lightning.io.consolidation``).
+#: The package the ``feature`` modules are in (this package's parent).
 _ROOT = __package__.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
 class CliOption:
-    """How ``nemo-consolidate`` takes a setting: its ``flag``, ``help``, option ``group``, how a string is parsed
+    """How the command line takes a setting: its ``flag``, ``help``, option ``group``, how a string is parsed
     before validation (``None``: as it is; a string that does not parse is handed on, for the validator's message),
     the value's ``metavar`` and the ``choices`` listed in the usage line."""
 
@@ -71,7 +71,7 @@ class CliOption:
 @dataclass(frozen=True)
 class Setting:
     """One setting: a field of :class:`ConsolidationConfig` with its default, annotation, validator (``(value,
-    name) -> value`` in its stored form, or ``ValueError`` naming ``name``), help text, ``nemo-consolidate`` option,
+    name) -> value`` in its stored form, or ``ValueError`` naming ``name``), help text, command-line option,
     and the module (``feature``, under the package root) a value other than the default needs."""
 
     field: str
@@ -385,14 +385,14 @@ def validate_fields(config: ConsolidationConfig, names: Mapping[str, str]) -> No
     another name in messages (default: ``ConsolidationConfig.<field>``).
 
     Raises:
-        ValueError: an invalid value, or one other than the default whose ``feature`` module is not installed.
+        ValueError: one other than the default whose ``feature`` module is not installed (checked first: a validator
+            may import that feature's modules), or an invalid value.
     """
     for spec in SETTINGS:
-        name = names.get(spec.field) or spec.name
-        value = spec.validate(getattr(config, spec.field), name)
+        name, value = names.get(spec.field) or spec.name, getattr(config, spec.field)
         if spec.feature is not None and value != spec.default and not feature_installed(spec.feature):
             raise ValueError(f"{name}={value!r} needs {_ROOT}.{spec.feature}, which is not installed.")
-        object.__setattr__(config, spec.field, value)
+        object.__setattr__(config, spec.field, spec.validate(value, name))
 
 
 _HINTS = typing.get_type_hints(ConsolidationConfig)

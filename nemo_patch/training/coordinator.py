@@ -18,8 +18,8 @@ NeMo's checkpoint IO tells the coordinator about saves; it owns the rest: the ca
 consolidation process, the ``-last`` copies that receive their step's output, and NeMo's removals. Every decision is
 taken under one lock, shared with the queue (NeMo removes checkpoints from its own thread under async save): a
 checkpoint whose removal has started is never queued, started or linked into any more, and a consolidation running
-delays the removal until it has ended. A save is the :class:`~nemo_patch.training.schedule.CheckpointSave` object,
-not its global step (a second ``fit`` starts its steps again; NeMo saves into ``-last`` directories again), and an
+delays the removal until it has ended. A save is the :class:`~.schedule.CheckpointSave` object, not its
+global step (a second ``fit`` starts its steps again; NeMo saves into ``-last`` directories again), and an
 output is published or linked only while the weights it was made from are still there. The later additions take part
 as observers, from their own modules where they are installed. Standard library and the engine's helpers only.
 """

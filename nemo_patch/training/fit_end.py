@@ -37,7 +37,7 @@ GRACE_SECONDS = 120.0
 #: The longest wait asked of the store (about 31 years: ``timedelta`` and the stores' 64-bit nanoseconds overflow
 #: beyond); a longer ``ConsolidationConfig.timeout`` means as long as it takes.
 MAX_WAIT_SECONDS = 10.0**9
-_KEY = "nemo_patch/fit_end/{}"
+_KEY = "checkpoint_consolidation/fit_end/{}"
 
 
 def capped_timedelta(seconds: float) -> datetime.timedelta:

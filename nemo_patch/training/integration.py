@@ -209,7 +209,7 @@ def setup(strategy: Any, trainer: Any) -> None:
 def teardown(strategy: Any) -> None:
     """``MegatronStrategy.teardown`` (the end of ``fit``, normally or by an exception), before NeMo's: global rank 0
     waits for running and queued consolidations (up to ``ConsolidationConfig.timeout``) and reports the last ones;
-    with several ranks, the others wait until it is done (:mod:`nemo_patch.training.fit_end`), so that every rank
+    with several ranks, the others wait until it is done (:mod:`.fit_end`), so that every rank
     leaves ``fit`` together. Never raises."""
     settings = strategy.consolidation_settings
     fit_end = FitEnd(settings.config.timeout) if settings.enabled else None

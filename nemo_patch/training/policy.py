@@ -20,8 +20,8 @@
 * ``"latest"``: none during training; the newest finished checkpoint when ``fit`` ends.
 
 A policy is a tuple of phases (one, here) and whether the newest checkpoint is consolidated when ``fit`` ends, so that
-the later additions (``"best"``: :mod:`nemo_patch.training.best`; phases such as ``"every_n:10; each@50000"``:
-:mod:`nemo_patch.training.phases`) change no user of it. Standard library only.
+the later additions (``"best"``: :mod:`.best`; phases such as ``"every_n:10; each@50000"``: :mod:`.phases`) change
+no user of it. Standard library only.
 """
 
 import re

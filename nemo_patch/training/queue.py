@@ -14,14 +14,14 @@
 
 """Consolidation off the training path: one long-lived process per run (global rank 0), fed by a small bounded queue.
 
-:class:`ConsolidationQueue` hands its requests, one at a time, to one ``python -m nemo_patch.training.worker --serve``
-process that lives for the whole run, so the interpreter's start (2-5 s, mostly ``import torch``) is paid once per
-run. Protocol: one JSON line per request on its stdin, ``{"checkpoint", "global_step", "best"}``; on its stdout
-``{"ready": true}`` once it has imported what it needs, then one line per ended request,
-``{"error": null | "<one-line reason>"}`` (``{"published": true}`` before it when a post command runs after the
-publish); anything else it prints goes to an anonymous temporary file. A process that dies fails the request it was
-serving (with the signal, or its last line of output), its temporary output is removed, and the next request starts
-a new one. The training loop only polls (a non-blocking read, microseconds); it waits only when ``fit`` ends.
+:class:`ConsolidationQueue` hands its requests, one at a time, to one ``python -m <package>.worker --serve`` process
+(:mod:`.worker`) that lives for the whole run, so the interpreter's start (2-5 s, mostly ``import torch``) is paid
+once per run. Protocol: one JSON line per request on its stdin, ``{"checkpoint", "global_step", "best"}``; on its
+stdout ``{"ready": true}`` once it has imported what it needs, then one line per ended request, ``{"error": null |
+"<one-line reason>"}`` (``{"published": true}`` before it when a post command runs after the publish); anything else
+it prints goes to an anonymous temporary file. A process that dies fails the request it was serving (with the
+signal, or its last line of output), its temporary output is removed, and the next request starts a new one. The
+training loop only polls (a non-blocking read, microseconds); it waits only when ``fit`` ends.
 
 Standard library, the engine's publishing helpers and the training side's schedule and settings only.
 """
@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 from nemo_patch.engine.publish import tmp_dirs_of
 from nemo_patch.training.schedule import CheckpointSave, RequestState
@@ -90,8 +90,8 @@ class _Process:
         self.ready = False  # it has imported what it needs and serves requests
         self.published = False  # the request it serves published its output (its post command runs)
         self._received = b""
-        assert process.stdout is not None
-        os.set_blocking(process.stdout.fileno(), False)
+        self._stdout = cast(IO[bytes], process.stdout)  # a pipe: the queue starts it so
+        os.set_blocking(self._stdout.fileno(), False)
 
     @property
     def alive(self) -> bool:
@@ -109,11 +109,10 @@ class _Process:
 
     def result(self) -> Optional[Tuple[Optional[str], Dict[str, object]]]:
         """The next result line as ``(error, line)``, or ``None`` while none has arrived (never blocks)."""
-        assert self.process.stdout is not None
         while True:
             while b"\n" not in self._received:
                 try:
-                    chunk = os.read(self.process.stdout.fileno(), 65536)
+                    chunk = os.read(self._stdout.fileno(), 65536)
                 except BlockingIOError:
                     return None
                 if not chunk:  # end of file: the process is gone
@@ -202,7 +201,8 @@ class _Running:
 
     @property
     def process(self) -> subprocess.Popen:
-        assert self.server is not None, "not handed to a consolidation process yet"
+        if self.server is None:
+            raise RuntimeError("not handed to a consolidation process yet")
         return self.server.process
 
 
@@ -477,26 +477,25 @@ class ConsolidationQueue:
 
     def _start(self, save: CheckpointSave) -> None:
         """Hand ``save`` to the consolidation process, starting one if none is alive (or failing the request)."""
-        running = self._running
-        assert running is not None and running.save is save
+        running = cast(_Running, self._running)  # save's, made RUNNING by the caller
         line = json.dumps({"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}) + "\n"
-        warm = self._server is not None and self._server.send(line.encode())
-        if not warm:
+        server = self._server
+        warm = server is not None and server.send(line.encode())
+        if server is None or not warm:
             self._discard_server()  # it ended while idle (killed, out of memory, an unexpected error)
             try:
-                self._server = self._spawn()
+                server = self._server = self._spawn()
             except OSError as error:
                 self._finish(running, f"cannot start the consolidation process: {error}", {})
                 return
-            self._server.send(line.encode())  # if it died at once, reaping it reports why
-        assert self._server is not None
+            server.send(line.encode())  # if it died at once, reaping it reports why
         self.warm_requests += warm
-        running.server, running.started = self._server, time.monotonic()
+        running.server, running.started = server, time.monotonic()
         logger.info(
             "Consolidating %s (global step %d) in process %d%s",
             save.path,
             save.global_step,
-            self._server.process.pid,
+            server.process.pid,
             "" if warm else " (started for it)",
         )
 

@@ -12,14 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The consolidation process: ``python -m nemo_patch.training.worker --serve --settings JSON``.
+"""The consolidation process: ``python -m <package>.worker --serve --settings JSON``.
 
-Started once per run by :class:`nemo_patch.training.queue.ConsolidationQueue` (protocol there), it imports what a
-consolidation needs, says it is ready, lowers its CPU priority (:data:`WORKER_NICENESS`; ``NEMO_PATCH_WORKER_NICENESS``
+Started once per run by :class:`.queue.ConsolidationQueue` (protocol there), it imports what a consolidation needs,
+says it is ready, lowers its CPU priority (:data:`WORKER_NICENESS`; the environment variable :data:`NICENESS_VARIABLE`
 sets another, 0 to 19) and serves requests until its stdin ends. Its stdout carries result lines only (fd 1 goes to
 fd 2 before anything is imported). A request that fails with a ``ConsolidationError`` is answered with its reason;
 any other exception is answered, then ends the process (the queue starts a new one). It reads only files and uses no
-process group. ``python -m nemo_patch.training.worker <ckpt> --global-step N`` consolidates one checkpoint (exit 1
+process group. ``python -m <package>.worker <ckpt> --global-step N`` consolidates one checkpoint (exit 1
 with the reason on stderr). It imports neither NeMo, Lightning nor megatron-core (the ``hf`` format excepted: it
 imports NeMo to find the model's exporter).
 """
@@ -47,12 +47,17 @@ except ModuleNotFoundError as missing:  # pragma: no cover
         raise
     isolation = None  # type: ignore[assignment]
 
-__all__ = ["WORKER_NICENESS", "build_parser", "main"]
+__all__ = ["NICENESS_VARIABLE", "WORKER_NICENESS", "build_parser", "main"]
+
+#: The environment variable that sets the process's niceness (NeMo's tree: ``NEMO_CONSOLIDATION_WORKER_NICENESS``).
+NICENESS_VARIABLE = "NEMO_PATCH_WORKER_NICENESS"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The consolidation process's command line (see :func:`main`)."""
-    parser = argparse.ArgumentParser(description="Consolidate NeMo 2 distributed checkpoints (nemo_patch worker).")
+    parser = argparse.ArgumentParser(
+        description="Consolidate NeMo 2 distributed checkpoints (the consolidation process)."
+    )
     parser.add_argument("checkpoint", type=Path, nargs="?", default=None)
     parser.add_argument("--global-step", type=int, default=None)
     parser.add_argument("--best", type=json.loads, default=None)
@@ -128,7 +133,7 @@ def _consolidator(
     settings: ConsolidationSettings, preload: bool
 ) -> Callable[[Path, Optional[int], Optional[Dict[str, Any]]], Optional[str]]:
     """Import what consolidating with ``settings`` needs; return ``consolidate(checkpoint, global_step, best)``,
-    which returns ``None`` or the one-line reason of a :class:`~nemo_patch.engine.errors.ConsolidationError`."""
+    which returns ``None`` or the one-line reason of a ``ConsolidationError``."""
     import torch
 
     from nemo_patch.engine.errors import ConsolidationError
@@ -164,8 +169,8 @@ def _consolidator(
 
 
 def _niceness() -> int:
-    """``NEMO_PATCH_WORKER_NICENESS`` when it is ASCII digits for 0 to 19, else :data:`WORKER_NICENESS`."""
-    value = os.environ.get("NEMO_PATCH_WORKER_NICENESS", "").strip()
+    """:data:`NICENESS_VARIABLE` when it is ASCII digits for 0 to 19, else :data:`WORKER_NICENESS`."""
+    value = os.environ.get(NICENESS_VARIABLE, "").strip()
     try:
         niceness = int(value) if value.isascii() and value.isdigit() else -1
     except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
