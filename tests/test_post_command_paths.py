@@ -150,3 +150,36 @@ def test_a_fit_into_a_relative_log_dir_runs_every_post_command(tmp_path):
         assert post["returncode"] == 0 and post["error"] is None, Path(post["log"]).read_text()
         assert post["metrics"] == {"post/step": float(recorded["global_step"])}
         assert Path(post["log"]).is_absolute()
+
+
+def test_offline_global_step_is_the_training_runs_from_common_pt(checkpoint_copy, each_run, tmp_path, monkeypatch):
+    """Offline, ``metadata.json``'s ``global_step``, ``{global_step}`` and ``NEMO_CONSOLIDATED_GLOBAL_STEP`` are the
+    global step the training run recorded for the same checkpoint (its own output's ``metadata.json``), read from
+    Lightning's ``common.pt``: the copy is named ``ckpt``, so the name cannot give it."""
+    trained = json.loads((each_run["root"] / "LATEST" / "consolidated" / "metadata.json").read_text())
+    assert isinstance(trained["global_step"], int) and trained["global_step"] > 0
+    output = _offline(checkpoint_copy, tmp_path, monkeypatch)
+    metadata = json.loads((output / "metadata.json").read_text())
+    assert metadata["global_step"] == trained["global_step"]
+    assert metadata["post_command"]["metrics"] == {"post/step": float(trained["global_step"])}  # from the variable
+
+
+def test_global_step_without_common_pt_comes_from_the_name(checkpoint_copy, each_run, tmp_path):
+    """NeMo's ``step=N`` names the step before Lightning's global step: checked on every checkpoint of a real run
+    (name against ``common.pt``), then the name is what a checkpoint without a readable ``common.pt`` gets."""
+    from nemo_patch.cli.nemo_consolidate import checkpoint_global_step
+
+    checked = 0
+    for path in sorted(each_run["root"].iterdir()):
+        if (path / "weights" / "common.pt").is_file() and "step=" in path.name:
+            common = torch.load(path / "weights" / "common.pt", map_location="cpu", weights_only=False)
+            assert checkpoint_global_step(path) == common["global_step"]
+            name_step = int(path.name.split("step=")[1].split("-")[0])
+            assert common["global_step"] == name_step + 1
+            checked += 1
+    assert checked >= 3
+    renamed = tmp_path / "tiny_gpt--step=11-consumed_samples=48.0"
+    checkpoint_copy.rename(renamed)
+    (renamed / "weights" / "common.pt").write_bytes(b"not a torch file")
+    assert checkpoint_global_step(renamed) == 12
+    assert checkpoint_global_step(tmp_path / "no-step-here") is None

@@ -534,6 +534,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             merge_adapters=args.merge_adapters,
             base_checkpoint=args.base_checkpoint,
             best=best.record() if best else None,
+            global_step=checkpoint_global_step(location.checkpoint_dir),
         )
         if args.max_shard_size is not None:
             options["max_shard_size"] = args.max_shard_size
@@ -598,6 +599,24 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
     if args.post_command is not None:
         return _post_command(args, location, result)
     return 0
+
+
+def checkpoint_global_step(checkpoint_dir: Path) -> Optional[int]:
+    """The global step of the checkpoint ``checkpoint_dir``, for ``metadata.json`` and ``{global_step}``: Lightning's
+    ``global_step`` in its ``weights/common.pt`` (what the training run records for the same checkpoint), else the one
+    NeMo's ``step=<N>`` in its name gives (``N + 1``: NeMo names a checkpoint after the step before Lightning counts
+    it), else ``None``."""
+    import torch
+
+    from nemo_patch.engine.best_checkpoint import read_common_state
+    from nemo_patch.engine.checkpoint_root import global_step_in_name
+
+    step = (read_common_state(checkpoint_dir) or {}).get("global_step")
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step.item())
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        return step
+    return global_step_in_name(checkpoint_dir.name)
 
 
 def _post_command(args: argparse.Namespace, location: "CheckpointLocation", result: "ConsolidationResult") -> int:
