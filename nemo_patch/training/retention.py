@@ -140,8 +140,62 @@ def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutpu
         step = _global_step(entry / output_name)
         if step is not None:
             found.append(ConsolidatedOutput(entry, entry / output_name, step, retained))
-    found.sort(key=lambda o: (o.global_step, not o.retained, not o.entry.name.endswith(_LAST_SUFFIX)), reverse=True)
+    # among outputs of one global step (a checkpoint name reused by another run or fit, each kept under retained/),
+    # the one kept last first: its metadata.json was written when it was kept
+    found.sort(
+        key=lambda o: (o.global_step, not o.retained, not o.entry.name.endswith(_LAST_SUFFIX), _written(o.output_dir)),
+        reverse=True,
+    )
     return found
+
+
+def _written(output_dir: Path) -> int:
+    """When ``<output_dir>/metadata.json`` was written (nanoseconds), ``0`` if unknown."""
+    try:
+        return (output_dir / METADATA_FILENAME).stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path) -> Optional[Path]:
+    """The retained entry that holds the output of ``checkpoint_dir`` (its ``metadata.json``'s ``retained_from`` is
+    that checkpoint, or the step's own checkpoint of that ``-last`` copy), ``None`` if none.
+
+    While the checkpoint's output is still there, only an entry holding its very files (hard links) counts: an entry
+    of another run or fit that reused the name is never taken for it. Once the checkpoint is gone, the one kept last.
+    """
+    retained_root = root / RETAINED_DIRNAME
+    name = retained_name(checkpoint_dir)
+    source = Path(checkpoint_dir) / output_name
+    check_files = _global_step(source) is not None
+    found = []
+    try:
+        entries = [path for path in retained_root.iterdir() if path.is_dir() and not path.name.startswith(".")]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            metadata = json.loads((entry / output_name / METADATA_FILENAME).read_text())
+        except (OSError, ValueError):
+            continue
+        kept_from = metadata.get("retained_from") if isinstance(metadata, dict) else None
+        if not isinstance(kept_from, str) or retained_name(Path(kept_from)) != name:
+            continue
+        if check_files and not _same_files(source, entry / output_name):
+            continue
+        found.append((_written(entry / output_name), entry.name, entry))
+    return max(found)[2] if found else None
+
+
+def _unique_entry(retained_root: Path, name: str, output_name: str) -> Path:
+    """``<retained_root>/<name>``, or when that holds an output already (another run or fit saved a checkpoint of the
+    same name), the first free ``<name>-v<N>`` (N = 1, 2, ...), as NeMo versions a checkpoint name that exists."""
+    entry = retained_root / name
+    version = 0
+    while (entry / output_name).exists() or entry.is_symlink() or (entry.exists() and not entry.is_dir()):
+        version += 1
+        entry = retained_root / f"{name}-v{version}"
+    return entry
 
 
 def _same_files(one: Path, other: Path) -> bool:
@@ -161,10 +215,12 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
         output_name: ``consolidated`` or ``hf``.
 
     Returns:
-        The retained entry ``<root>/retained/<name>``, or ``None`` if the checkpoint holds no complete output, an
-        entry of that name exists already (a step's ``-last`` copy whose own checkpoint's output was retained), or the
-        checkpoint is a ``-last`` copy and another complete output holds the same files (its own checkpoint's, which
-        NeMo keeps for now and which is retained when it is removed, or already retained).
+        The retained entry ``<root>/retained/<name>`` (``<name>-v<N>`` when an entry of that name holds another
+        output: a checkpoint name reused by another run or fit; both are kept), or ``None`` if the checkpoint holds
+        no complete output, the entry of its name holds the same files already (a step's ``-last`` copy whose own
+        checkpoint's output was retained), or it is a ``-last`` copy and another complete output holds the same files
+        (its own checkpoint's, which NeMo keeps for now and which is retained when it is removed). An output is thus
+        only ever not kept when another output holds its very files.
 
     Raises:
         OSError: the files cannot be linked or copied (nothing is left behind: no entry, no staging directory).
@@ -175,9 +231,10 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
         metadata = json.loads(metadata_path.read_text())
     except (OSError, ValueError):
         return None
-    entry = checkpoint_dir.parent / RETAINED_DIRNAME / retained_name(checkpoint_dir)
-    if (entry / output_name).exists():
+    same = checkpoint_dir.parent / RETAINED_DIRNAME / retained_name(checkpoint_dir)
+    if _same_files(source, same / output_name):  # kept already (a -last copy of a step whose output was kept)
         return None
+    entry = _unique_entry(checkpoint_dir.parent / RETAINED_DIRNAME, retained_name(checkpoint_dir), output_name)
     if checkpoint_dir.name.endswith(_LAST_SUFFIX):
         others = consolidated_outputs(checkpoint_dir.parent, output_name)
         if any(other.entry != checkpoint_dir and _same_files(source, other.output_dir) for other in others):
@@ -206,6 +263,13 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
                 pass
         raise
     return entry
+
+
+def _held_elsewhere(checkpoint_dir: Path, output_name: str) -> bool:
+    """Whether another complete output of the root holds the same files as the checkpoint's (a ``-last`` copy's)."""
+    source = checkpoint_dir / output_name
+    others = consolidated_outputs(checkpoint_dir.parent, output_name)
+    return any(other.entry != checkpoint_dir and _same_files(source, other.output_dir) for other in others)
 
 
 def _is_plain_file(path: Path) -> bool:
@@ -280,8 +344,8 @@ def repoint_best(root: Path, output_name: str, removing: Path) -> Optional[Path]
     removing = Path(os.path.normpath(removing))
     if target != removing:
         return target
-    entry = root / RETAINED_DIRNAME / retained_name(removing)
-    if _global_step(entry / output_name) is not None:
+    entry = retained_entry_of(root, output_name, removing)
+    if entry is not None and _global_step(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (%s)", removing.name, _relative(entry, root), _why(removing))
         return entry
@@ -300,8 +364,8 @@ def repair_best(root: Path, output_name: str) -> Optional[Path]:
     target = _pointer_target(root, BEST_NAME)
     if target is None or _global_step(target / output_name) is not None:
         return target
-    entry = root / RETAINED_DIRNAME / retained_name(target)
-    if _global_step(entry / output_name) is not None:
+    entry = retained_entry_of(root, output_name, target)
+    if entry is not None and _global_step(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (its checkpoint is gone)", target.name, _relative(entry, root))
         return entry
@@ -398,6 +462,12 @@ class Observer(ConsolidationObserver):
         failure to keep (disk full, a link limit) is logged, leaves no entry behind, and the pointers still move."""
         coordinator = self.coordinator
         name, keep, root = coordinator.settings.output_dirname, coordinator.settings.config.keep, checkpoint_dir.parent
+        if keep == 0 and _global_step(checkpoint_dir / name) is not None:
+            logger.info(
+                "The consolidated output of %s goes with its checkpoint, which NeMo is removing "
+                "(ConsolidationConfig.keep=0)",
+                checkpoint_dir.name,
+            )
         if keep != 0:
             try:
                 entry = retain_output(checkpoint_dir, name)
@@ -409,6 +479,17 @@ class Observer(ConsolidationObserver):
                     checkpoint_dir,
                     error,
                 )
+            else:
+                if (
+                    entry is None
+                    and _global_step(checkpoint_dir / name) is not None
+                    and not _held_elsewhere(checkpoint_dir, name)
+                ):
+                    logger.warning(
+                        "The consolidated output of %s was not kept: it goes with its checkpoint, which NeMo is "
+                        "removing",
+                        checkpoint_dir.name,
+                    )
             if entry is not None:
                 logger.info(
                     "Kept the consolidated output of %s as %s: NeMo is removing the checkpoint "

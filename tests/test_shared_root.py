@@ -1,0 +1,112 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Runs that share a checkpoint root (#38 item 1): a checkpoint name reused by a second run whose output NeMo removes
+is kept beside the first run's under ``retained/``, never dropped silently, and ``LATEST``/``BEST`` follow the second
+run's output, not the first's. Real checkpoints and outputs of a real fit, each output compared tensor for tensor
+with its own checkpoint (megatron-core's loader)."""
+
+import json
+import logging
+import shutil
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_patch.engine.output_layout import RETAINED_DIRNAME
+from nemo_patch.testing.mcore_compare import compare
+from nemo_patch.training.latest import BEST_NAME, LATEST_NAME, update_latest_pointer
+from nemo_patch.training.retention import Observer, consolidated_outputs
+
+NAME = "tiny_gpt--step=3-consumed_samples=8.0"
+
+
+def _observer(keep=None) -> Observer:
+    settings = SimpleNamespace(output_dirname="consolidated", config=SimpleNamespace(keep=keep))
+    return Observer(SimpleNamespace(settings=settings, _outputs={}, lock=threading.RLock(), deleting=set()))
+
+
+def _checkpoints(each_run):
+    """Two different finished checkpoints of the fit with their outputs: run A's and run B's, to be saved under one
+    name."""
+    found = sorted(p for p in each_run["root"].iterdir() if (p / "consolidated" / "metadata.json").is_file()
+                   and not p.is_symlink() and not p.name.endswith("-last"))  # fmt: skip
+    assert len(found) >= 2
+    return found[0], found[1]
+
+
+def _save(source: Path, root: Path) -> Path:
+    """``source`` saved in ``root`` under ``NAME`` (its own weights and output, hard links where possible)."""
+    target = root / NAME
+    shutil.copytree(source, target, copy_function=lambda a, b: shutil.copy2(a, b))
+    return target
+
+
+@pytest.mark.parametrize("pointer", [LATEST_NAME, BEST_NAME])
+def test_a_reused_checkpoint_name_keeps_both_outputs_and_the_pointer_follows_the_new_run(
+    each_run, tmp_path, caplog, pointer
+):
+    run_a, run_b = _checkpoints(each_run)
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    observer = _observer()
+
+    # run A saves NAME, it is consolidated, NeMo removes it: kept as retained/NAME
+    checkpoint = _save(run_a, root)
+    a_weights = tmp_path / "a_weights"
+    shutil.copytree(checkpoint / "weights", a_weights)
+    update_latest_pointer(checkpoint, root, name=pointer)
+    observer.before_removal(checkpoint)
+    shutil.rmtree(checkpoint)
+    assert (root / RETAINED_DIRNAME / NAME / "consolidated").is_dir()
+
+    # run B in the same root saves the same name with other weights; NeMo removes it too
+    checkpoint = _save(run_b, root)
+    b_weights = tmp_path / "b_weights"
+    shutil.copytree(checkpoint / "weights", b_weights)
+    update_latest_pointer(checkpoint, root, name=pointer)
+    caplog.set_level(logging.INFO, logger="nemo_patch.training.retention")
+    observer.before_removal(checkpoint)
+    shutil.rmtree(checkpoint)
+
+    entries = sorted(p.name for p in (root / RETAINED_DIRNAME).iterdir() if not p.name.startswith("."))
+    assert entries == [NAME, f"{NAME}-v1"], entries
+    kept = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Kept the consolidated output")]
+    assert len(kept) == 1 and f"{NAME}-v1" in kept[0]
+    # each entry is its own run's output, tensor for tensor with that run's checkpoint
+    assert compare(a_weights, root / RETAINED_DIRNAME / NAME / "consolidated") > 0
+    assert compare(b_weights, root / RETAINED_DIRNAME / f"{NAME}-v1" / "consolidated") > 0
+    metadata = json.loads((root / RETAINED_DIRNAME / f"{NAME}-v1" / "consolidated" / "metadata.json").read_text())
+    assert metadata["retained_from"] == NAME
+    # the pointer names run B's output, not run A's older entry of the same name
+    assert (root / pointer).resolve() == (root / RETAINED_DIRNAME / f"{NAME}-v1").resolve()
+    # and the newest of the root's outputs of that step is run B's
+    assert consolidated_outputs(root, "consolidated")[0].entry.name == f"{NAME}-v1"
+
+
+def test_an_output_that_cannot_be_kept_is_logged(each_run, tmp_path, caplog, monkeypatch):
+    run_a, _ = _checkpoints(each_run)
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    checkpoint = _save(run_a, root)
+    caplog.set_level(logging.INFO, logger="nemo_patch.training.retention")
+    _observer(keep=0).before_removal(checkpoint)
+    assert any("goes with its checkpoint" in r.getMessage() and NAME in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr("nemo_patch.training.retention.retain_output", lambda *args: None)
+    _observer().before_removal(checkpoint)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "was not kept" in r.getMessage()]
+    assert len(warned) == 1 and NAME in warned[0].getMessage()
