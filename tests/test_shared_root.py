@@ -19,6 +19,7 @@ with its own checkpoint (megatron-core's loader)."""
 
 import json
 import logging
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -110,3 +111,25 @@ def test_an_output_that_cannot_be_kept_is_logged(each_run, tmp_path, caplog, mon
     _observer().before_removal(checkpoint)
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "was not kept" in r.getMessage()]
     assert len(warned) == 1 and NAME in warned[0].getMessage()
+
+
+def test_versioned_last_copies_are_copies(each_run, tmp_path):
+    """NeMo names a ``-last`` copy ``-last-v1``, ``-last-v2`` when the name exists: retained under the step's name, and
+    a copy whose files its step's output holds is not kept twice (#38 item 3, retention's part)."""
+    from nemo_patch.training.retention import retain_output, retained_name
+
+    assert retained_name(Path(f"{NAME}-last-v2")) == retained_name(Path(f"{NAME}-last")) == NAME
+    assert retained_name(Path(f"{NAME}-v1")) == f"{NAME}-v1"  # a versioned checkpoint, not a copy
+    run_a, _ = _checkpoints(each_run)
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    own = _save(run_a, root)
+    copy = root / f"{NAME}-last-v1"
+    copy.mkdir()
+    shutil.copytree(own / "consolidated", copy / "consolidated", copy_function=os.link)  # the step's output, linked
+    assert retain_output(copy, "consolidated") is None  # its step's own checkpoint holds the same files
+    assert consolidated_outputs(root, "consolidated")[0].entry == own  # the step's own before its copy
+    shutil.rmtree(own)
+    entry = retain_output(copy, "consolidated")
+    assert entry == root / RETAINED_DIRNAME / NAME
+    assert compare(each_run["root"] / run_a.name / "weights", entry / "consolidated") > 0

@@ -44,6 +44,7 @@ layout and publishing helpers and the training side's schedule and ``LATEST`` on
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unf
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
 from nemo_patch.engine.post_command import post_command_log_path
 from nemo_patch.engine.publish import link_output, remove_stale_tmp_dirs
+from nemo_patch.engine.run_checkpoints import is_copy_name
 from nemo_patch.training.latest import (
     BEST_NAME,
     LATEST_NAME,
@@ -77,7 +79,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_LAST_SUFFIX = "-last"
+#: NeMo's ``-last`` copy and its versions (``-last-v1``, ...): :func:`~nemo_patch.engine.run_checkpoints.is_copy_name`.
+_COPY_SUFFIX = re.compile(r"-last(?:-v\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,9 @@ class ConsolidatedOutput:
 
 
 def retained_name(checkpoint_dir: Path) -> str:
-    """The retained entry's name for a checkpoint: its own name, without NeMo's ``-last`` suffix."""
-    name = Path(checkpoint_dir).name
-    return name[: -len(_LAST_SUFFIX)] if name.endswith(_LAST_SUFFIX) else name
+    """The retained entry's name for a checkpoint: its own name, without NeMo's ``-last`` suffix (``-last-v1``, ...
+    included: the copy holds its step's output)."""
+    return _COPY_SUFFIX.sub("", Path(checkpoint_dir).name)
 
 
 def _global_step(output_dir: Path) -> Optional[int]:
@@ -143,7 +146,7 @@ def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutpu
     # among outputs of one global step (a checkpoint name reused by another run or fit, each kept under retained/),
     # the one kept last first: its metadata.json was written when it was kept
     found.sort(
-        key=lambda o: (o.global_step, not o.retained, not o.entry.name.endswith(_LAST_SUFFIX), _written(o.output_dir)),
+        key=lambda o: (o.global_step, not o.retained, not is_copy_name(o.entry.name), _written(o.output_dir)),
         reverse=True,
     )
     return found
@@ -235,7 +238,7 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     if _same_files(source, same / output_name):  # kept already (a -last copy of a step whose output was kept)
         return None
     entry = _unique_entry(checkpoint_dir.parent / RETAINED_DIRNAME, retained_name(checkpoint_dir), output_name)
-    if checkpoint_dir.name.endswith(_LAST_SUFFIX):
+    if is_copy_name(checkpoint_dir.name):
         others = consolidated_outputs(checkpoint_dir.parent, output_name)
         if any(other.entry != checkpoint_dir and _same_files(source, other.output_dir) for other in others):
             return None
