@@ -107,15 +107,15 @@ SERIES = (
         "Checkpoint consolidation: checkpoints from elsewhere, read one layer at a time",
         tuple(f"nemo_patch/engine/{name}.py" for name in (
             "safe_files", "pickle_limits", "metadata_checks", "layout_checks", "record_checks", "dcp_reader",
-            "moe_names", "casting", "stage_times", "checkpoint_reader", "tensor_sources"))  # fmt: skip
+            "moe_names", "stage_times", "checkpoint_reader", "tensor_sources"))  # fmt: skip
         + ("tests/nemo/lightning/conftest.py", "tests/nemo/lightning/_io/test_consolidation_reader.py"),
     ),
     PullRequest(
         "outputs",
         "Checkpoint consolidation: streamed writes, per-tensor digests and verification",
         tuple(f"nemo_patch/engine/{name}.py" for name in (
-            "output_layout", "safetensors_writer", "output_target", "output_files", "verify", "digests", "vocabulary",
-            "consolidate"))  # fmt: skip
+            "casting", "output_layout", "safetensors_writer", "output_target", "output_files", "verify", "digests",
+            "vocabulary", "consolidate"))  # fmt: skip
         + ("tests/nemo/lightning/_io/test_consolidation_outputs.py",),
     ),
     PullRequest(

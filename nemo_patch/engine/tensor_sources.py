@@ -32,12 +32,18 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from nemo_patch.engine.casting import cast_outputs, checked_cast
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs
 from nemo_patch.engine.stage_times import stage_times
+
+try:  # a later addition: outputs cast to another dtype (refusing a cast that overflows)
+    import nemo_patch.engine.casting as casting
+except ModuleNotFoundError as missing:  # pragma: no cover
+    if not str(missing.name).startswith(__package__):
+        raise
+    casting = None  # type: ignore[assignment]
 
 try:  # a later addition: LoRA adapter checkpoints merged into their base model
     import nemo_patch.engine.adapter_merge as adapter_merge
@@ -78,7 +84,7 @@ def tensor_producer(
 
     The function raises :class:`CorruptShardError` naming the shard file(s) when a tensor cannot be read, and
     :class:`~.errors.DtypeOverflowError` when the cast to the output dtype would turn a finite value
-    into ``inf`` (:func:`.plan.checked_cast`).
+    into ``inf`` (:func:`.casting.checked_cast`).
     """
     buffers = [torch.empty(largest if reuse else 0, dtype=torch.uint8) for _ in range(2)]
     staging: List[torch.Tensor] = []
@@ -114,14 +120,14 @@ def tensor_producer(
                 f"Cannot read shard file(s) {files} of {reader.path} (tensor {source.key}): {root_cause(error)}"
             ) from error
         with stage_times.timed("placement"):
-            return checked_cast(spec.name, raw, out)
+            return casting.checked_cast(spec.name, raw, out)
 
     return produce
 
 
 def merged_reader(merge: Any, planned: List[OutputTensor], adapter_reader: RegionReader) -> Producer:
     """Reads a merged output tensor (base + LoRA delta, in the stored dtype), cast to the spec's dtype (refusing a cast
-    that overflows: :func:`.plan.checked_cast`)."""
+    that overflows: :func:`.casting.checked_cast`)."""
     stored = {output.spec.name: output for output in planned}
     read_base = tensor_producer(merge.base_reader, stored, merge.base_metadata, 0, reuse=False)
     merged = adapter_merge.merged_producer(
@@ -133,7 +139,7 @@ def merged_reader(merge: Any, planned: List[OutputTensor], adapter_reader: Regio
         return (
             tensor
             if tensor.dtype == spec.dtype
-            else checked_cast(spec.name, tensor, torch.empty(tensor.shape, dtype=spec.dtype))
+            else casting.checked_cast(spec.name, tensor, torch.empty(tensor.shape, dtype=spec.dtype))
         )
 
     return read
@@ -202,4 +208,8 @@ def open_sources(
             raise ConsolidationError(f"{location.checkpoint_dir}: merging adapters needs {__package__}.adapter_merge")
         merge = adapter_merge.open_lora_merge(location, metadata, base_checkpoint)
     planned = merge.base_outputs if merge is not None else plan_outputs(metadata)
-    return Sources(metadata, reader, merge, planned, cast_outputs(planned, dtype))
+    if dtype is not None and casting is None:
+        raise ConsolidationError(f"casting the outputs to {dtype} needs {__package__}.casting")
+    return Sources(
+        metadata, reader, merge, planned, planned if dtype is None else casting.cast_outputs(planned, dtype)
+    )

@@ -62,6 +62,18 @@ def test_a_changed_output_byte_is_found(moe_checkpoint, tmp_path):
         verify_consolidated(moe_checkpoint[0] / "weights", output)
 
 
+def test_a_cast_output_equals_pytorchs_reading_cast(moe_checkpoint):
+    from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
+    from nemo_patch.engine.tensor_sources import open_sources
+
+    checkpoint, expected = moe_checkpoint
+    sources = open_sources(inspect_checkpoint(checkpoint), torch.bfloat16)
+    produce = sources.producer(reuse=False)
+    cast = {output.spec.name: produce(output.spec) for output in sources.outputs}
+    assert cast.keys() == expected.keys()
+    assert all(torch.equal(cast[name], tensor.to(torch.bfloat16)) for name, tensor in expected.items())
+
+
 def test_a_cast_to_a_narrower_dtype_refuses_overflow_and_publishes_nothing(
     moe_checkpoint, save_megatron_checkpoint, tmp_path
 ):

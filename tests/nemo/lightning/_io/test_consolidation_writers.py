@@ -27,13 +27,15 @@ from nemo_patch.engine.publish import TMP_PREFIX, remove_stale_tmp_dirs
 
 pytestmark = [pytest.mark.unit, pytest.mark.run_only_on("CPU")]
 
-#: Starts a consolidation in a child process and kills it (SIGKILL) once its temporary output exists.
+#: Starts a consolidation in a child process and kills it (SIGKILL) once its temporary output holds its lock (a kill
+#: between the directory's creation and its lock leaves a directory that only its age makes stale, after minutes).
 KILLED = """
 import os, signal, sys, threading, time
 from pathlib import Path
 from nemo_patch.engine.consolidate import consolidate_checkpoint
+from nemo_patch.engine.publish import TMP_LOCK_NAME
 def watch():
-    while not list(Path(sys.argv[2]).parent.glob(".consolidated.tmp-*")):
+    while not list(Path(sys.argv[2]).parent.glob(".consolidated.tmp-*/" + TMP_LOCK_NAME)):
         time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGKILL)
 threading.Thread(target=watch, daemon=True).start()
