@@ -170,3 +170,19 @@ def test_staged_output_never_recreates_a_checkpoint_directory_that_went(tmp_path
     with staged_output(gone, tmp_path / "elsewhere" / "out", False, "Consolidating") as staging:
         (staging / "metadata.json").write_text("{}")  # an output outside the checkpoint: its parents are made
     assert (tmp_path / "elsewhere" / "out" / "metadata.json").is_file()
+
+
+@pytest.mark.parametrize("suffix", ["-last", "-last-v1", "-last-v12"])
+def test_every_name_nemo_gives_a_last_copy_receives_its_steps_output(tmp_path, suffix):
+    """NeMo names a step's last copy ``-last``, or ``-last-v<N>`` when that name exists (#38)."""
+    coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(True))
+    own = _checkpoint(tmp_path, 4)
+    copy_dir = own.with_name(own.name + suffix)
+    (copy_dir / "weights").mkdir(parents=True)
+    (copy_dir / "weights" / ".metadata").write_bytes(b"dcp 4, saved again")
+    source = CheckpointSave(own, 4, written=True, consolidated=True, output=own / "consolidated")
+    copy = CheckpointSave(copy_dir, 4, written=True, copy_of=source)
+    coordinator._place_copy(copy)
+    linked = copy_dir / "consolidated" / "model.safetensors"
+    assert linked.stat().st_ino == (own / "consolidated" / "model.safetensors").stat().st_ino
+    assert copy.consolidated and copy.output == copy_dir / "consolidated"

@@ -22,9 +22,10 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-__all__ = ["checkpoint_root", "checkpoints_newest_first", "global_step_in_name"]
+__all__ = ["checkpoint_root", "checkpoints_newest_first", "global_step_in_name", "is_copy_name"]
 
-_STEP = re.compile(r"step=(\d+)")
+_STEP = re.compile(r"step=([0-9]+)")
+_COPY = re.compile(r"-last(?:-v[0-9]+)?$")
 
 
 def checkpoint_root(path: Union[str, Path]) -> Path:
@@ -34,6 +35,11 @@ def checkpoint_root(path: Union[str, Path]) -> Path:
     if not checkpoints_newest_first(path) and (path / "checkpoints").is_dir():
         return path / "checkpoints"
     return path
+
+
+def is_copy_name(name: str) -> bool:
+    """Whether a NeMo checkpoint name is ``ModelCheckpoint``'s ``-last`` copy (``-last``, ``-last-v1``, ...)."""
+    return _COPY.search(name) is not None
 
 
 def global_step_in_name(name: str) -> Optional[int]:
@@ -62,5 +68,5 @@ def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:
         # NeMo's ``-last`` copy of a step holds the same weights as the step's own checkpoint; prefer the latter
         # (the one ``LATEST`` names) whatever the two modification times say.
         match = _STEP.search(path.name)
-        keys[path] = (int(match.group(1)) if match else -1, not path.name.endswith("-last"), mtime)
+        keys[path] = (int(match.group(1)) if match else -1, not is_copy_name(path.name), mtime)
     return sorted(keys, key=keys.__getitem__, reverse=True)

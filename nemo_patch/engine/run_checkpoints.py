@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
-from nemo_patch.engine.checkpoint_root import global_step_in_name
+from nemo_patch.engine.checkpoint_root import global_step_in_name, is_copy_name
 from nemo_patch.engine.safe_files import read_regular_file
 
 __all__ = [
@@ -66,7 +66,6 @@ MEGATRON_LAYOUT = "megatron"
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 _ITERATION = re.compile(r"^iter_([0-9]{7,18})$")
-_COPY = re.compile(r"-last(?:-v\d+)?$")
 _MAX_TRACKER_BYTES = 4096
 
 
@@ -88,11 +87,6 @@ class RunListing:
     layout: Optional[str]
     finished: List[RunCheckpoint] = field(default_factory=list)
     not_finished: Dict[Path, str] = field(default_factory=dict)
-
-
-def is_copy_name(name: str) -> bool:
-    """Whether a NeMo checkpoint name is ``ModelCheckpoint``'s ``-last`` copy (``-last``, ``-last-v1``, ...)."""
-    return _COPY.search(name) is not None
 
 
 def read_tracker(root: Union[str, Path]) -> Optional[int]:

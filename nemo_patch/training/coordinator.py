@@ -26,6 +26,7 @@ as observers, from their own modules where they are installed. Standard library 
 
 import logging
 import os
+import re
 import shutil
 import threading
 import weakref
@@ -85,7 +86,8 @@ logger = logging.getLogger(__name__)
 
 #: The observers of every run, in the order they are called (``BEST`` moves before retention prunes).
 OBSERVERS = [feature.Observer for feature in (best, retention, journal, metrics, hooks) if feature is not None]
-_LAST_SUFFIX = "-last"
+#: NeMo's ``ModelCheckpoint`` names a step's last copy ``-last``, or ``-last-v1``, ... when that name exists.
+_LAST_COPY = re.compile(r"-last(?:-v\d+)?$")
 #: NeMo's ``ModelCheckpoint`` -> the coordinator of the ``fit`` it serves (for the deletions it makes by itself).
 _BY_CHECKPOINT_CALLBACK: "weakref.WeakKeyDictionary[Any, ConsolidationCoordinator]" = weakref.WeakKeyDictionary()
 
@@ -316,7 +318,7 @@ class ConsolidationCoordinator:
         """Give a finished ``-last`` copy its step's output (links, now or once published), or its own consolidation
         when that checkpoint was removed before it could be consolidated."""
         source = copy.copy_of
-        if source is None or not copy.path.name.endswith(_LAST_SUFFIX):
+        if source is None or _LAST_COPY.search(copy.path.name) is None:
             return
         with self.lock:
             if source.output is not None and (source.output / METADATA_FILENAME).is_file():
