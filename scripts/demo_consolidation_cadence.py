@@ -276,7 +276,7 @@ def main() -> int:
         options.update(model_from=make_tiny_llama(args.out / "tiny-llama"), output_format="hf")
     start = time.perf_counter()
     report = run_tiny_fit(
-        args.out.resolve(),  # absolute: the post command runs in the checkpoint's directory, where {output} resolves
+        args.out.resolve(),  # absolute, as the run's paths in the report and the table are
         frequency=frequency,
         max_steps=args.max_steps,
         save_every=args.save_every,

@@ -69,7 +69,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
-from nemo_patch.cli.watch import add_watch_options, check_watch_arguments, run_watch
+from nemo_patch.cli.watch import add_watch_options, check_watch_arguments, positive_seconds, run_watch
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
@@ -213,16 +213,6 @@ def _one_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if 0 < seconds < float("inf"):
-        return seconds
-    raise argparse.ArgumentTypeError(f"Invalid number of seconds {value!r}: expected a number > 0.")
-
-
 def _installed_version() -> str:
     """The distribution this command belongs to and its version, from the installed metadata (the CLI never imports
     the overlay): the distribution named after the top-level package, else the one that ships that package."""
@@ -326,12 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "recorded, else val_loss)")  # fmt: skip
     group.add_argument("--mode", choices=["min", "max"], default=None, help="with --best: whether lower or higher "
                        "is better (default: ModelCheckpoint's, else min)")  # fmt: skip
-    groups["parallelism"].add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", help="under "
-                                       "torchrun or srun: how long a rank waits for another's next message before "
-                                       "the run ends with exit code 15 (default: 3600; a rank waits for the others' "
-                                       "parts once its own is written, so this must cover how much longer a slower "
-                                       "node takes over its share of a large model, and rank 0's planning, --verify "
-                                       "and publishing)")  # fmt: skip
+    groups["parallelism"].add_argument(
+        "--timeout", type=positive_seconds, default=None, metavar="SECONDS",
+        help="under torchrun or srun: how long a rank waits for another's next message before the run ends with exit "
+        "code 15 (default: 3600; a rank waits for the others' parts once its own is written, so this must cover how "
+        "much longer a slower node takes over its share of a large model, and rank 0's planning, --verify and "
+        "publishing)",
+    )  # fmt: skip
     _add_setting_options(groups)
     add_watch_options(parser)
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")

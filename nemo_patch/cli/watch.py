@@ -74,7 +74,7 @@ from nemo_patch.engine.run_checkpoints import (
 )
 from nemo_patch.training.policy import ConsolidationPolicy
 
-__all__ = ["WatchStopped", "Watcher", "output_is_complete"]
+__all__ = ["WatchStopped", "Watcher", "output_is_complete", "positive_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -627,13 +627,14 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--frequency", default=None, metavar="FREQ", help="with --watch: which finished checkpoints "
                        "(ckpt_consolidation_frequency's values: each, every_n:<k>, latest, best, phases; default "
                        "each)")  # fmt: skip
-    group.add_argument("--until-idle", type=_positive_seconds, default=None, metavar="SECONDS", help="with --watch: "
+    group.add_argument("--until-idle", type=positive_seconds, default=None, metavar="SECONDS", help="with --watch: "
                        "exit once no checkpoint has finished for SECONDS and nothing is due")  # fmt: skip
-    group.add_argument("--poll-interval", type=_positive_seconds, default=None, metavar="SECONDS",
+    group.add_argument("--poll-interval", type=positive_seconds, default=None, metavar="SECONDS",
                        help="with --watch: seconds between listings of the root (default 10)")  # fmt: skip
 
 
-def _positive_seconds(value: str) -> float:
+def positive_seconds(value: str) -> float:
+    """argparse's ``type=`` for a number of seconds > 0 (finite); a usage error names the value otherwise."""
     try:
         seconds = float(value)
     except ValueError:
