@@ -186,3 +186,17 @@ def test_every_name_nemo_gives_a_last_copy_receives_its_steps_output(tmp_path, s
     linked = copy_dir / "consolidated" / "model.safetensors"
     assert linked.stat().st_ino == (own / "consolidated" / "model.safetensors").stat().st_ino
     assert copy.consolidated and copy.output == copy_dir / "consolidated"
+
+
+def test_latest_only_moves_forward_within_a_run(tmp_path):
+    """A late output of an older checkpoint (the end-of-fit redo of a failed one) does not move LATEST back; a second
+    ``fit``'s outputs do move it, though its global steps start again (#38)."""
+    coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(True))
+    observer = coordinator.observer(retention.Observer)
+    old, new = _checkpoint(tmp_path, 4), _checkpoint(tmp_path, 10)
+    observer.on_published(CheckpointSave(new, 10, written=True, consolidated=True))
+    observer.on_published(CheckpointSave(old, 4, written=True, consolidated=True))
+    assert os.readlink(tmp_path / LATEST_NAME) == new.name
+    second_fit = _checkpoint(tmp_path, 2)
+    observer.on_published(CheckpointSave(second_fit, 2, written=True, consolidated=True, fit=1))
+    assert os.readlink(tmp_path / LATEST_NAME) == second_fit.name

@@ -48,7 +48,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
@@ -421,6 +421,11 @@ class Observer(ConsolidationObserver):
     """A run's retention: outputs kept when NeMo removes their checkpoints (``ConsolidationConfig.keep``), ``LATEST``
     on the newest output, and ``LATEST``/``BEST`` moved off what is removed and repaired when training starts."""
 
+    def __init__(self, coordinator: Any) -> None:
+        super().__init__(coordinator)
+        #: ``(fit, global step)`` of the newest save this run pointed ``LATEST`` at: it only moves forward.
+        self._latest: Optional[Tuple[int, int]] = None
+
     def on_train_start(self, root: Optional[Path]) -> None:
         self._warn_if_top_k_drops_consolidations()
         if root is None:
@@ -512,7 +517,7 @@ class Observer(ConsolidationObserver):
         self.move_pointer_off(root, BEST_NAME, checkpoint_dir)
 
     def on_published(self, save: CheckpointSave) -> None:
-        self.point(save.path)
+        self._point_latest(save)
         keep = self.coordinator.settings.config.keep
         if keep is not None:  # a new output may push a retained one out of the newest N
             with self.coordinator.lock:
@@ -523,6 +528,17 @@ class Observer(ConsolidationObserver):
                 self.move_pointer_off(save.path.parent, LATEST_NAME, None)
 
     def on_newest(self, save: CheckpointSave) -> None:
+        self._point_latest(save)
+
+    def _point_latest(self, save: CheckpointSave) -> None:
+        """``LATEST`` -> ``save``, unless this run pointed it at a later save already (by ``fit``, then global step):
+        a late output of an older checkpoint (the end-of-fit redo of a failed one) never moves it back."""
+        order = (save.fit, save.global_step)
+        if self._latest is not None and order < self._latest:
+            logger.debug("LATEST stays on global step %d: %s (global step %d) is older", self._latest[1], save.path,
+                         save.global_step)  # fmt: skip
+            return
+        self._latest = order
         self.point(save.path)
 
     def link_files(self, output: Path, copy: CheckpointSave) -> Dict[str, bytes]:
