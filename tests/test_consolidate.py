@@ -14,6 +14,7 @@
 
 """The consolidation engine on real checkpoints written by a NeMo fit (see the ``each_run`` fixture)."""
 
+import hashlib
 import json
 import os
 import re
@@ -87,8 +88,15 @@ def test_metadata_json_describes_the_output(each_run):
         "dtype": None,
         "vocab_size": {"padded": 128, "tokenizer": None},  # the tiny GPT trains without a tokenizer
         "files": {"model.safetensors": _digests_of(data)},
+        "source_metadata": _source_metadata_of(out / "../weights/.metadata"),
     }
     assert (out / meta["source_checkpoint"] / ".metadata").is_file()
+
+
+def _source_metadata_of(path):
+    """metadata.json's ``source_metadata``: which save of the checkpoint the output was made from, computed here."""
+    data = path.read_bytes()
+    return {"file": ".metadata", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _digests_of(data):

@@ -196,7 +196,7 @@ def test_tied_and_padded_vocabulary_exports_the_tokenizers_rows_and_loads_cleanl
         r"through NeMo's HFLlamaImporter with shape \(40, 64\); the checkpoint's is \(64, 64\)$"
     )
     with pytest.raises(VerificationError, match=message):
-        verify_hf_output(checkpoint, tmp_path / "cut")
+        verify_hf_output(checkpoint, tmp_path / "cut", trust_context=True)
 
     # The safetensors format holds the model's state_dict: the padded rows stay, and metadata.json says both sizes.
     assert main([str(tied_padded_llama / "nemo"), "--out", str(tmp_path / "st"), "--quiet"]) == 0
@@ -280,7 +280,7 @@ def test_fine_tuned_mixtral_round_trips_through_transformers(tmp_path_factory, t
     # NeMo's Mixtral importer fills the embedding and output layer in place: every tensor is the checkpoint's still.
     from nemo_patch.export.hf_verify import verify_hf_output
 
-    assert verify_hf_output(hf_dir.parent, hf_dir) == len(names)
+    assert verify_hf_output(hf_dir.parent, hf_dir, trust_context=True) == len(names)
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +329,7 @@ def test_a_family_fine_tuned_with_hf_consolidation_gives_the_trained_model(
     with safe_open(str(hf_dir / "model.safetensors"), "pt") as handle:
         names = set(handle.keys())
     assert ("lm_head.weight" in names) is not name.endswith("-tied")
-    assert verify_hf_output(checkpoint, hf_dir) == len(names)
+    assert verify_hf_output(checkpoint, hf_dir, trust_context=True) == len(names)
     # The weights were trained (not the imported ones): the HF tensors differ from the imported model's.
     with (
         safe_open(str(hf_dir / "model.safetensors"), "pt") as trained,

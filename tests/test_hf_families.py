@@ -190,7 +190,7 @@ def test_verify_catches_an_exporter_that_misplaces_a_tensor_naming_it_and_its_fi
     ) in err
     assert not out.exists()
     with pytest.raises(VerificationError, match=r"gate_proj\.weight in .*plain/model\.safetensors differs"):
-        verify_hf_output(checkpoint, tmp_path / "plain")
+        verify_hf_output(checkpoint, tmp_path / "plain", trust_context=True)
 
 
 @pytest.fixture(scope="module")
@@ -277,9 +277,11 @@ def test_verify_names_the_written_tensor_and_its_shard_of_a_mismatch(families, s
     }
     pattern = message.format(**{key: re.escape(str(path)) for key, path in files.items()})
     with pytest.raises(VerificationError, match=pattern) as raised:
-        verify_hf_output(families / "qwen2" / "nemo", copy)
+        verify_hf_output(families / "qwen2" / "nemo", copy, trust_context=True)
     assert raised.value.exit_code == 9
-    assert verify_hf_output(families / "qwen2" / "nemo", sharded_qwen2) == 27  # the original passes
+    assert (
+        verify_hf_output(families / "qwen2" / "nemo", sharded_qwen2, trust_context=True) == 27
+    )  # the original passes
 
 
 def test_verify_without_an_importer_compares_with_the_exporters_model_and_says_so(

@@ -101,7 +101,7 @@ def _one_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
-class _SavedAgain(ConsolidationError):
+class _SavedAgain(RuntimeError):
     """The checkpoint was saved again under its name while it was consolidated (another ``.metadata``)."""
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nemo_patch.training import queue as queue_module
 from nemo_patch.training import worker
 from nemo_patch.training.config import ConsolidationConfig
 from nemo_patch.training.policy import parse_consolidation_frequency
@@ -59,7 +60,10 @@ def test_the_cadence_and_the_settings_it_resolves_to():
     assert ConsolidationSettings.from_json(settings.to_json()) == settings
 
 
-def test_the_process_consolidates_checkpoints_one_at_a_time_and_reports_each(moe_checkpoint, tmp_path):
+def test_the_process_consolidates_checkpoints_one_at_a_time_and_reports_each(moe_checkpoint, tmp_path, monkeypatch):
+    # an idle process exits by itself once its stdin closes; on a loaded CPU its interpreter's teardown can take longer
+    # than the grace before a kill, which is not what this test is about
+    monkeypatch.setattr(queue_module, "_CLOSE_GRACE_SECONDS", 120.0)
     source, expected = moe_checkpoint
     first, second, missing = tmp_path / "a--step=1", tmp_path / "b--step=2", tmp_path / "c--step=3"
     shutil.copytree(source, first)
