@@ -51,12 +51,17 @@ def compare(weights_dir: Path, output_dir: Path) -> int:
     with socket.socket() as probe:  # a free port for the one-process group
         probe.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
-    if not dist.is_initialized():
+    created = not dist.is_initialized()  # the one-process group is ended again: the caller's process is left as it was
+    if created:
         dist.init_process_group("gloo", rank=0, world_size=1)
-    # megatron-core loads common.pt with torch.load's default (weights_only): NeMo's holds pathlib paths, which NeMo
-    # allows when its own modules are imported; this aid must not depend on what an earlier test imported
-    with torch.serialization.safe_globals([pathlib.PosixPath, pathlib.Path]):
-        plain = dist_checkpointing.load_plain_tensors(str(weights_dir))
+    try:
+        # megatron-core loads common.pt with torch.load's default (weights_only): NeMo's holds pathlib paths, which
+        # NeMo allows when its own modules are imported; this aid must not depend on what an earlier test imported
+        with torch.serialization.safe_globals([pathlib.PosixPath, pathlib.Path]):
+            plain = dist_checkpointing.load_plain_tensors(str(weights_dir))
+    finally:
+        if created:
+            dist.destroy_process_group()
     expected: Dict[str, torch.Tensor] = {}
     for key, tensor in plain.items():
         if not key.startswith("module.") or "_extra_state" in key or not isinstance(tensor, torch.Tensor):
