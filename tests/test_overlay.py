@@ -17,10 +17,13 @@
 import json
 import shutil
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from conftest import REPO, run_python
+
+NEMO_VERSION = metadata.version("nemo_toolkit")  # the NeMo line this suite runs on (CI runs two)
 
 NEMO_MODULE = "nemo.lightning.pytorch.strategies.megatron_strategy"
 
@@ -207,7 +210,8 @@ def test_a_series_that_does_not_match_this_nemo_leaves_it_unedited_with_one_warn
     assert _json_result(proc) == {"edited": False, "applied": False}
     # NeMo's logging shows the warning (it captures Python's warnings once imported), once.
     warning = (
-        "RuntimeWarning: nemo_patch overlay not applied: nemo/lightning/io/pl.py of nemo_toolkit 2.7.3 does not match "
+        "RuntimeWarning: nemo_patch overlay not applied: nemo/lightning/io/pl.py of nemo_toolkit "
+        f"{NEMO_VERSION} does not match "
         "knob.diff (hunk 1's context is found 0 times); NeMo runs unedited"
     )
     assert proc.stderr.count(warning) == 1, proc.stderr[-3000:]
