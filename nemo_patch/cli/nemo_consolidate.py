@@ -69,7 +69,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
-from nemo_patch.cli.watch import add_watch_options, check_watch_arguments, positive_seconds, run_watch
+from nemo_patch.cli.watch import add_watch_options, check_watch_arguments, human_size, positive_seconds, run_watch
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
@@ -392,14 +392,6 @@ def _stdout_dropped() -> Iterator[None]:
             os.close(saved)
 
 
-def _human(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
-        size /= 1000
-    return f"{size:.1f} GB"
-
-
 def _context_shapes(location: "CheckpointLocation", trust: bool) -> Optional[Dict[str, Tuple[int, ...]]]:
     """The names and shapes of the model in the checkpoint's ``context/`` (``--verify``), or ``None`` with a warning
     on stderr when there is no context or the model cannot be built here (the tensor comparison still runs)."""
@@ -583,7 +575,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
         print(
             f"Consolidated {location.checkpoint_dir} -> {result.output_dir}: {result.tensor_count} "
             f"{'adapter tensors' if result.kind == 'adapter' else 'tensors'}, "
-            f"{_human(result.total_bytes)} in {seconds:.1f} s ({_human(rate)}/s)"
+            f"{human_size(result.total_bytes)} in {seconds:.1f} s ({human_size(rate)}/s)"
             f"{f' by {group.world_size} nodes' if group is not None and args.format == 'safetensors' else ''}"
             f"{', verified' if args.verify else ''}"
         )

@@ -74,7 +74,7 @@ from nemo_patch.engine.run_checkpoints import (
 )
 from nemo_patch.training.policy import ConsolidationPolicy
 
-__all__ = ["WatchStopped", "Watcher", "output_is_complete", "positive_seconds"]
+__all__ = ["WatchStopped", "Watcher", "human_size", "output_is_complete", "positive_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +403,7 @@ class Watcher:
         self.tally.consolidated += 1
         self.tally.bytes += size
         self.say(f"Consolidated {checkpoint.path.name} (step {checkpoint.global_step}) -> {output}: {count} tensors, "
-                 f"{_human(size)} in {seconds:.1f} s")  # fmt: skip
+                 f"{human_size(size)} in {seconds:.1f} s")  # fmt: skip
         if self.after_publish is not None:
             code = self.after_publish(checkpoint, output)
             if code:
@@ -591,13 +591,14 @@ class Watcher:
         tally = self.tally
         self.say(
             f"Watched {self.root} for {time.monotonic() - tally.started:.0f} s: {tally.consolidated} consolidated "
-            f"({_human(tally.bytes)}), {tally.linked} linked, {tally.removed} removed "
+            f"({human_size(tally.bytes)}), {tally.linked} linked, {tally.removed} removed "
             f"while read, {tally.failed} failed"
         )
         return tally.exit_code
 
 
-def _human(size: float) -> str:
+def human_size(size: float) -> str:
+    """Bytes in decimal units for messages: ``"305.2 KB"``, ``"12 B"``."""
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1000 or unit == "GB":
             return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
