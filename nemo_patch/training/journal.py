@@ -15,40 +15,327 @@
 """The journal of due consolidations: ``<root>/.consolidation-due.json`` lists those waiting or running.
 
 A job killed (SIGKILL, a lost node) leaves it behind; the next run of the same root consolidates what it lists when
-training starts, or says once that it cannot. Standard library and the training side's schedule only.
+training starts, or says once that it cannot. Each entry names a checkpoint of the root by its directory name, with
+the global step, the run that saved it (the coordinator's ``run_id``), the ``"best"`` record, its ``-last`` copies and
+the identity of its weights' files (:func:`~.schedule.weights_identity`): an entry is only resumed while its
+checkpoint is still those very files (inode, size, modification time; not the device number, which differs between
+the nodes that mount one file system), so a journal copied from another root, or a
+checkpoint saved again since (by another run of the root, or another tool), never has something consolidated or
+published under the entry's step or ``"best"`` record that is not the save it names. A journal of another run of the
+same root is resumed (that is what it is for: the next job after a killed one); the run is named in the log line.
+
+What the journal is never trusted with: it is read without following a symlink, only when it is a regular file of at
+most 4 MiB, of a version this package writes; each entry must name a plain directory inside the root (no ``/``, no
+``..``, not hidden, not a symlink). Anything else is one ``WARNING`` line, and the file is then replaced (or removed)
+by this run's journal. Training never fails because of the journal.
+
+Writes happen off the training thread: the training thread hands the newest state of a root to one writer thread
+(the latest state wins: states handed while a write is in progress collapse into one), which writes it to a new
+temporary file (``O_EXCL|O_NOFOLLOW``: never through a planted link) and renames it over the journal. Guarantee: the
+writer starts at once and never sleeps with work to do, so a state is on disk one or two small writes (milliseconds
+on a local disk) after it was handed over, and a job SIGKILLed at any moment leaves the previous complete journal or
+the new one, never a half-written one (at worst a hidden ``.consolidation-due.json.tmp-*`` file, removed by the next
+run). When ``fit`` ends (the coordinator closes) the last state is written before the teardown goes on. A journal that
+cannot be written (disk full, read-only root) is one ``WARNING`` and retried at the next change; the run goes on.
+
+Standard library and the training side's schedule only.
 """
 
 import json
 import logging
 import os
+import re
+import stat
+import threading
+import time
+import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from nemo_patch.engine.output_layout import METADATA_FILENAME
+from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver, files_gone, weights_identity
 
-__all__ = ["JOURNAL_NAME", "Observer"]
+__all__ = ["JOURNAL_NAME", "JOURNAL_VERSION", "Observer", "read_journal", "write_journal"]
 
 logger = logging.getLogger(__name__)
 
 #: The journal, in the checkpoint root (hidden: no tool takes it for a checkpoint).
 JOURNAL_NAME = ".consolidation-due.json"
+#: The version this package writes and reads (a newer one is not resumed).
+JOURNAL_VERSION = 1
 _JOURNAL_MAX_BYTES = 4 << 20
+#: Temporary files of the journal's writes, and of the ``LATEST``/``BEST`` replacements (``latest.py``): a job killed
+#: during one leaves it behind.
+_JOURNAL_TMP = re.compile(re.escape(JOURNAL_NAME) + r"\.tmp-\d+-[0-9a-f]+")
+_POINTER_TMP = re.compile(r"\.(?:LATEST|BEST)\.tmp-\d+-[0-9a-f]{12}")
+#: What a run id read from a journal may be (it goes into ``metadata.json`` and log lines), as the callback checks.
+_RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+#: Age (seconds) from which such a temporary file is a killed job's leftover.
+LEFTOVER_SECONDS = 60.0
+#: Seconds the end of ``fit`` waits at most for the journal's last write.
+FLUSH_SECONDS = 30.0
+#: Seconds an idle writer thread waits for more work before it ends (the next handoff starts another).
+_IDLE_SECONDS = 10.0
+#: Bytes of an untrusted name shown in a log line.
+_SHOWN = 80
+
+
+def _show(value: Any) -> str:
+    """An untrusted value for a log line: its repr, cut short (a name cannot forge a line)."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
+
+def write_journal(root: Path, due: List[Dict[str, Any]], run: Optional[str] = None) -> None:
+    """Write ``<root>/.consolidation-due.json`` listing ``due`` atomically, or remove it when ``due`` is empty.
+
+    The new journal is written into a new temporary file beside it (``O_CREAT|O_EXCL|O_NOFOLLOW``) and renamed over
+    the old one, which replaces a symlink or file planted there instead of writing through it. A temporary file is
+    removed when the write fails.
+
+    Raises:
+        OSError: the journal cannot be written or removed (disk full, read-only root, a directory in its place).
+    """
+    path = root / JOURNAL_NAME
+    if not due:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:  # not a journal: nothing of this run's to remove
+            pass
+        return
+    data = (json.dumps({"version": JOURNAL_VERSION, "run": run, "due": due}, indent=1) + "\n").encode()
+    tmp = root / f"{JOURNAL_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def read_journal(root: Path) -> Tuple[List[Any], Optional[str], Optional[str]]:
+    """Read ``<root>/.consolidation-due.json`` without trusting it.
+
+    Returns:
+        ``(entries, run, problem)``: the raw entries (not checked yet) and the run that wrote it, or ``([], None,
+        why)`` when it is not a journal this package can resume (``why``: one phrase for the log line), or
+        ``([], None, None)`` when there is none.
+    """
+    path = root / JOURNAL_NAME
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)  # never blocks on a FIFO, never follows a link
+    except FileNotFoundError:
+        return [], None, None
+    except OSError as error:
+        if os.path.islink(path):
+            return [], None, "it is a symbolic link, not the file this package writes"
+        return [], None, f"it cannot be opened ({error.strerror or error})"
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            return [], None, "it is a directory, not the file this package writes (this run cannot keep a journal "
+            "while it is there)"
+        if not stat.S_ISREG(info.st_mode):
+            return [], None, "it is not a regular file"
+        if info.st_size > _JOURNAL_MAX_BYTES:
+            return [], None, f"it is {info.st_size} bytes, more than a journal ever is ({_JOURNAL_MAX_BYTES})"
+        chunks, left = [], _JOURNAL_MAX_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as error:
+        return [], None, f"it cannot be read ({error.strerror or error})"
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > _JOURNAL_MAX_BYTES:
+        return [], None, f"it is more than {_JOURNAL_MAX_BYTES} bytes, more than a journal ever is"
+    try:
+        journal = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return [], None, "it is not valid JSON (truncated or corrupt)"
+    if not isinstance(journal, dict) or not isinstance(journal.get("due"), list):
+        return [], None, "it is not a journal of due consolidations (no 'due' list)"
+    version = journal.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        return [], None, f"its version is {_show(version)}, not one this package writes"
+    if version > JOURNAL_VERSION:
+        return (
+            [],
+            None,
+            (
+                f"it was written by a newer nemo-patch (journal version {version}; this one reads {JOURNAL_VERSION}): "
+                "consolidate what it lists with that version or with nemo-consolidate"
+            ),
+        )
+    run = journal.get("run")
+    return journal["due"], run if isinstance(run, str) and _RUN.fullmatch(run) else None, None
+
+
+def _entry_name(entry: Any) -> Tuple[Optional[str], Optional[str]]:
+    """``(name, None)`` for an entry naming a checkpoint directory's name, else ``(None, why)``."""
+    name = entry.get("checkpoint") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not name:
+        return None, "names no checkpoint"
+    if "/" in name or "\0" in name or name in (".", "..") or len(name.encode("utf-8", "surrogateescape")) > 255:
+        return None, "names a path, not a checkpoint inside the root"
+    if name.startswith(".") or name in (RETAINED_DIRNAME, "LATEST", "BEST"):
+        return None, "names no checkpoint (a hidden entry, retained/ or a pointer)"
+    return name, None
+
+
+def _entry_path(root: Path, entry: Any) -> Tuple[Optional[Path], Optional[str]]:
+    """``(checkpoint, None)`` for an entry naming a plain directory inside ``root`` (not a symlink: an output would be
+    written where it points), ``(None, None)`` for one that is gone, else ``(None, why)``."""
+    name, why = _entry_name(entry)
+    if name is None:
+        return None, why
+    path = root / name
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None, None
+    except OSError as error:
+        return None, f"cannot be looked at ({error.strerror or error})"
+    if stat.S_ISLNK(info.st_mode):
+        return None, "is a symbolic link (an output would be written where it points)"
+    if not stat.S_ISDIR(info.st_mode):
+        return None, "is not a directory"
+    return path, None
+
+
+def _identity(value: Any) -> Optional[Tuple[int, ...]]:
+    """A recorded :func:`weights_identity` (a list of integers), else ``None``."""
+    if not isinstance(value, list) or not value or len(value) > 16:
+        return None
+    if not all(isinstance(part, int) and not isinstance(part, bool) for part in value):
+        return None
+    return tuple(value)
+
+
+def _portable(identity: Tuple[int, ...]) -> Tuple[int, ...]:
+    """A :func:`weights_identity` without its devices (``st_dev`` of one file system differs between the nodes that
+    mount it, and a job killed with its node is resumed on another): inodes, sizes and times only."""
+    parts, i = [], 0
+    while i < len(identity):
+        if identity[i] == -1:  # a missing file
+            parts.append(-1)
+            i += 1
+        else:
+            parts += identity[i + 1 : i + 4]
+            i += 4
+    return tuple(parts)
+
+
+def _unchanged_since(checkpoint: Path, identity: Optional[Tuple[int, ...]], journal_mtime_ns: int) -> bool:
+    """Whether ``checkpoint`` is still the save the entry names: its weights' files have the recorded identity (same
+    inodes, sizes and times; an entry of an older journal without one: files not newer than the journal)."""
+    now = weights_identity(checkpoint)
+    if identity is not None:
+        return _portable(now) == _portable(identity)
+    mtimes = []
+    for name in (".metadata", "metadata.json"):
+        try:
+            mtimes.append(os.stat(checkpoint / "weights" / name).st_mtime_ns)
+        except OSError:
+            pass
+    return bool(mtimes) and max(mtimes) <= journal_mtime_ns
+
+
+class _Writer:
+    """One thread that writes the newest handed state of each root's journal (the latest state wins)."""
+
+    def __init__(self, on_result: Any) -> None:
+        self._on_result = on_result
+        self._cond = threading.Condition()
+        self._wanted: Dict[Path, Tuple[List[Dict[str, Any]], Optional[str]]] = {}
+        self._writing = False
+        self._thread: Optional[threading.Thread] = None
+
+    def hand(self, root: Path, due: List[Dict[str, Any]], run: Optional[str]) -> None:
+        """Have ``due`` written as ``root``'s journal (returns at once)."""
+        with self._cond:
+            self._wanted[root] = (due, run)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="consolidation-journal", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """Wait until every handed state is written (or failed); ``False`` after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._wanted and not self._writing, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._wanted, _IDLE_SECONDS):
+                    self._thread = None if self._thread is threading.current_thread() else self._thread
+                    return
+                wanted, self._wanted, self._writing = self._wanted, {}, True
+            try:
+                for root, (due, run) in wanted.items():
+                    try:
+                        write_journal(root, due, run)
+                        error: Optional[BaseException] = None
+                    except Exception as failure:  # noqa: BLE001 - the journal never ends the run
+                        error = failure
+                    self._on_result(root, due, error)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
 
 
 class Observer(ConsolidationObserver):
-    """Keeps a run's journal current, and resumes an earlier run's when training starts."""
+    """Keeps a run's journal current (written off the training thread), and resumes an earlier run's when training
+    starts."""
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
+        #: What was last handed to the writer for each root (the training thread compares with it: no work when equal).
         self._journals: Dict[Path, List[Dict[str, Any]]] = {}
-        self._warned = False
+        #: Roots whose last write failed (warned once until a write succeeds again).
+        self._failing: Dict[Path, bool] = {}
+        #: Guards the two above (the writer thread reports into them; taken inside the coordinator's lock, never
+        #: around it).
+        self._results_lock = threading.Lock()
+        self._writer = _Writer(self._written)
+
+    @property
+    def run(self) -> Optional[str]:
+        """The run the journal's entries belong to (the coordinator's ``run_id``, when it has one)."""
+        run = getattr(self.coordinator, "run_id", None)
+        return run if isinstance(run, str) else None
 
     def _entries(self) -> Dict[Path, List[Dict[str, Any]]]:
         queue = self.coordinator._queue
+        run = self.run
         entries: Dict[Path, List[Dict[str, Any]]] = {}
         for save in queue.outstanding() if queue is not None else []:
-            entry: Dict[str, Any] = {"checkpoint": save.path.name, "global_step": save.global_step}
+            identity = save.identity if save.identity is not None else weights_identity(save.path)
+            entry: Dict[str, Any] = {
+                "checkpoint": save.path.name,
+                "global_step": save.global_step,
+                "run": getattr(save, "run", None) or run,
+                "identity": list(identity),
+            }
             if save.best is not None:
                 entry["best"] = save.best
             copies = [{"checkpoint": c.path.name, "identity": list(c.identity or ())} for c in save.copies]
@@ -58,69 +345,167 @@ class Observer(ConsolidationObserver):
         return entries
 
     def on_changed(self) -> None:
-        """Write the journal of each root whose waiting/running consolidations changed (removed when none is left).
-        A journal that cannot be written is logged once at debug level (the run goes on)."""
+        """Hand the journal of each root whose waiting/running consolidations changed to the writer thread (removed
+        when none is left); returns at once while ``fit`` runs, and waits for the write once the coordinator closed
+        (the end of ``fit``, the teardown)."""
         with self.coordinator.lock:
             entries = self._entries()
+        with self._results_lock:
             for root in set(entries) | set(self._journals):
                 now = entries.get(root, [])
                 if self._journals.get(root, []) == now:
-                    continue
-                path = root / JOURNAL_NAME
-                try:
-                    if now:
-                        tmp = root / f"{JOURNAL_NAME}.tmp-{os.getpid()}"
-                        tmp.write_text(json.dumps({"version": 1, "due": now}, indent=1) + "\n")
-                        os.replace(tmp, path)
-                    else:
-                        path.unlink(missing_ok=True)
-                except OSError as error:
-                    if not self._warned:
-                        logger.debug("Could not write %s: %s", path, error)
-                    self._warned = True
                     continue
                 if now:
                     self._journals[root] = now
                 else:
                     self._journals.pop(root, None)
+                self._writer.hand(root, now, self.run)
+        if not getattr(self.coordinator, "fitting", True):
+            self.flush()
+
+    def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """Wait until the journal handed last is on disk (or its write failed); ``False`` after ``timeout``."""
+        done = self._writer.flush(timeout)
+        if not done:
+            logger.warning("The consolidation journal was not written within %.0f s; going on", timeout)
+        return done
+
+    def _written(self, root: Path, due: List[Dict[str, Any]], error: Optional[BaseException]) -> None:
+        """The writer thread's result: one warning when writes start failing, one line when they work again. A failed
+        state is handed again at the next change (the training thread no longer takes it for written)."""
+        path = root / JOURNAL_NAME
+        with self._results_lock:
+            failing = self._failing.get(path, False)
+            self._failing[path] = error is not None
+            if error is not None and (self._journals.get(root) is due or (not due and root not in self._journals)):
+                self._journals[root] = [{"unwritten": True}]  # differs from any state: the next change retries
+        if error is None:
+            if failing:
+                logger.info("The consolidation journal %s is written again", path)
+            return
+        if not failing:
+            logger.warning(
+                "Could not write the consolidation journal %s (%s): a job killed now would not resume the "
+                "consolidations due; retrying at the next change, training goes on",
+                path,
+                error,
+            )
 
     def on_train_start(self, root: Optional[Path]) -> None:
-        """Queue the consolidations an earlier run of ``root`` left due (its journal), or say why it cannot."""
+        """Queue the consolidations an earlier run of ``root`` left due (its journal), or say why not; remove the
+        temporary files a killed job left behind. Never raises."""
         if root is None:
             return
-        path = root / JOURNAL_NAME
         try:
-            if not path.is_file() or path.stat().st_size > _JOURNAL_MAX_BYTES:
-                return
-            listed = json.loads(path.read_text()).get("due", [])
-        except (OSError, ValueError, AttributeError):
-            logger.warning("Ignoring an unreadable %s", path)
+            self._remove_leftovers(root)
+            self._resume(root)
+        except Exception:  # noqa: BLE001 - the journal never ends the run
+            logger.exception("Could not resume the consolidation journal %s; training goes on", root / JOURNAL_NAME)
+        with self._results_lock:
+            self._journals[root] = [{"stale": True}]  # rewritten (or removed) by the sync below
+        self.on_changed()
+
+    @staticmethod
+    def _remove_leftovers(root: Path) -> None:
+        """Remove what a job killed while it replaced the journal or a pointer left: ``.consolidation-due.json.tmp-*``
+        files and ``.LATEST.tmp-*``/``.BEST.tmp-*`` links (never followed), once older than
+        :data:`LEFTOVER_SECONDS` (a sidecar on the same root may be replacing ``LATEST`` right now)."""
+        now = time.time()
+        for entry in os.scandir(root):
+            journal_tmp = _JOURNAL_TMP.fullmatch(entry.name) is not None
+            pointer = _POINTER_TMP.fullmatch(entry.name)
+            if not journal_tmp and pointer is None:
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if now - info.st_mtime < LEFTOVER_SECONDS or stat.S_ISDIR(info.st_mode):
+                continue
+            if pointer is not None and not stat.S_ISLNK(info.st_mode):
+                continue
+            try:
+                os.unlink(entry.path)
+                logger.debug("Removed %s, left by a job killed while it wrote it", entry.path)
+            except OSError:
+                pass
+
+    def _resume(self, root: Path) -> None:
+        path = root / JOURNAL_NAME
+        listed, journal_run, problem = read_journal(root)
+        if problem is not None:
+            directory = os.path.isdir(path) and not os.path.islink(path)
+            if directory:  # said now: its writes' failures are not said again
+                with self._results_lock:
+                    self._failing[path] = True
+            logger.warning(
+                "Not resuming the consolidation journal %s: %s%s",
+                path,
+                problem,
+                "" if directory else "; this run " "replaces it",
+            )
             return
+        if not listed:
+            return
+        try:
+            journal_mtime = os.lstat(path).st_mtime_ns
+        except OSError:
+            journal_mtime = 0
         coordinator = self.coordinator
         name = coordinator.settings.output_dirname
         resumed: List[CheckpointSave] = []
         gone: List[str] = []
-        for entry in listed if isinstance(listed, list) else []:
-            checkpoint = _entry_path(root, entry)
-            if checkpoint is None or (checkpoint / name / METADATA_FILENAME).is_file():
-                continue  # unreadable entry, or finished since (e.g. by a consolidation process that outlived it)
+        refused: List[str] = []
+        changed: List[str] = []
+        runs = set()
+        seen = set()
+        for entry in listed:
+            checkpoint, why = _entry_path(root, entry)
+            if why is not None:
+                refused.append(f"{_show(entry.get('checkpoint') if isinstance(entry, dict) else entry)} ({why})")
+                continue
+            if checkpoint is None or checkpoint in seen:
+                if checkpoint is None:
+                    gone.append(_show(entry.get("checkpoint")))
+                continue
+            seen.add(checkpoint)
+            if (checkpoint / name / METADATA_FILENAME).is_file():
+                continue  # finished since (e.g. by a consolidation process that outlived the job)
             if files_gone(checkpoint):
-                gone.append(checkpoint.name)
+                gone.append(_show(checkpoint.name))
+                continue
+            identity = _identity(entry.get("identity"))
+            if not _unchanged_since(checkpoint, identity, journal_mtime):
+                changed.append(_show(checkpoint.name))
                 continue
             step = entry.get("global_step")
-            save = CheckpointSave(checkpoint, step if isinstance(step, int) else -1, written=True, fit=coordinator.fit)
-            save.best = entry.get("best") if isinstance(entry.get("best"), dict) else None
+            step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else -1
+            save = CheckpointSave(checkpoint, step, written=True, fit=coordinator.fit)
+            best = entry.get("best")
+            save.best = best if isinstance(best, dict) else None
             save.due, save.identity = True, weights_identity(checkpoint)
-            for listed_copy in entry.get("copies", []) if isinstance(entry.get("copies"), list) else []:
-                copy_path = _entry_path(root, listed_copy)
-                identity = listed_copy.get("identity") if isinstance(listed_copy, dict) else None
-                if copy_path is None or not isinstance(identity, list):
-                    continue
-                if not files_gone(copy_path) and list(weights_identity(copy_path)) == identity:  # not saved since
-                    copy = CheckpointSave(copy_path, save.global_step, written=True, fit=coordinator.fit, due=True)
-                    copy.copy_of, copy.identity = save, tuple(identity)
-                    save.copies.append(copy)
+            run = entry.get("run") if _RUN.fullmatch(str(entry.get("run"))) else journal_run
+            if run is not None:
+                runs.add(run)
+                if "run" in getattr(CheckpointSave, "__dataclass_fields__", {}):
+                    setattr(save, "run", run)  # the output belongs to the run that saved the checkpoint
+            self._resume_copies(root, entry, save)
             resumed.append(save)
+        if refused:
+            logger.warning(
+                "Not resuming %d entr%s of the consolidation journal %s: %s",
+                len(refused),
+                "y" if len(refused) == 1 else "ies",
+                path,
+                "; ".join(refused[:5]) + ("; ..." if len(refused) > 5 else ""),
+            )
+        if changed:
+            logger.warning(
+                "Not resuming the consolidation of %s listed in %s: the checkpoint is not the save the journal names "
+                "(saved again since, or the journal or root was copied); consolidate it with nemo-consolidate",
+                ", ".join(changed),
+                path,
+            )
         if gone:
             logger.warning(
                 "The consolidation of %s was due when an earlier run of %s ended without finishing it (the job was "
@@ -129,20 +514,26 @@ class Observer(ConsolidationObserver):
                 root,
             )
         if resumed:
+            other = sorted(run for run in runs if run != self.run)
             logger.warning(
-                "Consolidating %s now: due when an earlier run of %s ended without finishing it (the job was killed?)",
+                "Consolidating %s now: due when an earlier run of %s ended without finishing it (the job was "
+                "killed?)%s",
                 ", ".join(save.path.name for save in resumed),
                 root,
+                f"; saved by run {', '.join(_show(run) for run in other)}" if other else "",
             )
             coordinator.queue.submit_all(resumed, bounded=False)
-        with coordinator.lock:
-            self._journals[root] = [{"stale": True}]  # rewritten (or removed) by the sync below
-        self.on_changed()
 
-
-def _entry_path(root: Path, entry: Any) -> Optional[Path]:
-    """The checkpoint a journal entry names: a plain directory name inside ``root``, else ``None``."""
-    name = entry.get("checkpoint") if isinstance(entry, dict) else None
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name:
-        return None
-    return root / name
+    @staticmethod
+    def _resume_copies(root: Path, entry: Dict[str, Any], save: CheckpointSave) -> None:
+        """The entry's ``-last`` copies that are still the files it recorded (not saved since) wait for its output."""
+        listed = entry.get("copies")
+        for listed_copy in listed if isinstance(listed, list) else []:
+            copy_path, _ = _entry_path(root, listed_copy)
+            identity = _identity(listed_copy.get("identity")) if isinstance(listed_copy, dict) else None
+            if copy_path is None or identity is None or copy_path == save.path:
+                continue
+            if not files_gone(copy_path) and _portable(weights_identity(copy_path)) == _portable(identity):
+                copy = CheckpointSave(copy_path, save.global_step, written=True, fit=save.fit, due=True)
+                copy.copy_of, copy.identity = save, identity
+                save.copies.append(copy)
