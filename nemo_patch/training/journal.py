@@ -29,14 +29,17 @@ most 4 MiB, of a version this package writes; each entry must name a plain direc
 ``..``, not hidden, not a symlink). Anything else is one ``WARNING`` line, and the file is then replaced (or removed)
 by this run's journal. Training never fails because of the journal.
 
-Writes happen off the training thread: the training thread hands the newest state of a root to one writer thread
-(the latest state wins: states handed while a write is in progress collapse into one), which writes it to a new
-temporary file (``O_EXCL|O_NOFOLLOW``: never through a planted link) and renames it over the journal. Guarantee: the
-writer starts at once and never sleeps with work to do, so a state is on disk one or two small writes (milliseconds
-on a local disk) after it was handed over, and a job SIGKILLed at any moment leaves the previous complete journal or
-the new one, never a half-written one (at worst a hidden ``.consolidation-due.json.tmp-*`` file, removed by the next
-run). When ``fit`` ends (the coordinator closes) the last state is written before the teardown goes on. A journal that
-cannot be written (disk full, read-only root) is one ``WARNING`` and retried at the next change; the run goes on.
+Writes happen off the training thread: the training thread only stores the newest state of a root for one writer
+thread (the latest state wins: states handed over between two looks collapse into one write; storing it wakes no
+thread), which looks every :data:`WRITE_INTERVAL` (0.05 s), writes the state to a new temporary file
+(``O_EXCL|O_NOFOLLOW``: never through a planted link) and renames it over the journal. Guarantee: a state handed over
+(a save queued for consolidation, after the training step in which it finished) is on disk within
+:data:`WRITE_INTERVAL` plus one write (milliseconds on a local disk) of the handoff, and a job SIGKILLed at any moment
+leaves the previous complete journal or the new one, never a half-written one (at worst a hidden
+``.consolidation-due.json.tmp-*`` file, removed by the next run). A job killed within that window leaves the previous
+state: its newest due checkpoint is not resumed (it is consolidated with ``nemo-consolidate``). When the coordinator
+closes (the end of ``fit``, the teardown), the last state is written before it returns. A journal that cannot be
+written (disk full, read-only root) is one ``WARNING`` and retried at the next change; the run goes on.
 
 Standard library and the training side's schedule only.
 """
@@ -74,8 +77,11 @@ _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 LEFTOVER_SECONDS = 60.0
 #: Seconds the end of ``fit`` waits at most for the journal's last write.
 FLUSH_SECONDS = 30.0
+#: Seconds between the writer thread's looks for a state to write: a state handed over is on disk after at most this
+#: plus the time of the write.
+WRITE_INTERVAL = 0.05
 #: Seconds an idle writer thread waits for more work before it ends (the next handoff starts another).
-_IDLE_SECONDS = 10.0
+_IDLE_SECONDS = 60.0
 #: Bytes of an untrusted name shown in a log line.
 _SHOWN = 80
 
@@ -259,48 +265,67 @@ def _unchanged_since(checkpoint: Path, identity: Optional[Tuple[int, ...]], jour
 
 
 class _Writer:
-    """One thread that writes the newest handed state of each root's journal (the latest state wins)."""
+    """One thread that writes the newest handed state of each root's journal (the latest state wins).
+
+    Handing a state over only stores it under an uncontended lock: the training thread never wakes another thread
+    (on a loaded host a woken thread preempts the one that woke it). The writer thread looks every
+    :data:`WRITE_INTERVAL` seconds, writes what it finds, and ends after :data:`_IDLE_SECONDS` without work (the next
+    handoff starts another).
+    """
 
     def __init__(self, on_result: Any) -> None:
         self._on_result = on_result
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        #: Held while a state is taken and written: states reach the disk in the order they were taken.
+        self._write_lock = threading.Lock()
         self._wanted: Dict[Path, Tuple[List[Dict[str, Any]], Optional[str]]] = {}
-        self._writing = False
         self._thread: Optional[threading.Thread] = None
 
     def hand(self, root: Path, due: List[Dict[str, Any]], run: Optional[str]) -> None:
-        """Have ``due`` written as ``root``'s journal (returns at once)."""
-        with self._cond:
+        """Have ``due`` written as ``root``'s journal within :data:`WRITE_INTERVAL` seconds (returns at once)."""
+        with self._lock:
             self._wanted[root] = (due, run)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="consolidation-journal", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            if self._thread is not None:
+                return
+            thread = self._thread = threading.Thread(target=self._run, name="consolidation-journal", daemon=True)
+        thread.start()
 
     def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
-        """Wait until every handed state is written (or failed); ``False`` after ``timeout`` seconds."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._wanted and not self._writing, timeout)
+        """Write what was handed over and not written yet, in the calling thread (after a write in progress);
+        ``False`` when a write in progress did not end within ``timeout`` seconds."""
+        if not self._write_lock.acquire(timeout=timeout):
+            return False
+        try:
+            self._write_wanted()
+        finally:
+            self._write_lock.release()
+        return True
+
+    def _write_wanted(self) -> bool:
+        """Write the states handed over (``_write_lock`` held); ``False`` when there were none."""
+        with self._lock:
+            wanted, self._wanted = self._wanted, {}
+        for root, (due, run) in wanted.items():
+            try:
+                write_journal(root, due, run)
+                error: Optional[BaseException] = None
+            except Exception as failure:  # noqa: BLE001 - the journal never ends the run
+                error = failure
+            self._on_result(root, due, error)
+        return bool(wanted)
 
     def _run(self) -> None:
+        idle = 0.0
         while True:
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._wanted, _IDLE_SECONDS):
-                    self._thread = None if self._thread is threading.current_thread() else self._thread
-                    return
-                wanted, self._wanted, self._writing = self._wanted, {}, True
-            try:
-                for root, (due, run) in wanted.items():
-                    try:
-                        write_journal(root, due, run)
-                        error: Optional[BaseException] = None
-                    except Exception as failure:  # noqa: BLE001 - the journal never ends the run
-                        error = failure
-                    self._on_result(root, due, error)
-            finally:
-                with self._cond:
-                    self._writing = False
-                    self._cond.notify_all()
+            time.sleep(WRITE_INTERVAL)
+            with self._write_lock:
+                wrote = self._write_wanted()
+            idle = 0.0 if wrote else idle + WRITE_INTERVAL
+            if idle >= _IDLE_SECONDS:
+                with self._lock:
+                    if not self._wanted:
+                        self._thread = None
+                        return
 
 
 class Observer(ConsolidationObserver):
