@@ -27,11 +27,19 @@ from typing import Optional
 import pytest
 
 from nemo_patch.engine.errors import NotACheckpointError
-from nemo_patch.training.latest import LATEST_NAME, locate_checkpoint, read_latest_pointer, update_latest_pointer
+from nemo_patch.training.latest import (
+    BEST_NAME,
+    LATEST_NAME,
+    locate_checkpoint,
+    read_latest_pointer,
+    update_latest_pointer,
+)
 from nemo_patch.training.retention import (
     RETAINED_DIRNAME,
     consolidated_outputs,
+    output_run,
     prune_retained,
+    repair_best,
     repoint_latest,
     retain_output,
     retained_name,
@@ -39,10 +47,17 @@ from nemo_patch.training.retention import (
 
 
 def _checkpoint(
-    root: Path, step: int, consolidated: bool = True, last: bool = False, linked_from: Optional[Path] = None
+    root: Path,
+    step: int,
+    consolidated: bool = True,
+    last: bool = False,
+    linked_from: Optional[Path] = None,
+    run: Optional[str] = None,
+    version: str = "",
 ) -> Path:
-    """A synthetic checkpoint; ``linked_from``: its output is hard links of that checkpoint's (a ``-last`` copy's)."""
-    path = root / f"m--step={step - 1}-consumed_samples={2.0 * step}{'-last' if last else ''}"
+    """A synthetic checkpoint; ``linked_from``: its output is hard links of that checkpoint's (a ``-last`` copy's);
+    ``run``: the training run its output records; ``version``: NeMo's ``-v<N>`` of a reused name."""
+    path = root / f"m--step={step - 1}-consumed_samples={2.0 * step}{version}{'-last' if last else ''}"
     (path / "weights").mkdir(parents=True)
     (path / "weights" / ".metadata").write_bytes(b"dcp")
     if linked_from is not None:
@@ -51,8 +66,12 @@ def _checkpoint(
             os.link(file, path / "consolidated" / file.name)
     elif consolidated:
         (path / "consolidated").mkdir()
-        (path / "consolidated" / "model.safetensors").write_bytes(b"weights of step %d" % step)
+        (path / "consolidated" / "model.safetensors").write_bytes(
+            b"weights of step %d of %s" % (step, str(run).encode())
+        )
         metadata = {"format_version": 1, "global_step": step, "source_checkpoint": "../weights", "files": {}}
+        if run is not None:
+            metadata["run"] = run
         (path / "consolidated" / "metadata.json").write_text(json.dumps(metadata))
     return path
 
@@ -68,7 +87,7 @@ def test_retained_output_keeps_its_files_step_and_origin(tmp_path):
     entry = retain_output(checkpoint, "consolidated")
     assert entry == tmp_path / RETAINED_DIRNAME / checkpoint.name
     kept = entry / "consolidated"
-    assert (kept / "model.safetensors").read_bytes() == b"weights of step 4"
+    assert (kept / "model.safetensors").read_bytes() == b"weights of step 4 of None"
     assert os.stat(kept / "model.safetensors").st_ino == os.stat(checkpoint / "consolidated/model.safetensors").st_ino
     metadata = json.loads((kept / "metadata.json").read_text())
     assert metadata["global_step"] == 4 and metadata["retained_from"] == checkpoint.name
@@ -285,3 +304,114 @@ def test_a_log_dir_given_as_root_gets_a_hint(tmp_path):
     _checkpoint(tmp_path / "tiny_gpt" / "checkpoints", 2)
     with pytest.raises(NotACheckpointError, match=r"its checkpoint roots: .*tiny_gpt/checkpoints"):
         locate_checkpoint(tmp_path)
+
+
+# --- several runs in one root: LATEST and BEST stay with the run that owns them ------------------------------------
+
+
+def _two_runs(root: Path):
+    """Run A saved global steps 2 and 10; run B, later in the same root, steps 2 (a reused name: ``-v1``) and 4."""
+    a2, a10 = _checkpoint(root, 2, run="A"), _checkpoint(root, 10, run="A")
+    b2, b4 = _checkpoint(root, 2, run="B", version="-v1"), _checkpoint(root, 4, run="B")
+    update_latest_pointer(b4)
+    return a2, a10, b2, b4
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_latest_moves_to_its_own_runs_output_never_to_another_runs_higher_step(tmp_path, kept, caplog):
+    """Run B's LATEST checkpoint is removed: LATEST goes to its retained output, or to B's older output, never to run
+    A's global step 10; when B has none left, LATEST is removed with one log line."""
+    a2, a10, b2, b4 = _two_runs(tmp_path)
+    assert [(o.entry.name, o.run) for o in consolidated_outputs(tmp_path, "consolidated")][:2] == [
+        (a10.name, "A"),
+        (b4.name, "B"),
+    ]
+    _removing(b4)
+    if kept:
+        entry = retain_output(b4, "consolidated")
+        assert repoint_latest(tmp_path, "consolidated", removing=b4, run="B") == entry
+        assert output_run(entry / "consolidated") == "B"  # the retained entry still names its run
+        shutil.rmtree(b4)
+        shutil.rmtree(entry)  # e.g. deleted by hand: LATEST dangles until B looks after it
+        assert repoint_latest(tmp_path, "consolidated", run="B") == b2
+    else:
+        assert repoint_latest(tmp_path, "consolidated", removing=b4, run="B") == b2
+        shutil.rmtree(b4)
+    assert (read_latest_pointer(tmp_path) / "consolidated" / "model.safetensors").read_bytes() == (
+        b"weights of step 2 of B"
+    )
+    _removing(b2)
+    caplog.set_level("INFO", logger="nemo_patch.training.retention")
+    caplog.clear()
+    assert repoint_latest(tmp_path, "consolidated", removing=b2, run="B") is None
+    assert not os.path.lexists(tmp_path / LATEST_NAME)  # not run A's step 10
+    removed = [r.getMessage() for r in caplog.records if "LATEST" in r.getMessage()]
+    assert len(removed) == 1 and removed[0].startswith("LATEST removed") and "run B" in removed[0], removed
+    assert (a10 / "consolidated" / "metadata.json").is_file() and (a2 / "consolidated").is_dir()
+
+
+def test_a_dangling_latest_is_taken_over_by_the_run_that_starts_or_removed(tmp_path):
+    a2, a10, b2, b4 = _two_runs(tmp_path)
+    shutil.rmtree(b4)  # deleted by hand while no run was there: whose output LATEST named cannot be read any more
+    assert repoint_latest(tmp_path, "consolidated", run="C") is None  # a new run C has no output: not A's step 10
+    update_latest_pointer(b4, tmp_path)
+    assert repoint_latest(tmp_path, "consolidated", run="B") == b2  # run B resumed: its own newest
+
+
+def test_after_a_rollback_latest_goes_below_the_step_it_named(tmp_path):
+    """Run A resumed from its step-4 checkpoint (a rollback) and saved step 6 again (``-v1``): when that checkpoint
+    goes, LATEST goes to step 4, not to the steps 6 and 8 that the rollback left behind."""
+    a2, a4, a6, a8 = (_checkpoint(tmp_path, step, run="A") for step in (2, 4, 6, 8))
+    again = _checkpoint(tmp_path, 6, run="A", version="-v1")
+    update_latest_pointer(again)
+    _removing(again)
+    assert repoint_latest(tmp_path, "consolidated", removing=again, run="A") == a4
+
+
+def test_outputs_that_record_no_run_are_one_run_of_their_own(tmp_path):
+    """Outputs made before runs were recorded: LATEST naming one moves among them only, and a run's pruning and
+    LATEST never take them."""
+    old2, old4 = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
+    b6 = _checkpoint(tmp_path, 6, run="B")
+    update_latest_pointer(old4)
+    _removing(old4)
+    assert repoint_latest(tmp_path, "consolidated", removing=old4, run="B") == old2
+    _removing(old2)
+    assert repoint_latest(tmp_path, "consolidated", removing=old2, run="B") is None
+    update_latest_pointer(b6)
+    _removing(b6)
+    assert repoint_latest(tmp_path, "consolidated", removing=b6, run="B") is None  # not an output without a run
+
+
+def test_keep_prunes_only_the_pruning_runs_outputs(tmp_path):
+    runs = {"A": [2, 4, 6], "B": [2, 4, 6], None: [2, 4]}
+    versions = {"A": "", "B": "-v1", None: "-v2"}
+    for run, steps in runs.items():
+        for step in steps:
+            checkpoint = _checkpoint(tmp_path, step, run=run, version=versions[run])
+            _removing(checkpoint)
+            retain_output(checkpoint, "consolidated")
+            shutil.rmtree(checkpoint)
+    removed = prune_retained(tmp_path, "consolidated", 1, "B")
+    assert sorted(entry.name for entry in removed) == [f"m--step={step - 1}-consumed_samples={2.0 * step}-v1"
+                                                       for step in (2, 4)]  # fmt: skip
+    left = [(o.run, o.global_step) for o in consolidated_outputs(tmp_path, "consolidated")]
+    assert sorted(left, key=str) == sorted([("A", 2), ("A", 4), ("A", 6), ("B", 6), (None, 2), (None, 4)], key=str)
+
+
+def test_best_is_repaired_only_to_its_own_runs_retained_entry(tmp_path):
+    """Run B's checkpoint was kept as retained/<name>; run A saved the same name later (kept as <name>-v1, the one
+    kept last). BEST named B's checkpoint, deleted by hand: it goes to B's entry, never to A's."""
+    b = _checkpoint(tmp_path, 4, run="B")
+    _removing(b)
+    b_entry = retain_output(b, "consolidated")
+    shutil.rmtree(b)
+    a = _checkpoint(tmp_path, 4, run="A")
+    _removing(a)
+    a_entry = retain_output(a, "consolidated")
+    shutil.rmtree(a)
+    assert a_entry.name == f"{b.name}-v1"
+    update_latest_pointer(b, tmp_path, name=BEST_NAME)
+    assert repair_best(tmp_path, "consolidated", "B") == b_entry
+    update_latest_pointer(b, tmp_path, name=BEST_NAME)
+    assert repair_best(tmp_path, "consolidated", "C") is None and not os.path.lexists(tmp_path / BEST_NAME)

@@ -12,10 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Runs that share a checkpoint root (#38 item 1): a checkpoint name reused by a second run whose output NeMo removes
-is kept beside the first run's under ``retained/``, never dropped silently, and ``LATEST``/``BEST`` follow the second
-run's output, not the first's. Real checkpoints and outputs of a real fit, each output compared tensor for tensor
-with its own checkpoint (megatron-core's loader)."""
+"""Runs that share a checkpoint root (#38 items 1 and 2): a checkpoint name reused by a second run whose output NeMo
+removes is kept beside the first run's under ``retained/``, never dropped silently, and ``LATEST``/``BEST`` follow the
+second run's output, not the first's; when the second run's ``LATEST`` checkpoint is removed, ``LATEST`` stays with
+that run's weights (or is removed), never moves to the first run's higher global step. Real checkpoints and outputs of
+a real fit, each output compared tensor for tensor with its own checkpoint (megatron-core's loader)."""
 
 import json
 import logging
@@ -35,9 +36,12 @@ from nemo_patch.training.retention import Observer, consolidated_outputs
 NAME = "tiny_gpt--step=3-consumed_samples=8.0"
 
 
-def _observer(keep=None) -> Observer:
+def _observer(keep=None, run_id="run-a") -> Observer:
     settings = SimpleNamespace(output_dirname="consolidated", config=SimpleNamespace(keep=keep))
-    return Observer(SimpleNamespace(settings=settings, _outputs={}, lock=threading.RLock(), deleting=set()))
+    coordinator = SimpleNamespace(
+        settings=settings, _outputs={}, lock=threading.RLock(), deleting=set(), run_id=run_id
+    )
+    return Observer(coordinator)
 
 
 def _checkpoints(each_run):
@@ -133,3 +137,45 @@ def test_versioned_last_copies_are_copies(each_run, tmp_path):
     entry = retain_output(copy, "consolidated")
     assert entry == root / RETAINED_DIRNAME / NAME
     assert compare(each_run["root"] / run_a.name / "weights", entry / "consolidated") > 0
+
+
+def _save_as_run(source: Path, root: Path, run: str) -> Path:
+    """``source`` saved in ``root`` under its own name, its output recorded as ``run``'s (as that run's consolidation
+    records it in ``metadata.json``)."""
+    target = root / source.name
+    shutil.copytree(source, target, copy_function=lambda a, b: shutil.copy2(a, b))
+    metadata_path = target / "consolidated" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["run"] = run
+    metadata_path.write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    return target
+
+
+@pytest.mark.parametrize("keep", [None, 0])
+def test_latest_never_moves_to_another_runs_weights(each_run, tmp_path, caplog, keep):
+    """#38 item 2: run A left global steps 4 and 6 in the root; run B, started there later, has one output (global
+    step 2) and LATEST names it. NeMo removes B's checkpoint: LATEST follows B's output to retained/ (``keep=None``),
+    or is removed with one log line (``keep=0``); it never moves to run A's step 6."""
+    found = sorted(p for p in each_run["root"].iterdir() if (p / "consolidated" / "metadata.json").is_file()
+                   and not p.is_symlink() and not p.name.endswith("-last"))  # fmt: skip
+    step2, step4, step6 = found
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    a4, a6 = _save_as_run(step4, root, "run-a"), _save_as_run(step6, root, "run-a")
+    b2 = _save_as_run(step2, root, "run-b")
+    update_latest_pointer(b2)
+    caplog.set_level(logging.INFO, logger="nemo_patch.training.retention")
+    _observer(keep=keep, run_id="run-b").before_removal(b2)
+    shutil.rmtree(b2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LATEST")]
+    if keep is None:
+        latest = (root / LATEST_NAME).resolve()
+        assert latest == (root / RETAINED_DIRNAME / step2.name).resolve(), lines
+        assert json.loads((latest / "consolidated" / "metadata.json").read_text())["run"] == "run-b"
+        assert compare(step2 / "weights", latest / "consolidated") > 0  # run B's weights, tensor for tensor
+    else:
+        assert not os.path.lexists(root / LATEST_NAME), lines
+        assert len(lines) == 1 and lines[0].startswith("LATEST removed") and "run run-b" in lines[0], lines
+    # run A's outputs are left as they were, each its own checkpoint's weights
+    for checkpoint in (a4, a6):
+        assert compare(checkpoint / "weights", checkpoint / "consolidated") > 0

@@ -202,6 +202,7 @@ class CheckpointConsolidation(Consolidation):
         merge_adapters: bool = False,
         base_checkpoint: Optional[Union[str, Path]] = None,
         best: Optional[Mapping[str, Any]] = None,
+        run: Optional[str] = None,
         workers: int = 1,
         parts: Optional[int] = None,
         parts_runner: Optional[PartsRunner] = None,
@@ -220,7 +221,7 @@ class CheckpointConsolidation(Consolidation):
         )
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"Invalid workers {workers!r}: expected a whole number of writer processes >= 1.")
-        self.best, self.workers = best, workers
+        self.best, self.run_id, self.workers = best, run, workers
         self.parts, self.parts_runner = parts, parts_runner
         self.times = StageTimes()  # this process's planning; the parts report their own stages
         self.readers: Optional[Sources] = None  # what the outputs are read from (``self.sources``: by name)
@@ -336,6 +337,8 @@ class CheckpointConsolidation(Consolidation):
             manifest.update(merged_adapters=sources.merge.settings)
         if self.best is not None:
             manifest.update(best=dict(self.best))
+        if self.run_id is not None:
+            manifest.update(run=self.run_id)
         (directory / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (METADATA_FILENAME, *(n for n in self.entries if n.endswith(".json"))):
             with open(directory / name, "rb") as handle:
@@ -364,6 +367,7 @@ def consolidate_checkpoint(
     merge_adapters: bool = False,
     base_checkpoint: Optional[Union[str, Path]] = None,
     best: Optional[Mapping[str, Any]] = None,
+    run: Optional[str] = None,
     workers: int = 1,
     parts: Optional[int] = None,
     parts_runner: Optional[PartsRunner] = None,
@@ -406,6 +410,7 @@ def consolidate_checkpoint(
         best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
             monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
             ``ModelCheckpoint``'s).
+        run: recorded as ``"run"`` in ``metadata.json``: the training run the checkpoint belongs to.
         workers: writer processes on this node (>= 1; :func:`.parts.default_workers` is the CLI's
             default). The output is the same, byte for byte, whatever the number.
         parts: how many parts the tensors are cut into (default: ``workers``); with ``parts_runner``.
@@ -438,6 +443,7 @@ def consolidate_checkpoint(
         merge_adapters=merge_adapters,
         base_checkpoint=base_checkpoint,
         best=best,
+        run=run,
         workers=workers,
         parts=parts,
         parts_runner=parts_runner,

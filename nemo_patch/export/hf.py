@@ -500,6 +500,7 @@ def export_hf_checkpoint(
     merge_adapters: bool = False,
     base_checkpoint: Optional[Union[str, Path]] = None,
     best: Optional[Mapping[str, Any]] = None,
+    run: Optional[str] = None,
     staging_dir: Optional[Union[str, Path]] = None,
     before_publish: Optional[Callable[[], None]] = None,
     trust_context: Optional[bool] = None,
@@ -527,6 +528,7 @@ def export_hf_checkpoint(
         best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
             monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
             ``ModelCheckpoint``'s).
+        run: recorded as ``"run"`` in ``metadata.json``: the training run the checkpoint belongs to.
         staging_dir: where the output is written before it is renamed into place (default: its parent).
         before_publish: called right before the output is renamed into place; what it raises is raised, and
             nothing is published.
@@ -613,6 +615,8 @@ def export_hf_checkpoint(
             manifest.update(merged_adapters=lora_scale(manifest["peft"])[1])
         if best is not None:
             manifest.update(best=dict(best))
+        if run is not None:
+            manifest.update(run=run)
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _give_files_the_default_mode(tmp_dir)
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])

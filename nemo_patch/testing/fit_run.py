@@ -138,6 +138,8 @@ def run_tiny_fit(
     post_command_timeout: Optional[float] = None,
     record_hooks: bool = False,
     raising_hook: bool = False,
+    new_run: bool = False,
+    resume_from: Optional[Path] = None,
 ) -> Dict[str, Any]:
     """Train the tiny GPT for ``max_steps`` global steps, saving every ``save_every``; resume if ``out`` has a run.
 
@@ -218,6 +220,9 @@ def run_tiny_fit(
         raising_hook: add a callback whose ``on_consolidation_end`` raises
             (:class:`nemo_patch.testing.hook_recorder.RaisingConsolidationHook`); the report's ``raising_hook_calls``
             counts its calls.
+        new_run: start a new run in ``out`` even if it holds checkpoints (``AutoResume(resume_if_exists=False)``).
+        resume_from: resume from this checkpoint (``AutoResume(resume_from_path=...)``), e.g. an older one of the run
+            (a rollback).
         faults: faults to inject (:mod:`nemo_patch.testing.faults`); a ``sigterm`` fault adds NeMo's
             ``PreemptionCallback``. A ``sys.exit`` inside ``fit`` (the preemption path) is reported as ``system_exit``.
 
@@ -334,8 +339,10 @@ def run_tiny_fit(
         restore = nl.RestoreConfig(path=str(restore_from), load_optim_state=False)
         # As NeMo's fine-tuning recipes: start from the restore path, or resume this run's newest checkpoint.
         resume = nl.AutoResume(restore_config=restore, resume_if_exists=True, resume_ignore_no_checkpoint=True)
+    elif resume_from is not None:
+        resume = nl.AutoResume(resume_from_path=str(resume_from))
     else:
-        resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
+        resume = nl.AutoResume(resume_if_exists=not new_run, resume_ignore_no_checkpoint=True)
     report: Dict[str, Any] = {"strategy_class": f"{type(strategy).__module__}.{type(strategy).__qualname__}"}
     with megatron_on_cpu() if device == "cpu" else contextlib.nullcontext():
         start = time.perf_counter()
@@ -402,6 +409,7 @@ def run_tiny_fit(
     report["raising_hook_calls"] = raising.calls if raising is not None else None
     report["global_rank_zero"] = trainer.is_global_zero
     report["global_step"] = trainer.global_step
+    report["run_id"] = getattr(consolidation, "run_id", None)
     return report
 
 
@@ -545,6 +553,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--post-command-timeout", type=float, default=None)
     parser.add_argument("--record-hooks", action="store_true")
     parser.add_argument("--raising-hook", action="store_true")
+    parser.add_argument("--new-run", action="store_true")
+    parser.add_argument("--resume-from", type=Path, default=None)
     parser.add_argument("--info-logs", action="store_true", help="show nemo_patch's INFO log lines")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -603,6 +613,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         post_command_timeout=args.post_command_timeout,
         record_hooks=args.record_hooks,
         raising_hook=args.raising_hook,
+        new_run=args.new_run,
+        resume_from=args.resume_from,
     )
     if not report.get("global_rank_zero", True):
         return 0  # the other ranks of a multi-process run report nothing

@@ -94,6 +94,7 @@ def consolidate_best(coordinator: Any) -> Optional[CheckpointSave]:
     if save is None:  # saved before a resume (or never finished)
         step = global_step_in_name(best_dir.name)
         save = CheckpointSave(best_dir, -1 if step is None else step, written=True, fit=coordinator.fit)
+        save.run = coordinator.run_id  # ModelCheckpoint's record of this run (resumed): its checkpoint
     if coordinator.is_gone(save):
         logger.warning(
             "The best checkpoint %s (%s) never finished or was removed: it is not consolidated and %s is left as it "

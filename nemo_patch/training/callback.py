@@ -19,6 +19,7 @@ Imports Lightning and the engine's publishing helpers only (the coordinator is r
 
 import contextlib
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
@@ -32,6 +33,8 @@ from nemo_patch.engine.publish import remove_stale_tmp_dirs
 __all__ = ["ConsolidationCallback", "consolidation_of", "find_base_checkpoint_io"]
 
 logger = logging.getLogger(__name__)
+#: What a stored run id may be (it goes into ``metadata.json`` and log lines).
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 
 
 def find_base_checkpoint_io(checkpoint_io: Any) -> Any:
@@ -161,14 +164,18 @@ class ConsolidationCallback(Callback):
             consolidation.notify("on_exception")
 
     def state_dict(self) -> Dict[str, Any]:
-        """The counts of finished checkpoints, for the checkpoint being saved (or ``{}``)."""
+        """The counts of finished checkpoints and the run's id, for the checkpoint being saved (or ``{}``)."""
         consolidation = self._consolidation(self._trainer)
         if consolidation is None or self._trainer is None:
             return {}
-        return consolidation.schedule.state_dict(self._trainer.global_step)
+        return {**consolidation.schedule.state_dict(self._trainer.global_step), "run_id": consolidation.run_id}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore the count of finished checkpoints from the checkpoint the run resumes from."""
+        """Restore the count of finished checkpoints from the checkpoint the run resumes from, and its run id: a resume
+        goes on with the run it resumes (a checkpoint saved before run ids were stored leaves the new id)."""
         consolidation = self._consolidation(self._trainer)
         if consolidation is not None and state_dict:
             consolidation.schedule.load_state_dict(state_dict)
+            run_id = state_dict.get("run_id")
+            if isinstance(run_id, str) and _RUN_ID.fullmatch(run_id):
+                consolidation.run_id = run_id

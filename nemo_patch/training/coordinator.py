@@ -29,6 +29,8 @@ import os
 import re
 import shutil
 import threading
+import time
+import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +82,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover
         raise
     hooks = None  # type: ignore[assignment]
 
-__all__ = ["ConsolidationCoordinator", "ConsolidationRecord", "weights_identity"]
+__all__ = ["ConsolidationCoordinator", "ConsolidationRecord", "new_run_id", "weights_identity"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,11 @@ OBSERVERS = [feature.Observer for feature in (best, retention, journal, metrics,
 _LAST_COPY = re.compile(r"-last(?:-v\d+)?$")
 #: NeMo's ``ModelCheckpoint`` -> the coordinator of the ``fit`` it serves (for the deletions it makes by itself).
 _BY_CHECKPOINT_CALLBACK: "weakref.WeakKeyDictionary[Any, ConsolidationCoordinator]" = weakref.WeakKeyDictionary()
+
+
+def new_run_id() -> str:
+    """A new training run's id: when it started (UTC) and 8 random hex digits, e.g. ``20261202T162711Z-3f9a1c0d``."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,9 @@ class ConsolidationCoordinator:
         #: Which ``fit`` of this process is running (1, 2, ...), and whether it is (set up to teardown).
         self.fit = 0
         self.fitting = False
+        #: The training run its saves belong to (``"run"`` in their outputs' ``metadata.json``): a new id when a
+        #: ``fit`` starts, then the one stored in the checkpoint it resumes from, if any (``ConsolidationCallback``).
+        self.run_id: str = new_run_id()
         #: The trainer's ``ModelCheckpoint``.
         self.checkpoint_callback: Optional[Any] = None
         #: Due consolidations that did not happen because their checkpoint was removed (or saved again) first.
@@ -207,6 +217,7 @@ class ConsolidationCoordinator:
         """A ``fit`` starts (its global steps may start again), with NeMo's ``ModelCheckpoint``."""
         with self.lock:
             self.fit += 1
+            self.run_id = new_run_id()
             self.schedule.begin_fit()
             if checkpoint_callback is not None:
                 self.checkpoint_callback = checkpoint_callback
@@ -251,7 +262,7 @@ class ConsolidationCoordinator:
         """Record a save that was just issued (not finished yet)."""
         with self.lock:
             save = self.schedule.register(Path(checkpoint_dir), global_step, self.fit)
-            save.best = best
+            save.best, save.run = best, self.run_id
         self.notify("on_register", save)
         return save
 

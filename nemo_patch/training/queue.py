@@ -16,8 +16,8 @@
 
 :class:`ConsolidationQueue` hands its requests, one at a time, to one ``python -m <package>.worker --serve`` process
 (:mod:`.worker`) that lives for the whole run, so the interpreter's start (2-5 s, mostly ``import torch``) is paid
-once per run. Protocol: one JSON line per request on its stdin, ``{"checkpoint", "global_step", "best"}``; on its
-stdout ``{"ready": true}`` once it has imported what it needs, then one line per ended request, ``{"error": null |
+once per run. Protocol: one JSON line per request on its stdin, ``{"checkpoint", "global_step", "best", "run"}``; on
+its stdout ``{"ready": true}`` once it has imported what it needs, then one line per ended request, ``{"error": null |
 "<one-line reason>"}`` (``{"published": true}`` before it when a post command runs after the publish); anything else
 it prints goes to an anonymous temporary file. A process that dies fails the request it was serving (with the
 signal, or its last line of output), its temporary output is removed, and the next request starts a new one. The
@@ -478,7 +478,8 @@ class ConsolidationQueue:
     def _start(self, save: CheckpointSave) -> None:
         """Hand ``save`` to the consolidation process, starting one if none is alive (or failing the request)."""
         running = cast(_Running, self._running)  # save's, made RUNNING by the caller
-        line = json.dumps({"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best}) + "\n"
+        request = {"checkpoint": str(save.path), "global_step": save.global_step, "best": save.best, "run": save.run}
+        line = json.dumps(request) + "\n"
         server = self._server
         warm = server is not None and server.send(line.encode())
         if server is None or not warm:

@@ -30,11 +30,15 @@ output is retained only when no other output holds the same files (the copy's ou
 output, made from the same weights), under the name without ``-last``. Keeping is all or nothing: when it fails (disk
 full, a link limit), no entry is left behind and the pointers still move off the checkpoint.
 
-``<root>/LATEST`` is moved before the checkpoint it names is removed: to the retained entry, or else to the newest
-remaining consolidated output (a checkpoint's or a retained one), or removed when none is left, each atomically and
-logged. A reader following ``LATEST`` always finds a complete output. ``<root>/BEST`` (``"best"`` cadences) follows
-its checkpoint's output to ``retained/``, or is removed (logged) when that output is not kept; pruning never removes
-the retained output ``BEST`` names. NeMo's resume ignores ``retained/`` (it lists
+Every output records the training run that made it (``"run"`` in its ``metadata.json``, kept when it is retained;
+see ``ConsolidationCoordinator.run_id``): several runs may share a root. ``<root>/LATEST`` belongs to the run whose
+output it names, and is moved before the checkpoint it names is removed: to the retained entry, or else to that run's
+newest remaining consolidated output (a checkpoint's or a retained one), or removed when that run has none left, each
+atomically and logged; it never moves to another run's output. A reader following ``LATEST`` always finds a complete
+output. ``<root>/BEST`` (``"best"`` cadences) follows its checkpoint's output to ``retained/``, or is removed
+(logged) when that output is not kept; pruning (``keep``) counts and removes the pruning run's outputs only, and never
+the retained output ``BEST`` names. Outputs that record no run (made before runs were recorded, or offline) count as
+one run of their own. NeMo's resume ignores ``retained/`` (it lists
 the root's entries only one level deep and picks ``*-last``/``*-end`` checkpoints).
 
 :class:`Observer` does all this for a run (the coordinator calls it). Imports the standard library, the engine's
@@ -69,6 +73,7 @@ __all__ = [
     "ConsolidatedOutput",
     "Observer",
     "consolidated_outputs",
+    "output_run",
     "prune_retained",
     "repair_best",
     "repoint_best",
@@ -92,12 +97,15 @@ class ConsolidatedOutput:
         output_dir: ``<entry>/consolidated`` (or ``<entry>/hf``).
         global_step: from its ``metadata.json`` (``-1`` if unknown).
         retained: whether it lives under ``retained/``.
+        run: the id of the training run that made it (``"run"`` in its ``metadata.json``); ``None`` when it records
+            none (made before run ids were recorded, or offline by ``nemo-consolidate``).
     """
 
     entry: Path
     output_dir: Path
     global_step: int
     retained: bool
+    run: Optional[str] = None
 
 
 def retained_name(checkpoint_dir: Path) -> str:
@@ -106,13 +114,33 @@ def retained_name(checkpoint_dir: Path) -> str:
     return _COPY_SUFFIX.sub("", Path(checkpoint_dir).name)
 
 
+def _metadata(output_dir: Path) -> Optional[Dict[str, Any]]:
+    """``<output_dir>/metadata.json``, ``None`` if the output is incomplete (no readable JSON object there)."""
+    try:
+        metadata = json.loads((output_dir / METADATA_FILENAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return metadata if isinstance(metadata, dict) else None
+
+
 def _global_step(output_dir: Path) -> Optional[int]:
     """The ``global_step`` in ``<output_dir>/metadata.json``, ``-1`` if it records none, ``None`` if incomplete."""
-    try:
-        step = json.loads((output_dir / METADATA_FILENAME).read_text()).get("global_step")
-    except (OSError, ValueError, AttributeError):
+    metadata = _metadata(output_dir)
+    if metadata is None:
         return None
+    step = metadata.get("global_step")
     return int(step) if isinstance(step, int) else -1
+
+
+def _run_of(metadata: Dict[str, Any]) -> Optional[str]:
+    run = metadata.get("run")
+    return run if isinstance(run, str) else None
+
+
+def output_run(output_dir: Path) -> Optional[str]:
+    """The run that made the output (``"run"`` in its ``metadata.json``), ``None`` if it records none."""
+    metadata = _metadata(output_dir)
+    return None if metadata is None else _run_of(metadata)
 
 
 def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutput]:
@@ -140,9 +168,11 @@ def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutpu
             continue
         if not retained and (entry.name.endswith(UNFINISHED_SUFFIX) or is_marked_unfinished(entry)):
             continue
-        step = _global_step(entry / output_name)
-        if step is not None:
-            found.append(ConsolidatedOutput(entry, entry / output_name, step, retained))
+        metadata = _metadata(entry / output_name)
+        if metadata is not None:
+            step = metadata.get("global_step")
+            step = int(step) if isinstance(step, int) else -1
+            found.append(ConsolidatedOutput(entry, entry / output_name, step, retained, _run_of(metadata)))
     # among outputs of one global step (a checkpoint name reused by another run or fit, each kept under retained/),
     # the one kept last first: its metadata.json was written when it was kept
     found.sort(
@@ -160,12 +190,13 @@ def _written(output_dir: Path) -> int:
         return 0
 
 
-def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path) -> Optional[Path]:
+def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path, run: Optional[str] = None) -> Optional[Path]:
     """The retained entry that holds the output of ``checkpoint_dir`` (its ``metadata.json``'s ``retained_from`` is
     that checkpoint, or the step's own checkpoint of that ``-last`` copy), ``None`` if none.
 
     While the checkpoint's output is still there, only an entry holding its very files (hard links) counts: an entry
-    of another run or fit that reused the name is never taken for it. Once the checkpoint is gone, the one kept last.
+    of another run or fit that reused the name is never taken for it. Once the checkpoint is gone, the one of ``run``
+    (``None``: an entry that records no run) kept last.
     """
     retained_root = root / RETAINED_DIRNAME
     name = retained_name(checkpoint_dir)
@@ -185,6 +216,8 @@ def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path) -> Opt
         if not isinstance(kept_from, str) or retained_name(Path(kept_from)) != name:
             continue
         if check_files and not _same_files(source, entry / output_name):
+            continue
+        if not check_files and _run_of(metadata) != run:
             continue
         found.append((_written(entry / output_name), entry.name, entry))
     return max(found)[2] if found else None
@@ -305,13 +338,15 @@ def _keep_post_command_log(log: Path, kept: Path) -> bool:
         return False
 
 
-def prune_retained(root: Path, output_name: str, keep: Optional[int]) -> List[Path]:
-    """Remove retained entries that are not among the run's newest ``keep`` consolidated outputs.
+def prune_retained(root: Path, output_name: str, keep: Optional[int], run: Optional[str] = None) -> List[Path]:
+    """Remove retained entries of ``run`` that are not among its newest ``keep`` consolidated outputs.
 
     Args:
         root: the checkpoint root.
         output_name: ``consolidated`` or ``hf``.
         keep: ``None`` removes nothing; ``N >= 0`` keeps the newest ``N`` outputs, counting those inside checkpoints.
+        run: the run whose outputs are counted and pruned (``None``: the outputs that record no run); the outputs of
+            other runs sharing the root are left alone.
 
     Returns:
         The removed entries (``LATEST`` is not touched here: see :func:`repoint_latest`). The entry ``BEST`` names
@@ -321,7 +356,7 @@ def prune_retained(root: Path, output_name: str, keep: Optional[int]) -> List[Pa
         return []
     removed = []
     best = _pointer_target(root, BEST_NAME)
-    for output in consolidated_outputs(root, output_name)[keep:]:
+    for output in [output for output in consolidated_outputs(root, output_name) if output.run == run][keep:]:
         if output.retained and output.entry != best:
             shutil.rmtree(output.entry, ignore_errors=True)
             removed.append(output.entry)
@@ -336,9 +371,27 @@ def _pointer_target(root: Path, name: str = LATEST_NAME) -> Optional[Path]:
     return Path(os.path.normpath(root / os.readlink(link)))
 
 
-def repoint_best(root: Path, output_name: str, removing: Path) -> Optional[Path]:
+def _owner(target: Path, output_name: str, run: Optional[str]) -> Tuple[Optional[str], Optional[int], bool]:
+    """Whose output a pointer names: ``(run, global step, readable)`` from its ``metadata.json``; when that cannot be
+    read (the output is gone), ``(run, None, False)``: the caller's run, the one that looks after the pointer."""
+    metadata = _metadata(target / output_name)
+    if metadata is None:
+        return run, None, False
+    step = metadata.get("global_step")
+    return _run_of(metadata), int(step) if isinstance(step, int) else None, True
+
+
+def _run_label(run: Optional[str]) -> str:
+    return f"run {run}" if run is not None else "outputs that record no run"
+
+
+def repoint_best(root: Path, output_name: str, removing: Path, run: Optional[str] = None) -> Optional[Path]:
     """Keep ``<root>/BEST`` off a checkpoint that is being removed: move it to the checkpoint's retained output
-    (:func:`retain_output` ran first), or remove it when that output is not kept (logged as a warning).
+    (:func:`retain_output` ran first), or remove it when that output is not kept (logged as a warning). It never moves
+    to another run's output.
+
+    Args:
+        run: the run that looks after ``BEST`` (taken as its owner when the output it names cannot be read).
 
     Returns:
         What ``BEST`` names afterwards (``None``: no pointer).
@@ -347,7 +400,8 @@ def repoint_best(root: Path, output_name: str, removing: Path) -> Optional[Path]
     removing = Path(os.path.normpath(removing))
     if target != removing:
         return target
-    entry = retained_entry_of(root, output_name, removing)
+    owner, _, _ = _owner(target, output_name, run)
+    entry = retained_entry_of(root, output_name, removing, owner)
     if entry is not None and _global_step(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (%s)", removing.name, _relative(entry, root), _why(removing))
@@ -357,9 +411,10 @@ def repoint_best(root: Path, output_name: str, removing: Path) -> Optional[Path]
     return None
 
 
-def repair_best(root: Path, output_name: str) -> Optional[Path]:
+def repair_best(root: Path, output_name: str, run: Optional[str] = None) -> Optional[Path]:
     """Keep ``<root>/BEST`` on a complete output when its checkpoint went without this package moving it (e.g. NeMo
-    deleted it directly): to the checkpoint's retained output if there is one, else ``BEST`` is removed (a warning).
+    deleted it directly): to the checkpoint's retained output of ``run`` (the run that looks after ``BEST``; the
+    output that ``BEST`` named cannot tell its own any more) if there is one, else ``BEST`` is removed (a warning).
 
     Returns:
         What ``BEST`` names afterwards (``None``: no pointer).
@@ -367,7 +422,7 @@ def repair_best(root: Path, output_name: str) -> Optional[Path]:
     target = _pointer_target(root, BEST_NAME)
     if target is None or _global_step(target / output_name) is not None:
         return target
-    entry = retained_entry_of(root, output_name, target)
+    entry = retained_entry_of(root, output_name, target, run)
     if entry is not None and _global_step(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (its checkpoint is gone)", target.name, _relative(entry, root))
@@ -377,13 +432,23 @@ def repair_best(root: Path, output_name: str) -> Optional[Path]:
     return None
 
 
-def repoint_latest(root: Path, output_name: str, removing: Optional[Path] = None) -> Optional[Path]:
-    """Keep ``<root>/LATEST`` on a complete output when the checkpoint it names is being removed or is gone.
+def repoint_latest(
+    root: Path, output_name: str, removing: Optional[Path] = None, run: Optional[str] = None
+) -> Optional[Path]:
+    """Keep ``<root>/LATEST`` on a complete output of the run that owns it when the checkpoint it names is being
+    removed or is gone.
+
+    The owner is the run recorded in the ``metadata.json`` of the output ``LATEST`` names (``run`` when that output
+    is gone). ``LATEST`` moves to another output holding the same files (its retained entry, or its ``-last``
+    copy's), else to the owner's newest output below its global step (an output of the owner above it belongs to
+    checkpoints the owner left behind when it resumed from an older one); when the owner has none left, ``LATEST``
+    is removed (one log line): it never names another run's weights. Outputs that record no run count as one run.
 
     Args:
         root: the checkpoint root.
         output_name: ``consolidated`` or ``hf``.
         removing: a checkpoint about to be removed (``LATEST`` must not name it any more).
+        run: the run that looks after ``LATEST`` (``None``: outputs that record no run).
 
     Returns:
         What ``LATEST`` names afterwards (``None``: no pointer). Nothing changes while ``LATEST`` names a complete
@@ -395,7 +460,11 @@ def repoint_latest(root: Path, output_name: str, removing: Optional[Path] = None
     removing = Path(os.path.normpath(removing)) if removing is not None else None
     if target != removing and _global_step(target / output_name) is not None:
         return target
-    remaining = [o for o in consolidated_outputs(root, output_name) if o.entry != removing]
+    owner, step, readable = _owner(target, output_name, run)
+    own = [o for o in consolidated_outputs(root, output_name) if o.entry != removing and o.run == owner]
+    same = [o for o in own if readable and _same_files(target / output_name, o.output_dir)]
+    older = [o for o in own if step is None or o.global_step < step]
+    remaining = same or older
     if remaining:
         update_latest_pointer(remaining[0].entry, root)
         logger.info(
@@ -403,7 +472,13 @@ def repoint_latest(root: Path, output_name: str, removing: Optional[Path] = None
         )
         return remaining[0].entry
     remove_latest_pointer(root)
-    logger.info("LATEST removed: %s and no other consolidated output is left", _why(removing))
+    logger.info(
+        "LATEST removed: %s and no other consolidated output of %s is left (outputs of other runs in %s are never "
+        "taken for it)",
+        _why(removing),
+        _run_label(owner),
+        root,
+    )
     return None
 
 
@@ -439,6 +514,7 @@ class Observer(ConsolidationObserver):
             for pointer in (LATEST_NAME, BEST_NAME):
                 repaired = self._set_aside(root, pointer)
                 outputs = consolidated_outputs(root, name) if repaired and pointer == LATEST_NAME else []
+                outputs = [output for output in outputs if output.run == self.coordinator.run_id]
                 if outputs:
                     try:
                         update_latest_pointer(outputs[0].entry, root)
@@ -500,17 +576,18 @@ class Observer(ConsolidationObserver):
                     )
             if entry is not None:
                 logger.info(
-                    "Kept the consolidated output of %s as %s: NeMo is removing the checkpoint "
+                    "Kept the consolidated output of %s as %s (%s): NeMo is removing the checkpoint "
                     "(ConsolidationConfig.keep=%s)",
                     checkpoint_dir.name,
                     entry,
+                    _run_label(output_run(entry / name)),
                     keep,
                 )
                 save = coordinator._outputs.get(checkpoint_dir)
                 if save is not None and save.output == checkpoint_dir / name:
                     save.output = entry / name
         try:
-            prune_retained(root, name, keep)
+            prune_retained(root, name, keep, coordinator.run_id)
         except OSError:
             logger.exception("Could not prune the retained outputs in %s", root)
         self.move_pointer_off(root, LATEST_NAME, checkpoint_dir)
@@ -522,7 +599,9 @@ class Observer(ConsolidationObserver):
         if keep is not None:  # a new output may push a retained one out of the newest N
             with self.coordinator.lock:
                 try:
-                    prune_retained(save.path.parent, self.coordinator.settings.output_dirname, keep)
+                    prune_retained(
+                        save.path.parent, self.coordinator.settings.output_dirname, keep, self.coordinator.run_id
+                    )
                 except OSError:
                     logger.exception("Could not prune the retained outputs in %s", save.path.parent)
                 self.move_pointer_off(save.path.parent, LATEST_NAME, None)
@@ -592,14 +671,14 @@ class Observer(ConsolidationObserver):
 
     def move_pointer_off(self, root: Path, pointer: str, removing: Optional[Path]) -> None:
         """Keep ``pointer`` off ``removing`` (and off a gone output); if it cannot be moved, remove it (logged)."""
-        name = self.coordinator.settings.output_dirname
+        name, run = self.coordinator.settings.output_dirname, self.coordinator.run_id
         try:
             if pointer == LATEST_NAME:
-                repoint_latest(root, name, removing=removing)
+                repoint_latest(root, name, removing=removing, run=run)
             elif removing is not None:
-                repoint_best(root, name, removing)
+                repoint_best(root, name, removing, run)
             else:
-                repair_best(root, name)
+                repair_best(root, name, run)
         except OSError as error:
             try:
                 remove_latest_pointer(root, pointer)

@@ -82,6 +82,7 @@ class CheckpointSave:
             whose output it receives; for that save, the copies waiting for it.
         identity: :func:`weights_identity` when it finished (a directory saved again since is not mistaken for it).
         post_command: what a post command did after the publish, as the consolidation process reported it.
+        run: the id of the training run that saved it (recorded in its output's ``metadata.json``), if known.
     """
 
     path: Path
@@ -98,6 +99,7 @@ class CheckpointSave:
     identity: Optional[Tuple[int, ...]] = None
     output: Optional[Path] = None
     post_command: Optional[Dict[str, Any]] = None
+    run: Optional[str] = None
 
     def mark_written(self) -> None:
         """Finalize callback for async saves."""

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", type=Path, nargs="?", default=None)
     parser.add_argument("--global-step", type=int, default=None)
     parser.add_argument("--best", type=json.loads, default=None)
+    parser.add_argument("--run", default=None, help="the training run's id, for metadata.json")
     parser.add_argument("--serve", action="store_true", help="import, then serve JSON requests from stdin")
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
     parser.add_argument("--parent", type=int, default=None, help="the training process that started this one")
@@ -71,9 +72,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Consolidate one checkpoint, or serve requests (``--serve``) until the end of stdin.
 
     Args:
-        argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--settings JSON]``, or ``--serve [--settings
-            JSON]`` (``--best``: the best-checkpoint record for ``metadata.json``; settings from
-            :meth:`ConsolidationSettings.to_json`).
+        argv: ``<checkpoint dir> [--global-step N] [--best JSON] [--run ID] [--settings JSON]``, or ``--serve
+            [--settings JSON]`` (``--best``: the best-checkpoint record for ``metadata.json``, ``--run``: the
+            training run's id recorded there; settings from :meth:`ConsolidationSettings.to_json`).
 
     Returns:
         One checkpoint: 0, or 1 on a ``ConsolidationError``. ``--serve``: 0 at the end of stdin.
@@ -98,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
         pass
     if results is None:
-        error = consolidate(args.checkpoint, args.global_step, args.best)
+        error = consolidate(args.checkpoint, args.global_step, args.best, args.run)
         if error is not None:
             print(error, file=sys.stderr, flush=True)
         elif settings.config.post_command is not None and hooks is not None:
@@ -114,7 +115,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         request = json.loads(line)
         try:
-            error = consolidate(Path(request["checkpoint"]), request.get("global_step"), request.get("best"))
+            error = consolidate(
+                Path(request["checkpoint"]), request.get("global_step"), request.get("best"), request.get("run")
+            )
         except BaseException as unexpected:  # answered, then raised: the process ends, the next request gets a new one
             results.write(json.dumps({"error": f"{type(unexpected).__name__}: {unexpected}"}) + "\n")
             raise
@@ -131,9 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _consolidator(
     settings: ConsolidationSettings, preload: bool
-) -> Callable[[Path, Optional[int], Optional[Dict[str, Any]]], Optional[str]]:
-    """Import what consolidating with ``settings`` needs; return ``consolidate(checkpoint, global_step, best)``,
-    which returns ``None`` or the one-line reason of a ``ConsolidationError``."""
+) -> Callable[[Path, Optional[int], Optional[Dict[str, Any]], Optional[str]], Optional[str]]:
+    """Import what consolidating with ``settings`` needs; return ``consolidate(checkpoint, global_step, best,
+    run_id)``, which returns ``None`` or the one-line reason of a ``ConsolidationError``."""
     import torch
 
     from nemo_patch.engine.errors import ConsolidationError
@@ -149,7 +152,9 @@ def _consolidator(
         from nemo_patch.engine.consolidate import consolidate_checkpoint as run
     dtype = None if settings.config.dtype is None else getattr(torch, DTYPE_NAMES[settings.config.dtype])
 
-    def consolidate(checkpoint: Path, global_step: Optional[int], best: Optional[Dict[str, Any]]) -> Optional[str]:
+    def consolidate(
+        checkpoint: Path, global_step: Optional[int], best: Optional[Dict[str, Any]], run_id: Optional[str]
+    ) -> Optional[str]:
         options: Dict[str, Any] = {"global_step": global_step, "max_shard_size": settings.config.max_shard_size}
         if settings.config.format != "hf":  # the Hugging Face export writes through transformers, in this process
             from nemo_patch.engine.parts import default_workers
@@ -159,6 +164,8 @@ def _consolidator(
             options["merge_adapters"] = True
         if best is not None:
             options["best"] = best
+        if run_id is not None:
+            options["run"] = run_id
         try:
             run(checkpoint, dtype=dtype, **options)
         except ConsolidationError as error:
