@@ -18,6 +18,7 @@ the real CLI on a real checkpoint, and one real fit into a relative log director
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,7 +132,8 @@ def test_offline_relative_checkpoint_and_a_script_beside_the_job(checkpoint_copy
 @pytest.mark.slow
 def test_a_fit_into_a_relative_log_dir_runs_every_post_command(tmp_path):
     """A real fit, started in the job's directory with ``--out runs/x`` (a relative ``log_dir``), whose post command
-    is a script beside the job: every output's command succeeds."""
+    is a script beside the job: every output's command succeeds. NeMo's top-k keeps one checkpoint: the output of the
+    one it removes is retained, and its command's log moves with it (item 7)."""
     job = tmp_path / "job"
     job.mkdir()
     (job / "post.sh").write_text(POST_SH)
@@ -139,6 +141,7 @@ def test_a_fit_into_a_relative_log_dir_runs_every_post_command(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     args = [sys.executable, "-m", "nemo_patch.testing.fit_run", "--out", "runs/x", "--json", "report.json",
             "--frequency", "each", "--max-steps", "4", "--save-every", "2", "--max-pending", "4",
+            "--save-top-k", "1", "--monitor", "step", "--wait-for-consolidation",
             "--post-command", "sh post.sh {output} {checkpoint}"]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=job)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -150,6 +153,14 @@ def test_a_fit_into_a_relative_log_dir_runs_every_post_command(tmp_path):
         assert post["returncode"] == 0 and post["error"] is None, Path(post["log"]).read_text()
         assert post["metrics"] == {"post/step": float(recorded["global_step"])}
         assert Path(post["log"]).is_absolute()
+        assert "ran in " in Path(post["log"]).read_text()
+        entry = path.parent.parent
+        if not entry.is_symlink() and not re.search(r"-last(-v\d+)?$", entry.name):  # a copy's names its step's log
+            assert Path(post["log"]) == entry / "consolidated.post-command.log"  # beside this very output
+    retained = [path for path in metadata if path.parent.parent.parent.name == "retained"]
+    assert retained, [str(path) for path in metadata]
+    for path in retained:  # NeMo removed its checkpoint: the log lives on beside the retained output
+        assert not (path.parent.parent.parent.parent / json.loads(path.read_text())["retained_from"]).exists()
 
 
 def test_offline_global_step_is_the_training_runs_from_common_pt(checkpoint_copy, each_run, tmp_path, monkeypatch):

@@ -282,7 +282,7 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     log_kept = _keep_post_command_log(post_command_log_path(source), kept_log)
     post_command = metadata.get("post_command")
     if isinstance(post_command, dict) and log_kept:  # the metadata names the log's new home once it is there
-        post_command["log"] = str(kept_log)
+        post_command["log"] = os.path.abspath(kept_log)  # absolute, as the post command wrote it: a relative log_dir
     if isinstance(metadata.get("source_checkpoint"), str):  # still names the removed checkpoint's weights
         original = (source / metadata["source_checkpoint"]).resolve()
         metadata["source_checkpoint"] = os.path.relpath(original, entry / output_name)
