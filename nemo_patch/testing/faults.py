@@ -40,11 +40,16 @@ moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
   under way); what appears in the copy's directory meanwhile is recorded (:attr:`FaultInjector.records`). The window
   is forced, not waited for: the first consolidation request's process is stopped (``SIGSTOP``) as it starts and
   continued (``SIGCONT``) by the first held removal, so that request is still running when NeMo removes its copy.
+* ``killremoval:<n>``: SIGKILL the whole job at NeMo's n-th removal of a checkpoint that holds a consolidated output,
+  after the coordinator took the removal (the output kept under ``retained/``, ``LATEST``/``BEST`` moved off it) and
+  before NeMo deletes any of its files: a job killed between the removal's record and the delete. The checkpoint is
+  named in ``<root>/../killed-at-removal.json`` just before.
 
 Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter contract).
 """
 
 import errno
+import json
 import os
 import resource
 import signal
@@ -62,7 +67,21 @@ from nemo_patch.training.callback import consolidation_of
 __all__ = ["FaultInjector", "parse_fault"]
 
 FSIZE_LIMIT = 64 * 1024
-_KINDS = ("kill", "hold", "pause", "readonly", "fsize", "sigterm", "die", "jobkill", "keepfail", "holdremoval")
+_KINDS = (
+    "kill",
+    "hold",
+    "pause",
+    "readonly",
+    "fsize",
+    "sigterm",
+    "die",
+    "jobkill",
+    "keepfail",
+    "holdremoval",
+    "killremoval",
+)
+#: ``killremoval``: the file beside the checkpoint root naming the checkpoint whose removal the job was killed in.
+KILLED_AT_REMOVAL = "killed-at-removal.json"
 #: Seconds a held removal waits at most for the training loop (it never deadlocks a run).
 HOLD_REMOVAL_SECONDS = 120.0
 
@@ -138,6 +157,8 @@ class FaultInjector(Callback):
             self._patch_keeping()
         if self.kind == "holdremoval":
             self._patch_removal(trainer)
+        if self.kind == "killremoval":
+            self._patch_removal_kill()
 
     def _patch_keeping(self) -> None:
         from nemo_patch.training import retention
@@ -175,6 +196,30 @@ class FaultInjector(Callback):
             remove_checkpoint(strategy, checkpoint_dir, held_remove)
 
         setattr(integration, "remove_checkpoint", held_remove_checkpoint)
+        self._undo.append(lambda: setattr(integration, "remove_checkpoint", remove_checkpoint))
+
+    def _patch_removal_kill(self) -> None:
+        """Wrap NeMo's own deletion of a checkpoint as the coordinator runs it (after its ``before_removal``): see
+        ``killremoval`` in the module docstring."""
+        from nemo_patch.training import integration
+
+        remove_checkpoint, removals = integration.remove_checkpoint, [0]
+
+        def killing_remove_checkpoint(strategy: Any, checkpoint_dir: Any, remove: Any) -> None:
+            path = Path(checkpoint_dir)
+            holds_output = any((path / name / "metadata.json").is_file() for name in ("consolidated", "hf"))
+
+            def remove_or_kill() -> None:
+                if holds_output:
+                    removals[0] += 1
+                    if removals[0] == self.number:  # the checkpoint it kills in, beside the checkpoint root
+                        (path.parent.parent / KILLED_AT_REMOVAL).write_text(json.dumps({"checkpoint": str(path)}))
+                        _kill_job()
+                remove()
+
+            remove_checkpoint(strategy, checkpoint_dir, remove_or_kill)
+
+        setattr(integration, "remove_checkpoint", killing_remove_checkpoint)
         self._undo.append(lambda: setattr(integration, "remove_checkpoint", remove_checkpoint))
 
     @staticmethod
