@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Set
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished
 from nemo_patch.engine.output_layout import METADATA_FILENAME
 from nemo_patch.engine.publish import link_output
+from nemo_patch.training.background import PollingWorker
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import (
@@ -150,6 +151,8 @@ class ConsolidationCoordinator:
         #: Due consolidations that did not happen because their checkpoint was removed (or saved again) first.
         self.dropped_by_removal: List[CheckpointSave] = []
         self._warned_drop = False
+        #: Links a published output into its ``-last`` copies off the training thread (each under :attr:`lock`).
+        self._linker = PollingWorker("consolidation-links")
         self.observers: List[ConsolidationObserver] = [make(self) for make in OBSERVERS]
 
     @property
@@ -191,6 +194,7 @@ class ConsolidationCoordinator:
         """Wait up to ``timeout`` seconds for running and queued consolidations (:meth:`ConsolidationQueue.wait`)."""
         self._submit_substitutes()
         done = True if self._queue is None else self._queue.wait(timeout)
+        self._wait_for_links()
         self.notify("on_changed")
         return done
 
@@ -199,6 +203,7 @@ class ConsolidationCoordinator:
         self.fitting = False
         if self._queue is not None:
             self._queue.close()
+        self._wait_for_links()
         self.notify("on_changed")
 
     def end_process_unless_fitting(self) -> None:
@@ -470,9 +475,21 @@ class ConsolidationCoordinator:
         self.notify("on_published", save)
         with self.lock:
             copies, save.copies = save.copies, []
-        for copy in copies:
-            self._link_copy(copy, save)
+            if copies:  # links and directory syncs (tens of ms on a busy disk) are not the training loop's to wait for
+                self._linker.hand(lambda: self._link_copies(copies, save))
         self.notify("on_changed")
+
+    def _link_copies(self, copies: List[CheckpointSave], save: CheckpointSave) -> None:
+        """Link ``save``'s output into its ``-last`` copies (the linker's thread; never raises)."""
+        for copy in copies:
+            try:
+                self._link_copy(copy, save)
+            except Exception:  # noqa: BLE001 - a copy without its output is logged, the run goes on
+                logger.exception("Could not reuse the output of %s for the copy %s", save.path, copy.path)
+
+    def _wait_for_links(self) -> None:
+        """Make the links handed to the linker's thread now (``fit``'s end, the teardown)."""
+        self._linker.drain()
 
     def _record(self, save: CheckpointSave) -> ConsolidationRecord:
         """A :class:`ConsolidationRecord` of a published output, logged in one INFO line."""
