@@ -134,7 +134,10 @@ SERIES = (
     PullRequest(
         "knob",
         "MegatronStrategy(ckpt_consolidation_frequency=...): consolidate checkpoints as training saves them",
-        tuple(f"nemo_patch/training/{name}.py" for name in ("callback", "coordinator", "fit_end", "integration"))
+        tuple(
+            f"nemo_patch/training/{name}.py"
+            for name in ("callback", "background", "coordinator", "fit_end", "integration")
+        )
         + ("tests/nemo/lightning/pytorch/strategies/test_megatron_strategy_consolidation.py",),
     ),
 )
