@@ -31,7 +31,8 @@ moment. ``--fault`` values of :mod:`nemo_patch.testing.fit_run`:
 * ``die:<step>``: at the start of the step after ``<step>`` (its async save issued, not finalized), SIGKILL this
   process and every process it started: the save never finishes.
 * ``jobkill:<n>``: SIGKILL the whole job (this process and every process it started) once the n-th consolidation
-  request is half-way (its temporary output exists): a job killed in the middle of a consolidation.
+  request is half-way (its temporary output exists): a job killed in the middle of a consolidation. The consolidation
+  process is stopped there for a few of the journal's write intervals first (the journal names a request within one).
 * ``keepfail:<n>``: the n-th keeping of an output before NeMo removes its checkpoint fails with ``ENOSPC`` (No
   space left on device), raised by the file linking after the staging directory was made (an injected ``OSError``).
 * ``holdremoval:<n>``: hold NeMo's n-th asynchronous removal of a ``-last`` copy whose step's consolidation is still
@@ -63,6 +64,7 @@ from lightning.pytorch.callbacks import Callback
 
 from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.training.callback import consolidation_of
+from nemo_patch.training.journal import WRITE_INTERVAL
 
 __all__ = ["FaultInjector", "parse_fault"]
 
@@ -310,7 +312,9 @@ class FaultInjector(Callback):
         deadline = time.monotonic() + 60
         while running is not None and running.process.poll() is None and time.monotonic() < deadline:
             if any(p.is_dir() for p in save.path.glob(f"{TMP_PREFIX}{running.process.pid}-*")):
-                if job:
+                if job:  # held half-way while the journal's writer thread names it (within its interval), then killed
+                    running.process.send_signal(signal.SIGSTOP)
+                    time.sleep(4 * WRITE_INTERVAL)
                     _kill_job()
                 running.process.send_signal(signal.SIGKILL)
                 return

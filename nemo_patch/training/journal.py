@@ -29,17 +29,18 @@ most 4 MiB, of a version this package writes; each entry must name a plain direc
 ``..``, not hidden, not a symlink). Anything else is one ``WARNING`` line, and the file is then replaced (or removed)
 by this run's journal. Training never fails because of the journal.
 
-Writes happen off the training thread: the training thread only stores the newest state of a root for one writer
-thread (the latest state wins: states handed over between two looks collapse into one write; storing it wakes no
-thread), which looks every :data:`WRITE_INTERVAL` (0.05 s), writes the state to a new temporary file
-(``O_EXCL|O_NOFOLLOW``: never through a planted link) and renames it over the journal. Guarantee: a state handed over
-(a save queued for consolidation, after the training step in which it finished) is on disk within
-:data:`WRITE_INTERVAL` plus one write (milliseconds on a local disk) of the handoff, and a job SIGKILLed at any moment
-leaves the previous complete journal or the new one, never a half-written one (at worst a hidden
-``.consolidation-due.json.tmp-*`` file, removed by the next run). A job killed within that window leaves the previous
-state: its newest due checkpoint is not resumed (it is consolidated with ``nemo-consolidate``). When the coordinator
-closes (the end of ``fit``, the teardown), the last state is written before it returns. A journal that cannot be
-written (disk full, read-only root) is one ``WARNING`` and retried at the next change; the run goes on.
+Writes happen off the training thread: the training thread only signals a change (a flag; it wakes no thread and
+computes nothing), and one writer thread looks every :data:`WRITE_INTERVAL` (0.05 s), takes the waiting and running
+consolidations under the coordinator's lock (the newest state wins: changes signalled between two looks collapse into
+one write) and, when they differ from what the journal lists, writes them to a new temporary file
+(``O_EXCL|O_NOFOLLOW``: never through a planted link) renamed over the journal. Guarantee: a change (a save queued
+for consolidation, in the training step after the one in which it finished) is on disk within :data:`WRITE_INTERVAL`
+plus one write (milliseconds on a local disk), and a job SIGKILLed at any moment leaves the previous complete journal
+or the new one, never a half-written one (at worst a hidden ``.consolidation-due.json.tmp-*`` file, removed by the
+next run). A job killed within that window leaves the previous state: its newest due checkpoint is not resumed (it is
+consolidated with ``nemo-consolidate``). When the coordinator closes (the end of ``fit``, the teardown), the journal
+is brought up to date before it returns. A journal that cannot be written (disk full, read-only root) is one
+``WARNING`` and retried at the next change; the run goes on.
 
 Standard library and the training side's schedule only.
 """
@@ -53,7 +54,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver, files_gone, weights_identity
@@ -265,83 +266,76 @@ def _unchanged_since(checkpoint: Path, identity: Optional[Tuple[int, ...]], jour
 
 
 class _Writer:
-    """One thread that writes the newest handed state of each root's journal (the latest state wins).
+    """One thread that brings the journals up to date (``sync``) after a change was signalled.
 
-    Handing a state over only stores it under an uncontended lock: the training thread never wakes another thread
-    (on a loaded host a woken thread preempts the one that woke it). The writer thread looks every
-    :data:`WRITE_INTERVAL` seconds, writes what it finds, and ends after :data:`_IDLE_SECONDS` without work (the next
-    handoff starts another).
+    Signalling a change only sets a flag: the training thread never wakes another thread (on a loaded host a woken
+    thread preempts the one that woke it) and never computes or writes the journal. The writer thread looks every
+    :data:`WRITE_INTERVAL` seconds, runs ``sync`` once for all the changes signalled since, and ends after
+    :data:`_IDLE_SECONDS` without a change (the next signal starts another).
     """
 
-    def __init__(self, on_result: Any) -> None:
-        self._on_result = on_result
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self._sync = sync
         self._lock = threading.Lock()
-        #: Held while a state is taken and written: states reach the disk in the order they were taken.
+        #: Held while ``sync`` runs: one at a time, so the newest state taken is the one written last.
         self._write_lock = threading.Lock()
-        self._wanted: Dict[Path, Tuple[List[Dict[str, Any]], Optional[str]]] = {}
+        self._changed = False
         self._thread: Optional[threading.Thread] = None
 
-    def hand(self, root: Path, due: List[Dict[str, Any]], run: Optional[str]) -> None:
-        """Have ``due`` written as ``root``'s journal within :data:`WRITE_INTERVAL` seconds (returns at once)."""
+    def changed(self) -> None:
+        """Have the journals brought up to date within :data:`WRITE_INTERVAL` seconds (returns at once)."""
         with self._lock:
-            self._wanted[root] = (due, run)
+            self._changed = True
             if self._thread is not None:
                 return
             thread = self._thread = threading.Thread(target=self._run, name="consolidation-journal", daemon=True)
         thread.start()
 
     def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
-        """Write what was handed over and not written yet, in the calling thread (after a write in progress);
-        ``False`` when a write in progress did not end within ``timeout`` seconds."""
+        """Bring the journals up to date in the calling thread (after a write in progress); ``False`` when a write in
+        progress did not end within ``timeout`` seconds."""
         if not self._write_lock.acquire(timeout=timeout):
             return False
         try:
-            self._write_wanted()
+            with self._lock:
+                self._changed = False
+            self._sync()
         finally:
             self._write_lock.release()
         return True
-
-    def _write_wanted(self) -> bool:
-        """Write the states handed over (``_write_lock`` held); ``False`` when there were none."""
-        with self._lock:
-            wanted, self._wanted = self._wanted, {}
-        for root, (due, run) in wanted.items():
-            try:
-                write_journal(root, due, run)
-                error: Optional[BaseException] = None
-            except Exception as failure:  # noqa: BLE001 - the journal never ends the run
-                error = failure
-            self._on_result(root, due, error)
-        return bool(wanted)
 
     def _run(self) -> None:
         idle = 0.0
         while True:
             time.sleep(WRITE_INTERVAL)
             with self._write_lock:
-                wrote = self._write_wanted()
-            idle = 0.0 if wrote else idle + WRITE_INTERVAL
+                with self._lock:
+                    changed, self._changed = self._changed, False
+                if changed:
+                    try:
+                        self._sync()
+                    except Exception:  # noqa: BLE001 - the journal never ends the run
+                        logger.exception("Could not bring the consolidation journal up to date; training goes on")
+            idle = 0.0 if changed else idle + WRITE_INTERVAL
             if idle >= _IDLE_SECONDS:
                 with self._lock:
-                    if not self._wanted:
+                    if not self._changed:
                         self._thread = None
                         return
 
 
 class Observer(ConsolidationObserver):
-    """Keeps a run's journal current (written off the training thread), and resumes an earlier run's when training
-    starts."""
+    """Keeps a run's journal current (computed and written off the training thread), and resumes an earlier run's when
+    training starts."""
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
-        #: What was last handed to the writer for each root (the training thread compares with it: no work when equal).
+        #: What each root's journal lists on disk (as far as this run wrote it); only the writer's ``sync`` (or a
+        #: flush) touches it, with the writer's write lock held.
         self._journals: Dict[Path, List[Dict[str, Any]]] = {}
-        #: Roots whose last write failed (warned once until a write succeeds again).
+        #: Journals whose last write failed (warned once until a write succeeds again).
         self._failing: Dict[Path, bool] = {}
-        #: Guards the two above (the writer thread reports into them; taken inside the coordinator's lock, never
-        #: around it).
-        self._results_lock = threading.Lock()
-        self._writer = _Writer(self._written)
+        self._writer = _Writer(self._sync)
 
     @property
     def run(self) -> Optional[str]:
@@ -370,45 +364,48 @@ class Observer(ConsolidationObserver):
         return entries
 
     def on_changed(self) -> None:
-        """Hand the journal of each root whose waiting/running consolidations changed to the writer thread (removed
-        when none is left); returns at once while ``fit`` runs, and waits for the write once the coordinator closed
-        (the end of ``fit``, the teardown)."""
-        with self.coordinator.lock:
-            entries = self._entries()
-        with self._results_lock:
-            for root in set(entries) | set(self._journals):
-                now = entries.get(root, [])
-                if self._journals.get(root, []) == now:
-                    continue
-                if now:
-                    self._journals[root] = now
-                else:
-                    self._journals.pop(root, None)
-                self._writer.hand(root, now, self.run)
+        """Signal the writer thread that the waiting/running consolidations may have changed; returns at once while
+        ``fit`` runs, and brings the journals up to date before it returns once the coordinator closed (the end of
+        ``fit``, the teardown)."""
+        self._writer.changed()
         if not getattr(self.coordinator, "fitting", True):
             self.flush()
 
     def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
-        """Wait until the journal handed last is on disk (or its write failed); ``False`` after ``timeout``."""
+        """Bring the journals up to date now (after a write in progress); ``False`` after ``timeout``."""
         done = self._writer.flush(timeout)
         if not done:
             logger.warning("The consolidation journal was not written within %.0f s; going on", timeout)
         return done
 
-    def _written(self, root: Path, due: List[Dict[str, Any]], error: Optional[BaseException]) -> None:
-        """The writer thread's result: one warning when writes start failing, one line when they work again. A failed
-        state is handed again at the next change (the training thread no longer takes it for written)."""
+    def _sync(self) -> None:
+        """Write the journal of each root whose waiting/running consolidations differ from what it lists (removed when
+        none is left); a root whose write fails is retried at the next change."""
+        with self.coordinator.lock:
+            entries = self._entries()
+        for root in set(entries) | set(self._journals):
+            now = entries.get(root, [])
+            if self._journals.get(root, []) == now:
+                continue
+            try:
+                write_journal(root, now, self.run)
+            except Exception as error:  # noqa: BLE001 - the journal never ends the run
+                self._written(root, error)
+                continue
+            self._written(root, None)
+            if now:
+                self._journals[root] = now
+            else:
+                self._journals.pop(root, None)
+
+    def _written(self, root: Path, error: Optional[BaseException]) -> None:
+        """One warning when a journal's writes start failing, one line when they work again."""
         path = root / JOURNAL_NAME
-        with self._results_lock:
-            failing = self._failing.get(path, False)
-            self._failing[path] = error is not None
-            if error is not None and (self._journals.get(root) is due or (not due and root not in self._journals)):
-                self._journals[root] = [{"unwritten": True}]  # differs from any state: the next change retries
+        failing, self._failing[path] = self._failing.get(path, False), error is not None
         if error is None:
             if failing:
                 logger.info("The consolidation journal %s is written again", path)
-            return
-        if not failing:
+        elif not failing:
             logger.warning(
                 "Could not write the consolidation journal %s (%s): a job killed now would not resume the "
                 "consolidations due; retrying at the next change, training goes on",
@@ -426,8 +423,8 @@ class Observer(ConsolidationObserver):
             self._resume(root)
         except Exception:  # noqa: BLE001 - the journal never ends the run
             logger.exception("Could not resume the consolidation journal %s; training goes on", root / JOURNAL_NAME)
-        with self._results_lock:
-            self._journals[root] = [{"stale": True}]  # rewritten (or removed) by the sync below
+        with self._writer._write_lock:
+            self._journals[root] = [{"stale": True}]  # rewritten (or removed) by the next sync
         self.on_changed()
 
     @staticmethod
@@ -461,7 +458,7 @@ class Observer(ConsolidationObserver):
         if problem is not None:
             directory = os.path.isdir(path) and not os.path.islink(path)
             if directory:  # said now: its writes' failures are not said again
-                with self._results_lock:
+                with self._writer._write_lock:
                     self._failing[path] = True
             logger.warning(
                 "Not resuming the consolidation journal %s: %s%s",
