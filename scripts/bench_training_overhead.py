@@ -26,8 +26,9 @@ table:
 - end wait s: time the end of ``fit`` waited for running and queued consolidations;
 - consol. s: wall time of the consolidations, summed (from hand-out to reaped result); n: how many ran.
 
-Targets: blocked time under 1% of the consolidation time for "each" (one consolidation process serves the run, so the
-loop only hands it a line and reads one back); "latest" within noise of "off" until the end of fit (fit minus end
+Targets: blocked time under 0.5% of the consolidation time for "each" (one consolidation process serves the run, so
+the loop only hands it a line and reads one back; the journal and a ``-last`` copy's links are written by background
+threads); "latest" within noise of "off" until the end of fit (fit minus end
 wait). The number of writers changes the consolidation's time, not the loop's.
 
 Usage: .venv/bin/python scripts/bench_training_overhead.py [--max-steps 40] [--save-every 4]
@@ -92,8 +93,8 @@ def main() -> int:
     for mode, r in rows:
         if mode.startswith("each") and r["consolidation_seconds"]:
             ratio = r["blocked_seconds"] / r["consolidation_seconds"]
-            verdict = "PASS" if ratio < 0.01 else "MISS"
-            print(f"target {mode}: blocked / consolidation = {ratio:.2%} (< 1%) {verdict}")
+            verdict = "PASS" if ratio < 0.005 else "MISS"
+            print(f"target {mode}: blocked / consolidation = {ratio:.2%} (< 0.5%) {verdict}")
     return 0
 
 
