@@ -46,11 +46,11 @@
    - scaling: throughput (model-weight bytes / wall time) with the start-up excluded (the start-up-only median taken
      off) and included, and the speed-up over 1 worker, for every number of workers, with the RSS of the
      consolidating process and of its largest writer;
-   - targets, each a ratio measured in this run, with PASS or MISS: (a) 1 worker, start-up excluded, at most 2.0x
+   - targets, each a ratio measured in this run, with PASS or MISS: (a) 1 worker, start-up excluded, at most 1.5x
      the durable copy floor; (b) 2 workers at least 1.6x the throughput of 1, start-up excluded, next to what a
      second process gains on this machine without any of our code: for the durable copy, and for CPU-bound work
      against the cores 1 worker keeps busy (from its CPU seconds); (c) peak RSS per
-     worker at most 25% of the model-weight bytes; (d) the default number of workers at least 2.5x faster than
+     worker at most 25% of the model-weight bytes; (d) the default number of workers at least 3x faster than
      ``dcp_to_torch_save`` end to end (start-up included). Next to them: the CPU cores (``os.cpu_count()`` and the
      cores this process may use), how much more pure CPU work 2 processes do than 1 on this machine (the ceiling of
      (b) for work that is all CPU) and the durable copy floor's seconds and MB/s.
@@ -195,10 +195,10 @@ DCP_NAME, COPY_NAME, DURABLE_NAME, STARTUP_NAME = "dcp_to_torch_save", "copy", "
 DURABLE_PAIR_NAME = "copy + fsync, 2 processes"
 
 # Targets, as measured ratios.
-TARGET_VS_DURABLE_COPY = 2.0  # (a) 1 worker, start-up excluded, / durable copy floor: at most
+TARGET_VS_DURABLE_COPY = 1.5  # (a) 1 worker, start-up excluded, / durable copy floor: at most
 TARGET_TWO_WORKER_SPEEDUP = 1.6  # (b) 2 workers' / 1 worker's throughput, start-up excluded: at least
 TARGET_RSS_SHARE = 0.25  # (c) peak RSS per worker / model-weight bytes: at most
-TARGET_VS_DCP = 2.5  # (d) dcp_to_torch_save's / the default workers' wall time, start-up included: at least
+TARGET_VS_DCP = 3.0  # (d) dcp_to_torch_save's / the default workers' wall time, start-up included: at least
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def _fail(*args, **kwargs):
     raise OSError(5, "Input/output error (injected)")
 
 
-@pytest.mark.parametrize("step", ["_pwrite_all", "_digest", "_fdatasync", "produce"])
+@pytest.mark.parametrize("step", ["_pwrite_all", "new_digest", "_fdatasync", "produce"])
 def test_a_failure_of_any_step_fails_the_part_and_leaves_no_thread(layout, step, monkeypatch):
     """Reading, writing, hashing and the background writeback each fail the part with their own error."""
     directory, files, specs, values = layout

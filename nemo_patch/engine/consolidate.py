@@ -287,8 +287,6 @@ class CheckpointConsolidation(Consolidation):
             done = [0]
 
             def written(spec: TensorSpec, data: memoryview) -> None:
-                with stage_times.timed("hashing"):
-                    self.digests[spec.name] = new_digest(data=data).hexdigest()
                 done[0] += spec.nbytes
                 if self.progress is not None:
                     self.progress(done[0], total)
@@ -296,8 +294,8 @@ class CheckpointConsolidation(Consolidation):
             before, threads = stage_times.snapshot(), torch.get_num_threads()
             torch.set_num_threads(1)  # a writer's work is memory copies, which torch's threads only slow down
             try:
-                for file in self.layout:
-                    write_file(directory, file, produce, written)
+                for file in self.layout:  # each tensor hashed as it is written (BLAKE3 where installed)
+                    self.digests.update(write_file(directory, file, produce, written, digest=new_digest))
             finally:
                 torch.set_num_threads(threads)
             after = stage_times.snapshot()

@@ -27,7 +27,8 @@ record's members and CRC-32.
 A record is read in one pass over its bytes: ``torch.load(weights_only=True, map_location="meta")`` reads what the
 record says it holds (dtype, shape, where its data is) without its data, and the data is read straight into its place
 in the output when the chunk lands there whole and contiguous (into a reused buffer otherwise), its CRC-32 checked on
-the same bytes. A record not laid out as ``torch.save`` writes a contiguous tensor (a view of a larger storage,
+the same bytes (row by row for a column block of its tensor: no buffer, no second copy). A record not laid out as
+``torch.save`` writes a contiguous tensor (a view of a larger storage,
 big-endian data) is loaded with ``torch.load`` as a whole instead. A record ``torch.load`` refuses (a global outside
 its allowlist) fails with one line naming what it refused.
 """
@@ -38,7 +39,7 @@ import pickle
 import re
 import sys
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union, cast
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -88,6 +89,24 @@ def _data_start(window: RecordWindow, meta: torch.Tensor) -> Optional[int]:
         if window.read(order[1]) != sys.byteorder.encode():
             return None
     return start if meta.is_contiguous() else None
+
+
+def _pieces(target: torch.Tensor, whole: torch.Tensor) -> Optional[Iterator[memoryview]]:
+    """``target`` (a view into the contiguous tensor ``whole``) as the ``memoryview`` pieces of ``whole``'s memory
+    that hold its elements in order (a column block's rows), made as they are read; ``None`` for runs under 4 KiB."""
+    size, strides, element, inner, run = list(target.shape), target.stride(), target.element_size(), target.dim(), 1
+    while inner > 0 and (size[inner - 1] == 1 or strides[inner - 1] == run):
+        run, inner = run * size[inner - 1], inner - 1
+    begin, steps = target.data_ptr() - whole.data_ptr(), [stride * element for stride in strides[:inner]]
+    end = begin + sum((n - 1) * step for n, step in zip(size, steps)) + run * element
+    if run * element < 4096 or not whole.is_contiguous() or min(steps, default=0) < 0 or begin < 0 or end <= begin:
+        return None
+    memory = whole.reshape(-1).view(torch.uint8).numpy().data
+    if end > len(memory):
+        return None
+    indices = itertools.product(*map(range, size[:inner]))
+    starts = (begin + sum(i * step for i, step in zip(index, steps)) for index in indices)
+    return (memory[at : at + run * element] for at in starts)
 
 
 class DCPRegionReader:
@@ -150,8 +169,10 @@ class DCPRegionReader:
             self._checked.add(key)
 
     def _load(self, stream: Any, key: str, item: TensorStorageMetadata, storage_index: Any, place: Any) -> None:
-        """Load one record and hand its tensor to ``place(tensor, whole)``; ``whole`` says whether ``place`` may ask
-        for the data to be read straight into its memory instead (:meth:`_read_into`)."""
+        """Load one record and hand its tensor to ``place(tensor, read_into)``. ``read_into`` is ``None`` when
+        ``tensor`` holds the data (a record loaded whole); else ``tensor`` only describes it (on the ``meta`` device)
+        and ``read_into(out)`` reads it into ``out``, a ``memoryview`` of its bytes or the pieces that take them in
+        order (:meth:`.record_checks.RecordWindow.read_member`)."""
         info = self.metadata.storage_data[storage_index]
         where = f"{info.relative_path}, record at byte {info.offset}"
         window, finish = open_record(stream, info.offset, info.length, where, self.verify_checksums)
@@ -168,7 +189,8 @@ class DCPRegionReader:
             _check_holds(tensor, where, key, item, sizes)
             place(tensor, None)
         else:
-            place(meta, lambda out: window.read_member(start, out.reshape(-1).view(torch.uint8).numpy().data))
+            nbytes = meta.numel() * meta.element_size()
+            place(meta, lambda out: window.read_member(start, out, nbytes))
             finish()
 
     def read(
@@ -214,14 +236,18 @@ class DCPRegionReader:
                 for request in (r for r in requests if records[r.storage_index].relative_path == name):
                     target = narrow_tensor_by_index(region, request.dest_offsets, request.lengths)
 
-                    def place(tensor: torch.Tensor, read_into: Optional[Callable[[torch.Tensor], None]]) -> None:
+                    def place(tensor: torch.Tensor, read_into: Optional[Callable[[Any], None]]) -> None:
                         whole = list(request.lengths) == list(tensor.shape) and not any(request.storage_offsets)
                         if read_into is not None and whole and target.is_contiguous():
-                            read_into(target)  # straight into the output
+                            read_into(target.reshape(-1).view(torch.uint8).numpy().data)  # straight into the output
+                            return
+                        pieces = _pieces(target, destination) if read_into is not None and whole else None
+                        if read_into is not None and pieces is not None:
+                            read_into(pieces)  # row by row into the output (a column block)
                             return
                         if read_into is not None:
                             staged = self._staged(tensor)
-                            read_into(staged)
+                            read_into(staged.reshape(-1).view(torch.uint8).numpy().data)
                             tensor = staged
                         target.copy_(narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths))
 

@@ -34,6 +34,7 @@ import contextlib
 import errno
 import functools
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,16 +146,25 @@ def split_parts(files: Sequence[OutputFile], count: int) -> List[List[Placement]
     return parts
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
-    start = 0
-    with stage_times.timed("write"), _offsets_refused(path, "writing at an offset (pwrite)"):
-        while start < len(data):
-            start += os.pwrite(fd, data[start : start + _WRITE_BLOCK], offset + start)
-
-
-def _digest(data: memoryview) -> str:
-    with stage_times.timed("hashing"):
-        return new_digest(data=data).hexdigest()  # BLAKE3 where installed, else sha256
+def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> str:
+    """Write ``data`` at ``offset`` of ``fd`` in blocks of :data:`_WRITE_BLOCK`, each hashed just before it is written
+    (so the write copies it from the CPU's cache: the tensor's memory is read once for both); return its digest
+    (BLAKE3 where installed, else sha256)."""
+    digest = new_digest()
+    hashing = writing = 0.0
+    with _offsets_refused(path, "writing at an offset (pwrite)"):
+        for at in range(0, len(data), _WRITE_BLOCK):
+            block = data[at : at + _WRITE_BLOCK]
+            start = time.perf_counter()
+            digest.update(block)
+            hashed = time.perf_counter()
+            done = 0
+            while done < len(block):
+                done += os.pwrite(fd, block[done:], offset + at + done)
+            hashing, writing = hashing + hashed - start, writing + time.perf_counter() - hashed
+    stage_times.add("hashing", hashing)
+    stage_times.add("write", writing)
+    return digest.hexdigest()
 
 
 def _fdatasync(fd: int) -> None:
@@ -207,9 +217,10 @@ def write_part(
 ) -> Dict[str, str]:
     """Fill ``part``'s byte ranges of the files in ``directory``, asking ``produce`` for each tensor in turn.
 
-    While one tensor's bytes are written and hashed (both release the GIL), the next one is produced; at most two
-    tensors are alive at a time. Written bytes are made durable in the background as the part goes on
-    (:class:`_Writeback`), and every file written to is fsynced before returning.
+    While one tensor's bytes are hashed and written (in one thread, block by block: :func:`_pwrite_all`; both
+    release the GIL), the next one is produced; at most two tensors are alive at a time. Written bytes are made
+    durable in the background as the part goes on (:class:`_Writeback`), and every file written to is fsynced before
+    returning.
 
     Args:
         directory: where the files are (created at full size by
@@ -233,15 +244,13 @@ def write_part(
     fds: Dict[str, int] = {}
     writeback = _Writeback()
     try:
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="part-writer") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="part-writer") as pool:
             in_flight: List[Future] = []
             pending: List[Placement] = []
 
             def settle() -> None:
-                for future in in_flight:
-                    future.result()
                 if pending:
-                    digests[pending[0].name] = in_flight[1].result()
+                    digests[pending[0].name] = in_flight[0].result()
                     writeback.written(fds[pending[0].file], pending[0].nbytes)
                     progress(pending[0].nbytes)
 
@@ -265,7 +274,7 @@ def write_part(
                         fds[placement.file] = os.open(directory / placement.file, os.O_WRONLY | os.O_NOFOLLOW)
                 fd = fds[placement.file]
                 write = functools.partial(_pwrite_all, fd, data, placement.offset, directory / placement.file)
-                in_flight = [pool.submit(write), pool.submit(_digest, data)]
+                in_flight = [pool.submit(write)]
                 pending = [placement]
                 del tensor, data  # the futures keep the buffer alive until written and hashed
             settle()

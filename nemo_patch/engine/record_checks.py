@@ -22,8 +22,8 @@ file. :func:`open_record` gives :class:`.dcp_reader.DCPRegionReader` a view of o
   share bytes (a central directory naming one stored member many times would make ``torch.load`` allocate it as
   often): what ``torch.load`` allocates is bounded by the record's bytes;
 * reads a member's data straight into the caller's memory with :meth:`RecordWindow.read_member` (the tensor's place
-  in the output, when the chunk lands there whole), checking its CRC-32 on the same bytes block by block while they
-  are in the CPU's cache: one pass over the bytes for reading and checking;
+  in the output, when the chunk lands there whole; row by row for a column block), checking its CRC-32 on the same
+  bytes block by block while they are in the CPU's cache: one pass over the bytes for reading and checking;
 * checks each member's CRC-32 on the bytes ``torch.load`` reads (one ``readinto`` of the member's size), so the data
   is not read twice; a member read any other way is streamed through ``zipfile`` by the returned ``finish``.
 
@@ -33,8 +33,9 @@ The CRC-32 is ``zlib-ng``'s where installed (the same values as ``zlib.crc32``, 
 
 
 import io
+import os
 import zipfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 try:  # the same values as zlib's crc32, about 7 times faster
     from zlib_ng.zlib_ng import crc32
@@ -44,7 +45,8 @@ except ImportError:  # pragma: no cover - zlib-ng is optional
 __all__ = ["RecordWindow", "open_record"]
 
 #: Bytes read (and checked) at a time by :meth:`RecordWindow.read_member`: small enough to stay in the CPU's cache.
-_BLOCK = 4 << 20
+_BLOCK = 1 << 20
+_PIECES = 512  # the most pieces of memory one preadv call fills (Linux's IOV_MAX is 1024)
 _Member = Tuple[int, int, int, str]  # data offset in the record, size, CRC-32, name
 
 
@@ -61,25 +63,48 @@ class RecordWindow(io.RawIOBase):
         """The member whose data starts at byte ``start`` of the record, if any."""
         return self.members.get(start)
 
-    def read_member(self, start: int, out: memoryview) -> None:
-        """Read the data of the member at ``start`` (:meth:`member_at`) into ``out``, which has its size.
+    def read_member(self, start: int, out: Union[memoryview, Iterable[memoryview]], size: int = -1) -> None:
+        """Read the data of the member at ``start`` (:meth:`member_at`) into ``out``, one ``memoryview`` of its size
+        or pieces that take its ``size`` bytes in order (the rows of a column block), with ``preadv`` in blocks of
+        :data:`_BLOCK`, each block's CRC-32 taken (in a checked view) while it is in the CPU's cache.
 
         Raises:
             zipfile.BadZipFile: no such member, a size that differs, the record ends early, or (in a checked view) a
                 CRC-32 that differs; naming the record.
         """
+        pieces, size = ([out], len(out)) if isinstance(out, memoryview) else (out, size)
         member = self.members.get(start)
-        if member is None or member[1] != len(out):
-            raise zipfile.BadZipFile(f"{self.where}: no member of {len(out)} bytes at byte {start}")
-        crc, done = 0, 0
-        self.seek(start)
-        while done < len(out):
-            got = RecordWindow.readinto(self, out[done : done + _BLOCK])
-            if got <= 0:
-                raise zipfile.BadZipFile(f"{self.where}: member {member[3]} ends {len(out) - done} bytes early")
-            crc = self._check(crc, out[done : done + got])
-            done += got
+        if member is None or member[1] != size:
+            raise zipfile.BadZipFile(f"{self.where}: no member of {size} bytes at byte {start}")
+        crc, done, batch, batched = 0, 0, [], 0
+        for block in (piece[at : at + _BLOCK] for piece in pieces for at in range(0, len(piece), _BLOCK)):
+            batch.append(block)
+            batched += len(block)
+            if done + batched > size:
+                raise zipfile.BadZipFile(f"{self.where}: more than the {size} bytes of member {member[3]} asked for")
+            if batched >= _BLOCK or len(batch) >= _PIECES:
+                crc, done, batch, batched = self._fill(member, batch, start + done, crc), done + batched, [], 0
+        crc, done = self._fill(member, batch, start + done, crc), done + batched
+        if done != size:
+            raise zipfile.BadZipFile(f"{self.where}: {done} of the {size} bytes of member {member[3]} asked for")
         self._checked(member, crc)
+
+    def _fill(self, member: _Member, batch: List[memoryview], pos: int, crc: int) -> int:
+        """Fill ``batch`` with the record's bytes from ``pos`` on; return ``crc`` carried over them."""
+        views, first = list(batch), 0
+        while first < len(views):
+            got = os.preadv(self._file.fileno(), views[first:], self._offset + pos)
+            if got <= 0:
+                left = sum(len(view) for view in views[first:])
+                raise zipfile.BadZipFile(f"{self.where}: member {member[3]} ends {left} bytes early")
+            pos += got
+            while first < len(views) and got >= len(views[first]):
+                got, first = got - len(views[first]), first + 1
+            if got:
+                views[first] = views[first][got:]
+        for block in batch:
+            crc = self._check(crc, block)
+        return crc
 
     def _check(self, crc: int, data: memoryview) -> int:
         return crc
