@@ -28,7 +28,14 @@ directory, a symlink out of ``weights/`` or to ``/dev/zero``, a truncated or bit
 * no file outside the output directory changed, no temporary directory is left;
 * no code ran: an audit hook (``sys.addaudithook``) active during the run fails on process creation (``os.system``,
   ``subprocess.Popen``, ``os.exec*``, ``os.posix_spawn``, ``os.fork``), on ``exec``/``compile`` of source, and on the
-  import of any module that was not already imported by an undamaged run.
+  import of any module that was not already imported by an undamaged run;
+* memory and time stay linear in the checkpoint's bytes: each run is a forked child
+  (:func:`nemo_patch.testing.limits.run_limited`) whose address space may grow by :data:`SPARE_ADDRESS_SPACE` plus
+  :data:`ADDRESS_SPACE_PER_BYTE` times the bytes of the checkpoint's files at most (``RLIMIT_AS``: an amplification
+  fails allocating, and the example fails, instead of taking the machine), that is ended past a time budget, and whose
+  peak resident memory beyond what it inherited and CPU seconds must stay within :data:`BYTES_PER_BYTE` and
+  :data:`SECONDS_PER_BYTE` times those bytes plus :data:`SPARE_BYTES` and :data:`SPARE_SECONDS`. So an amplification
+  no example of the round-2 tests shows is caught by the property.
 
 The quick profile (CI) draws ``NEMO_PATCH_FUZZ_EXAMPLES`` examples, 40 by default (about a minute here); a long run is
 ``NEMO_PATCH_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_checkpoints.py``.
@@ -45,7 +52,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from test_untrusted_checkpoints import DOCUMENTED_EXIT_CODES, reference, tree_state, write_metadata
@@ -53,6 +60,7 @@ from test_untrusted_checkpoints import DOCUMENTED_EXIT_CODES, reference, tree_st
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.plan import model_tensor_keys
+from nemo_patch.testing.limits import property_settings, run_limited
 
 # Every test here starts from the real TP=2 fit of the tp2_checkpoint fixture.
 pytestmark = pytest.mark.slow
@@ -61,6 +69,16 @@ EXAMPLES = int(os.environ.get("NEMO_PATCH_FUZZ_EXAMPLES", "40"))
 FORBIDDEN_EVENTS = ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "exec",
                     "compile", "ctypes.dlopen")  # fmt: skip
 HOSTILE_PATHS = ["../../outside.distcp", "/etc/passwd", "a/../../b", "..", ".", "", "missing.distcp", "\0x"]
+#: Peak resident memory a run may add per byte of the checkpoint's files: the two output buffers and a chunk.
+BYTES_PER_BYTE = 8
+SPARE_BYTES = 256 << 20
+#: Address space a run may add per byte, and beyond it (threads' stacks and malloc arenas are reserved, not used).
+ADDRESS_SPACE_PER_BYTE = 16
+SPARE_ADDRESS_SPACE = 2 << 30
+#: CPU seconds per byte (a run reads, checks, hashes and writes each byte a few times) and beyond it (the plan, the
+#: checks of the metadata, the CLI's set-up), generous for a shared machine; a run is ended at 4 times that wall time.
+SECONDS_PER_BYTE = 2e-6
+SPARE_SECONDS = 20.0
 
 
 class _Guard:
@@ -200,6 +218,21 @@ def _run(args: List[str]) -> Tuple[int, List[str]]:
     return code, [line for line in stderr.getvalue().splitlines() if line.strip()]
 
 
+def _guarded_run(args: List[str]) -> Tuple[int, List[str], List[str]]:
+    """:func:`_run` with the audit hook active; also the forbidden events it recorded."""
+    _Guard.events, _Guard.active = [], True
+    try:
+        code, lines = _run(args)
+    finally:
+        _Guard.active = False
+    return code, lines, list(_Guard.events)
+
+
+def _file_bytes(root: Path) -> int:
+    """The bytes of the regular files under ``root`` (links are not followed: one to ``/dev/zero`` holds none)."""
+    return sum(os.lstat(path).st_size for path in root.rglob("*") if path.is_file() and not path.is_symlink())
+
+
 @pytest.fixture(scope="module")
 def warmed(tp2_checkpoint) -> Dict[str, torch.Tensor]:
     """The reference output; one undamaged run first, so that every module a run needs is already imported."""
@@ -209,7 +242,7 @@ def warmed(tp2_checkpoint) -> Dict[str, torch.Tensor]:
     return reference(tp2_checkpoint)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@property_settings(EXAMPLES)
 @given(mutations=MUTATIONS)
 def test_damaged_checkpoints_fail_cleanly_or_give_the_reference_output(tp2_checkpoint, warmed, mutations):
     with tempfile.TemporaryDirectory() as scratch:
@@ -221,12 +254,16 @@ def test_damaged_checkpoints_fail_cleanly_or_give_the_reference_output(tp2_check
             apply(checkpoint, outside, kind, n, delta)
         output = root / "out"
         before = tree_state(root, output)
-        _Guard.events, _Guard.active = [], True
-        try:
-            code, lines = _run([str(checkpoint), "--out", str(output)])
-        finally:
-            _Guard.active = False
-        assert _Guard.events == [], f"code ran during the consolidation: {_Guard.events}"
+        size = _file_bytes(checkpoint)
+        seconds = SECONDS_PER_BYTE * size + SPARE_SECONDS
+        (code, lines, events), usage = run_limited(
+            lambda: _guarded_run([str(checkpoint), "--out", str(output)]),
+            ADDRESS_SPACE_PER_BYTE * size + SPARE_ADDRESS_SPACE,
+            4 * seconds,
+        )
+        assert usage.peak_bytes <= BYTES_PER_BYTE * size + SPARE_BYTES, (size, usage, mutations)
+        assert usage.cpu_seconds <= seconds, (size, usage, mutations)
+        assert events == [], f"code ran during the consolidation: {events}"
         assert code in DOCUMENTED_EXIT_CODES, (code, lines)
         assert tree_state(root, output) == before, "a file outside the output changed"
         assert not [p for p in root.rglob(".consolidated*")], "a temporary directory was left"

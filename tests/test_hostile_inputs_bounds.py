@@ -32,22 +32,22 @@ or refused within ``8 n log2(n) dims`` steps plus a constant.
 
 import contextlib
 import os
-import resource
 import struct
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from nemo_patch.engine import layout_checks
 from nemo_patch.engine.errors import CorruptShardError, UnknownLayoutError
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
+from nemo_patch.testing.limits import LimitExceeded, address_space_limited, property_settings, run_limited
 
 #: Peak Python allocation per byte of the file: 4 elements per byte, each a pointer in a container or a small object.
 BYTES_PER_BYTE = 400
@@ -93,23 +93,8 @@ def amplifying_pickles(draw: st.DrawFn) -> bytes:
     return body + pattern * repeats + b"N."
 
 
-@contextlib.contextmanager
-def _address_space_limited(extra: int) -> Iterator[None]:
-    """The soft ``RLIMIT_AS`` at this process's current address space plus ``extra``; restored after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as statm:
-        size = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    limit = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+@property_settings(EXAMPLES)
 @given(data=amplifying_pickles())
 def test_reading_a_crafted_metadata_costs_memory_and_time_linear_in_its_bytes(tmp_path_factory, data):
     import pickle
@@ -119,7 +104,7 @@ def test_reading_a_crafted_metadata_costs_memory_and_time_linear_in_its_bytes(tm
     tracemalloc.start()
     started = time.process_time()
     try:
-        with _address_space_limited(SPARE_ADDRESS_SPACE):
+        with address_space_limited(SPARE_ADDRESS_SPACE):
             try:
                 read_dcp_metadata(directory)
             except pickle.UnpicklingError:
@@ -166,7 +151,7 @@ def layouts(draw: st.DrawFn) -> Tuple[List[int], List[Tuple[List[int], List[int]
     return [60, 60], [(list(o), list(s)) for o, s in draw(st.lists(box, max_size=200))]
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@property_settings(EXAMPLES)
 @given(layout=layouts())
 def test_the_tiling_proof_takes_at_most_n_log_n_steps_on_any_layout(layout):
     shape, boxes = layout
@@ -188,3 +173,19 @@ def test_the_tiling_proof_takes_at_most_n_log_n_steps_on_any_layout(layout):
         with contextlib.suppress(CorruptShardError, UnknownLayoutError):
             layout_checks.check_chunk_tiling("t", shape, chunks)
     assert count[0] <= _bound(len(chunks), len(shape)), (len(chunks), count[0])
+
+
+# --- the limits themselves -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_a_limited_child_reports_its_usage_and_fails_past_its_limits():
+    """:func:`~nemo_patch.testing.limits.run_limited`, which the checkpoint fuzz runs every example in: the child's
+    own peak memory and CPU time are reported, an allocation past its address space fails in the child, and a child
+    past its time budget is ended."""
+    value, usage = run_limited(lambda: len(bytearray(64 << 20)), SPARE_ADDRESS_SPACE, 60)
+    assert value == 64 << 20 and 48 << 20 <= usage.peak_bytes < 256 << 20 and usage.cpu_seconds < 30
+    with pytest.raises(AssertionError, match="MemoryError"):
+        run_limited(lambda: len(bytearray(2 * SPARE_ADDRESS_SPACE)), SPARE_ADDRESS_SPACE, 60)
+    with pytest.raises(LimitExceeded, match="time budget of 0.5 s"):
+        run_limited(lambda: time.sleep(30), SPARE_ADDRESS_SPACE, 0.5)

@@ -469,14 +469,16 @@ def _brute_force_overlap(boxes: List[Tuple[List[int], List[int]]]) -> bool:
 
 
 def test_the_tiling_proof_finds_exactly_the_overlaps_pairwise_comparison_finds():
-    from hypothesis import given, settings
+    from hypothesis import given
     from hypothesis import strategies as st
+
+    from nemo_patch.testing.limits import property_settings
 
     box = st.tuples(
         st.lists(st.integers(0, 6), min_size=3, max_size=3), st.lists(st.integers(0, 4), min_size=3, max_size=3)
     )
 
-    @settings(max_examples=300, deadline=None, derandomize=True)
+    @property_settings(300)
     @given(st.lists(box, min_size=0, max_size=12))
     def check(boxes: List[Tuple[List[int], List[int]]]) -> None:
         overlapping = _brute_force_overlap(boxes)
