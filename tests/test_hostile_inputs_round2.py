@@ -280,3 +280,16 @@ def test_a_size_in_bits_below_one_byte_is_refused():
     with pytest.raises(ValueError, match='an integer number of bytes >= 1 or a size such as "5GB"'):
         validate_max_shard_size("7b", "max_shard_size")
     assert validate_max_shard_size("8b", "max_shard_size") == 1 and validate_max_shard_size("7B", "x") == 7
+
+
+def test_a_json_side_file_that_is_a_device_or_a_fifo_is_read_as_none(tmp_path):
+    """megatron-core's ``metadata.json`` linked to ``/dev/zero`` (or a FIFO) is no JSON object, and nothing is read
+    from it: a device or a FIFO has size 0 (a megabyte of zeros was read and decoded as UTF-32 JSON)."""
+    from nemo_patch.engine.checkpoint_layout import _json
+
+    (tmp_path / "zero.json").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "big.json").write_text('{"sharded_backend": "zarr", "pad": "' + "x" * (1 << 20) + '"}')
+    (tmp_path / "small.json").write_text('{"sharded_backend": "zarr"}')
+    assert [_json(tmp_path / name) for name in ("zero.json", "fifo.json", "big.json")] == [{}, {}, {}]
+    assert _json(tmp_path / "small.json") == {"sharded_backend": "zarr"}

@@ -55,9 +55,9 @@ def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
 
 def _json(path: Path) -> Dict[str, Any]:
     """The object in a JSON side file (``{}`` unless it is a regular file of at most 1 MB holding a JSON object)."""
-    try:  # opened without blocking (a FIFO would block a plain open for ever), 1 MB read at most (a device never ends)
+    try:  # opened without blocking (a FIFO would block a plain open for ever); a device or FIFO has size 0: none read
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
-            value = json.loads(file.read((1 << 20) + 1))
+            value = json.loads(file.read(min(os.fstat(file.fileno()).st_size, (1 << 20) + 1)))
     except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
