@@ -102,8 +102,14 @@ sys.addaudithook(_Guard.hook)
 
 
 def _mutate_metadata(weights: Path, change: Callable[[Any, List[str]], None]) -> None:
-    metadata = read_dcp_metadata(weights)
-    change(metadata, model_tensor_keys(metadata))
+    """Apply ``change`` to the metadata; nothing when an earlier mutation left none to change (a truncated
+    ``.metadata``, a tensor with no chunk left)."""
+    try:
+        metadata = read_dcp_metadata(weights)
+    except Exception:  # noqa: B902 - damaged by an earlier mutation: this one has nothing to apply to
+        return
+    with contextlib.suppress(ZeroDivisionError):  # _pick from an empty list
+        change(metadata, model_tensor_keys(metadata))
     write_metadata(weights.parent, metadata)
 
 
