@@ -89,7 +89,9 @@ def test_metadata_json_describes_the_output(each_run):
         "vocab_size": {"padded": 128, "tokenizer": None},  # the tiny GPT trains without a tokenizer
         "files": {"model.safetensors": _digests_of(data)},
         "source_metadata": _source_metadata_of(out / "../weights/.metadata"),
+        "run": meta["run"],  # the training run that wrote it: checked below
     }
+    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", meta["run"])
     assert (out / meta["source_checkpoint"] / ".metadata").is_file()
 
 

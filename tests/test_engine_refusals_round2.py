@@ -119,6 +119,28 @@ def test_a_layer_missing_from_every_stacked_entry_is_a_hole_not_a_smaller_model(
     assert any(key in lines[0] for key in stacked), lines
 
 
+@pytest.mark.parametrize("how", ["chunk-dropped", "chunk-sized-zero"])
+def test_a_layer_missing_from_one_entry_of_a_module_is_a_hole_not_a_missing_tensor(victim, tmp_path, how):
+    """Layer 1 of one parameter (``linear_qkv.layer_norm_weight``) is gone while the module's other entries and the
+    rest of the stack still hold layer 1: the output would lack one tensor of layer 1 and look complete."""
+    metadata = read_dcp_metadata(victim / "weights")
+    key = next(key for key in metadata.state_dict_metadata if _is_stacked(key) and key.endswith("layer_norm_weight"))
+    item = metadata.state_dict_metadata[key]
+    chunk = next(chunk for chunk in item.chunks if chunk.offsets[0] == 1)
+    if how == "chunk-dropped":
+        item.chunks = [other for other in item.chunks if other is not chunk]
+        for index in list(metadata.storage_data):  # and its record, as if never saved
+            if index.fqn == key and index.offset is not None and index.offset[0] == 1:
+                del metadata.storage_data[index]
+    else:
+        chunk.sizes = torch.Size([0, *chunk.sizes[1:]])
+    write_metadata(victim, metadata)
+
+    out = tmp_path / "out"
+    code, lines = run_cli([str(victim), "--out", str(out)])
+    assert_refused(code, lines, 8, out, key, "same module", "hole")
+
+
 # --- B. a cast that overflows ----------------------------------------------------------------------------------------
 
 

@@ -106,10 +106,8 @@ def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
 
 
 def _overlapping(key: str, a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> CorruptShardError:
-    return CorruptShardError(
-        f"{key}: chunks {_describe(a)} and {_describe(b)} overlap; refusing a layout in which a part of the tensor is "
-        "stored twice or not at all"
-    )
+    why = "refusing a layout in which a part of the tensor is stored twice or not at all"
+    return CorruptShardError(f"{key}: chunks {_describe(a)} and {_describe(b)} overlap; {why}")
 
 
 #: Steps every tiling proof may take beyond its O(n log n) budget: a few milliseconds, enough to prove any layout of a
@@ -334,7 +332,7 @@ def check_no_missing_layer(metadata: Metadata, keys: Iterable[str]) -> None:
     merged as intervals (time O(n log n) in the chunks, whatever layer counts they declare).
 
     Raises:
-        CorruptShardError: naming the stack's first missing layer and an entry that declares it.
+        CorruptShardError: naming the stack's first missing layer and an entry that declares it, or a module's entry.
     """
     stacks: Dict[str, List[Tuple[int, str, List[Tuple[int, int]]]]] = {}
     for key in keys:
@@ -344,6 +342,10 @@ def check_no_missing_layer(metadata: Metadata, keys: Iterable[str]) -> None:
         held = [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]) for chunk in item.chunks if chunk.sizes[0]]
         stacks.setdefault(match.group("head"), []).append((item.size[0], key, held))
     for head, entries in stacks.items():
+        modules: Dict[str, Tuple[str, List[Tuple[int, int]]]] = {}
+        for _, key, held in entries:  # a module's entries hold the same layers: one dropped from one is a hole too
+            if modules.setdefault(key.rsplit(".", 1)[0], (key, sorted(set(held))))[1] != sorted(set(held)):
+                raise CorruptShardError(f"{key}: holds other layers than an entry of the same module: a hole")
         layers, key, _ = min(entries)
         missing = 0
         for start, end in sorted(interval for entry in entries for interval in entry[2]):
