@@ -176,6 +176,8 @@ def apply(checkpoint: Path, outside: Path, kind: str, n: int, delta: int) -> Non
         _mutate_metadata(weights, metadata_changes[kind])
         return
     shard = _pick(shards, n)
+    if shard.is_symlink() or not shard.is_file():  # an earlier mutation made it a FIFO, directory or link
+        return
     if kind == "shard_kind":
         shutil.copy(shard, outside)
         shard.unlink()
@@ -189,8 +191,6 @@ def apply(checkpoint: Path, outside: Path, kind: str, n: int, delta: int) -> Non
         else:
             shard.symlink_to("/dev/zero")
     elif kind == "shard_bytes":
-        if shard.is_symlink() or not shard.is_file():  # an earlier mutation made it a FIFO, directory or link
-            return
         data = bytearray(shard.read_bytes())
         if delta % 2:
             del data[(n * 131) % len(data) :]  # truncated
