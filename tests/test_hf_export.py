@@ -67,7 +67,12 @@ def test_fine_tuned_llama_round_trips_through_transformers(imported_llama, tmp_p
     offline_meta = json.loads((offline / "metadata.json").read_text())
     # Offline outputs record no training run; the in-training one names the run that wrote it.
     assert "run" not in offline_meta
-    assert {**offline_meta, "global_step": 4, "source_checkpoint": meta["source_checkpoint"], "run": meta["run"]} == meta
+    assert {
+        **offline_meta,
+        "global_step": 4,
+        "source_checkpoint": meta["source_checkpoint"],
+        "run": meta["run"],
+    } == meta
 
 
 def test_import_then_export_gives_back_the_original_weights(imported_llama, tmp_path, capsys):
