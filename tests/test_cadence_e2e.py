@@ -130,8 +130,10 @@ def test_without_arguments_checkpoints_are_stock_nemos(tmp_path):
 
 def test_the_readme_demo_with_each_and_async_save_skips_nothing(tmp_path):
     """The README's main job, as a user runs it, with ``each`` and NeMo's async save: a checkpoint every 2 steps of a
-    tiny model (NeMo finalizes several saves at once, and the last ones only when ``fit`` ends), with the default queue
-    bound. One consolidation process serves the whole run, so none is skipped."""
+    tiny model (NeMo finalizes several saves at once, and the last ones only when ``fit`` ends). One consolidation
+    process serves the whole run, so none is skipped. The queue may hold every save of the run: with the default bound
+    (2 waiting) a 0.3 s hiccup of one consolidation on a busy machine, against a save every 0.1 s, skips one by design
+    (seen 1 run in 3 on an idle 2-core machine); the bound itself is tested in test_consolidation_process_queue."""
     import subprocess
     import sys
 
@@ -139,7 +141,7 @@ def test_the_readme_demo_with_each_and_async_save_skips_nothing(tmp_path):
 
     demo = [sys.executable, str(REPO / "scripts" / "demo_consolidation_cadence.py"), "--out", str(tmp_path)]
     proc = subprocess.run(
-        demo + ["--frequency", "each", "--max-steps", "10", "--save-every", "2", "--async-save"],
+        demo + ["--frequency", "each", "--max-steps", "10", "--save-every", "2", "--async-save", "--max-pending", "5"],
         capture_output=True,
         text=True,
         cwd=REPO,
