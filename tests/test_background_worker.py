@@ -79,3 +79,27 @@ def test_an_idle_thread_ends_and_the_next_handoff_starts_another():
     assert worker._thread is None and done == [1]
     worker.hand(lambda: done.append(2))
     assert worker.drain(timeout=5) and done == [1, 2]
+
+
+def test_a_drain_from_inside_handed_work_returns_at_once_and_keeps_the_order():
+    """Work that reaches a drain (an observer of the coordinator's pass calling an entry point that syncs) neither
+    deadlocks on the worker's own lock nor runs the work handed after it out of order."""
+    worker = PollingWorker("test-worker", interval=0.01)
+    done = []
+
+    def outer():
+        done.append(("outer drain", worker.drain(timeout=1)))
+
+    worker.hand(outer)
+    worker.hand(lambda: done.append(("after", None)))
+    assert worker.drain(timeout=5)
+    assert done == [("outer drain", True), ("after", None)]
+
+
+def test_start_starts_the_thread_before_any_work():
+    worker = PollingWorker("test-worker", interval=0.01)
+    worker.start()
+    assert worker._thread is not None and worker._thread.is_alive()
+    thread = worker._thread
+    worker.start()  # idempotent
+    assert worker._thread is thread

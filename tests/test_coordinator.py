@@ -200,3 +200,44 @@ def test_latest_only_moves_forward_within_a_run(tmp_path):
     second_fit = _checkpoint(tmp_path, 2)
     observer.on_published(CheckpointSave(second_fit, 2, written=True, consolidated=True, fit=1))
     assert os.readlink(tmp_path / LATEST_NAME) == second_fit.name
+
+
+def test_the_steps_pass_runs_off_the_training_thread_and_a_save_waits_for_it(tmp_path):
+    """The training loop's per-step pass runs on the coordinator's stepper thread; a save (``before_save``,
+    ``register_save``) arriving while that pass runs waits for it to end, so the schedule is never used by two threads
+    at once; steps ending meanwhile hand one more pass, not one each."""
+    coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(True))
+    checkpoint = _checkpoint(tmp_path, 4, consolidated=False)
+    running, release, events = threading.Event(), threading.Event(), []
+    real_pass = coordinator._pass
+
+    def blocked_pass(bounded):
+        events.append(("pass", threading.current_thread().name))
+        running.set()
+        release.wait(10)
+        real_pass(bounded)
+        events.append(("pass ended", None))
+
+    coordinator._pass = blocked_pass  # type: ignore[method-assign]
+    coordinator.after_step()
+    assert running.wait(5)
+    for _ in range(5):  # steps ending while the pass runs
+        coordinator.after_step()
+
+    def save():
+        coordinator.before_save(checkpoint)
+        coordinator.register_save(checkpoint, {"global_step": 4}, None)
+        events.append(("saved", None))
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    saving.join(0.3)
+    assert saving.is_alive()  # waits for the pass in progress
+    release.set()
+    saving.join(10)
+    assert not saving.is_alive()
+    assert events[0] == ("pass", "consolidation-steps") and events[1] == ("pass ended", None)
+    assert events.count(("pass ended", None)) == 2 and events[-1] == ("saved", None)  # the one more pass ran first
+    assert coordinator.synced_seconds > 0.2
+    assert [save.path for save in coordinator.schedule.pending] == [checkpoint]
+    coordinator.close()

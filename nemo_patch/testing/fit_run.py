@@ -398,7 +398,10 @@ def run_tiny_fit(
     from nemo_patch.training.callback import ConsolidationCallback
 
     callbacks = [cb for cb in trainer.callbacks if isinstance(cb, ConsolidationCallback)]
-    report["blocked_seconds"] = sum(cb.blocked_seconds for cb in callbacks)
+    # the per-step hooks, and the saves' waits for a pass still running on the coordinator's stepper thread
+    report["blocked_seconds"] = sum(cb.blocked_seconds for cb in callbacks) + getattr(
+        consolidation, "synced_seconds", 0.0
+    )
     report["consolidation_seconds"] = sum(seconds for _, seconds, _ in queue.completed) if queue else 0.0
     report["consolidations"] = len(queue.completed) if queue else 0
     report["warm_requests"] = queue.warm_requests if queue else 0

@@ -48,11 +48,18 @@ class PollingWorker:
         self._doing = threading.Lock()
         self._work: List[Callable[[], None]] = []
         self._thread: Optional[threading.Thread] = None
+        #: The thread doing handed-over work now (its own drain does nothing: the work in progress is its caller).
+        self._doer: Optional[int] = None
 
     def hand(self, work: Callable[[], None]) -> None:
         """Have ``work`` done by the worker's thread (returns at once; wakes no thread once it runs)."""
         with self._lock:
             self._work.append(work)
+        self.start()
+
+    def start(self) -> None:
+        """Start the worker's thread now unless it runs (a thread's start takes about a millisecond)."""
+        with self._lock:
             if self._thread is not None:
                 return
             thread = self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -60,7 +67,10 @@ class PollingWorker:
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Do the work handed over and not started yet in the calling thread, after the work in progress; ``False``
-        when the work in progress did not end within ``timeout`` seconds (``None``: no limit)."""
+        when the work in progress did not end within ``timeout`` seconds (``None``: no limit). Called from inside
+        handed-over work, it returns ``True`` at once."""
+        if self._doer == threading.get_ident():
+            return True
         if not self._doing.acquire(timeout=-1 if timeout is None else timeout):
             return False
         try:
@@ -73,11 +83,15 @@ class PollingWorker:
         """Do the work handed over (``_doing`` held); ``False`` when there was none. A failure is logged."""
         with self._lock:
             work, self._work = self._work, []
-        for item in work:
-            try:
-                item()
-            except Exception:  # noqa: BLE001 - the training loop handed it over and went on
-                logger.exception("%s: background work failed", self.name)
+        self._doer = threading.get_ident()
+        try:
+            for item in work:
+                try:
+                    item()
+                except Exception:  # noqa: BLE001 - the training loop handed it over and went on
+                    logger.exception("%s: background work failed", self.name)
+        finally:
+            self._doer = None
         return bool(work)
 
     def _run(self) -> None:

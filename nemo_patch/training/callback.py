@@ -116,12 +116,13 @@ class ConsolidationCallback(Callback):
             consolidation.notify("on_train_start", root)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
-        """Hand saves that finished in this step and are due to the consolidation process; returns at once."""
+        """Have saves that finished in this step and are due handed to the consolidation process (by the
+        coordinator's stepper thread), and report the consolidations that ended; returns at once."""
         start = time.perf_counter()
         consolidation = self._consolidation(trainer)
         if consolidation is not None:
             with _never_fails_training("handing finished checkpoints to the consolidation process"):
-                consolidation.consolidate_finished()
+                consolidation.after_step()
             self.report_consolidations(trainer)
         self.blocked_seconds += time.perf_counter() - start
 
@@ -168,6 +169,7 @@ class ConsolidationCallback(Callback):
         consolidation = self._consolidation(self._trainer)
         if consolidation is None or self._trainer is None:
             return {}
+        consolidation.sync(in_save=True)  # the count includes the saves that finished before this one
         return {**consolidation.schedule.state_dict(self._trainer.global_step), "run_id": consolidation.run_id}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -20,8 +20,11 @@ taken under one lock, shared with the queue (NeMo removes checkpoints from its o
 checkpoint whose removal has started is never queued, started or linked into any more, and a consolidation running
 delays the removal until it has ended. A save is the :class:`~.schedule.CheckpointSave` object, not its
 global step (a second ``fit`` starts its steps again; NeMo saves into ``-last`` directories again), and an
-output is published or linked only while the weights it was made from are still there. The later additions take part
-as observers, from their own modules where they are installed. Standard library and the engine's helpers only.
+output is published or linked only while the weights it was made from are still there. The training loop's per-step
+pass runs on a :class:`~.background.PollingWorker` (the stepper), off the training thread; every other entry point of
+the training thread first finishes the pass handed over (:meth:`ConsolidationCoordinator.sync`), so the schedule and
+the queue are used by one thread at a time. The later additions take part as observers, from their own modules where
+they are installed. Standard library and the engine's helpers only.
 """
 
 import logging
@@ -153,6 +156,11 @@ class ConsolidationCoordinator:
         self._warned_drop = False
         #: Links a published output into its ``-last`` copies off the training thread (each under :attr:`lock`).
         self._linker = PollingWorker("consolidation-links")
+        #: Does the training loop's per-step pass (:meth:`after_step`) off the training thread.
+        self._stepper = PollingWorker("consolidation-steps")
+        self._step_handed = False
+        #: Seconds the training thread waited in a save for the stepper's pass (:meth:`sync`).
+        self.synced_seconds = 0.0
         self.observers: List[ConsolidationObserver] = [make(self) for make in OBSERVERS]
 
     @property
@@ -186,12 +194,15 @@ class ConsolidationCoordinator:
         return self._queue
 
     def start_process(self) -> None:
-        """Start the consolidation process now unless the cadence consolidates only when ``fit`` ends."""
+        """Start the stepper's thread (not in the first step), and the consolidation process unless the cadence
+        consolidates only when ``fit`` ends."""
+        self._stepper.start()
         if self.policy.consolidates_periodically or self.policy.uses_best:
             self.queue.start_process()
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for running and queued consolidations (:meth:`ConsolidationQueue.wait`)."""
+        self.sync()
         self._submit_substitutes()
         done = True if self._queue is None else self._queue.wait(timeout)
         self._wait_for_links()
@@ -201,6 +212,7 @@ class ConsolidationCoordinator:
     def close(self) -> None:
         """End the consolidation process, if any (after :meth:`wait`)."""
         self.fitting = False
+        self.sync()
         if self._queue is not None:
             self._queue.close()
         self._wait_for_links()
@@ -233,6 +245,7 @@ class ConsolidationCoordinator:
         observers see it as removed, then it is deleted (it would pass for the new weights')."""
         if not self.is_global_zero():
             return
+        self.sync(in_save=True)
         checkpoint_dir = Path(checkpoint_dir)
         output = checkpoint_dir / self.settings.output_dirname
         with self.lock:
@@ -255,6 +268,7 @@ class ConsolidationCoordinator:
         save, in the async ``request``'s finalize step."""
         if not self.is_global_zero():
             return
+        self.sync(in_save=True)
         save = self.register(Path(checkpoint_dir), int(checkpoint.get("global_step", -1)))
         if request is None:
             save.written = True
@@ -284,10 +298,33 @@ class ConsolidationCoordinator:
 
     # --- the training loop's steps -----------------------------------------------------------------------------
 
+    def after_step(self) -> None:
+        """The training loop's per-step call: the stepper thread does :meth:`consolidate_finished`'s pass within
+        50 ms (unless a pass handed over is still waiting); returns at once."""
+        if not self._step_handed:
+            self._step_handed = True
+            self._stepper.hand(self._step_pass)
+
+    def _step_pass(self) -> None:
+        self._step_handed = False  # cleared first: a step ending from now on hands another pass
+        self._pass(bounded=True)
+
+    def sync(self, in_save: bool = False) -> None:
+        """Finish the pass handed over by :meth:`after_step`, in this thread (never while holding :attr:`lock`).
+        ``in_save``: the training thread waits in a save; the seconds count in :attr:`synced_seconds`."""
+        start = time.perf_counter()
+        self._stepper.drain()
+        if in_save:
+            self.synced_seconds += time.perf_counter() - start
+
     def consolidate_finished(self, bounded: bool = True) -> None:
         """Hand the saves that finished since the last call and are due to the consolidation process, give ``-last``
         copies their step's output, reap and start consolidations; returns at once. ``bounded``: apply the queue's
         ``max_pending`` (``False`` when ``fit`` ends)."""
+        self.sync()
+        self._pass(bounded)
+
+    def _pass(self, bounded: bool) -> None:
         removed_before = len(self.schedule.removed_while_due)
         due, copies = self.schedule.collect_finished(self.is_gone)
         for save in due + copies:
@@ -448,7 +485,7 @@ class ConsolidationCoordinator:
         )
 
     def _on_consolidated(self, save: CheckpointSave, error: Optional[str]) -> None:
-        """A request ended (training thread, from the queue's poll or wait)."""
+        """A request ended (from the queue's poll or wait: the stepper's thread, or the training thread's)."""
         output = save.path / self.settings.output_dirname
         if error is not None:
             if self._changed(save):  # its files went (or were saved again) under it, not through a removal it delays

@@ -119,6 +119,14 @@ class HookCaller:
     def __init__(self) -> None:
         self._failed: Set[Tuple[int, str]] = set()
 
+    @staticmethod
+    def wanted(trainer: Any) -> bool:
+        """Whether any of ``trainer``'s callbacks defines one of the hooks."""
+        return any(
+            callable(getattr(callback, END_HOOK, None)) or callable(getattr(callback, FAILED_HOOK, None))
+            for callback in getattr(trainer, "callbacks", None) or []
+        )
+
     def __call__(self, trainer: Any, pl_module: Any, outcome: ConsolidationOutcome) -> None:
         name = END_HOOK if outcome.published else FAILED_HOOK
         for callback in list(getattr(trainer, "callbacks", None) or []):
@@ -216,6 +224,14 @@ class Observer(ConsolidationObserver):
     def report(self, trainer: Any) -> None:
         """For each consolidation that ended since the last call: its post command's metrics to ``trainer.loggers``
         at its checkpoint's global step, then the callbacks' hooks."""
+        ended = self._ended[self._reported :]  # appended by the coordinator's stepper thread: no lock to look
+        if not ended:  # most steps
+            return
+        if not self._call_hooks.wanted(trainer) and not any(
+            post is not None and post.metrics for _, _, post, _ in ended
+        ):
+            self._reported += len(ended)  # nothing to log or call: no outcome (and no metadata.json) to make
+            return
         new = self.outcomes(self._reported)
         self._reported += len(new)
         pl_module = getattr(trainer, "lightning_module", None)

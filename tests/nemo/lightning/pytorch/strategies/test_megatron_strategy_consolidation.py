@@ -72,10 +72,12 @@ class TestMegatronStrategyConsolidation:
         trainer = SimpleNamespace(strategy=strategy, is_global_zero=True, global_step=9, loggers=[])
         callback = ConsolidationCallback(trainer)
         callback.on_train_batch_end(trainer)
+        consolidation.sync()
         assert not consolidation.queue.busy  # not finalized yet: not a finished checkpoint
         for finalize in request.finalize_fns:  # what the async queue does once the save has ended
             finalize()
-        callback.on_train_batch_end(trainer)
+        callback.on_train_batch_end(trainer)  # the coordinator's stepper thread hands it over
+        consolidation.sync()
         assert consolidation.queue.busy and consolidation.wait(timeout=120)
         consolidation.close()
         tensors = load_file(checkpoint_dir / "consolidated" / "model.safetensors")
