@@ -123,7 +123,8 @@ class ConsolidationCallback(Callback):
         if consolidation is not None:
             with _never_fails_training("handing finished checkpoints to the consolidation process"):
                 consolidation.after_step()
-            self.report_consolidations(trainer)
+            if trainer.is_global_zero:
+                self._report(consolidation, trainer)
         self.blocked_seconds += time.perf_counter() - start
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -134,11 +135,16 @@ class ConsolidationCallback(Callback):
         """On global rank 0, let the later features report the consolidations that ended since the last call (in
         their order). Never raises."""
         consolidation = self._consolidation(trainer)
-        if consolidation is None or not trainer.is_global_zero:
-            return
-        for observer in consolidation.observers:
-            with _never_fails_training("reporting consolidations"):
+        if consolidation is not None and trainer.is_global_zero:
+            self._report(consolidation, trainer)
+
+    @staticmethod
+    def _report(consolidation: Any, trainer: "pl.Trainer") -> None:
+        for observer in consolidation.reporters:
+            try:
                 observer.report(trainer)
+            except Exception:
+                logger.exception("Checkpoint consolidation: reporting consolidations failed; training continues")
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Queue what is still due and what ``fit``'s end consolidates (``latest``: the newest finished checkpoint)."""

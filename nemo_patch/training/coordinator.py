@@ -162,6 +162,10 @@ class ConsolidationCoordinator:
         #: Seconds the training thread waited in a save for the stepper's pass (:meth:`sync`).
         self.synced_seconds = 0.0
         self.observers: List[ConsolidationObserver] = [make(self) for make in OBSERVERS]
+        #: The observers that report in the training loop (those whose ``report`` does something).
+        self.reporters: List[ConsolidationObserver] = [
+            o for o in self.observers if type(o).report is not ConsolidationObserver.report
+        ]
 
     @property
     def policy(self) -> ConsolidationPolicy:
