@@ -45,9 +45,6 @@ def compare(weights_dir: Path, output_dir: Path) -> int:
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
-    from nemo_patch.engine.plan import consolidated_key
-    from nemo_patch.engine.verify import tensors_bitwise_equal
-
     with socket.socket() as probe:  # a free port for the one-process group
         probe.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
@@ -62,16 +59,19 @@ def compare(weights_dir: Path, output_dir: Path) -> int:
     finally:
         if created:
             dist.destroy_process_group()
+    # The expected names are written here from megatron-core's own model naming (``decoder.layers.<i>.<rest>``, what
+    # ``GPTModel.state_dict()`` calls a layer's tensor), never with the product's key mapping: this is the oracle.
     expected: Dict[str, torch.Tensor] = {}
     for key, tensor in plain.items():
         if not key.startswith("module.") or "_extra_state" in key or not isinstance(tensor, torch.Tensor):
             continue
-        name = consolidated_key(key)
-        if ".layers." not in f".{name}." or name.split(".layers.", 1)[1][:1].isdigit():
+        name = key[len("module.") :]
+        head, sep, tail = name.partition(".layers.")
+        if not sep or tail[:1].isdigit():
             expected[name] = tensor
-        else:  # layer-stacked: one output tensor per layer
+        else:  # layer-stacked: one output tensor per layer, the layer index after ``layers``
             for layer in range(tensor.shape[0]):
-                expected[consolidated_key(key, layer)] = tensor[layer]
+                expected[f"{head}.layers.{layer}.{tail}"] = tensor[layer]
     files = sorted(output_dir.glob("*.safetensors"))
     actual: Dict[str, torch.Tensor] = {}
     for file in files:
@@ -79,8 +79,17 @@ def compare(weights_dir: Path, output_dir: Path) -> int:
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     assert not missing and not extra, f"missing {missing[:5]}, unexpected {extra[:5]}"
     for name, tensor in expected.items():
-        assert tensors_bitwise_equal(tensor.contiguous(), actual[name]), f"{name} differs from megatron-core's load"
+        assert _bitwise_equal(tensor.contiguous(), actual[name]), f"{name} differs from megatron-core's load"
     return len(expected)
+
+
+def _bitwise_equal(a, b) -> bool:
+    """Same dtype, shape and bytes (NaNs and signed zeros included), by torch alone."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
