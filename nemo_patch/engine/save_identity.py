@@ -1,0 +1,354 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Which save a checkpoint holds: one identity for every layout the product reads, owned here.
+
+A checkpoint's name and global step do not say which save it holds: NeMo saves again under one name (a second
+``fit``, a new run in the same log directory, ``-last`` copies), megatron-core rewrites ``iter_<N>`` in place (a
+rollback with ``--ckpt-step``; it only warns "Overwriting") and writes ``.metadata`` last, and every zarr save writes a
+byte-identical ``metadata.json``. :func:`save_identity` gives a :class:`SaveIdentity` whose ``fingerprint`` differs
+between any two saves:
+
+* the digest (sha256) of the file the format writes last: DCP's ``.metadata`` for ``torch_dist`` and Megatron-LM /
+  Megatron-Bridge ``iter_<N>`` (it records a new ``save_id`` at each save), megatron-core's ``metadata.json`` for
+  ``zarr``;
+* and the name, size, inode, ``st_mtime_ns`` and ``st_ctime_ns`` of every file of the weights: the ``*.distcp``
+  shards, ``common.pt``, ``metadata.json`` and ``.metadata`` (DCP), or every file of every array directory
+  (``.zarray`` and the chunk files), ``common.pt`` and ``metadata.json`` (zarr). Nothing else of the directory
+  (``context/``, the ``consolidated/`` output inside it) counts. A file rewritten in place gets a new modification
+  and change time; a file replaced gets a new inode; and the change time (``st_ctime_ns``) cannot be set by a
+  writer, so a save that restores the old times is still another save. The device number is left out: it differs
+  between mounts of one file system.
+
+A save is visibly in progress when a shard or chunk file is newer (``st_mtime_ns``) than the file the format writes
+last: a save that rewrites a checkpoint in place (Megatron-LM's tracker already names ``N``, so nothing else says so)
+is refused as unfinished (:class:`~.errors.UnfinishedCheckpointError`) until it writes that file again. A copy that did
+not keep modification times (``cp -r``; ``cp -a`` keeps them) looks the same; ``allow_unfinished`` reads it anyway.
+
+The identity is read before and after a consolidation reads the checkpoint; any difference publishes nothing
+(:func:`check_unchanged`). Every output's ``metadata.json`` records it as ``"save"`` (:meth:`SaveIdentity.as_json`;
+:func:`recorded_identity` reads it back), and ``--verify`` compares it with the checkpoint's current one. A copy of a
+checkpoint (other inodes) is another save: its outputs are made again.
+
+``run`` is the training run's id where the checkpoint records one (the overlay's callback stores ``"run_id"`` in
+its state, which Lightning saves in ``weights/common.pt``, read with :func:`.best_checkpoint.read_common_state`, never
+a plain ``torch.load``), else ``None`` (stock NeMo, Megatron-LM). :func:`order_key` is the order ``LATEST`` and
+``BEST`` move in.
+
+Imports the standard library and the engine's errors, layout and safe-file helpers; ``best_checkpoint`` (torch) only
+when a run id is read.
+"""
+
+import hashlib
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from nemo_patch.engine.errors import CorruptShardError, UnfinishedCheckpointError
+
+__all__ = [
+    "SaveChangedError",
+    "SaveIdentity",
+    "check_unchanged",
+    "order_key",
+    "recorded_identity",
+    "save_identity",
+]
+
+#: ``SaveIdentity.layout`` values.
+TORCH_DIST, ZARR, MEGATRON_LM = "torch_dist", "zarr", "megatron_lm"
+_LAYOUTS = (TORCH_DIST, ZARR, MEGATRON_LM)
+#: The largest last-written file hashed (as ``digests.source_fingerprint`` allowed): 1 GiB.
+_MAX_LAST_BYTES = 1 << 30
+#: What a run id may be (as ``training/callback.py`` accepts one).
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+_ITERATION = re.compile(r"^iter_[0-9]{7,18}$")
+_HEX = re.compile(r"[0-9a-f]{64}")
+#: The top-level files of a DCP (torch_dist) save that are its weights (besides ``*.distcp``).
+_DCP_FILES = (".metadata", "common.pt", "metadata.json")
+_ZARR_FILES = ("common.pt", "metadata.json")
+
+
+class SaveChangedError(CorruptShardError):
+    """The checkpoint was saved again (or rewritten in place) while it was read: nothing is published."""
+
+
+@dataclass(frozen=True)
+class SaveIdentity:
+    """Which save of a checkpoint: its layout, run, global step, fingerprint and when it finished.
+
+    Attributes:
+        layout: ``"torch_dist"`` (NeMo), ``"zarr"`` (NeMo ``save_ckpt_format='zarr'``) or ``"megatron_lm"``
+            (Megatron-LM / Megatron-Bridge ``iter_<N>``).
+        run: the training run's id the checkpoint records (the overlay's callback state ``"run_id"``), or ``None``.
+        global_step: the global step (NeMo: ``step=<N>`` in the name, else ``common.pt``; Megatron-LM: ``N``), or
+            ``None`` when unknown.
+        fingerprint: 64 hex digits (sha256) that differ between any two saves (see the module docstring).
+        finished_ns: ``st_mtime_ns`` of the file the format writes last (0 when it is missing, only with
+            ``allow_unfinished``): an order for saves whose run is unknown.
+    """
+
+    layout: str
+    run: Optional[str]
+    global_step: Optional[int]
+    fingerprint: str
+    finished_ns: int
+
+    def as_json(self) -> Dict[str, Any]:
+        """The identity as ``metadata.json`` records it under ``"save"``."""
+        return {
+            "layout": self.layout,
+            "run": self.run,
+            "global_step": self.global_step,
+            "fingerprint": self.fingerprint,
+            "finished_ns": self.finished_ns,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> "SaveIdentity":
+        """The identity :meth:`as_json` gave.
+
+        Raises:
+            ValueError: ``data`` is not such an object (a field missing or of another type).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"a save identity is a JSON object, not {type(data).__name__}")
+        layout, run, step = data.get("layout"), data.get("run"), data.get("global_step")
+        fingerprint, finished = data.get("fingerprint"), data.get("finished_ns")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}")
+        if run is not None and not (isinstance(run, str) and _RUN_ID.fullmatch(run)):
+            raise ValueError(f"malformed run {run!r}")
+        if step is not None and not (type(step) is int and step >= 0):
+            raise ValueError(f"malformed global_step {step!r}")
+        if not (isinstance(fingerprint, str) and _HEX.fullmatch(fingerprint)):
+            raise ValueError(f"malformed fingerprint {fingerprint!r}")
+        if not (type(finished) is int and finished >= 0):
+            raise ValueError(f"malformed finished_ns {finished!r}")
+        return cls(layout, run, step, fingerprint, finished)
+
+    def same_save(self, other: Optional["SaveIdentity"]) -> bool:
+        """Whether ``other`` is the same save (same fingerprint and layout)."""
+        return other is not None and (self.layout, self.fingerprint) == (other.layout, other.fingerprint)
+
+
+def _weights_dir(path: Path) -> Tuple[Path, Path]:
+    """(checkpoint directory, weights directory) of a checkpoint, its ``weights/``, or an ``iter_<N>``."""
+    if stat.S_ISDIR(_lstat_mode(path / "weights")):
+        return path, path / "weights"
+    if path.name == "weights" and path.parent.name != "":
+        return path.parent, path
+    return path, path
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
+def _backend(weights_dir: Path) -> str:
+    from nemo_patch.engine.checkpoint_layout import _json
+
+    return str(_json(weights_dir / "metadata.json").get("sharded_backend", "torch_dist"))
+
+
+def _key(relative: str, status: os.stat_result) -> List[Any]:
+    return [relative, status.st_size, status.st_ino, status.st_mtime_ns, status.st_ctime_ns]
+
+
+def _files(weights_dir: Path, zarr: bool) -> Tuple[List[List[Any]], int]:
+    """Every file of the weights as ``[name, size, inode, mtime_ns, ctime_ns]`` (sorted), and the newest
+    ``st_mtime_ns`` of a shard or chunk file (0 when none).
+
+    Raises:
+        CorruptShardError: ``weights_dir`` cannot be listed, or holds a shard or array entry that is not a regular
+            file or directory (a symbolic link, FIFO, device).
+    """
+    entries: List[List[Any]] = []
+    newest = 0
+    try:
+        with os.scandir(weights_dir) as found:
+            top = sorted(found, key=lambda entry: entry.name)
+        for entry in top:
+            status = entry.stat(follow_symlinks=False)
+            if not zarr and (entry.name in _DCP_FILES or entry.name.endswith(".distcp")):
+                if not stat.S_ISREG(status.st_mode):
+                    raise CorruptShardError(f"{entry.path} is not a regular file (a link, FIFO or device)")
+                entries.append(_key(entry.name, status))
+                if entry.name.endswith(".distcp"):
+                    newest = max(newest, status.st_mtime_ns)
+            elif zarr and entry.name in _ZARR_FILES:
+                entries.append(_key(entry.name, status))
+            elif zarr and stat.S_ISDIR(status.st_mode) and os.path.lexists(os.path.join(entry.path, ".zarray")):
+                newest = max(newest, _array_files(Path(entry.path), entry.name, entries))
+            elif zarr and stat.S_ISLNK(status.st_mode) and os.path.lexists(os.path.join(entry.path, ".zarray")):
+                raise CorruptShardError(f"{entry.path} is a symbolic link; an array directory must lie in weights/")
+    except OSError as error:
+        raise CorruptShardError(f"Cannot list the files of {weights_dir}: {error}") from error
+    return sorted(entries), newest
+
+
+def _array_files(directory: Path, relative: str, entries: List[List[Any]]) -> int:
+    """Add every file under a zarr array directory (not following links) to ``entries``; the newest chunk mtime."""
+    newest = 0
+    with os.scandir(directory) as found:
+        for entry in sorted(found, key=lambda entry: entry.name):
+            status = entry.stat(follow_symlinks=False)
+            name = f"{relative}/{entry.name}"
+            if stat.S_ISDIR(status.st_mode):  # dimension_separator "/": chunk files in nested directories
+                newest = max(newest, _array_files(Path(entry.path), name, entries))
+                continue
+            entries.append(_key(name, status))
+            if entry.name != ".zarray":
+                newest = max(newest, status.st_mtime_ns)
+    return newest
+
+
+def _run_of(checkpoint_dir: Path) -> Optional[str]:
+    """The run id the overlay's callback stored in ``weights/common.pt``, or ``None``."""
+    from nemo_patch.engine.best_checkpoint import read_common_state
+
+    payload = read_common_state(checkpoint_dir)
+    callbacks = payload.get("callbacks") if payload is not None else None
+    for key, state in (callbacks if isinstance(callbacks, dict) else {}).items():
+        if isinstance(key, str) and key.startswith("ConsolidationCallback") and isinstance(state, dict):
+            run = state.get("run_id")
+            if isinstance(run, str) and _RUN_ID.fullmatch(run):
+                return run
+    return None
+
+
+def _global_step(checkpoint_dir: Path, layout: str) -> Optional[int]:
+    if layout == MEGATRON_LM:
+        return int(checkpoint_dir.name[len("iter_") :])
+    from nemo_patch.engine.checkpoint_root import global_step_in_name
+    from nemo_patch.engine.run_checkpoints import common_global_step
+
+    step = global_step_in_name(checkpoint_dir.name)
+    return common_global_step(checkpoint_dir) if step is None else step
+
+
+def save_identity(
+    checkpoint_dir: Union[str, Path], allow_unfinished: bool = False, read_run: bool = True
+) -> SaveIdentity:
+    """The identity of the save a checkpoint holds now.
+
+    Args:
+        checkpoint_dir: a NeMo checkpoint (``<ckpt>/`` or its ``weights/``, ``torch_dist`` or ``zarr``), or a
+            Megatron-LM / Megatron-Bridge ``iter_<N>`` directory.
+        allow_unfinished: give the identity of what is there even when the save is unfinished (no last-written file,
+            or a shard newer than it).
+        read_run: read the run id from ``common.pt`` (``False``: ``run`` is ``None``; the fingerprint is the same).
+
+    Returns:
+        A :class:`SaveIdentity`.
+
+    Raises:
+        UnfinishedCheckpointError: the file the format writes last is missing, or a shard or chunk file is newer
+            than it (a save in progress, e.g. an ``iter_<N>`` rewritten in place).
+        CorruptShardError: the last-written file cannot be read (not a regular file, over 1 GiB), or the weights
+            directory cannot be listed or holds a link where a shard or array lies.
+    """
+    from nemo_patch.engine.safe_files import read_regular_file
+
+    checkpoint_dir, weights_dir = _weights_dir(Path(checkpoint_dir))
+    zarr = _backend(weights_dir) == "zarr"
+    if zarr:
+        layout = ZARR
+    elif weights_dir == checkpoint_dir and _ITERATION.match(checkpoint_dir.name):
+        layout = MEGATRON_LM
+    else:
+        layout = TORCH_DIST
+    last = weights_dir / ("metadata.json" if zarr else ".metadata")
+    files, newest = _files(weights_dir, zarr)
+    digest, finished = "", 0
+    try:
+        status = os.lstat(last)
+        data = read_regular_file(last, _MAX_LAST_BYTES)
+        after = os.lstat(last)
+    except FileNotFoundError:
+        if not allow_unfinished:
+            raise UnfinishedCheckpointError(
+                f"{checkpoint_dir} is an unfinished checkpoint (no '{last.name}'): its save never ended"
+            ) from None
+    except OSError as error:
+        raise CorruptShardError(f"Cannot read {last}: {error}") from error
+    else:
+        if _key("", status) != _key("", after):
+            raise SaveChangedError(f"{last} changed while it was read: {checkpoint_dir} is being saved again")
+        digest, finished = hashlib.sha256(data).hexdigest(), status.st_mtime_ns
+        if newest > finished and not allow_unfinished:
+            raise UnfinishedCheckpointError(
+                f"{checkpoint_dir} is being saved (a {'chunk' if zarr else 'shard'} file is newer than "
+                f"'{last.name}', which its format writes last): consolidated once the save finishes (a copy made "
+                "without keeping times looks the same: copy with 'cp -a', or pass --allow-unfinished)"
+            )
+    text = json.dumps([layout, last.name, digest, files], separators=(",", ":"))
+    fingerprint = hashlib.sha256(text.encode()).hexdigest()
+    run = _run_of(checkpoint_dir) if read_run and layout != MEGATRON_LM else None
+    return SaveIdentity(layout, run, _global_step(checkpoint_dir, layout), fingerprint, finished)
+
+
+def check_unchanged(
+    checkpoint_dir: Union[str, Path], before: SaveIdentity, allow_unfinished: bool = False
+) -> SaveIdentity:
+    """Check that ``checkpoint_dir`` still holds the save ``before`` (read before it was read).
+
+    Returns:
+        The identity now (equal to ``before`` but for nothing).
+
+    Raises:
+        SaveChangedError: it holds another save, or one is in progress: it was saved again while it was read; the
+            message names the checkpoint.
+    """
+    try:
+        now = save_identity(checkpoint_dir, allow_unfinished=allow_unfinished, read_run=False)
+    except UnfinishedCheckpointError as error:
+        raise SaveChangedError(
+            f"{checkpoint_dir} was saved again while it was read ({error}); nothing published"
+        ) from error
+    if not now.same_save(before):
+        raise SaveChangedError(f"{checkpoint_dir} was saved again while it was read; nothing published")
+    return before
+
+
+def recorded_identity(output_dir: Union[str, Path]) -> Optional[SaveIdentity]:
+    """The identity an output's ``metadata.json`` records under ``"save"``, or ``None`` when it records none, or it
+    is missing, not a regular file, or malformed."""
+    from nemo_patch.engine.safe_files import read_json_file
+
+    try:
+        manifest = read_json_file(Path(output_dir) / "metadata.json")
+        return SaveIdentity.from_json(manifest.get("save") if isinstance(manifest, dict) else None)
+    except (OSError, ValueError):
+        return None
+
+
+def order_key(identity: SaveIdentity, fit: int = 0) -> Tuple[Any, ...]:
+    """The order ``LATEST`` and ``BEST`` move in: (run order, fit, global step).
+
+    Run ids start with when the run started (UTC, ``20261202T162711Z-3f9a1c0d``), so they sort as strings; a save
+    whose run is unknown sorts before every known run, and among unknown runs by when it finished (``finished_ns``),
+    then by global step. Two keys compare as tuples.
+    """
+    step = -1 if identity.global_step is None else identity.global_step
+    if identity.run is None:
+        return ("", fit, identity.finished_ns, step)
+    return (identity.run, fit, step, identity.finished_ns)
