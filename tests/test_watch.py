@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -255,7 +256,9 @@ def test_last_copies_count_with_their_step_and_get_hard_links(nemo_checkpoint, t
     assert json.loads((copy / "metadata.json").read_text())["linked_from"] == names[2]
     again = make_watcher(root, "every_n:2")  # a restarted watcher: both outputs are complete, nothing to do
     assert again.run() == 0
-    assert "0 consolidated (0 B), 0 linked" in again.out.getvalue().splitlines()[-1], again.out.getvalue()
+    assert (
+        "0 consolidated (0 B), 1 already done, 0 linked" in again.out.getvalue().splitlines()[-1]
+    ), again.out.getvalue()
 
 
 def test_a_checkpoint_removed_while_read_publishes_nothing_and_the_watcher_goes_on(nemo_checkpoint, tmp_path):
@@ -365,3 +368,73 @@ def test_listing_orders_by_step_and_names_copies(nemo_checkpoint, tmp_path):
     assert [(c.path.name, c.global_step, c.copy) for c in listing.finished] == [
         (names[2], 10, False), (names[0], 10, True), (names[1], 11, False)]  # fmt: skip
     assert listing.not_finished == {root / names[3]: "unfinished"}
+
+
+# -- how a watch ends (issue #47) -------------------------------------------------------------------------------------
+
+
+def test_a_root_that_never_appears_exits_3_after_until_idle(tmp_path):
+    code, log = watch(tmp_path / "chekpoints")  # mistyped
+    lines = log.splitlines()
+    assert code == 3, log
+    assert lines[0] == f"Waiting for {tmp_path / 'chekpoints'} to appear"
+    assert lines[-2].startswith(f"error: {tmp_path / 'chekpoints'} never appeared in 0.3 s") and "(exit code 3)" in log
+    assert "0 consolidated" in lines[-1] and not (tmp_path / "chekpoints").exists()
+
+
+def test_a_root_that_appears_late_is_watched(nemo_checkpoint, tmp_path):
+    root = tmp_path / "checkpoints"
+    watcher = make_watcher(root)
+    watcher.until_idle = 1.0
+    appear = threading.Timer(0.3, lambda: nemo_root(nemo_checkpoint, root, [nemo_checkpoint.name]))
+    appear.start()
+    try:
+        assert watcher.run() == 0, watcher.out.getvalue()
+    finally:
+        appear.join()
+    assert output_is_complete(root / nemo_checkpoint.name, root / nemo_checkpoint.name / "consolidated")
+
+
+def test_best_for_a_run_without_a_monitored_metric_exits_14_as_best_does(nemo_checkpoint, tmp_path, capsys):
+    root = nemo_root(nemo_checkpoint, tmp_path / "checkpoints", [nemo_checkpoint.name])
+    assert main([str(root), "--best"]) == 14
+    assert "recorded no monitored metric" in capsys.readouterr().err
+    code, log = watch(root, "--frequency", "best")
+    assert code == 14, log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "recorded no monitored metric" in errors[0] and errors[0].endswith("(exit code 14)")
+    assert "0 consolidated" in log.splitlines()[-1] and not (root / nemo_checkpoint.name / "consolidated").exists()
+
+
+def test_best_that_never_ranks_a_checkpoint_waits_then_exits_14(nemo_checkpoint, tmp_path, monkeypatch):
+    """A run that monitors a metric but has ranked no checkpoint yet (``best_model_path`` empty in its state; stubbed:
+    NeMo writes it only after validation): the watcher waits; at --until-idle it exits 14."""
+    import nemo_patch.engine.best_checkpoint as best_checkpoint
+
+    def not_yet(*args, **kwargs):
+        error = best_checkpoint.NoMonitoredMetricError(
+            "ModelCheckpoint(monitor='val_loss') has ranked no checkpoint yet"
+        )
+        error.transient = True
+        raise error
+
+    monkeypatch.setattr(best_checkpoint, "find_best_checkpoint", not_yet)
+    root = nemo_root(nemo_checkpoint, tmp_path / "checkpoints", [nemo_checkpoint.name])
+    watcher = make_watcher(root, "best")
+    assert watcher.run() == 14
+    log = watcher.out.getvalue().splitlines()
+    assert any(line.startswith("no best checkpoint yet:") for line in log), log
+    assert log[-2].startswith("error: ModelCheckpoint(monitor='val_loss') has ranked no checkpoint yet"), log
+
+
+def test_a_restarted_watcher_counts_the_outputs_it_found_done(nemo_checkpoint, tmp_path):
+    names = ["model--step=3-consumed_samples=8.0", "model--step=5-consumed_samples=12.0"]
+    root = nemo_root(nemo_checkpoint, tmp_path / "checkpoints", names)
+    first = make_watcher(root)
+    assert first.run() == 0
+    assert "2 consolidated" in first.out.getvalue().splitlines()[-1] and "0 already done" in first.out.getvalue()
+    shutil.copytree(nemo_checkpoint, root / "model--step=7-consumed_samples=16.0")
+    again = make_watcher(root)
+    assert again.run() == 0
+    summary = again.out.getvalue().splitlines()[-1]
+    assert "1 consolidated" in summary and "2 already done" in summary, again.out.getvalue()

@@ -44,8 +44,11 @@ calls, not reads.
 
 ``--until-idle SECONDS``: exit once no checkpoint has finished for that long and nothing is due; a checkpoint that
 never finishes (a crashed save) does not hold the exit. Without it, the watcher runs until SIGTERM or SIGINT, then
-abandons the output being written (nothing is published) and exits. Either way the last line is a summary; the exit
-code is 0, or the exit code of the last consolidation that failed (:mod:`nemo_patch.cli.exit_codes`).
+abandons the output being written (nothing is published) and exits. Either way the last line is a summary (with the
+steps whose output was already complete when found: a restarted watcher's work); the exit code is 0, or the exit code
+of the last consolidation that failed (:mod:`nemo_patch.cli.exit_codes`), or 3 for a root that never appeared before
+``--until-idle`` ran out, or 14 for a ``best`` cadence on a run that records no monitored metric (at once) or ranked no
+checkpoint by ``--until-idle``.
 """
 
 import argparse
@@ -183,6 +186,7 @@ class _Tally:
     removed: int = 0
     failed: int = 0
     exit_code: int = 0
+    already_done: Set[int] = field(default_factory=set)  # global steps whose output it found complete, not its own
     started: float = field(default_factory=time.monotonic)
 
 
@@ -226,6 +230,8 @@ class Watcher:
     layout: Optional[str] = None
     _complete: Dict[Path, Tuple[Any, ...]] = field(default_factory=dict)  # output -> what it was complete as
     _saves: Dict[Path, Tuple[Any, str]] = field(default_factory=dict)  # checkpoint -> (.metadata's stat, sha256)
+    _published: Set[int] = field(default_factory=set)  # global steps this watcher consolidated
+    _no_best: Optional[ConsolidationError] = None  # why no best checkpoint is known yet (a "best" cadence)
 
     def say(self, line: str) -> None:
         """One line of the watcher's log (stdout), flushed."""
@@ -282,11 +288,15 @@ class Watcher:
         try:
             best = find_best_checkpoint(self.root, *self.best)
         except NoMonitoredMetricError as error:
+            if not error.transient:
+                raise  # the run records no monitored metric: exit 14, as --best does
+            self._no_best = error
             self._once(self.root, f"no best checkpoint yet: {error}")
             return None
         except ConsolidationError as error:
             self._once(self.root, f"no best checkpoint now: {error}")
             return None
+        self._no_best = None
         steps = [c.global_step for c in listing.finished if c.path.name == best.checkpoint_dir.name]
         return steps[0] if steps else None
 
@@ -314,6 +324,8 @@ class Watcher:
             group = groups[step]
             done = self._done(group)
             if done is not None:
+                if step not in self._published:
+                    self.tally.already_done.add(step)
                 self._link_copies(done, group)
                 self._point_latest(done)
                 continue
@@ -325,22 +337,14 @@ class Watcher:
     # -- doing it ---------------------------------------------------------------------------------------------------
 
     def _save_of(self, checkpoint: Path) -> str:
-        """Which save of ``checkpoint`` this is (its ``.metadata``'s sha256): a failure is retried if saved again.
-        Read again only when the file changed (inode, size, times)."""
-        from nemo_patch.engine.digests import source_fingerprint
+        """Which save of ``checkpoint`` this is (:func:`nemo_patch.engine.save_identity.save_identity`'s
+        fingerprint; ``""`` while it is unreadable or visibly being saved): a failure is retried if saved again."""
+        from nemo_patch.engine.save_identity import save_identity
 
-        key = _stat_key(self._metadata_file(checkpoint))
-        known = self._saves.get(checkpoint)
-        if key is not None and known is not None and known[0] == key:
-            return known[1]
         try:
-            sha = source_fingerprint(_weights(checkpoint))["sha256"]
+            return save_identity(checkpoint, read_run=False).fingerprint
         except ConsolidationError:
-            self._saves.pop(checkpoint, None)
             return ""
-        if key is not None and _stat_key(self._metadata_file(checkpoint)) == key:
-            self._saves[checkpoint] = (key, sha)
-        return sha
 
     def _once(self, path: Path, line: str) -> None:
         if (path, line) not in self._said and len(self._said) < _SEEN_REASONS_LIMIT:
@@ -379,6 +383,7 @@ class Watcher:
                     self._once(checkpoint.path, f"{checkpoint.path.name}: another watcher is consolidating it")
                     continue
                 if self._is_complete(checkpoint.path, self._output(checkpoint)):  # done meanwhile, by another
+                    self.tally.already_done.add(checkpoint.global_step)
                     return
                 if self._consolidate_one(checkpoint):
                     self._link_copies(checkpoint, group)
@@ -401,6 +406,7 @@ class Watcher:
             self._busy = False
         seconds = time.monotonic() - started
         self.tally.consolidated += 1
+        self._published.add(checkpoint.global_step)
         self.tally.bytes += size
         self.say(f"Consolidated {checkpoint.path.name} (step {checkpoint.global_step}) -> {output}: {count} tensors, "
                  f"{human_size(size)} in {seconds:.1f} s")  # fmt: skip
@@ -566,21 +572,34 @@ class Watcher:
 
     def run(self) -> int:
         """Watch until idle or stopped; returns the exit code (0, or the last failed consolidation's)."""
+        from nemo_patch.engine.best_checkpoint import NoMonitoredMetricError
+        from nemo_patch.engine.errors import CheckpointNotFoundError
+
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        appeared = self.root.is_dir()
         try:
-            if not self.root.is_dir():
+            if not appeared:
                 self.say(f"Waiting for {self.root} to appear")
             while not self.stopping:
                 try:
+                    appeared = appeared or self.root.is_dir()
                     busy = self.scan() if self.root.is_dir() else False
                 except WatchStopped:
                     self.say("The output being written was abandoned; nothing half-written is published")
+                    break
+                except NoMonitoredMetricError as error:  # a "best" cadence for a run that records no metric
+                    self._end_with(error)
                     break
                 except OSError as error:  # EACCES, ESTALE, EIO on the root: said once, tried again next poll
                     self._once(self.root, f"cannot list {self.root} now: {_one_line(error)}; trying again")
                     busy = False
                 idle = time.monotonic() - self._last_finished
                 if self.until_idle is not None and not busy and idle >= self.until_idle:
+                    if not appeared:
+                        never = f"{self.root} never appeared in {self.until_idle:g} s (--until-idle): a mistyped root?"
+                        self._end_with(CheckpointNotFoundError(never))
+                    elif self._no_best is not None:
+                        self._end_with(self._no_best)  # a "best" cadence that never found a best checkpoint
                     break
                 deadline = time.monotonic() + self.poll_interval
                 while not self.stopping and time.monotonic() < deadline:
@@ -591,10 +610,15 @@ class Watcher:
         tally = self.tally
         self.say(
             f"Watched {self.root} for {time.monotonic() - tally.started:.0f} s: {tally.consolidated} consolidated "
-            f"({human_size(tally.bytes)}), {tally.linked} linked, {tally.removed} removed "
-            f"while read, {tally.failed} failed"
+            f"({human_size(tally.bytes)}), {len(tally.already_done)} already done, {tally.linked} linked, "
+            f"{tally.removed} removed while read, {tally.failed} failed"
         )
         return tally.exit_code
+
+    def _end_with(self, error: ConsolidationError) -> None:
+        """The watch ends with ``error``: one ``error:`` line, and its exit code."""
+        self.say(f"error: {_one_line(error)} (exit code {error.exit_code})")
+        self.tally.exit_code = error.exit_code
 
 
 def human_size(size: float) -> str:

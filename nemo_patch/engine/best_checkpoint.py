@@ -63,10 +63,14 @@ __all__ = [
 
 
 class NoMonitoredMetricError(ConsolidationError):
-    """The best checkpoint of a run was asked for (``nemo-consolidate --best``), but the run recorded no monitored
-    metric: no ``ModelCheckpoint(monitor=...)`` metric in its checkpoints' state and none in their names."""
+    """The best checkpoint of a run was asked for (``nemo-consolidate --best``, or ``--watch --frequency best``), but
+    the run recorded no monitored metric: no ``ModelCheckpoint(monitor=...)`` metric in its checkpoints' state and none
+    in their names (a watcher whose run monitors a metric but ranked no checkpoint by ``--until-idle`` too)."""
 
     exit_code, summary = 14, "--best for a run that recorded no monitored metric"
+    #: ``True`` when the run monitors a metric but has ranked no checkpoint by it yet (a later save may be ranked):
+    #: a watcher (``--watch --frequency best``) waits; otherwise the run records no monitored metric at all.
+    transient: bool = False
 
 
 logger = logging.getLogger(__name__)
@@ -227,10 +231,12 @@ def find_best_checkpoint(
         return _from_names(root, candidates, monitor or DEFAULT_MONITOR, mode or state_mode or DEFAULT_MODE)
     best_path, score = state.get("best_model_path"), state.get("best_model_score")
     if not best_path or score is None:
-        raise NoMonitoredMetricError(
+        error = NoMonitoredMetricError(
             f"{root}: ModelCheckpoint(monitor={state_monitor!r}) has ranked no checkpoint yet (no best_model_path in "
             "the newest finished checkpoint's state): was the metric logged before a checkpoint was saved?"
         )
+        error.transient = True
+        raise error
     best = root / Path(str(best_path)).name.removesuffix(".ckpt")
     named = f"the best checkpoint by {state_monitor} ({float(score):.6g}) that ModelCheckpoint recorded, {best.name},"
     if not best.is_dir():

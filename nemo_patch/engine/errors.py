@@ -23,7 +23,7 @@ class ConsolidationError(RuntimeError):
 
 
 class CheckpointNotFoundError(ConsolidationError):
-    """The given path does not exist."""
+    """The given path does not exist (``--watch``: the root did not appear before ``--until-idle`` ran out)."""
 
     exit_code, summary = 3, "path missing"
 

@@ -76,7 +76,7 @@ __all__ = [
 
 
 class PostCommandError(ConsolidationError):
-    """The command run after an output was published (``--post-command``, ``ckpt_consolidation_post_command``) failed
+    """The command run after an output was published (``--post-command``, ``ConsolidationConfig.post_command``) failed
     or timed out; the output itself is complete and stays published, and its ``metadata.json`` records the result."""
 
     exit_code, summary = 17, "a --post-command that failed or timed out"
