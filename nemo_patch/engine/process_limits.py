@@ -20,10 +20,9 @@ it dies, so a killed training rank leaves no consolidation behind) and inherits 
 consolidation process (the kernel's OOM killer then picks a consolidating process before a training rank; raising
 ``oom_score_adj`` needs no privilege, and forked children inherit it).
 
-Imports the standard library only.
+Imports the standard library only; ``ctypes`` inside :func:`die_with_parent`, on Linux only.
 """
 
-import ctypes
 import os
 import signal
 import sys
@@ -50,9 +49,11 @@ def die_with_parent(parent_pid: Optional[int] = None) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
+        import ctypes  # Linux only, never at module import
+
         if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
             return False
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         return False
     if parent_pid is not None and os.getppid() != parent_pid:  # reparented: the parent died before the prctl
         os.kill(os.getpid(), signal.SIGKILL)
@@ -65,6 +66,8 @@ def raise_oom_score(increment: int = OOM_SCORE_ADJ_INCREMENT) -> Optional[int]:
     Returns:
         The new value, or ``None`` where it cannot be read or written (not Linux, a restricted ``/proc``).
     """
+    if not sys.platform.startswith("linux"):
+        return None
     path = "/proc/self/oom_score_adj"
     try:
         with open(path) as handle:

@@ -34,18 +34,21 @@ time) and, as before, its name names this host and a process that does not run h
 
 Imports the standard library, torch (for DCP's exception type) and the engine's errors, names and output rules
 (:mod:`.output_target`) only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
+
+Platform: ``flock`` (:mod:`fcntl`, POSIX) and ``renameat2`` (:mod:`ctypes`, Linux) are imported only where they are
+used and only on a platform that has them; elsewhere (Windows, macOS) a temporary directory has no lock file and is
+protected by its age, and an output is replaced by two renames (:func:`publish_dir`).
 """
 
 import contextlib
-import ctypes
 import errno
-import fcntl
 import functools
 import logging
 import os
 import re
 import shutil
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -110,6 +113,24 @@ def tmp_name(kind: str = "") -> str:
     return f"{TMP_PREFIX}{kind}{os.getpid()}-{uuid.uuid4().hex[:12]}@{_host()}"
 
 
+def _lock_now(fd: int) -> None:
+    """Take an exclusive ``flock`` on ``fd`` without waiting.
+
+    ``fcntl`` is POSIX-only, so it is imported here, not at module import (Windows has none).
+
+    Raises:
+        OSError: the lock is held by another process, the filesystem has no ``flock``, or this platform has no
+            ``fcntl`` (``ENOTSUP``).
+    """
+    try:
+        if os.name != "posix":
+            raise ImportError(f"no fcntl on {sys.platform}")
+        import fcntl
+    except ImportError as error:
+        raise OSError(errno.ENOTSUP, f"no flock here: {error}") from error
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def make_tmp_dir(parent: Path, kind: str = "") -> Path:
     """Create a hidden, uniquely named directory in ``parent`` (permissions follow the umask), holding its lock.
 
@@ -130,8 +151,8 @@ def make_tmp_dir(parent: Path, kind: str = "") -> Path:
         logger.debug("No lock file in %s: %s", path, error)
         return path
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:  # no flock on this filesystem: a lock file nobody holds would read as stale
+        _lock_now(fd)
+    except OSError as error:  # no flock here: a lock file nobody holds would read as stale
         os.close(fd)
         lock.unlink(missing_ok=True)
         logger.debug("Cannot lock %s (%s); it is protected by its age instead", lock, error)
@@ -157,10 +178,17 @@ def remove_tmp_dir(path: Path) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _libc_renameat2() -> Any:
-    """libc's ``renameat2`` (glibc 2.28 and later), or ``None``."""
+    """libc's ``renameat2`` (glibc 2.28 and later), or ``None`` (off Linux, or an older libc).
+
+    ``ctypes`` is imported here, on Linux only, never at module import.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
     try:
+        import ctypes
+
         function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):  # a Python built without ctypes, or no such symbol
         return None
     function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     function.restype = ctypes.c_int
@@ -179,6 +207,8 @@ def _renameat2(source: Path, target: Path, flags: int) -> bool:
         return False
     if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
         return True
+    import ctypes  # loaded already: _libc_renameat2 found the function through it
+
     code = ctypes.get_errno()
     if code in _UNSUPPORTED:
         return False
@@ -311,7 +341,7 @@ def _remove_if_stale(path: Path, pid: int) -> Optional[str]:
         return f"without a lock file, unchanged for {LOCKLESS_STALE_SECONDS // 60} minutes, process {pid} gone"
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_now(fd)
         except OSError:  # held: in use (or locks do not work here: kept, as unknown)
             return None
         try:
