@@ -29,7 +29,10 @@ import os
 import pathlib
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 def compare(weights_dir: Path, output_dir: Path) -> int:
@@ -83,7 +86,7 @@ def compare(weights_dir: Path, output_dir: Path) -> int:
     return len(expected)
 
 
-def _bitwise_equal(a, b) -> bool:
+def _bitwise_equal(a: "torch.Tensor", b: "torch.Tensor") -> bool:
     """Same dtype, shape and bytes (NaNs and signed zeros included), by torch alone."""
     import torch
 
