@@ -154,7 +154,7 @@ def test_the_exit_code_table_is_the_errors_module(site):
     rows = _table_rows(site / "troubleshooting.html", "nemo-patch-exit-codes")
     table = [(int(code), name) for code, name, _ in rows]
     expected = sorted(
-        [(0, ""), (2, ""), (130, "")] + [(cls.exit_code, name) for name, cls in _error_classes().items()]
+        [(0, ""), (2, ""), (21, ""), (130, "")] + [(cls.exit_code, name) for name, cls in _error_classes().items()]
     )
     assert table == expected
     causes = {name: cause.replace("\u2019", "'") for _, name, cause in rows}  # Sphinx's typographic apostrophes
@@ -171,7 +171,7 @@ def test_the_cli_epilog_names_every_exit_code():
     epilog = parser.epilog
     assert epilog.startswith("Exit codes: ")
     named = [int(code) for code in re.findall(r"(?:^Exit codes: |, )(\d+) ", epilog)]
-    assert sorted(named) == sorted({0, 2, 130} | {cls.exit_code for cls in _error_classes().values()})
+    assert sorted(named) == sorted({0, 2, 21, 130} | {cls.exit_code for cls in _error_classes().values()})
     assert len(named) == len(set(named))
 
 

@@ -15,10 +15,14 @@
 """The installed overlay, seen from fresh interpreters that never import nemo_patch themselves."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from importlib import metadata
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 from conftest import REPO, run_python
@@ -96,31 +100,52 @@ def test_a_traceback_shows_the_edited_lines():
     assert "self.consolidation_settings = checkpoint_consolidation.strategy_settings(" in proc.stdout
 
 
-def test_disable_env_turns_the_overlay_off():
+def test_disable_env_turns_the_overlay_off_and_the_strategy_refuses_consolidation_arguments():
+    """``NEMO_PATCH_DISABLE=1``: NeMo runs unedited, and ``MegatronStrategy`` given a consolidation argument raises
+    (before, NeMo's own class passed the keyword on to Lightning's unused ``_ddp_kwargs``: nothing consolidated,
+    nothing said), before and after ``import nemo_patch``; without one it builds as NeMo's."""
     code = textwrap.dedent(
         """
         import inspect, json, sys
         import nemo.lightning as nl
         before = {"nemo_patch_imported": "nemo_patch" in sys.modules, "module": nl.MegatronStrategy.__module__}
-        # NeMo's own class has no such argument: it swallows unknown keywords into Lightning's DDP kwargs.
-        stock = nl.MegatronStrategy(ckpt_consolidation_frequency="latest")
-        ignored = not hasattr(stock, "consolidation_settings") and "ckpt_consolidation_frequency" in stock._ddp_kwargs
+        def refusal(**kwargs):
+            try:
+                nl.MegatronStrategy(**kwargs)
+            except Exception as error:
+                return f"{type(error).__name__}: {error}"
+        stock = nl.MegatronStrategy(ckpt_async_save=False)
+        refused_before = refusal(ckpt_consolidation_frequency="latest")
         import nemo_patch
         print(json.dumps({
             **before,
-            "new_argument_ignored": ignored,
+            "plain_strategy_builds": not hasattr(stock, "consolidation_settings"),
+            "refused_before": refused_before,
+            "refused_after": [refusal(ckpt_consolidation=nemo_patch.ConsolidationConfig(format="hf")),
+                              refusal(save_consolidated=True, ckpt_consolidation_dtype="bf16")],
             "still_unedited_after_import": "ckpt_consolidation" not in str(inspect.signature(nl.MegatronStrategy)),
             "applied": nemo_patch.overlay.apply.apply_overlay(),
             "overlay_applied": nemo_patch.overlay_applied(),
             "nemo_patch_class_is_nemo_s": nemo_patch.MegatronStrategy is nl.MegatronStrategy,
+            "file": sys.modules[nl.MegatronStrategy.__module__].__file__,
         }))
         """
     )
     result = _json_result(run_python(code, env={"NEMO_PATCH_DISABLE": "1"}))
+    message = (
+        "OverlayNotAppliedError: MegatronStrategy({}=...) needs the nemo_patch overlay, which is not applied to "
+        f"{result['file']} of nemo_toolkit {NEMO_VERSION}: NEMO_PATCH_DISABLE=1 is set."
+    )
+    assert result.pop("refused_before").startswith(message.format("ckpt_consolidation_frequency"))
+    first, second = result.pop("refused_after")
+    assert first.startswith(message.format("ckpt_consolidation")), first
+    assert second.startswith(message.format("ckpt_consolidation_dtype, save_consolidated")), second
+    assert "consolidate nothing" in first and "nemo-consolidate --check" in first
+    del result["file"]
     assert result == {
         "nemo_patch_imported": False,
         "module": NEMO_MODULE,
-        "new_argument_ignored": True,
+        "plain_strategy_builds": True,
         "still_unedited_after_import": True,
         "applied": False,
         "overlay_applied": False,
@@ -245,11 +270,20 @@ def test_nemo_3_is_refused_with_a_message(tmp_path):
 
 def test_older_nemo_is_refused_and_the_overlay_hook_never_breaks_nemo_import(tmp_path):
     code = "import inspect, nemo.lightning as nl; "
-    code += "print('ckpt_consolidation' in str(inspect.signature(nl.MegatronStrategy)))"
+    code += "print('ckpt_consolidation' in str(inspect.signature(nl.MegatronStrategy)))\n"
+    code += (
+        "try:\n    nl.MegatronStrategy(ckpt_consolidation_frequency='each')\nexcept RuntimeError as e:\n    print(e)"
+    )
     proc = run_python(code, env=_fake_nemo_toolkit(tmp_path, "2.4.1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "False"  # NeMo unedited
+    assert proc.stdout.strip().splitlines()[-2] == "False"  # NeMo unedited
     assert "nemo_patch overlay not applied: nemo_patch supports nemo_toolkit >= 2.5, < 3" in proc.stderr
+    # and the strategy refuses to take the keyword silently, naming the file and the version
+    refusal = proc.stdout.strip().splitlines()[-1]
+    assert refusal.startswith(
+        "MegatronStrategy(ckpt_consolidation_frequency=...) needs the nemo_patch overlay, which "
+    )
+    assert "megatron_strategy.py of nemo_toolkit 2.4.1: nemo_patch supports nemo_toolkit >= 2.5, < 3" in refusal
 
 
 @pytest.mark.parametrize(
@@ -289,7 +323,6 @@ def test_two_copies_of_the_hook_do_not_recurse(tmp_path):
 def test_the_edits_are_git_patches_that_apply_to_the_installed_nemo(tmp_path):
     """Each diff of the series is a real patch: ``git apply`` takes them in order on NeMo's files (the start-up hook
     applies the same hunks, by their lines)."""
-    import subprocess
 
     import nemo
 
@@ -313,3 +346,158 @@ def test_the_edits_are_git_patches_that_apply_to_the_installed_nemo(tmp_path):
     for path in {path for _, path, _ in series}:
         module = path.removesuffix(".py").replace("/", ".")
         assert edited_sources()[module] == (tmp_path / path).read_text(), path
+
+
+def _nemo_with_one_context_line_edited(tmp_path: Path) -> Tuple[Path, Path]:
+    """A copy of the installed NeMo in ``tmp_path`` (to put first on ``PYTHONPATH``) in which one context line of the
+    file the series edits most, ``megatron_strategy.py``, reads differently (a docstring line, as a NeMo release may
+    reword it): the directories on the way to it are real, every other entry a symlink to the installed NeMo's.
+    Returns the copy's root and the edited file."""
+    import nemo
+
+    installed = Path(nemo.__file__).parent
+    target = installed / "lightning" / "pytorch" / "strategies" / "megatron_strategy.py"
+    line = "        use_gloo_process_groups (bool): Whether to use Gloo process groups. Defaults to True.\n"
+    text = target.read_text()
+    assert text.count(line) == 1 and any(line[:-1] in old for _, _, hunks in _series() for old, _ in hunks)
+    source, copy = installed, tmp_path / "nemo"
+    for part in ("lightning", "pytorch", "strategies", None):
+        copy.mkdir(parents=True)
+        for entry in source.iterdir():
+            if entry.name != part and entry != target:
+                (copy / entry.name).symlink_to(entry)
+        if part is not None:
+            source, copy = source / part, copy / part
+    edited = copy / target.name
+    edited.write_text(text.replace(line, line.replace("Defaults to True.", "Default: True.")))
+    return tmp_path, edited
+
+
+def _series() -> List[Tuple[str, str, List[Tuple[List[str], List[str]]]]]:
+    from nemo_patch.overlay.hook import read_series
+
+    return [entry for entry in read_series() if entry[1].endswith("megatron_strategy.py")]
+
+
+def test_a_nemo_with_one_edited_context_line_refuses_consolidation_arguments_and_check_fails(tmp_path):
+    """The edits do not apply to a NeMo whose ``megatron_strategy.py`` differs from them by one context line: NeMo
+    runs unedited, and ``MegatronStrategy`` given a consolidation argument raises naming the file and the NeMo
+    version (before: one RuntimeWarning at import, then the keyword went to Lightning's unused ``_ddp_kwargs``);
+    ``nemo-consolidate --check`` exits 21 with the same reason."""
+    root, edited = _nemo_with_one_context_line_edited(tmp_path / "site")
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import nemo.lightning as nl
+        try:
+            nl.MegatronStrategy(ckpt_consolidation_frequency="each")
+            refused = None
+        except Exception as error:
+            refused = f"{type(error).__name__}: {error}"
+        print(json.dumps({"file": sys.modules[nl.MegatronStrategy.__module__].__file__, "refused": refused,
+                          "plain": type(nl.MegatronStrategy(ckpt_async_save=False)).__name__}))
+        """
+    )
+    env = {"PYTHONPATH": str(root)}
+    result = _json_result(run_python(code, env=env))
+    reason = (
+        f"nemo/lightning/pytorch/strategies/megatron_strategy.py of nemo_toolkit {NEMO_VERSION} does not match "
+        "knob.diff (hunk 2's context is found 0 times)"
+    )
+    assert result["file"] == str(edited) and result["plain"] == "MegatronStrategy"
+    assert result["refused"].startswith(
+        f"OverlayNotAppliedError: MegatronStrategy(ckpt_consolidation_frequency=...) needs the nemo_patch overlay, "
+        f"which is not applied to {edited} of nemo_toolkit {NEMO_VERSION}: {reason}."
+    ), result["refused"]
+    check = subprocess.run(
+        [sys.executable, "-m", "nemo_patch", "--check"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=REPO,
+        timeout=600,
+    )
+    assert check.returncode == 21, check.stderr[-3000:]
+    assert check.stdout == ""
+    assert check.stderr.splitlines()[-1] == (
+        f"nemo-consolidate: error: nemo_patch overlay not active: {edited} of nemo_toolkit {NEMO_VERSION} is not "
+        f"edited: {reason}"
+    )
+
+
+def test_check_says_the_overlay_is_active_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_patch", "--check"], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import nemo
+
+    file = Path(nemo.__file__).parent / "lightning" / "pytorch" / "strategies" / "megatron_strategy.py"
+    assert proc.stdout == (
+        f"nemo_patch overlay active: {file} of nemo_toolkit {NEMO_VERSION} is edited (start-up hook installed)\n"
+    )
+
+
+def _interpreter_without_the_startup_hook(tmp_path: Path) -> Path:
+    """A virtual environment whose one ``.pth`` line puts this venv's site-packages on ``sys.path`` as a plain
+    directory, whose own ``.pth`` files (``nemo_patch.pth``, the editable install's) are then never run: nemo-patch
+    is importable only through ``PYTHONPATH``, as a user who put a checkout there has it."""
+    import site
+    import venv
+
+    venv.create(tmp_path / "venv", with_pip=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "nemo_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python
+
+
+def test_a_pythonpath_install_check_fails_and_importing_nemo_patch_turns_the_overlay_on(tmp_path):
+    """Without the start-up hook, ``--check`` exits 21 naming it; a job that imports nemo_patch (for
+    ``ConsolidationConfig``) has the overlay whether it imports NeMo first or not."""
+    python = _interpreter_without_the_startup_hook(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("NEMO_PATCH_DISABLE", None)
+    check = subprocess.run(
+        [str(python), "-m", "nemo_patch", "--check"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert check.returncode == 21, check.stderr[-3000:]
+    assert "the start-up hook (nemo_patch.pth) did not run in a new interpreter" in check.stderr.splitlines()[-1]
+    code = textwrap.dedent(
+        """
+        import json, sys
+        hooked = "nemo_patch.overlay.hook" in sys.modules
+        import nemo.lightning as nl
+        unedited = "ckpt_consolidation" not in str(__import__("inspect").signature(nl.MegatronStrategy))
+        from nemo_patch import ConsolidationConfig, overlay_applied
+        s = nl.MegatronStrategy(ckpt_consolidation_frequency="each", ckpt_consolidation=ConsolidationConfig(),
+                                ckpt_async_save=False)
+        print(json.dumps([hooked, unedited, overlay_applied(), s.checkpoint_io.consolidation is not None]))
+        """
+    )
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [False, True, True, True]
+
+
+def test_the_demo_refuses_to_run_with_the_overlay_off(tmp_path):
+    """Before, the demo trained with the overlay off and its summary said ``ckpt_consolidation_frequency='every_n:2'``
+    with "no" for every checkpoint; now it exits 21 with the reason and writes nothing."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "demo_consolidation_cadence.py"), "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NEMO_PATCH_DISABLE": "1"},
+        cwd=REPO,
+        timeout=600,
+    )
+    assert proc.returncode == 21, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].endswith(
+        "error: the nemo_patch overlay is not active: NEMO_PATCH_DISABLE=1 is set"
+    )
+    assert not (tmp_path / "run").exists() and "global step" not in proc.stdout

@@ -96,6 +96,12 @@ CLI_EXIT_CODES = {
         "Success: the output was written and published (or, with ``--verify`` of an existing output, it matched).",
     ),
     2: ("usage", "Bad command line: ``argparse`` prints the usage and the reason."),
+    21: (
+        "overlay not active (--check)",
+        "``--check``: the overlay would not be active in a new interpreter of this environment (the start-up hook did "
+        "not run, ``NEMO_PATCH_DISABLE`` is set, or NeMo is unsupported or its files do not match the edits); the "
+        "line on stderr says which. ``MegatronStrategy`` would refuse a consolidation argument there.",
+    ),
     130: ("interrupted", "Interrupted (Ctrl-C, ``SIGINT``): nothing was published."),
 }
 #: ``-W`` filter for torch's import-time warning about the ``pynvml`` package.
@@ -241,6 +247,30 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _CheckAction(argparse.Action):
+    """``--check``: whether the overlay would be active in a new interpreter (:mod:`nemo_patch.cli.check`); one line,
+    then exit 0, or 21 with the reason."""
+
+    def __init__(self, option_strings: List[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="job-start guard: exit 0 with one line if NeMo's MegatronStrategy would be edited by the overlay in "
+            "a new interpreter of this environment, else exit 21 with the reason",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        from nemo_patch.cli.check import OVERLAY_OFF_EXIT_CODE, check_overlay
+
+        active, line = check_overlay()
+        if active:
+            print(line)
+            parser.exit(0)
+        parser.exit(OVERLAY_OFF_EXIT_CODE, f"{parser.prog}: error: nemo_patch overlay not active: {line}\n")
+
+
 def _exit_codes_epilog() -> str:
     """``Exit codes: 0 ok, 2 usage, 3 path missing, ..., 1 other.``: from the error classes' ``exit_code`` and
     ``summary`` (:mod:`nemo_patch.engine.errors`)."""
@@ -249,6 +279,7 @@ def _exit_codes_epilog() -> str:
 
     classes = error_classes().values()
     causes = [(cls.exit_code, cls.summary) for cls in classes if cls is not ConsolidationError]
+    causes += [(code, CLI_EXIT_CODES[code][0]) for code in CLI_EXIT_CODES if code not in (0, 2, 130)]
     causes.append((ConsolidationError.exit_code, ConsolidationError.summary))
     fixed = [(code, CLI_EXIT_CODES[code][0]) for code in (0, 2)]
     interrupted = [(130, CLI_EXIT_CODES[130][0])]
@@ -327,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_watch_options(parser)
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     parser.add_argument("--version", action=_VersionAction)
+    parser.add_argument("--check", action=_CheckAction)
     return parser
 
 

@@ -22,7 +22,7 @@ functions the hook calls once NeMo is being imported.
 from types import ModuleType
 
 from nemo_patch.overlay import hook
-from nemo_patch.overlay.hook import overlay_applied, overlay_disabled
+from nemo_patch.overlay.hook import overlay_applied
 
 __all__ = ["after_exec", "apply_overlay", "overlay_applied", "prepare"]
 
@@ -43,12 +43,14 @@ def apply_overlay() -> bool:
     """Register the hook (unless the start-up did) and edit the NeMo modules imported before it; applying twice is
     harmless.
 
+    With ``NEMO_PATCH_DISABLE`` (or edits that do not apply to this NeMo) nothing is edited, and NeMo's
+    ``MegatronStrategy`` refuses the consolidation arguments (:func:`.hook.guard_unedited`), now if it is imported,
+    else as soon as it is.
+
     Returns:
         Whether NeMo's ``MegatronStrategy`` module is in effect edited (``False`` with ``NEMO_PATCH_DISABLE``, or
         before a program imports it: the hook edits it then).
     """
-    if overlay_disabled():
-        return False
     hook.install(prepare, after_exec)
     hook.edit_loaded_modules()
     return overlay_applied()

@@ -24,10 +24,16 @@ that does not apply to the installed NeMo (another release changed a context lin
 with one warning naming the NeMo version, the file and the hunk. :func:`edit_loaded_modules` does the same for NeMo
 modules imported before the hook was installed, and rebinds the names other ``nemo`` modules hold.
 
+On, or loudly off: whenever NeMo's ``MegatronStrategy`` module runs unedited while the hook or the package is loaded
+(the series does not apply, an unsupported NeMo, ``NEMO_PATCH_DISABLE``), its class refuses the consolidation
+arguments (:func:`guard_unedited`: :class:`OverlayNotAppliedError`, naming the file, the NeMo version and the reason),
+where NeMo would pass them on to Lightning's unused DDP keywords and consolidate nothing.
+
 Standard library only, and no other ``nemo_patch`` module: what runs before and after an edit is handed in. Set
 ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to leave NeMo unedited.
 """
 
+import functools
 import linecache
 import os
 import re
@@ -37,7 +43,17 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-__all__ = ["EDITS_DIR", "TARGET_MODULE", "edit_loaded_modules", "install", "overlay_applied", "overlay_disabled"]
+__all__ = [
+    "EDITS_DIR",
+    "OverlayNotAppliedError",
+    "TARGET_MODULE",
+    "edit_loaded_modules",
+    "guard_unedited",
+    "install",
+    "not_applied_reason",
+    "overlay_applied",
+    "overlay_disabled",
+]
 
 #: The diffs and their ``series`` file.
 EDITS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nemo_edits")
@@ -52,10 +68,18 @@ _Hunk = Tuple[List[str], List[str]]
 _HUNK_HEADER = re.compile(r"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@")
 
 
+class OverlayNotAppliedError(RuntimeError):
+    """``MegatronStrategy`` was given a consolidation argument while NeMo's module runs unedited (the overlay's edits
+    do not apply to this NeMo, NeMo is not supported, or ``NEMO_PATCH_DISABLE`` is set); the message names the file,
+    the NeMo version and the reason."""
+
+
 class _State:
-    """What this process knows: the edited sources by module (``None`` until computed; empty when refused)."""
+    """What this process knows: the edited sources by module (``None`` until computed; empty when refused), and why
+    they are empty."""
 
     sources: Optional[Dict[str, str]] = None
+    reason: Optional[str] = None
     edited: Set[str] = set()
     prepare: Optional[Prepare] = None
     after_exec: Optional[AfterExec] = None
@@ -69,6 +93,53 @@ def overlay_disabled() -> bool:
 def overlay_applied() -> bool:
     """Whether NeMo's ``MegatronStrategy`` module was executed with the edits."""
     return TARGET_MODULE in _State.edited and TARGET_MODULE in sys.modules
+
+
+def is_consolidation_keyword(name: str) -> bool:
+    """Whether ``name`` is a keyword only the edited ``MegatronStrategy`` takes: ``save_consolidated``,
+    ``ckpt_consolidation`` and ``ckpt_consolidation_<anything>`` (the cadence and the deprecated flat keywords)."""
+    return name == "save_consolidated" or name.startswith("ckpt_consolidation")
+
+
+def not_applied_reason() -> Optional[str]:
+    """Why NeMo's ``MegatronStrategy`` module is not edited in this process, or ``None`` when it is."""
+    if overlay_applied():
+        return None
+    if overlay_disabled():
+        return f"NEMO_PATCH_DISABLE={os.environ.get('NEMO_PATCH_DISABLE', '')} is set"
+    if _State.reason is not None:
+        return _State.reason
+    if TARGET_MODULE in sys.modules:
+        return "NeMo's MegatronStrategy module was imported before the overlay was installed, and not edited since"
+    return "NeMo's MegatronStrategy module is not imported yet"
+
+
+def guard_unedited(module: ModuleType) -> None:
+    """Make the unedited ``MegatronStrategy`` of NeMo's ``module`` refuse the consolidation keywords
+    (:func:`is_consolidation_keyword`) with :class:`OverlayNotAppliedError`; other modules, and a class already
+    guarded, are left alone. The class keeps its signature (``functools.wraps``) and NeMo's ``IOMixin`` wrapping."""
+    strategy = vars(module).get("MegatronStrategy")
+    if module.__name__ != TARGET_MODULE or not isinstance(strategy, type):
+        return
+    original = strategy.__dict__.get("__init__")
+    if original is None or getattr(original, "nemo_patch_guard", False):
+        return
+    filename = str(module.__spec__.origin if module.__spec__ is not None else module.__file__)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        asked = sorted(name for name in kwargs if is_consolidation_keyword(name))
+        if asked:
+            raise OverlayNotAppliedError(
+                f"MegatronStrategy({', '.join(asked)}=...) needs the nemo_patch overlay, which is not applied to "
+                f"{filename} of nemo_toolkit {_nemo_version()}: {not_applied_reason()}. Unedited, NeMo would pass "
+                "the argument on to Lightning and consolidate nothing (`nemo-consolidate --check` tells whether the "
+                "overlay is active; docs/installation.md)"
+            )
+        original(self, *args, **kwargs)
+
+    __init__.nemo_patch_guard = True  # type: ignore[attr-defined]
+    strategy.__init__ = __init__  # type: ignore[misc]
 
 
 def read_series(directory: Optional[str] = None) -> List[Tuple[str, str, List[_Hunk]]]:
@@ -130,6 +201,7 @@ def _nemo_version() -> str:
 
 
 def _refuse(message: str) -> Dict[str, str]:
+    _State.reason = message
     warnings.warn(f"nemo_patch overlay not applied: {message}; NeMo runs unedited", RuntimeWarning, stacklevel=3)
     return {}
 
@@ -200,6 +272,7 @@ class _EditingLoader:
         if source is None:
             _State.edited.discard(module.__name__)
             self._loader.exec_module(module)
+            guard_unedited(module)
         else:
             _execute(module, source)
 
@@ -253,15 +326,14 @@ class _OverlayFinder:
 
 
 def install(prepare: Prepare, after_exec: Optional[AfterExec] = None) -> None:
-    """Register the finder once, unless the overlay is disabled.
+    """Register the finder once. With the overlay disabled it edits nothing: it only guards NeMo's unedited
+    ``MegatronStrategy`` (:func:`guard_unedited`).
 
     Args:
         prepare: called once, before the first edit; an exception leaves NeMo unedited (and is warned). It may call
             this function again, with both arguments.
         after_exec: called with each module once it was executed edited.
     """
-    if overlay_disabled():
-        return
     _State.prepare = prepare
     _State.after_exec = after_exec if after_exec is not None else _State.after_exec
     if not any(isinstance(finder, _OverlayFinder) for finder in sys.meta_path):
@@ -273,6 +345,9 @@ def edit_loaded_modules() -> List[str]:
     loaded ``nemo`` module use their classes: names bound to an earlier class are rebound, and its subclasses (e.g.
     ``LoRA`` of ``PEFT``) take the new class as their base.
 
+    When the edits do not apply (or the overlay is disabled), guards NeMo's unedited ``MegatronStrategy`` instead
+    (:func:`guard_unedited`).
+
     Returns:
         The modules edited now.
     """
@@ -283,6 +358,9 @@ def edit_loaded_modules() -> List[str]:
             continue
         source = edited_sources().get(name)
         if source is None:
+            target = sys.modules.get(TARGET_MODULE)
+            if target is not None and TARGET_MODULE not in _State.edited:
+                guard_unedited(target)
             return done
         before = {key: value for key, value in vars(module).items() if getattr(value, "__module__", None) == name}
         _execute(module, source)
