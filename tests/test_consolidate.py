@@ -90,7 +90,15 @@ def test_metadata_json_describes_the_output(each_run):
         "files": {"model.safetensors": _digests_of(data)},
         "source_metadata": _source_metadata_of(out / "../weights/.metadata"),
         "run": meta["run"],  # the training run that wrote it: checked below
+        "save": {  # which save it was made from (issue #45): the run's id is in its common.pt
+            "layout": "torch_dist",
+            "run": meta["run"],
+            "global_step": 6,
+            "fingerprint": meta["save"]["fingerprint"],
+            "finished_ns": (out / "../weights/.metadata").stat().st_mtime_ns,
+        },
     }
+    assert re.fullmatch(r"[0-9a-f]{64}", meta["save"]["fingerprint"])
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", meta["run"])
     assert (out / meta["source_checkpoint"] / ".metadata").is_file()
 

@@ -53,6 +53,7 @@ from nemo_patch.engine.digests import (
     source_fingerprint,
     verify_digests,
 )
+from nemo_patch.engine.save_identity import SaveIdentity, check_unchanged, save_identity
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
@@ -230,6 +231,7 @@ class CheckpointConsolidation(Consolidation):
         self.kind = "model"
         self.location: Optional[CheckpointLocation] = None
         self.source: Dict[str, Any] = {}  # digests.source_fingerprint of the checkpoint, taken when it is opened
+        self.identity: Optional[SaveIdentity] = None  # which save it holds, taken before it is read
         self.layout: List[OutputFile] = []
 
     def locate(self) -> CheckpointLocation:
@@ -258,6 +260,9 @@ class CheckpointConsolidation(Consolidation):
     def open(self, location: CheckpointLocation) -> Tuple[List[OutputTensor], Producer]:
         self.location = location
         with self.times.timed("metadata"):
+            # Which save: taken before anything is read, compared once all is read (finish); a save visibly in
+            # progress is refused then, after the reader has named any damaged shard.
+            self.identity = save_identity(location.checkpoint_dir, allow_unfinished=True)
             self.source = source_fingerprint(location.weights_dir)
             self.readers = open_sources(location, self.dtype, self.merge_adapters, self.base_checkpoint)
         if location.adapter and self.readers.merge is None:
@@ -322,6 +327,7 @@ class CheckpointConsolidation(Consolidation):
             "global_step": self.global_step,
             "source_checkpoint": os.path.relpath(location.weights_dir, output_dir),
             "source_metadata": self.source,
+            "save": None if self.identity is None else self.identity.as_json(),
             "tensor_count": len(outputs),
             "total_bytes": sum(output.spec.nbytes for output in outputs),
             "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
@@ -349,6 +355,8 @@ class CheckpointConsolidation(Consolidation):
                 verify_names_and_shapes(directory, self.expected_shapes, "the model in the checkpoint's context")
         if self.verify:
             verify_digests(directory)
+        if self.identity is not None:  # the checkpoint still holds the save that was read: else nothing is published
+            check_unchanged(location.checkpoint_dir, self.identity, self.allow_unfinished)
 
 
 def consolidate_checkpoint(

@@ -164,6 +164,8 @@ def _nemo(root: Path, listing: RunListing) -> None:
 
 
 def _megatron(root: Path, listing: RunListing) -> None:
+    from nemo_patch.engine.save_identity import in_progress
+
     tracked = read_tracker(root)
     found = []
     for entry in _entries(root):
@@ -175,6 +177,8 @@ def _megatron(root: Path, listing: RunListing) -> None:
             listing.not_finished[path] = "unfinished: the tracker has not reached it"
         elif not (path / ".metadata").is_file():
             listing.not_finished[path] = f"no '.metadata' although the tracker names iteration {tracked}"
+        elif (saving := in_progress(path)) is not None:  # rewritten in place (a rollback): the tracker says nothing
+            listing.not_finished[path] = f"unfinished: {saving}"
         else:
             found.append(RunCheckpoint(path, iteration))
     listing.finished = sorted(found, key=lambda checkpoint: checkpoint.global_step)

@@ -65,9 +65,11 @@ __all__ = [
     "SaveChangedError",
     "SaveIdentity",
     "check_unchanged",
+    "in_progress",
     "order_key",
     "recorded_identity",
     "save_identity",
+    "verify_identity",
 ]
 
 #: ``SaveIdentity.layout`` values.
@@ -82,6 +84,10 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 #: The top-level files of a DCP (torch_dist) save that are its weights (besides ``*.distcp``).
 _DCP_FILES = (".metadata", "common.pt", "metadata.json")
 _ZARR_FILES = ("common.pt", "metadata.json")
+#: The last-written files' digests by (path, size, inode, mtime_ns, ctime_ns): a watcher asks again at every poll, and
+#: a file rewritten or replaced has another change time or inode.
+_DIGESTS: Dict[Tuple[Any, ...], str] = {}
+_DIGESTS_KEPT = 4096
 
 
 class SaveChangedError(CorruptShardError):
@@ -245,6 +251,62 @@ def _global_step(checkpoint_dir: Path, layout: str) -> Optional[int]:
     return common_global_step(checkpoint_dir) if step is None else step
 
 
+def _read_identity(checkpoint_dir: Path, read_run: bool) -> Tuple[SaveIdentity, Optional[str]]:
+    """The identity of what ``checkpoint_dir`` holds now, and why its save is unfinished (``None``: finished)."""
+    from nemo_patch.engine.safe_files import read_regular_file
+
+    checkpoint_dir, weights_dir = _weights_dir(checkpoint_dir)
+    zarr = _backend(weights_dir) == "zarr"
+    if zarr:
+        layout = ZARR
+    elif weights_dir == checkpoint_dir and _ITERATION.match(checkpoint_dir.name):
+        layout = MEGATRON_LM
+    else:
+        layout = TORCH_DIST
+    last = weights_dir / ("metadata.json" if zarr else ".metadata")
+    files, newest = _files(weights_dir, zarr)
+    digest, finished, unfinished = "", 0, None
+    try:
+        status = os.lstat(last)
+        digest = _DIGESTS.get((str(last), *_key("", status)), "")
+        if not digest:
+            data = read_regular_file(last, _MAX_LAST_BYTES)
+            after = os.lstat(last)
+            if _key("", status) != _key("", after):
+                raise SaveChangedError(f"{last} changed while it was read: {checkpoint_dir} is being saved again")
+            digest = hashlib.sha256(data).hexdigest()
+            if len(_DIGESTS) >= _DIGESTS_KEPT:
+                _DIGESTS.clear()
+            _DIGESTS[(str(last), *_key("", status))] = digest
+    except FileNotFoundError:
+        unfinished = f"{checkpoint_dir} is an unfinished checkpoint (no '{last.name}'): its save never ended"
+    except OSError as error:
+        raise CorruptShardError(f"Cannot read {last}: {error}") from error
+    else:
+        finished = status.st_mtime_ns
+        if newest > finished:
+            unfinished = (
+                f"{checkpoint_dir} is being saved (a {'chunk' if zarr else 'shard'} file is newer than "
+                f"'{last.name}', which its format writes last): it is consolidated once the save finishes (a copy "
+                "made without keeping times looks the same: copy with 'cp -a', or pass --allow-unfinished)"
+            )
+    text = json.dumps([layout, last.name, digest, files], separators=(",", ":"))
+    fingerprint = hashlib.sha256(text.encode()).hexdigest()
+    run = _run_of(checkpoint_dir) if read_run and layout != MEGATRON_LM else None
+    return SaveIdentity(layout, run, _global_step(checkpoint_dir, layout), fingerprint, finished), unfinished
+
+
+def in_progress(checkpoint_dir: Union[str, Path]) -> Optional[str]:
+    """Why the save ``checkpoint_dir`` holds is visibly unfinished (no last-written file, or a shard or chunk file
+    newer than it), or ``None``; a checkpoint that cannot be read is not "in progress" (``None``: its reader says
+    more). For listings: a Megatron-LM ``iter_<N>`` rewritten in place is not finished until ``.metadata`` is
+    written again, whatever the tracker says."""
+    try:
+        return _read_identity(Path(checkpoint_dir), read_run=False)[1]
+    except CorruptShardError:
+        return None
+
+
 def save_identity(
     checkpoint_dir: Union[str, Path], allow_unfinished: bool = False, read_run: bool = True
 ) -> SaveIdentity:
@@ -264,68 +326,41 @@ def save_identity(
         UnfinishedCheckpointError: the file the format writes last is missing, or a shard or chunk file is newer
             than it (a save in progress, e.g. an ``iter_<N>`` rewritten in place).
         CorruptShardError: the last-written file cannot be read (not a regular file, over 1 GiB), or the weights
-            directory cannot be listed or holds a link where a shard or array lies.
+            directory cannot be listed or holds a link where a shard or array lies; :class:`SaveChangedError` when
+            the last-written file changed while it was read.
     """
-    from nemo_patch.engine.safe_files import read_regular_file
-
-    checkpoint_dir, weights_dir = _weights_dir(Path(checkpoint_dir))
-    zarr = _backend(weights_dir) == "zarr"
-    if zarr:
-        layout = ZARR
-    elif weights_dir == checkpoint_dir and _ITERATION.match(checkpoint_dir.name):
-        layout = MEGATRON_LM
-    else:
-        layout = TORCH_DIST
-    last = weights_dir / ("metadata.json" if zarr else ".metadata")
-    files, newest = _files(weights_dir, zarr)
-    digest, finished = "", 0
-    try:
-        status = os.lstat(last)
-        data = read_regular_file(last, _MAX_LAST_BYTES)
-        after = os.lstat(last)
-    except FileNotFoundError:
-        if not allow_unfinished:
-            raise UnfinishedCheckpointError(
-                f"{checkpoint_dir} is an unfinished checkpoint (no '{last.name}'): its save never ended"
-            ) from None
-    except OSError as error:
-        raise CorruptShardError(f"Cannot read {last}: {error}") from error
-    else:
-        if _key("", status) != _key("", after):
-            raise SaveChangedError(f"{last} changed while it was read: {checkpoint_dir} is being saved again")
-        digest, finished = hashlib.sha256(data).hexdigest(), status.st_mtime_ns
-        if newest > finished and not allow_unfinished:
-            raise UnfinishedCheckpointError(
-                f"{checkpoint_dir} is being saved (a {'chunk' if zarr else 'shard'} file is newer than "
-                f"'{last.name}', which its format writes last): consolidated once the save finishes (a copy made "
-                "without keeping times looks the same: copy with 'cp -a', or pass --allow-unfinished)"
-            )
-    text = json.dumps([layout, last.name, digest, files], separators=(",", ":"))
-    fingerprint = hashlib.sha256(text.encode()).hexdigest()
-    run = _run_of(checkpoint_dir) if read_run and layout != MEGATRON_LM else None
-    return SaveIdentity(layout, run, _global_step(checkpoint_dir, layout), fingerprint, finished)
+    identity, unfinished = _read_identity(Path(checkpoint_dir), read_run)
+    if unfinished is not None and not allow_unfinished:
+        raise UnfinishedCheckpointError(unfinished)
+    return identity
 
 
 def check_unchanged(
     checkpoint_dir: Union[str, Path], before: SaveIdentity, allow_unfinished: bool = False
 ) -> SaveIdentity:
-    """Check that ``checkpoint_dir`` still holds the save ``before`` (read before it was read).
+    """Check, once a checkpoint has been read, that it still holds the save ``before`` (its identity before it was
+    read) and that this save is finished.
+
+    Args:
+        checkpoint_dir: the checkpoint ``before`` was read from.
+        before: :func:`save_identity` (with ``allow_unfinished=True``, so that a damaged shard is reported by the
+            reader, naming it, before a save in progress is) taken before the checkpoint was read.
+        allow_unfinished: accept a save that is visibly in progress, if it did not change.
 
     Returns:
-        The identity now (equal to ``before`` but for nothing).
+        ``before``.
 
     Raises:
-        SaveChangedError: it holds another save, or one is in progress: it was saved again while it was read; the
-            message names the checkpoint.
+        SaveChangedError: it holds another save now: it was saved again while it was read (the message names it).
+        UnfinishedCheckpointError: the same save, visibly in progress (a shard newer than the last-written file).
     """
-    try:
-        now = save_identity(checkpoint_dir, allow_unfinished=allow_unfinished, read_run=False)
-    except UnfinishedCheckpointError as error:
-        raise SaveChangedError(
-            f"{checkpoint_dir} was saved again while it was read ({error}); nothing published"
-        ) from error
+    now, unfinished = _read_identity(Path(checkpoint_dir), read_run=False)
     if not now.same_save(before):
-        raise SaveChangedError(f"{checkpoint_dir} was saved again while it was read; nothing published")
+        raise SaveChangedError(
+            f"{checkpoint_dir} was saved again while it was read (its save identity changed); nothing published"
+        )
+    if unfinished is not None and not allow_unfinished:
+        raise UnfinishedCheckpointError(unfinished)
     return before
 
 
@@ -352,3 +387,43 @@ def order_key(identity: SaveIdentity, fit: int = 0) -> Tuple[Any, ...]:
     if identity.run is None:
         return ("", fit, identity.finished_ns, step)
     return (identity.run, fit, step, identity.finished_ns)
+
+
+def verify_identity(checkpoint_dir: Union[str, Path], output_dir: Union[str, Path]) -> Optional[SaveIdentity]:
+    """``--verify``: the output was made from the save the checkpoint holds now.
+
+    Args:
+        checkpoint_dir: the checkpoint (``<ckpt>/``, its ``weights/`` or an ``iter_<N>``).
+        output_dir: its output, whose ``metadata.json`` records ``"save"`` (outputs written before identities were
+            recorded record none: nothing is compared then).
+
+    Returns:
+        The identity the output records, or ``None`` when it records none.
+
+    Raises:
+        VerificationError: the checkpoint holds another save (saved again, or copied, after the output was made),
+            or a save is in progress in it; the message says which.
+    """
+    from nemo_patch.engine.safe_files import read_json_file
+    from nemo_patch.engine.verify import VerificationError
+
+    try:
+        manifest = read_json_file(Path(output_dir) / "metadata.json")
+    except (OSError, ValueError):
+        return None  # the digest check reports an unreadable metadata.json
+    if not isinstance(manifest, dict) or "save" not in manifest:
+        return None
+    try:
+        recorded = SaveIdentity.from_json(manifest["save"])
+    except ValueError as error:
+        raise VerificationError(f"{output_dir}/metadata.json records a malformed \"save\": {error}") from error
+    try:
+        now = save_identity(checkpoint_dir, read_run=False)
+    except UnfinishedCheckpointError as error:
+        raise VerificationError(f"{checkpoint_dir} is being saved again: {error}") from error
+    if not now.same_save(recorded):
+        raise VerificationError(
+            f"{output_dir} was made from another save of {checkpoint_dir}: the checkpoint was saved again (or "
+            "copied) after the output was made; consolidate it again"
+        )
+    return recorded
