@@ -76,6 +76,7 @@ from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
 from nemo_patch.engine.output_target import check_output_target, refuse_remote
 from nemo_patch.engine.publish import staged_output
+from nemo_patch.engine.save_identity import check_unchanged, save_identity
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 from nemo_patch.export.context_trust import context_loading
@@ -563,6 +564,7 @@ def export_hf_checkpoint(
     if output_dir.exists() and not overwrite:
         raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
     source = source_fingerprint(weights_dir)  # which save of the checkpoint this is, before anything is read
+    identity = save_identity(ckpt_dir, allow_unfinished=True)  # compared before publishing: a re-save publishes none
     loading = context_loading(ckpt_dir / "context", trust_context is not False)  # checked now, if from elsewhere
     with loading():
         model, exporter = _exporter_for(ckpt_dir, peft)
@@ -603,6 +605,7 @@ def export_hf_checkpoint(
             "global_step": global_step,
             "source_checkpoint": os.path.relpath(weights_dir, output_dir),
             "source_metadata": source,
+            "save": identity.as_json(),
             "exporter": f"{exporter._np_exporter_class.__module__}.{exporter._np_exporter_class.__qualname__}",
             "tensor_count": len(written),
             "total_bytes": total_bytes,
@@ -619,6 +622,7 @@ def export_hf_checkpoint(
             manifest.update(run=run)
         (tmp_dir / METADATA_FILENAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _give_files_the_default_mode(tmp_dir)
+        check_unchanged(ckpt_dir, identity, allow_unfinished)  # the save that was read, finished: else none published
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
     kind = manifest["kind"]
     return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {}, kind)
