@@ -27,17 +27,26 @@ dimension separator), else :class:`~.errors.UnsupportedFormatError` names the ke
 and every chunk file the read needs must exist with exactly its size in bytes, else
 :class:`~.errors.CorruptShardError` names the file (zarr itself silently returns the fill value for a
 missing chunk, which would be wrong weights that look fine). A flipped bit inside a chunk of the right size cannot be
-detected: the format has nothing to check it against. Reading goes through the ``zarr`` library (``zarr<3``).
+detected: the format has nothing to check it against.
+
+Read as strictly as a ``torch_dist`` checkpoint: chunk files that are hard links to one file are refused (1 MiB on
+disk must not become an output of many), and every path component under ``weights/`` (the array's directory, each
+level of a ``/``-separated chunk path, the chunk file) is opened without following a symbolic link (``openat`` with
+``O_NOFOLLOW`` per component, through ``os.open(..., dir_fd=...)``), so nothing outside the checkpoint is read. A chunk
+is read with ``pread`` from the file descriptor so opened (the rows a read needs only: megatron-core's chunks are raw
+bytes in C order, no compressor), never by name again.
 
 :func:`read_zarr_metadata` describes the arrays as ``torch.distributed.checkpoint`` ``Metadata`` (global shape, dtype
 and chunks per key), so output planning is the same for both formats; :class:`ZarrRegionReader` has the interface of
 :class:`.dcp_reader.DCPRegionReader`.
 
-Imports the standard library, torch, and ``zarr`` and ``ml_dtypes`` when a zarr checkpoint is read; never NeMo,
-Lightning or megatron-core, and nothing outside the engine.
+Imports the standard library and torch; never ``zarr``, NeMo, Lightning or megatron-core, and nothing outside the
+engine.
 """
 
+import errno
 import itertools
+import json
 import math
 import os
 import stat
@@ -54,7 +63,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from nemo_patch.engine.errors import CorruptShardError, UnsupportedFormatError
-from nemo_patch.engine.safe_files import UnsafeFileError, read_json_file
+from nemo_patch.engine.safe_files import UnsafeFileError
 
 __all__ = ["ZARR_DTYPES", "ZarrRegionReader", "read_zarr_metadata"]
 
@@ -72,6 +81,88 @@ ZARR_DTYPES: Dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _ARRAY_FILE = ".zarray"
+#: Flags of the walk below ``weights/`` (0 where the platform has no such flag: the module still imports there).
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_MAX_ZARRAY_BYTES = 1 << 20
+
+
+def _open_below(root: Path, parts: Tuple[str, ...]) -> int:
+    """A file descriptor of ``root/parts[0]/.../parts[-1]``, each component opened relative to the one before it
+    without following a symbolic link (the last one without blocking: a FIFO is opened, then refused by ``fstat``).
+
+    Raises:
+        CorruptShardError: a component is a symbolic link (or not a directory where one is needed).
+        FileNotFoundError: a component is missing.
+        OSError: another error opening a component.
+    """
+    if os.open not in os.supports_dir_fd or not _NOFOLLOW:  # pragma: no cover - not Linux/macOS: check, then open
+        for depth in range(1, len(parts) + 1):
+            if os.path.islink(root.joinpath(*parts[:depth])):
+                raise CorruptShardError(f"{root.joinpath(*parts[:depth])} is a symbolic link; refusing to read it")
+        return os.open(root.joinpath(*parts), os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    fd = os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        for depth, part in enumerate(parts, 1):
+            last = depth == len(parts)
+            flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | (_NONBLOCK if last else _DIRECTORY)
+            try:
+                opened = os.open(part, flags, dir_fd=fd)
+            except OSError as error:
+                if error.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                    where = root.joinpath(*parts[:depth])
+                    kind = "a symbolic link" if os.path.islink(where) else "not a directory"
+                    raise CorruptShardError(
+                        f"{where} is {kind} (reading {root.joinpath(*parts)}); every path component of a chunk must "
+                        "lie in weights/ itself: refusing to read it"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = opened
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_zarray(path: Path) -> Any:
+    """The JSON in ``<array>/.zarray``, opened without following links (a regular file of at most 1 MiB)."""
+    fd = _open_below(path.parent, (path.name, _ARRAY_FILE))
+    with open(fd, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode) or status.st_size > _MAX_ZARRAY_BYTES:
+            raise UnsafeFileError(f"{path / _ARRAY_FILE} is not a regular file of at most {_MAX_ZARRAY_BYTES} bytes")
+        return json.loads(handle.read(_MAX_ZARRAY_BYTES + 1))
+
+
+def _chunk_inodes(array: "_Array", seen: Dict[Tuple[int, int], Path]) -> int:
+    """Walk an array's directory (never following a link): the number of files in it; ``seen`` gets every chunk
+    file's (device, inode).
+
+    Raises:
+        CorruptShardError: a symbolic link in it, or a chunk file that is the same file as another (a hard link).
+    """
+    count = 0
+    for directory, dirs, files in os.walk(array.path, followlinks=False):
+        for name in dirs + files:
+            path = Path(directory) / name
+            status = os.lstat(path)
+            if stat.S_ISLNK(status.st_mode):
+                raise CorruptShardError(f"{path} is a symbolic link in zarr array {array.key}; refusing to read it")
+            if name in dirs:
+                continue
+            count += 1
+            if name == _ARRAY_FILE or not stat.S_ISREG(status.st_mode):
+                continue
+            other = seen.setdefault((status.st_dev, status.st_ino), path)
+            if other != path:
+                raise CorruptShardError(
+                    f"{path} is a hard link to the same file as {other} (zarr array {array.key}): each chunk holds "
+                    "its own bytes; refusing to read it"
+                )
+    return count
 
 
 @dataclass(frozen=True)
@@ -103,16 +194,16 @@ class _Array:
         return list(itertools.product(*grids))
 
 
-def _parse_array(key: str, path: Path) -> _Array:
+def _parse_array(key: str, path: Path, inodes: Optional[Dict[Tuple[int, int], Path]] = None) -> _Array:
     """The ``.zarray`` of one array, checked field by field."""
     where = f"zarr array {key} ({path / _ARRAY_FILE})"
     try:
         if path.is_symlink():
             raise UnsafeFileError(f"{path} is a symlink; an array directory must lie in weights/ itself")
-        meta = read_json_file(path / _ARRAY_FILE)
+        meta = _read_zarray(path)
         if not isinstance(meta, dict):
             raise ValueError(f"a {type(meta).__name__}, not a JSON object")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         raise CorruptShardError(f"Cannot read {where}: {type(error).__name__}: {error}") from error
     expected: Dict[str, Any] = {"zarr_format": 2, "compressor": None, "filters": None, "order": "C"}
     for field, value in expected.items():
@@ -135,7 +226,7 @@ def _parse_array(key: str, path: Path) -> _Array:
         raise UnsupportedFormatError(f"{where}: shape {shape}, chunks {chunks}, separator {separator!r}")
     array = _Array(key, path, shape, chunks, dtype, separator)
     try:
-        files = sum(1 for _ in path.rglob("*")) if separator == "/" else len(os.listdir(path))
+        files = _chunk_inodes(array, {} if inodes is None else inodes)
     except OSError as error:
         raise CorruptShardError(f"Cannot list {where}: {error}") from error
     if array.chunk_count > files:
@@ -147,10 +238,12 @@ def _parse_array(key: str, path: Path) -> _Array:
 
 
 def _arrays(weights_dir: Path) -> Dict[str, _Array]:
-    arrays = {}
+    """Every array of ``weights/``, checked; no chunk file of one is the same file as another's."""
+    arrays: Dict[str, _Array] = {}
+    inodes: Dict[Tuple[int, int], Path] = {}
     for path in sorted(weights_dir.iterdir()):
         if path.is_dir() and path.suffix != ".sync" and (path / _ARRAY_FILE).exists():
-            arrays[path.name] = _parse_array(path.name, path)
+            arrays[path.name] = _parse_array(path.name, path, inodes)
     return arrays
 
 
@@ -182,39 +275,21 @@ def read_zarr_metadata(weights_dir: Path) -> Metadata:
     return Metadata(state_dict_metadata=entries)
 
 
-def _numpy_bfloat16() -> None:
-    """Make numpy understand dtype ``"bfloat16"`` (as megatron-core does when it writes one)."""
-    try:
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
-    except ImportError as error:
-        raise UnsupportedFormatError(
-            "reading a bf16 zarr checkpoint needs the ml_dtypes package (pip install ml_dtypes)"
-        ) from error
-
-
 class ZarrRegionReader:
-    """Reads tensors, or ``tensor[index]`` along dimension 0, from a zarr checkpoint (the interface of
-    :class:`.dcp_reader.DCPRegionReader`).
+    """Reads tensors, or ``tensor[index]`` along the leading dimensions, from a zarr checkpoint (the interface of
+    :class:`.dcp_reader.DCPRegionReader`): each chunk file opened below ``weights/`` without following a link, checked
+    (a regular file of the chunk's size, not the same file as another chunk) and read with ``pread``.
 
     Args:
         path: the checkpoint's ``weights/`` directory.
         metadata: its :func:`read_zarr_metadata`.
-
-    Raises:
-        UnsupportedFormatError: the ``zarr`` package (``zarr<3``) is not installed.
     """
 
     def __init__(self, path: Path, metadata: Metadata) -> None:
-        try:
-            import zarr
-        except ImportError as error:
-            raise UnsupportedFormatError(
-                f"{path} is a 'zarr' checkpoint; reading it needs the zarr package (pip install 'zarr<3')"
-            ) from error
-        self._zarr = zarr
         self.path = Path(path)
         self.metadata = metadata
         self._arrays: Dict[str, _Array] = {}
+        self._inodes: Dict[Tuple[int, int], Path] = {}  # every chunk file read: no two the same file
 
     def _array(self, key: str) -> _Array:
         if key not in self._arrays:
@@ -226,21 +301,54 @@ class ZarrRegionReader:
         array = self._array(key)
         return [str(array.chunk_file(index).relative_to(self.path)) for index in array.chunk_indices()]
 
-    def _check_chunks(self, array: _Array, leading: Tuple[int, ...]) -> None:
-        for chunk in array.chunk_indices(leading):
-            file = array.chunk_file(chunk)
-            try:
-                status = file.lstat()
-            except FileNotFoundError:
-                raise CorruptShardError(
-                    f"{file}: chunk file missing (the save did not finish, or the file was lost)"
-                ) from None
+    def _chunk_rows(self, array: _Array, chunk: Tuple[int, ...], leading: Tuple[int, ...]) -> torch.Tensor:
+        """The part of one chunk at the leading indices (a tensor of shape ``chunks[len(leading):]``), read from the
+        chunk file opened without following a link, after checking it."""
+        file = array.chunk_file(chunk)
+        parts = file.relative_to(self.path).parts
+        try:
+            fd = _open_below(self.path, parts)
+        except FileNotFoundError:
+            raise CorruptShardError(
+                f"{file}: chunk file missing (the save did not finish, or the file was lost)"
+            ) from None
+        except OSError as error:
+            raise CorruptShardError(f"{file}: cannot be opened: {error}") from error
+        try:
+            status = os.fstat(fd)
             if not stat.S_ISREG(status.st_mode):
                 raise CorruptShardError(f"{file}: not a regular file (a symlink, FIFO or device); refusing to read it")
             size = status.st_size
             if size != array.chunk_nbytes:
                 what = "truncated" if size < array.chunk_nbytes else "longer than its chunk"
                 raise CorruptShardError(f"{file}: {size} bytes, the chunk needs {array.chunk_nbytes} ({what})")
+            other = self._inodes.setdefault((status.st_dev, status.st_ino), file)
+            if other != file:
+                raise CorruptShardError(
+                    f"{file} is a hard link to the same file as {other}: each chunk holds its own bytes; refusing to "
+                    "read it"
+                )
+            element = torch.empty((), dtype=array.dtype).element_size()
+            inner = array.chunks[len(leading) :]
+            count = math.prod(inner)
+            position = 0  # the rows at the leading indices are contiguous in a C-order chunk
+            for dim, index in enumerate(leading):
+                position = position * array.chunks[dim] + (index - chunk[dim] * array.chunks[dim])
+            for size_of_dim in inner:
+                position *= size_of_dim
+            wanted = count * element
+            data = bytearray(wanted)
+            view, done = memoryview(data), 0
+            while done < wanted:
+                got = os.preadv(fd, [view[done:]], position * element + done)
+                if got <= 0:
+                    raise CorruptShardError(f"{file}: ended after {position * element + done} bytes while read")
+                done += got
+        finally:
+            os.close(fd)
+        if not wanted:
+            return torch.empty(inner, dtype=array.dtype)
+        return torch.frombuffer(data, dtype=array.dtype).reshape(inner)
 
     def read(
         self, key: str, index: Union[None, int, Tuple[int, ...]] = None, out: Optional[torch.Tensor] = None
@@ -257,7 +365,8 @@ class ZarrRegionReader:
             A CPU tensor of shape ``shape[len(index):]``, in the stored dtype, bit for bit.
 
         Raises:
-            CorruptShardError: a chunk file the read needs is missing or has the wrong size (named).
+            CorruptShardError: a chunk file the read needs is missing, has the wrong size, is not a regular file, is
+                reached through a symbolic link, or is the same file as another chunk (named).
             UnsupportedFormatError: the array's ``.zarray`` is not megatron-core's layout (named).
             ValueError: ``out`` has the wrong shape or dtype.
         """
@@ -266,15 +375,16 @@ class ZarrRegionReader:
         shape = array.shape[len(leading) :]
         if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != array.dtype):
             raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; {key} needs {array.dtype} {shape}")
-        self._check_chunks(array, leading)
-        if array.dtype == torch.bfloat16:
-            _numpy_bfloat16()
-        values = self._zarr.open(str(array.path), mode="r")[leading if leading else ...]
-        if array.dtype == torch.bfloat16:
-            values = values.view("<u2")  # numpy's bfloat16 -> the same 16 bits, which torch can take
-        tensor = torch.from_numpy(values.copy()).reshape(shape)
-        if array.dtype in (torch.bfloat16,):
-            tensor = tensor.view(torch.bfloat16)
-        if out is None:
-            return tensor
-        return out.copy_(tensor)
+        if len(leading) > len(array.shape) or any(not 0 <= i < n for i, n in zip(leading, array.shape)):
+            raise IndexError(f"{key}: index {leading} out of range for shape {array.shape}")
+        result = out if out is not None else torch.empty(shape, dtype=array.dtype)
+        for chunk in array.chunk_indices(leading):
+            rows = self._chunk_rows(array, chunk, leading)
+            target, source = [], []
+            for dim in range(len(leading), len(array.shape)):
+                origin = chunk[dim] * array.chunks[dim]
+                extent = min(array.chunks[dim], array.shape[dim] - origin)
+                target.append(slice(origin, origin + extent))
+                source.append(slice(0, extent))
+            result[tuple(target)] = rows[tuple(source)]
+        return result
