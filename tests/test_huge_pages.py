@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from nemo_patch.engine.huge_pages import THP_VARIABLE, prefer_huge_pages, with_huge_pages
+from nemo_patch.engine.huge_pages import THP_VARIABLE, prefer_huge_pages
 
 #: Prints whether a new 64 MiB tensor's mapping is marked ``madvise(MADV_HUGEPAGE)`` (``hg`` in its ``VmFlags``,
 #: proc(5)): c10 marks it so exactly when it read THP_MEM_ALLOC_ENABLE=1, whatever the kernel's THP mode.
@@ -53,8 +53,6 @@ def test_the_variable_is_set_only_where_unset(monkeypatch):
     assert os.environ[THP_VARIABLE] == "1"
     monkeypatch.setenv(THP_VARIABLE, "0")
     assert prefer_huge_pages() is False and os.environ[THP_VARIABLE] == "0"  # the user's choice is kept
-    assert with_huge_pages({"A": "b"}) == {"A": "b", THP_VARIABLE: "1"}
-    assert with_huge_pages({THP_VARIABLE: "0"}) == {THP_VARIABLE: "0"}
 
 
 def test_torch_marks_large_tensors_for_huge_pages_only_after_prefer_huge_pages_before_its_import():

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from test_part_writer import plan_files
 
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.engine import parts as parts_module
@@ -39,7 +40,7 @@ from nemo_patch.engine.digests import verify_digests
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.part_writer import placements_of, split_parts
 from nemo_patch.engine.publish import TMP_PREFIX
-from nemo_patch.engine.safetensors_writer import TensorSpec, plan_files
+from nemo_patch.engine.safetensors_writer import TensorSpec
 from nemo_patch.engine.verify import VerificationError
 
 

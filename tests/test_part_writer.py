@@ -25,7 +25,17 @@ from safetensors.torch import load_file
 from nemo_patch.engine import part_writer
 from nemo_patch.engine.digests import file_entry, verify_digests
 from nemo_patch.engine.part_writer import create_files, split_parts, write_part
-from nemo_patch.engine.safetensors_writer import TensorSpec, plan_files
+from nemo_patch.engine.plan import plan_shards
+from nemo_patch.engine.safetensors_writer import OutputFile, TensorSpec, encode_header
+
+
+def plan_files(specs, max_shard_size):
+    """The output files of ``specs`` as the consolidation lays them out (``plan_shards``, then each file's header)."""
+    return [
+        OutputFile(name, encode_header(group, {"format": "pt"}), tuple(group))
+        for name, group in plan_shards(specs, max_shard_size).items()
+    ]
+
 
 SIZES = [(1000,), (257, 3), (1,), (4096,), (33, 33)]
 

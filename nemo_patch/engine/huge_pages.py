@@ -25,7 +25,7 @@ from about 520,000 to 42,000 per consolidation and one writer's wall time by abo
 c10 reads the variable once, at the process's first CPU tensor allocation (seen with torch 2.13: ``import torch``
 makes none, but a library imported after it may), so :func:`prefer_huge_pages` runs before torch is imported. The
 entry points of the processes that exist only to consolidate call it (the run's consolidation process,
-``nemo-consolidate``), or they are started with :func:`with_huge_pages`; a training process never does, so its
+``nemo-consolidate``); a training process never does, so its
 allocator stays exactly as its user set it up. Writer processes inherit it (fork, or the environment of
 the forkserver). A value the user set, ``0`` included, is kept.
 
@@ -34,9 +34,8 @@ Standard library only.
 
 import os
 import sys
-from typing import Dict, Mapping
 
-__all__ = ["THP_VARIABLE", "prefer_huge_pages", "with_huge_pages"]
+__all__ = ["THP_VARIABLE", "prefer_huge_pages"]
 
 #: torch's switch for ``MADV_HUGEPAGE`` on CPU allocations of 2 MiB or more (c10 ``alloc_cpu``).
 THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
@@ -54,8 +53,3 @@ def prefer_huge_pages() -> bool:
         return False
     os.environ[THP_VARIABLE] = "1"
     return "torch" not in sys.modules
-
-
-def with_huge_pages(environment: Mapping[str, str]) -> Dict[str, str]:
-    """A copy of ``environment`` for starting a consolidating process: ``THP_MEM_ALLOC_ENABLE=1`` unless it is set."""
-    return {THP_VARIABLE: "1", **environment}

@@ -22,9 +22,7 @@ exceed the shard size (``transformers``' ``save_pretrained`` naming), and this p
 it.
 """
 
-import re
-from fractions import Fraction
-from typing import Dict, Union
+from typing import Dict
 
 __all__ = [
     "ADAPTER_STEM",
@@ -41,8 +39,6 @@ __all__ = [
     "SINGLE_FILENAME",
     "dtype_name",
     "index_filename",
-    "parse_size",
-    "shard_filename",
     "single_filename",
 ]
 
@@ -93,12 +89,6 @@ def dtype_name(value: object) -> str:
     return name
 
 
-def shard_filename(index: int, count: int, stem: str = MODEL_STEM) -> str:
-    """``model-00001-of-00003.safetensors`` for ``index=0, count=3`` (Hugging Face's naming); ``stem`` is
-    :data:`MODEL_STEM` or :data:`ADAPTER_STEM`."""
-    return f"{stem}-{index + 1:05d}-of-{count:05d}.safetensors"
-
-
 def single_filename(stem: str = MODEL_STEM) -> str:
     """``model.safetensors`` (or ``adapter_model.safetensors``): the weights file when everything fits in one."""
     return f"{stem}.safetensors"
@@ -107,36 +97,3 @@ def single_filename(stem: str = MODEL_STEM) -> str:
 def index_filename(stem: str = MODEL_STEM) -> str:
     """``model.safetensors.index.json`` (or ``adapter_model.safetensors.index.json``) when there are several shards."""
     return f"{stem}.safetensors.index.json"
-
-
-_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_size(value: Union[int, str]) -> int:
-    """Bytes (>= 1) of a shard size given as ``transformers``' ``save_pretrained(max_shard_size=...)`` takes it.
-
-    Args:
-        value: an ``int``, or a number with an optional unit: ``B``, ``KB``/``MB``/``GB``/``TB`` (powers of 1000),
-            ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024); e.g. ``"5GB"``, ``"500MiB"``. Units are
-            case-insensitive except a final lowercase ``b`` after a power of 1000 (or alone), which counts bits as
-            ``transformers.utils.hub.convert_file_size_to_int`` reads it (``"5Gb"`` is 625,000,000 bytes).
-
-    Raises:
-        ValueError: anything else, or less than one byte.
-    """
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    match = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
-    if match and isinstance(value, str):
-        unit = match.group(2) or ""
-        try:
-            size = Fraction(match.group(1)) * _UNITS[unit.upper()]  # exact, any size
-        except ValueError:  # more digits than int() converts
-            size = Fraction(0)
-        if value.strip().endswith("b") and not unit.lower().endswith("ib"):
-            size /= 8
-        if int(size) >= 1:
-            return int(size)
-    raise ValueError(f"invalid size {value!r}: expected a number of bytes >= 1 or a size such as '5GB' or '500MiB'")

@@ -14,8 +14,8 @@
 
 """Fill byte ranges of laid-out safetensors files: the unit of work that writers share.
 
-:func:`.safetensors_writer.plan_files` fixes every output tensor's file and byte range before any
-data is read, and :func:`create_files` creates the files at their final size.
+The output files' layout (:class:`.safetensors_writer.OutputFile`, from :func:`.plan.plan_shards`) fixes every output
+tensor's file and byte range before any data is read, and :func:`create_files` creates the files at their final size.
 :func:`split_parts` cuts the tensors, in file order, into contiguous runs of about equal bytes (a *part*, a list of
 :class:`Placement`); :func:`write_part` fills one part's ranges with ``os.pwrite`` from any process or node that sees
 the files, hashes each tensor's bytes (BLAKE3, :mod:`.digests`) as it writes them, starts making

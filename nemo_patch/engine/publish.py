@@ -58,7 +58,6 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.errors import ConsolidationError, OutputExistsError
-from nemo_patch.engine.output_layout import CONSOLIDATED_DIRNAME
 from nemo_patch.engine.output_target import describe_entry, is_replaceable_output
 
 __all__ = [
@@ -66,7 +65,6 @@ __all__ = [
     "TMP_LOCK_NAME",
     "TMP_PREFIX",
     "fsync_dir",
-    "link_consolidated_output",
     "link_output",
     "make_tmp_dir",
     "publish_dir",
@@ -519,26 +517,3 @@ def link_output(
         remove_tmp_dir(tmp_dir)
         raise
     return output_dir
-
-
-def link_consolidated_output(
-    source_output: Union[str, Path], checkpoint_dir: Union[str, Path], output_name: str = CONSOLIDATED_DIRNAME
-) -> Path:
-    """Give ``checkpoint_dir`` a ``consolidated/`` with the same files as ``source_output``, without recomputing.
-
-    For NeMo's ``-last`` copy of a checkpoint: the weights are the same, so are the outputs (``metadata.json``'s
-    ``source_checkpoint`` is relative, ``../weights``, and stays right). Files are hard-linked where the filesystem
-    allows and copied otherwise; the directory is published atomically.
-
-    Args:
-        source_output: an existing ``consolidated/`` directory.
-        checkpoint_dir: the checkpoint directory that receives ``consolidated/``.
-        output_name: the name of the new directory (``hf`` for a Hugging Face export).
-
-    Returns:
-        The new ``<checkpoint_dir>/consolidated``.
-
-    Raises:
-        OSError: if the files cannot be linked or copied (nothing is left behind).
-    """
-    return link_output(source_output, Path(checkpoint_dir) / output_name)

@@ -39,11 +39,10 @@ import torch
 
 from nemo_patch.engine.errors import UnknownLayoutError
 from nemo_patch.engine.layout_checks import SAFETENSORS_DTYPES
-from nemo_patch.engine.output_layout import MODEL_STEM
-from nemo_patch.engine.plan import TensorSpec, plan_shards
+from nemo_patch.engine.plan import TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 
-__all__ = ["MAX_HEADER_BYTES", "OutputFile", "TensorSpec", "encode_header", "plan_files", "write_file", "write_index"]
+__all__ = ["MAX_HEADER_BYTES", "OutputFile", "TensorSpec", "encode_header", "write_file"]
 
 #: The largest header the ``safetensors`` library reads (its ``MAX_HEADER_SIZE``).
 MAX_HEADER_BYTES = 100_000_000
@@ -93,21 +92,6 @@ class OutputFile:
         for spec in self.specs:
             yield spec, offset
             offset += spec.nbytes
-
-
-def plan_files(specs: Sequence[TensorSpec], max_shard_size: int, stem: str = MODEL_STEM) -> List[OutputFile]:
-    """The output files of ``specs``, sharded by ``huggingface_hub`` at ``max_shard_size`` bytes of tensor data.
-
-    Raises:
-        ValueError: ``max_shard_size`` < 1.
-        UnknownLayoutError: a dtype with no safetensors encoding, or a header too large.
-    """
-    if max_shard_size < 1:
-        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
-    return [
-        OutputFile(name, encode_header(group, {"format": "pt"}), tuple(group))
-        for name, group in plan_shards(specs, max_shard_size, stem).items()
-    ]
 
 
 #: Bytes :func:`write_file` writes between two ``fdatasync`` calls it starts in the background.
@@ -164,7 +148,7 @@ def write_file(
 
     Args:
         directory: where to create the file.
-        file: its layout (:func:`plan_files`).
+        file: its layout (header and tensors, from :func:`.plan.plan_shards`).
         produce: returns the tensor of a spec, of that dtype and shape.
         on_tensor: called with each tensor's spec and data bytes once they are written (in the writing thread).
         digest: makes a new hash object (``update``, ``hexdigest``: :func:`.digests.new_digest`) per tensor.
@@ -217,12 +201,3 @@ def write_file(
         syncs.shutdown(wait=True, cancel_futures=True)  # before the descriptor it syncs is closed
         os.close(fd)
     return digests
-
-
-def write_index(path: Path, files: Sequence[OutputFile]) -> None:
-    """Write ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``)."""
-    index = {
-        "metadata": {"total_size": sum(spec.nbytes for file in files for spec in file.specs)},
-        "weight_map": {spec.name: file.name for file in files for spec in file.specs},
-    }
-    Path(path).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -50,7 +50,7 @@ Anything else is refused (:class:`~nemo_patch.engine.errors.UntrustedContextErro
 Hugging Face's ``trust_remote_code``: ``nemo-consolidate --trust-context``. The training path does not call this: the
 context it reads is the one the run itself just wrote.
 
-Loading a context that passed, without ``--trust-context``, goes through :func:`untrusted_context_loading`, which
+Loading a context that passed, without ``--trust-context``, goes through :func:`context_loading`, which
 besides:
 
 * proves every entry under ``context/`` a directory or a regular file of at most :data:`MAX_CONTEXT_FILE_BYTES`
@@ -98,9 +98,7 @@ __all__ = [
     "check_context_files",
     "check_context_trusted",
     "context_loading",
-    "context_references",
     "offline",
-    "untrusted_context_loading",
 ]
 
 #: Top-level packages whose names a trusted context may reference.
@@ -247,17 +245,6 @@ def _scan(context_dir: Union[str, Path]) -> Tuple[Set[Tuple[str, str]], bool]:
         elif isinstance(value, str) and "trust_remote_code" in value:
             remote_code = True
     return found, remote_code
-
-
-def context_references(context_dir: Union[str, Path]) -> List[Tuple[str, str]]:
-    """Every ``(module, name)`` that ``<context_dir>/io.json`` may make NeMo import, sorted, without duplicates: the
-    ``module``/``name`` pair of every JSON object that has both, whatever its ``"type"`` marker.
-
-    Raises:
-        UntrustedContextError: ``io.json`` cannot be read as JSON (missing, not a regular file, too large, invalid),
-            or a ``module``/``name`` is not a string.
-    """
-    return sorted(_scan(context_dir)[0])
 
 
 def _under(module: str, prefixes: Tuple[str, ...]) -> bool:
@@ -517,14 +504,3 @@ def context_loading(context_dir: Union[str, Path], trust: bool = False) -> Calla
     check_context_trusted(context_dir)
     check_context_files(context_dir)
     return offline
-
-
-@contextlib.contextmanager
-def untrusted_context_loading(context_dir: Union[str, Path], trust: bool = False) -> Iterator[None]:
-    """:func:`context_loading`'s checks, then its block around the ``with`` block.
-
-    Raises:
-        UntrustedContextError: from the checks, before the block runs.
-    """
-    with context_loading(context_dir, trust)():
-        yield

@@ -69,6 +69,17 @@ from nemo_patch.training.journal import WRITE_INTERVAL
 __all__ = ["FaultInjector", "parse_fault"]
 
 FSIZE_LIMIT = 64 * 1024
+
+
+def _retire_process(queue: Any) -> None:
+    """End ``queue``'s consolidation process once it is idle (now, or when its current request has ended)."""
+    server = queue._running.server if queue._running is not None else None
+    if server is not None and server is queue._server:
+        server.retire = True
+    else:
+        queue._discard_server()
+
+
 _KINDS = (
     "kill",
     "hold",
@@ -290,12 +301,12 @@ class FaultInjector(Callback):
                 if self.kind == "fsize":
                     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, hard))
-                    queue.retire_process()  # a process started now inherits the limit; the running one did not
+                    _retire_process(queue)  # a process started now inherits the limit; the running one did not
                     try:
                         return start(save)
                     finally:
                         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-                        queue.retire_process()  # started under the limit: the next request must not get it
+                        _retire_process(queue)  # started under the limit: the next request must not get it
                 start(save)
                 if self.kind in ("hold", "pause", "holdremoval"):
                     self.paused = queue._running.process

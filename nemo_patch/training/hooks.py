@@ -160,11 +160,6 @@ class Observer(ConsolidationObserver):
         self._reported = 0
         self._call_hooks = HookCaller()
 
-    @property
-    def ended_count(self) -> int:
-        """How many consolidations of this run have ended (published or not)."""
-        return len(self._ended)
-
     def on_ended(self, save: CheckpointSave, record: Optional[Any], error: Optional[str]) -> None:
         """Keep a request that ended for :meth:`outcomes` and log its post command's result: one INFO line, or a
         WARNING when it failed, timed out or was stopped (the output stays published either way)."""

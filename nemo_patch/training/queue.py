@@ -425,14 +425,6 @@ class ConsolidationQueue:
         except OSError as error:
             logger.debug("Could not start the consolidation process: %s", error)
 
-    def retire_process(self) -> None:
-        """End the consolidation process once it is idle (now, or when its current request has ended)."""
-        server = self._running.server if self._running is not None else None
-        if server is not None and server is self._server:
-            server.retire = True
-        else:
-            self._discard_server()
-
     def close(self) -> None:
         """End the consolidation process (at teardown, after :meth:`wait`); a request still running fails."""
         self._stop_running()
