@@ -69,6 +69,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
+from nemo_patch.cli.listing import add_list_options, check_list_arguments, run_list
 from nemo_patch.cli.watch import add_watch_options, check_watch_arguments, human_size, positive_seconds, run_watch
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
@@ -356,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_setting_options(groups)
     add_watch_options(parser)
+    add_list_options(parser)
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--check", action=_CheckAction)
@@ -483,6 +485,7 @@ def _main(argv: Optional[List[str]]) -> int:
     args = parser.parse_args(argv)
     if args.base_checkpoint is not None and not args.merge_adapters:
         parser.error("--base-checkpoint is only used with --merge-adapters")
+    listing = check_list_arguments(parser, args)
     policy = check_watch_arguments(parser, args)
     if (args.monitor is not None or args.mode is not None) and not args.best and policy is None:
         parser.error("--monitor and --mode are only used with --best, or --watch")
@@ -492,6 +495,8 @@ def _main(argv: Optional[List[str]]) -> int:
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     if _PYNVML_WARNING not in sys.warnoptions:
         sys.warnoptions.append(_PYNVML_WARNING)
+    if listing:
+        return run_list(args)
     prefer_huge_pages()  # before torch is imported: this process exists to consolidate
     if policy is not None:
         return run_watch(args, policy)
