@@ -264,3 +264,64 @@ def test_a_slash_separated_zarr_chunk_path_through_a_symlink_is_refused(saves, t
     os.utime(checkpoint / "weights" / "metadata.json")
     consolidate_checkpoint(checkpoint, tmp_path / "out")
     _assert_output_is(tmp_path / "out", saves["zarr", 0], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def megatron_saves(tmp_path_factory):
+    """A Megatron-LM save directory written by megatron-core (TP=2, two processes): iterations 3 and 5."""
+    import socket
+
+    root = tmp_path_factory.mktemp("megatron") / "checkpoints"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    writer = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "megatron_lm_checkpoints.py"), str(root), port, "3,5"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert writer.returncode == 0, writer.stderr[-4000:]
+    return root
+
+
+@pytest.mark.slow
+def test_a_megatron_iteration_rewritten_in_place_is_unfinished_until_its_metadata_then_gives_the_new_save(
+    megatron_saves, tmp_path, capsys
+):
+    """megatron-core saves ``iter_0000005`` again in place (a rollback with ``--ckpt-step``: it only warns
+    "Overwriting"): the shards first, ``.metadata`` last, while the tracker already names 5. Half-way it is neither
+    listed as finished nor consolidated; once ``.metadata`` is written the output holds the new save's tensors (the
+    oracle: PyTorch's ``dcp_to_torch_save`` of that save)."""
+    from test_watch import expected_tensors
+
+    from nemo_patch.engine.run_checkpoints import TRACKER_FILENAME, list_run_checkpoints
+
+    root = tmp_path / "checkpoints"
+    checkpoint, new = root / "iter_0000005", megatron_saves / "iter_0000005"
+    shutil.copytree(megatron_saves / "iter_0000003", checkpoint)  # the first save under the name (times kept)
+    (root / TRACKER_FILENAME).write_text("5")
+    first = save_identity(checkpoint)
+    assert (first.layout, first.global_step, first.run) == ("megatron_lm", 5, None)
+    shards = sorted(checkpoint.glob("*.distcp"))
+    assert len(shards) > 1 and sorted(p.name for p in new.glob("*.distcp")) == [p.name for p in shards]
+    _rewrite_in_place(new / shards[0].name, shards[0])  # the save in place has begun
+    assert checkpoint in list_run_checkpoints(root).not_finished
+    with pytest.raises(UnfinishedCheckpointError, match="newer than '.metadata'"):
+        save_identity(checkpoint)
+    capsys.readouterr()
+    assert main([str(checkpoint)]) == 5, capsys.readouterr().err
+    assert not (checkpoint / "consolidated").exists()
+    for shard in shards[1:]:
+        _rewrite_in_place(new / shard.name, shard)
+    _rewrite_in_place(new / "common.pt", checkpoint / "common.pt")
+    shutil.copy(new / ".metadata", checkpoint / ".metadata.tmp")
+    os.replace(checkpoint / ".metadata.tmp", checkpoint / ".metadata")  # written last, as torch's writer does
+    _rewrite_in_place(new / "metadata.json", checkpoint / "metadata.json")
+    assert [c.path for c in list_run_checkpoints(root).finished] == [checkpoint]
+    assert not save_identity(checkpoint).same_save(first)
+    assert main([str(checkpoint)]) == 0
+    written = load_file(checkpoint / "consolidated" / "model.safetensors")
+    expected = expected_tensors(new, tmp_path)
+    assert sorted(written) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name
+    assert recorded_identity(checkpoint / "consolidated") == save_identity(checkpoint)
