@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-__all__ = ["checkpoint_root", "checkpoints_newest_first", "global_step_in_name", "is_copy_name"]
+__all__ = ["checkpoint_root", "checkpoints_newest_first", "global_step_in_name", "is_copy_name", "without_copy_suffix"]
 
 _STEP = re.compile(r"step=([0-9]+)")
 _COPY = re.compile(r"-last(?:-v[0-9]+)?$")
@@ -40,6 +40,11 @@ def checkpoint_root(path: Union[str, Path]) -> Path:
 def is_copy_name(name: str) -> bool:
     """Whether a NeMo checkpoint name is ``ModelCheckpoint``'s ``-last`` copy (``-last``, ``-last-v1``, ...)."""
     return _COPY.search(name) is not None
+
+
+def without_copy_suffix(name: str) -> str:
+    """``name`` without ``ModelCheckpoint``'s ``-last`` copy suffix (``-last``, ``-last-v1``, ...), if it has one."""
+    return _COPY.sub("", name)
 
 
 def global_step_in_name(name: str) -> Optional[int]:

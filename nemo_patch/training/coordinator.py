@@ -29,7 +29,6 @@ they are installed. Standard library and the engine's helpers only.
 
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished
+from nemo_patch.engine.checkpoint_root import is_copy_name
 from nemo_patch.engine.output_layout import METADATA_FILENAME
 from nemo_patch.engine.publish import link_output
 from nemo_patch.training.background import PollingWorker
@@ -92,8 +92,6 @@ logger = logging.getLogger(__name__)
 
 #: The observers of every run, in the order they are called (``BEST`` moves before retention prunes).
 OBSERVERS = [feature.Observer for feature in (best, retention, journal, metrics, hooks) if feature is not None]
-#: NeMo's ``ModelCheckpoint`` names a step's last copy ``-last``, or ``-last-v1``, ... when that name exists.
-_LAST_COPY = re.compile(r"-last(?:-v\d+)?$")
 #: NeMo's ``ModelCheckpoint`` -> the coordinator of the ``fit`` it serves (for the deletions it makes by itself).
 _BY_CHECKPOINT_CALLBACK: "weakref.WeakKeyDictionary[Any, ConsolidationCoordinator]" = weakref.WeakKeyDictionary()
 
@@ -375,7 +373,7 @@ class ConsolidationCoordinator:
         """Give a finished ``-last`` copy its step's output (links, now or once published), or its own consolidation
         when that checkpoint was removed before it could be consolidated."""
         source = copy.copy_of
-        if source is None or _LAST_COPY.search(copy.path.name) is None:
+        if source is None or not is_copy_name(copy.path.name):
             return
         with self.lock:
             if source.output is not None and (source.output / METADATA_FILENAME).is_file():

@@ -48,13 +48,13 @@ layout and publishing helpers and the training side's schedule and ``LATEST`` on
 import json
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
+from nemo_patch.engine.checkpoint_root import without_copy_suffix
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
 from nemo_patch.engine.post_command import post_command_log_path
 from nemo_patch.engine.publish import link_output, remove_stale_tmp_dirs
@@ -84,9 +84,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: NeMo's ``-last`` copy and its versions (``-last-v1``, ...): :func:`~nemo_patch.engine.run_checkpoints.is_copy_name`.
-_COPY_SUFFIX = re.compile(r"-last(?:-v\d+)?$")
-
 
 @dataclass(frozen=True)
 class ConsolidatedOutput:
@@ -111,7 +108,7 @@ class ConsolidatedOutput:
 def retained_name(checkpoint_dir: Path) -> str:
     """The retained entry's name for a checkpoint: its own name, without NeMo's ``-last`` suffix (``-last-v1``, ...
     included: the copy holds its step's output)."""
-    return _COPY_SUFFIX.sub("", Path(checkpoint_dir).name)
+    return without_copy_suffix(Path(checkpoint_dir).name)
 
 
 def _metadata(output_dir: Path) -> Optional[Dict[str, Any]]:
