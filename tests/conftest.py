@@ -131,12 +131,41 @@ def checkpoint_copy(each_run, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def tp2_checkpoint(tmp_path_factory) -> Path:
     """A finished checkpoint of a 2-step TP=2 fit (2 processes: each attention and MLP weight stored as several
-    chunks), and its reference output (``nemo-consolidate``) in ``<run>/reference/``."""
-    from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
+    chunks), and its reference tensors in ``<run>/reference/model.safetensors``: PyTorch's own DCP converter's
+    reading of it (:func:`dcp_reference_tensors`), never the product's output."""
+    from safetensors.torch import save_file
 
     out = tmp_path_factory.mktemp("tp2")
     report = run_fit(out, tp=2, devices=2, max_steps=2, save_every=2)
     root = Path(report.get("root") or out / "tiny_gpt" / "checkpoints")
     checkpoint = next(path for path in sorted(root.iterdir()) if (path / "weights").is_dir())
-    assert nemo_consolidate([str(checkpoint), "--out", str(out / "reference"), "--quiet", "--workers", "1"]) == 0
+    (out / "reference").mkdir()
+    tensors = dcp_reference_tensors(checkpoint / "weights", out / "reference")
+    save_file(
+        {name: tensor.contiguous() for name, tensor in tensors.items()}, str(out / "reference" / "model.safetensors")
+    )
+    (out / "reference" / "reference.pt").unlink()
     return checkpoint
+
+
+def dcp_reference_tensors(weights_dir: Path, scratch: Path) -> Dict[str, Any]:
+    """The model tensors of a NeMo checkpoint according to PyTorch's own DCP converter (``dcp_to_torch_save``), named
+    as megatron-core's model names them (``module.`` dropped, layer-stacked entries split per layer, the layer index
+    after ``layers``) by hand here, not by the product. ``scratch`` receives ``reference.pt``."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(weights_dir), str(scratch / "reference.pt"))
+    full = torch.load(scratch / "reference.pt", weights_only=False)
+    reference = {}
+    for key, value in full.items():
+        if not key.startswith("module.") or "_extra_state" in key or not isinstance(value, torch.Tensor):
+            continue
+        name = key[len("module.") :]
+        head, sep, tail = name.partition(".layers.")
+        if sep and not tail[:1].isdigit():
+            for layer in range(value.shape[0]):
+                reference[f"{head}.layers.{layer}.{tail}"] = value[layer]
+        else:
+            reference[name] = value
+    return reference
