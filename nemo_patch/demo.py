@@ -35,7 +35,6 @@ import argparse
 import importlib
 import json
 import logging
-import re
 import shlex
 import subprocess
 import sys
@@ -60,47 +59,19 @@ def overlay_off_reason() -> Optional[str]:
     return hook.not_applied_reason()
 
 
-def _size(num_bytes: float) -> str:
-    """Decimal units, as ``nemo-consolidate`` prints them."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if num_bytes < 1000 or unit == "GB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1000
-    return ""
+def format_table(root: Path, report: dict) -> str:
+    """The demo's closing table: ``nemo-consolidate ROOT --list`` (:mod:`nemo_patch.cli.listing`), one row per
+    checkpoint and retained output; with validation (``report["val_loss"]``), each checkpoint's ``val_loss`` too."""
+    from nemo_patch.cli.listing import format_listing, list_root
 
-
-def format_table(report: dict, output_dir: str = "consolidated/") -> str:
-    """The demo's closing table: one row per checkpoint directory; with validation (``report["val_loss"]``), each
-    checkpoint's ``val_loss``, and ``BEST`` marked."""
-    from nemo_patch.engine.checkpoint_root import global_step_in_name
-
+    listing = list_root(root)
     val_loss = {int(step): value for step, value in (report.get("val_loss") or {}).items()}
-    header = ["checkpoint", "global step", "consolidated", f"{output_dir} on disk"]
-    rows = [tuple(header[:2] + (["val_loss"] if val_loss else []) + header[2:])]
-    natural = lambda name: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]  # noqa: E731
-    by_step = lambda entry: (global_step_in_name(entry["name"]) or 0, natural(entry["name"]))  # noqa: E731
-    best = Path(report["best_target"]).name if report.get("best_target") else None
-    for entry in sorted(report["checkpoints"], key=by_step):
-        step = entry["global_step"]
-        if step is None and not report.get("resumed_from"):  # saved by this run, which consolidated none of it
-            step = global_step_in_name(entry["name"])
-        markers = [name for name, target in (("LATEST", report["latest"]), ("BEST", best)) if entry["name"] == target]
-        loss = [f"{val_loss[step]:.4f}" if step in val_loss else "-"] if val_loss else []
-        rows.append(
-            tuple(
-                [
-                    entry["name"] + (f"   <- {', '.join(markers)}" if markers else ""),
-                    "-" if step is None else str(step),
-                    *loss,
-                    "yes" if entry["consolidated"] else "no",
-                    _size(entry["consolidated_bytes"]) if entry["consolidated"] else "-",
-                ]
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    extra = {}
+    if val_loss:
+        entries = listing["checkpoints"] + listing["retained"]
+        extra["val_loss"] = {entry["name"]: f"{val_loss[entry['global_step']]:.4f}" for entry in entries
+                             if entry["global_step"] in val_loss}  # fmt: skip
+    return format_listing(listing, extra)
 
 
 def evaluate(output: Path, output_format: str) -> Dict[str, float]:
@@ -305,18 +276,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"fit {report['fit_seconds']:.1f} s, of which {report['end_wait_seconds']:.1f} s waiting for consolidation at "
         f"the end ({wall:.1f} s with NeMo's set-up)"
     )
-    print(f"checkpoints in {root}:")
-    print(format_table(report, "hf/" if args.hf else "consolidated/"))
-    if report.get("resumed_from") and any(entry["global_step"] is None for entry in report["checkpoints"]):
-        print("global step '-': saved before this run (resumed); the every_n count carried on from the checkpoint.")
+    print(f"checkpoints in {root} (nemo-consolidate {root} --list):")
+    print(format_table(root, report))
     if args.best:
         best = report.get("best_target")
         print(f"BEST -> {best}: the lowest val_loss so far when it was saved" if best else "BEST: none yet")
     if report["retained"]:
-        print("consolidated outputs kept after NeMo's top-k removed their checkpoints (retained/):")
-        for entry in report["retained"]:
-            marker = "   <- LATEST" if f"retained/{entry['name']}" == report["latest_target"] else ""
-            print(f"  {entry['name']}{marker}  (global step {entry['global_step']}, {_size(entry['bytes'])})")
+        print("retained/...: consolidated outputs kept after NeMo's top-k removed their checkpoints")
     if post_command is not None:
         print(f"post command after each output: {post_command}")
         print_post_commands(root)
