@@ -65,6 +65,7 @@ _LAZY = {
     "MegatronCheckpointIO": "nemo.lightning.io.pl",
     "ConsolidationOutcome": "nemo_patch.training.hooks",
     "find_best_checkpoint": "nemo_patch.engine.best_checkpoint",
+    "consolidation_config": "nemo_patch.training.config",
 }
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "MegatronCheckpointIO",
     "MegatronStrategy",
     "consolidate_checkpoint",
+    "consolidation_config",
     "export_hf_checkpoint",
     "find_best_checkpoint",
     "load_consolidated_into",

@@ -31,10 +31,12 @@ way. Each is rebuilt as the runner does (deserialise, ``fdl.build``) in a fresh 
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -56,6 +58,13 @@ LAUNCHER = textwrap.dedent(
     recipe = parse_cli_args(recipe, ["trainer.strategy.ckpt_consolidation_frequency=every_n:5"])
     (out / "cadence.txt").write_text(ZlibJSONSerializer().serialize(recipe))
     stock = "nemo_patch" not in sys.modules
+
+    # The command line's way to a ConsolidationConfig: the factory, by its dotted name, then a field override.
+    recipe = llm.llama32_1b.pretrain_recipe(name="nemo-patch", dir=str(out), num_nodes=1, num_gpus_per_node=1)
+    recipe = parse_cli_args(recipe, ["trainer.strategy.ckpt_consolidation_frequency=every_n:5",
+                                     "trainer.strategy.ckpt_consolidation=nemo_patch.consolidation_config(format=hf,"
+                                     "dtype=bf16)", "trainer.strategy.ckpt_consolidation.keep=3"])
+    (out / "factory.txt").write_text(ZlibJSONSerializer().serialize(recipe))
 
     from nemo_patch import ConsolidationConfig
 
@@ -113,7 +122,6 @@ PAGE = textwrap.dedent(
 def page_code() -> str:
     """The Python blocks of docs/nemo-run.md, in order, without the line that submits the job; the recipe's
     directory is a temporary one."""
-    import re
 
     text = (REPO / "docs" / "nemo-run.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
@@ -143,11 +151,41 @@ def test_a_recipe_made_without_nemo_patch_consolidates_where_it_is_installed(ser
     from nemo_patch import ConsolidationConfig
 
     env = {k: v for k, v in os.environ.items() if k != "NEMO_PATCH_DISABLE"}
-    job = _run([sys.executable, "-c", JOB, str(serialized / "cadence.txt"), str(serialized / "config.txt")], env)
+    paths = [str(serialized / name) for name in ("cadence.txt", "config.txt", "factory.txt")]
+    job = _run([sys.executable, "-c", JOB, *paths], env)
     assert job["start_up_hook"] and job["nemo_patch_imported"]
     assert job["cadence.txt"] == {"policy": "every_n:5", "config": repr(ConsolidationConfig())}
     expected = ConsolidationConfig(format="hf", dtype="bf16", keep=3)
     assert job["config.txt"] == {"policy": "every_n:5", "config": repr(expected)}
+    assert job["factory.txt"] == {"policy": "every_n:5", "config": repr(expected)}
+
+
+def test_nemo_llm_dryrun_sets_consolidation_config_fields(tmp_path):
+    """NeMo's own command line, ``nemo llm pretrain ... --dryrun``: ``ConsolidationConfig`` fields set through the
+    factory ``nemo_patch.consolidation_config(...)`` and a field override after it, without deprecated keywords
+    (before, ``trainer.strategy.ckpt_consolidation.format=hf`` failed: the recipe's ``None`` is no fiddle config)."""
+    nemo = Path(sys.executable).parent / "nemo"
+    overrides = [
+        "trainer.strategy.ckpt_consolidation_frequency=every_n:5",
+        "trainer.strategy.ckpt_consolidation=nemo_patch.consolidation_config(format=hf,dtype=bf16)",
+        "trainer.strategy.ckpt_consolidation.keep=3",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "NEMO_PATCH_DISABLE"}
+    env["COLUMNS"] = "400"  # rich prints the configuration as a table: one line per argument
+    proc = subprocess.run(
+        [str(nemo), "llm", "pretrain", "--factory", "llama32_1b", *overrides, "--dryrun", "-y"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert "Dry run for task nemo.collections.llm.api:pretrain" in proc.stdout, proc.stdout[-3000:]
+    printed = re.sub(r"[\s\u2502]", "", proc.stdout)  # rich's table: its borders and line breaks left out
+    assert "ckpt_consolidation_frequency='every_n:5'," in printed
+    assert "ckpt_consolidation=ConsolidationConfig(format='hf',dtype='bf16',keep=3)" in printed, proc.stdout[-4000:]
+    assert "DeprecationWarning" not in proc.stderr
 
 
 def test_the_pages_examples_configure_what_it_says(tmp_path):

@@ -23,6 +23,7 @@ in one normal form, so that configs compare and serialise by value (NeMo's ``con
 Standard library only (plus the engine's torch-free output names).
 """
 
+import inspect
 import math
 import re
 import textwrap
@@ -38,7 +39,7 @@ __all__ = ["CliOption", "ConsolidationConfig", "SETTINGS", "Setting", "annotatio
 __all__ += ["ACCEPTED_FORMATS", "DEFAULT_FORMAT", "DEFAULT_MAX_PENDING", "DEFAULT_POST_COMMAND_TIMEOUT"]
 __all__ += ["DEFAULT_TIMEOUT", "feature_installed", "setting", "validate_dtype", "validate_fields", "validate_flag"]
 __all__ += ["validate_format", "validate_keep", "validate_max_pending", "validate_max_shard_size"]
-__all__ += ["validate_post_command", "validate_timeout", "validate_workers"]
+__all__ += ["validate_post_command", "validate_timeout", "validate_workers", "consolidation_config"]
 
 #: Output formats of a consolidation: ``ConsolidationConfig.format`` and the CLI's ``--format``.
 ACCEPTED_FORMATS = tuple(OUTPUT_DIRNAMES)
@@ -429,4 +430,33 @@ def attributes_docstring(indent: int = 8, width: int = 119) -> str:
 
 ConsolidationConfig.__doc__ = (ConsolidationConfig.__doc__ or "").replace(
     "        {attributes}", attributes_docstring()
+)
+
+
+def consolidation_config(**fields: Any) -> Any:
+    """``run.Config(ConsolidationConfig, **fields)``, a NeMo-Run configuration of a :class:`ConsolidationConfig`: the
+    factory that NeMo-Run's command line (``nemo llm pretrain/finetune``) and recipe overrides call by its dotted name,
+    ``trainer.strategy.ckpt_consolidation="nemo_patch.consolidation_config(format=hf,dtype=bf16)"``; later overrides
+    reach its fields (``trainer.strategy.ckpt_consolidation.keep=3``). Its signature is ``ConsolidationConfig``'s, so
+    NeMo-Run parses each value as that field's type.
+
+    Args:
+        **fields: ``ConsolidationConfig`` fields (docs/strategy-arguments.md).
+
+    Returns:
+        A ``nemo_run.Config`` of :class:`ConsolidationConfig`.
+
+    Raises:
+        ValueError: a field value :class:`ConsolidationConfig` refuses (checked now, on the launcher).
+        TypeError: a name that is not a field.
+        ModuleNotFoundError: ``nemo_run`` is not installed.
+    """
+    import nemo_run as run
+
+    ConsolidationConfig(**fields)  # refuses a bad value on the launcher, not in the job
+    return run.Config(ConsolidationConfig, **fields)
+
+
+consolidation_config.__signature__ = inspect.signature(ConsolidationConfig).replace(  # type: ignore[attr-defined]
+    return_annotation="nemo_run.Config[ConsolidationConfig]"
 )
