@@ -359,15 +359,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_watch_options(parser)
     add_list_options(parser)
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
+    parser.add_argument("--progress-interval", type=positive_seconds, default=None, metavar="SECONDS",
+                        help="when stderr is not a terminal (a job log): seconds between progress lines (bytes done "
+                        "and in all, MB/s, time left; default 30; also with --watch)")  # fmt: skip
     parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--check", action=_CheckAction)
     return parser
 
 
-def _progress_bar(enabled: bool, stream: TextIO) -> "tuple[Callable[[int, int], None], Callable[[], None]]":
-    """A bytes progress bar (done / total, rate) on ``stream`` when it is a terminal; no-ops otherwise."""
+def _progress_bar(
+    enabled: bool, stream: TextIO, interval: Optional[float] = None
+) -> "tuple[Callable[[int, int], None], Callable[[], None]]":
+    """A bytes progress bar (done / total, rate) on ``stream`` when it is a terminal; when it is not (a job log), a
+    progress line every ``interval`` seconds (:class:`nemo_patch.cli.progress.LogProgress`); no-ops when not
+    ``enabled``."""
     if not enabled:
         return (lambda done, total: None), (lambda: None)
+    if not stream.isatty():
+        from nemo_patch.cli.progress import DEFAULT_INTERVAL, LogProgress
+
+        return LogProgress(stream, human_size, interval or DEFAULT_INTERVAL), (lambda: None)
     from tqdm import tqdm
 
     bar: List[tqdm] = []
@@ -524,7 +535,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
 
     # The progress bar's stream: still the terminal under the hold-back.
     terminal = os.fdopen(os.dup(2), "w", buffering=1, errors=_ESCAPE_ERRORS)
-    update, close_bar = _progress_bar(terminal.isatty() and not args.quiet, terminal)
+    update, close_bar = _progress_bar(not args.quiet, terminal, args.progress_interval)
 
     def close() -> None:
         close_bar()

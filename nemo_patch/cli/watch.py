@@ -711,6 +711,11 @@ def _consolidator(args: argparse.Namespace) -> Consolidate:
         common: Dict[str, Any] = dict(
             global_step=checkpoint.global_step, staging_dir=staging, before_publish=before_publish
         )
+        if not args.quiet and not sys.stderr.isatty():  # a job log: a progress line every --progress-interval
+            from nemo_patch.cli.progress import DEFAULT_INTERVAL, LogProgress
+
+            interval = args.progress_interval or DEFAULT_INTERVAL
+            common["progress"] = LogProgress(sys.stderr, human_size, interval, checkpoint.path.name)
         if args.format == "hf":
             from nemo_patch.export.context_trust import check_context_trusted
             from nemo_patch.export.hf import export_hf_checkpoint

@@ -1,0 +1,72 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Progress of a consolidation in a job log: when stderr is not a terminal (a SLURM log file, a pipe),
+``nemo-consolidate`` and ``--watch`` print a line at most every ``--progress-interval`` seconds (default
+:data:`DEFAULT_INTERVAL`)::
+
+    nemo-consolidate: progress tiny_gpt--step=9: 1.2 GB of 4.8 GB (25%), 310.5 MB/s, about 12 s left
+
+fed by the same ``(bytes done, bytes in all)`` counters as the terminal's progress bar. The first line comes one
+interval after the consolidation started, so a consolidation shorter than that prints none; a run of ``T`` seconds
+prints at most ``T / interval`` lines.
+"""
+
+import time
+from typing import Callable, Optional, TextIO
+
+__all__ = ["DEFAULT_INTERVAL", "LogProgress"]
+
+#: Seconds between two progress lines in a log, by default.
+DEFAULT_INTERVAL = 30.0
+
+
+class LogProgress:
+    """A progress callback ``(done, total)`` (bytes) that writes one line to ``stream`` at most every ``interval``
+    seconds: bytes done and in all, the rate since the start (MB/s, decimal units), and the time left at that rate.
+
+    Args:
+        stream: where the lines go (the command's stderr).
+        size: formats a number of bytes (``nemo_patch.cli.watch.human_size``: ``"305.2 KB"``).
+        interval: seconds between lines (> 0); also the delay before the first.
+        label: what is consolidated (the checkpoint's name), or ``None``.
+        clock: the monotonic clock (seconds), replaced in tests.
+    """
+
+    def __init__(
+        self,
+        stream: TextIO,
+        size: Callable[[float], str],
+        interval: float = DEFAULT_INTERVAL,
+        label: Optional[str] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stream, self.size, self.interval, self.label, self.clock = stream, size, interval, label, clock
+        self.started = self.last = clock()
+        self.lines = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        self.lines += 1
+        seconds = max(now - self.started, 1e-9)
+        rate = done / seconds
+        left = f"about {(total - done) / rate:.0f} s left" if rate > 0 and total >= done else "time left unknown"
+        percent = f" ({100 * done / total:.0f}%)" if total > 0 else ""
+        where = f" {self.label}" if self.label else ""
+        self.stream.write(f"nemo-consolidate: progress{where}: {self.size(done)} of {self.size(total)}{percent}, "
+                          f"{self.size(rate)}/s, {left}\n")  # fmt: skip
+        self.stream.flush()
