@@ -119,6 +119,7 @@ def run_tiny_fit(
     monitor: Optional[str] = None,
     keep: Optional[int] = None,
     snapshot_checkpoints: bool = False,
+    snapshot_copies: bool = False,
     wait_for_consolidation: bool = False,
     strategy_args: Sequence[str] = (),
     config_args: Sequence[str] = (),
@@ -182,6 +183,8 @@ def run_tiny_fit(
         snapshot_checkpoints: hard-link every finished checkpoint's ``weights/`` into ``<out>/snapshots/<name>`` as
             soon as it is seen (:class:`nemo_patch.testing.snapshots.CheckpointSnapshots`), so that outputs kept after
             NeMo removed their checkpoint can still be compared with the checkpoint they came from.
+        snapshot_copies: as ``snapshot_checkpoints``, but the files are copied, not hard-linked (the checkpoint's files
+            keep their inodes, link counts and change times; a checkpoint rewritten in place leaves its snapshot).
         wait_for_consolidation: wait at the end of each step until consolidations are done
             (:class:`nemo_patch.testing.pacing.WaitForConsolidation`), so they keep up with the saves as in a real run.
         strategy_args: more ``MegatronStrategy`` arguments as ``name=value`` (``value`` read as JSON when it parses,
@@ -275,8 +278,8 @@ def run_tiny_fit(
 
     injectors = [FaultInjector(spec) for spec in faults]
     callbacks: List[Any] = list(injectors)
-    if snapshot_checkpoints:
-        callbacks.append(CheckpointSnapshots(out / "snapshots"))
+    if snapshot_checkpoints or snapshot_copies:
+        callbacks.append(CheckpointSnapshots(out / "snapshots", copy=snapshot_copies))
     if swap_io is not None:
         from nemo_patch.testing.io_swap import SwapCheckpointIO
 
@@ -537,6 +540,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--monitor", default=None)
     parser.add_argument("--keep", type=int, default=None)
     parser.add_argument("--snapshot-checkpoints", action="store_true")
+    parser.add_argument("--snapshot-copies", action="store_true")
     parser.add_argument("--wait-for-consolidation", action="store_true")
     parser.add_argument("--strategy-arg", action="append", default=[])
     parser.add_argument("--config-arg", action="append", default=[])
@@ -597,6 +601,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         monitor=args.monitor,
         keep=args.keep,
         snapshot_checkpoints=args.snapshot_checkpoints,
+        snapshot_copies=args.snapshot_copies,
         wait_for_consolidation=args.wait_for_consolidation,
         strategy_args=args.strategy_arg,
         config_args=args.config_arg,

@@ -23,6 +23,7 @@ Test aid: nothing in the product imports ``nemo_patch.testing`` (import-linter c
 """
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,10 +44,15 @@ class CheckpointSnapshots(Callback):
 
     Args:
         directory: where the snapshots go.
+        copy: copy the files (``shutil.copy2``, times kept) instead of hard-linking them: a hard link changes the
+            checkpoint files' change time (``st_ctime``) and shares their inodes, so a checkpoint rewritten in place
+            would change its snapshot too, and the product's save identity (which counts inodes and change times)
+            would see another save.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, copy: bool = False) -> None:
         self.directory = Path(directory)
+        self.copy = copy
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Wrap the checkpoint IO's ``save_checkpoint`` (once)."""
@@ -78,4 +84,7 @@ class CheckpointSnapshots(Callback):
         for file in weights.rglob("*"):  # zarr: one directory per array
             if file.is_file():
                 (target / file.relative_to(weights)).parent.mkdir(parents=True, exist_ok=True)
-                os.link(file, target / file.relative_to(weights))
+                if self.copy:
+                    shutil.copy2(file, target / file.relative_to(weights))
+                else:
+                    os.link(file, target / file.relative_to(weights))
