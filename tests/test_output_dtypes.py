@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_fit
+from conftest import dcp_reference_tensors, run_fit
 from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import main
@@ -71,19 +71,22 @@ def _tensors(directory: Path):
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints, tmp_path_factory):
-    """(checkpoint dtype, format) -> the tensors exported with no dtype asked (the checkpoint's own)."""
+def references(checkpoints, imported_llama, tmp_path_factory):
+    """(checkpoint dtype, format) -> the expected tensors in the checkpoint's own dtype, from oracles that are not
+    the product: for ``safetensors``, PyTorch's DCP converter's reading of the checkpoint (``dcp_to_torch_save``);
+    for ``hf``, the original Hugging Face weights NeMo imported (the fp32 checkpoint is that import, bit for bit).
+    The fine-tuned checkpoints' ``hf`` references are the export with no dtype asked, once it is checked to be in the
+    checkpoint's dtype (its values are checked against ``transformers`` in test_hf_families and test_hf_export)."""
     found = {}
     for name, (checkpoint, _) in checkpoints.items():
-        for output_format in OUTPUT_DIRS:
-            out = tmp_path_factory.mktemp(f"{name}-{output_format}")
-            assert (
-                main(
-                    [str(checkpoint), "--format", output_format, "--trust-context", "--out", str(out / "o"), "--quiet"]
-                )
-                == 0
-            )
-            found[name, output_format] = _tensors(out / "o")
+        scratch = tmp_path_factory.mktemp(f"{name}-dcp")
+        found[name, "safetensors"] = dcp_reference_tensors(checkpoint / "weights", scratch)
+        if name == "fp32":
+            found[name, "hf"] = _tensors(imported_llama / "hf")
+            continue
+        out = tmp_path_factory.mktemp(f"{name}-hf")
+        assert main([str(checkpoint), "--format", "hf", "--trust-context", "--out", str(out / "o"), "--quiet"]) == 0
+        found[name, "hf"] = _tensors(out / "o")
     return found
 
 
