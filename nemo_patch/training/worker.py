@@ -14,10 +14,10 @@
 
 """The consolidation process: ``python -m <package>.worker --serve --settings JSON``.
 
-Started once per run by :class:`.queue.ConsolidationQueue` (protocol there), it imports what a consolidation needs,
-says it is ready, lowers its CPU priority (:data:`WORKER_NICENESS`; the environment variable :data:`NICENESS_VARIABLE`
-sets another, 0 to 19) and serves requests until its stdin ends. Its stdout carries result lines only (fd 1 goes to
-fd 2 before anything is imported). A request that fails with a ``ConsolidationError`` is answered with its reason;
+Started once per run by :class:`.queue.ConsolidationQueue` (protocol there), it lowers its CPU priority before it
+starts any thread (:data:`WORKER_NICENESS`; the environment variable :data:`NICENESS_VARIABLE` sets another, 0 to 19),
+imports what a consolidation needs, says it is ready and serves requests until its stdin ends. Its stdout carries
+result lines only (fd 1 goes to fd 2 before anything is imported). A request that fails with a ``ConsolidationError`` is answered with its reason;
 any other exception is answered, then ends the process (the queue starts a new one). It reads only files and uses no
 process group. ``python -m <package>.worker <ckpt> --global-step N`` consolidates one checkpoint (exit 1
 with the reason on stderr). It imports neither NeMo, Lightning nor megatron-core (the ``hf`` format excepted: it
@@ -93,11 +93,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings: ConsolidationSettings = args.settings
     # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
-    consolidate = _consolidator(settings, preload=args.serve)
-    try:
+    try:  # before torch is imported: Linux lowers the calling thread only, and threads started earlier keep theirs
         os.nice(_niceness())  # the consolidations yield to the training job's threads
     except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
         pass
+    consolidate = _consolidator(settings, preload=args.serve)
     if results is None:
         error = consolidate(args.checkpoint, args.global_step, args.best, args.run)
         if error is not None:
