@@ -30,8 +30,9 @@ Every step acts on one NeMo log directory (one checkpoint root) as a user, a sch
 After every step two invariants are checked:
 
 1. **Truth**: every published output (``<ckpt>/consolidated`` of a finished checkpoint,
-   ``retained/<name>/consolidated``) holds its own save's tensors, bit for bit, read by megatron-core's ``dist_checkpointing.load_plain_tensors``
-   (:mod:`nemo_patch.testing.mcore_compare`, not the product's reader): a live checkpoint's output against that very
+   ``retained/<name>/consolidated``) holds its own save's tensors, bit for bit, read by megatron-core's
+   ``dist_checkpointing.load_plain_tensors`` (:mod:`nemo_patch.testing.mcore_compare`, not the product's reader): a
+   live checkpoint's output against that very
    checkpoint directory, a retained output against a copy of its checkpoint's weights taken the moment its save
    finished (``CheckpointSnapshots(copy=True)`` in the fit; the test's own copy for a re-save), the save it records
    (``metadata.json``'s ``save.finished_ns``: the modification time of the save's ``.metadata``).
@@ -109,7 +110,7 @@ def draw_step(rng: random.Random, index: int, has_checkpoints: bool) -> Step:
     roll = rng.random()
     if index > 0 and has_checkpoints and roll < 0.18:
         return Step("watch", {"frequency": rng.choice(["each", "each", "latest"]),
-                              "kill_after": rng.choice([None, round(rng.uniform(2.0, 14.0), 1)])})  # fmt: skip
+                              "kill_after": rng.choice([None, round(rng.uniform(0.0, 4.0), 1)])})  # fmt: skip
     if index > 0 and has_checkpoints and roll < 0.32:
         return Step("resave", {"pick": rng.random(), "delta": round(rng.uniform(0.1, 1.0), 3)})
     stock = rng.random() < 0.45
@@ -306,24 +307,26 @@ class Walk:
             if options["sidecar"] == "killed":
                 watcher.kill_after(options["kill_after"])
         fit = _FitProcess(self.out, logs / "fit.log", stock=options["stock"], **args)
-        if kill == "sigkill":
-            fit.kill_after(options["kill_after"])
+        if kill == "sigkill":  # 0.8-6 s after its first save started
+            fit.kill_after(options["kill_after"] / 5, ready="Global Checkpoint Save")
         code = fit.wait()
         if (self.out / "snapshots").is_dir():
             shutil.move(str(self.out / "snapshots"), logs / "snapshots")
         killed = code == -signal.SIGKILL
         if code not in (0, -signal.SIGKILL):
             self.fail(f"step {index}: the fit failed (rc={code}); see {logs / 'fit.log'}:\n{fit.tail()}")
-        finished_sidecar = True
+        step.killed = killed
         if watcher is not None:
-            finished_sidecar = watcher.stop() != -signal.SIGKILL and not watcher.killed
-            # a sidecar restarted after the training job ends, run until idle: what it left is done now
-            if not watcher.killed:
-                again = _Watcher(self.root, logs / "sidecar-final.log", frequency="each", until_idle=2.0)
-                again.wait()
-        step.killed = killed or (watcher is not None and watcher.killed)
+            watcher.stop()
+            step.killed = killed or watcher.killed
+            # the sidecar (re)started once the training job has ended, run until idle: whatever the training job and
+            # the first sidecar left (a kill's included), the sidecar has done its part now
+            again = _Watcher(self.root, logs / "sidecar-final.log", frequency="each", until_idle=2.0)
+            if again.wait() != 0:
+                step.note += f"; the restarted sidecar exited {again.proc.returncode}"
+            return True
         if options["stock"]:
-            return not killed and watcher is not None and not watcher.killed and finished_sidecar
+            return False  # nothing of the product ran
         return not killed and self._published_in(logs)
 
     def _published_in(self, logs: Path) -> bool:
@@ -509,15 +512,28 @@ class _Process:
 
     def __init__(self, args: List[str], log: Path, env: Optional[Dict[str, str]] = None) -> None:
         self.log = log
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")  # its log lines as they are written
         self._handle = open(log, "w")
         self.proc = subprocess.Popen(args, stdout=self._handle, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                      start_new_session=True)  # fmt: skip
         self.killed = False
-        self._timer: Optional[threading.Timer] = None
+        self._timer: Optional[threading.Thread] = None
+        self._cancelled = threading.Event()
 
-    def kill_after(self, seconds: float) -> None:
-        self._timer = threading.Timer(seconds, self.kill)
-        self._timer.daemon = True
+    def kill_after(self, seconds: float, ready: Optional[str] = None) -> None:
+        """SIGKILL it ``seconds`` after it starts, or after its log first shows ``ready`` (its start-up, a few
+        seconds on a loaded machine, does not count)."""
+
+        def wait_then_kill() -> None:
+            deadline = time.monotonic() + 300
+            while ready is not None and time.monotonic() < deadline and self.proc.poll() is None:
+                if ready in self.log.read_text(errors="replace"):
+                    break
+                time.sleep(0.05)
+            if not self._cancelled.wait(seconds):
+                self.kill()
+
+        self._timer = threading.Thread(target=wait_then_kill, daemon=True)
         self._timer.start()
 
     def kill(self) -> None:
@@ -532,8 +548,9 @@ class _Process:
         try:
             code = self.proc.wait(timeout=timeout)
         finally:
+            self._cancelled.set()
             if self._timer is not None:
-                self._timer.cancel()
+                self._timer.join()
             self._handle.close()
         if self.killed:  # every process of its session, not only the leader
             try:
@@ -574,8 +591,12 @@ class _Watcher(_Process):
         env = {k: v for k, v in os.environ.items() if k != "NEMO_PATCH_DISABLE"}
         super().__init__(args, log, env)
 
+    def kill_after(self, seconds: float, ready: Optional[str] = "Watching ") -> None:
+        super().kill_after(seconds, ready)
+
     def stop(self) -> int:
         """SIGTERM (the watcher abandons what it writes and exits), then wait."""
+        self._cancelled.set()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.wait(timeout=300)
