@@ -307,8 +307,8 @@ class Walk:
             if options["sidecar"] == "killed":
                 watcher.kill_after(options["kill_after"])
         fit = _FitProcess(self.out, logs / "fit.log", stock=options["stock"], **args)
-        if kill == "sigkill":  # 0.8-6 s after its first save started
-            fit.kill_after(options["kill_after"] / 5, ready="Global Checkpoint Save")
+        if kill == "sigkill":  # 1.8-5.3 s after its first save started
+            fit.kill_after(0.8 + 5 * options["kill_at"], ready="Global Checkpoint Save")
         code = fit.wait()
         if (self.out / "snapshots").is_dir():
             shutil.move(str(self.out / "snapshots"), logs / "snapshots")
@@ -510,12 +510,25 @@ def _file_keys(directory: Path) -> Tuple[Tuple[str, int, int, int], ...]:
 class _Process:
     """A subprocess in a session of its own (so that a SIGKILL reaches it and every process it started)."""
 
+    #: Every process started, so that a failing walk leaves none behind (:meth:`kill_all`).
+    started: List["_Process"] = []
+
+    @classmethod
+    def kill_all(cls) -> None:
+        """SIGKILL every process this test started that still runs (and its session)."""
+        while cls.started:
+            process = cls.started.pop()
+            if process.proc.poll() is None:
+                process.kill()
+                process.proc.wait()
+
     def __init__(self, args: List[str], log: Path, env: Optional[Dict[str, str]] = None) -> None:
         self.log = log
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")  # its log lines as they are written
         self._handle = open(log, "w")
         self.proc = subprocess.Popen(args, stdout=self._handle, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                      start_new_session=True)  # fmt: skip
+        _Process.started.append(self)
         self.killed = False
         self._timer: Optional[threading.Thread] = None
         self._cancelled = threading.Event()
@@ -681,7 +694,10 @@ def test_save_identity_random_walk(seed, tmp_path):
     """A walk of real fits, sidecars, kills and re-saves over one log directory; both invariants after every step."""
     walk = Walk(seed, STEPS, tmp_path)
     started = time.monotonic()
-    walk.run()
+    try:
+        walk.run()
+    finally:
+        _Process.kill_all()
     print(walk.history())
     print(f"{len(walk.book.saves)} saves, {len(walk.book.compared)} outputs compared, "
           f"{time.monotonic() - started:.0f} s")  # fmt: skip
