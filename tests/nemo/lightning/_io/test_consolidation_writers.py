@@ -15,7 +15,7 @@
 """Writer processes and publishing: several writers write the bytes one writer writes; a killed consolidation's
 temporary output is found by its lock and removed; an existing output is replaced atomically, nothing else is."""
 
-import os
+import json
 import subprocess
 import sys
 
@@ -62,11 +62,60 @@ def test_a_killed_consolidation_leaves_temporary_output_that_is_removed_later(mo
     assert remove_stale_tmp_dirs(out.parent) == [left] and not left.exists()
 
 
+#: Run in another process while outputs are replaced: it opens the output directory by its name again and again and
+#: records what it finds there unless the name moved to another directory during the look (then nothing can be said:
+#: a rename changes a directory's ctime, so a reused inode number is not taken for the same directory).
+READER = """
+import json, os, sys
+out, stop = sys.argv[1], sys.argv[2]
+expected = json.loads(sys.argv[3])
+seen, wrong, directories = 0, [], set()
+while not os.path.exists(stop):
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as error:
+        wrong.append(f"no directory: {error}")
+        continue
+    before = os.fstat(fd)
+    try:
+        found = {name: os.stat(name, dir_fd=fd).st_size for name in os.listdir(fd)}
+    except FileNotFoundError:
+        found = None
+    os.close(fd)
+    try:
+        after = os.stat(out)
+    except OSError as error:
+        wrong.append(f"no directory: {error}")
+        continue
+    if (after.st_ino, after.st_ctime_ns) != (before.st_ino, before.st_ctime_ns):  # renamed meanwhile (ctime)
+        continue
+    seen += 1
+    directories.add(before.st_ino)
+    if found is None or sorted(found) != sorted(expected) or any(
+            found[name] != size for name, size in expected.items() if name.endswith(".safetensors")):
+        wrong.append(found)
+print(json.dumps({"seen": seen, "wrong": wrong[:5], "directories": len(directories)}))
+"""
+
+
 def test_an_output_is_replaced_atomically_and_nothing_else_is(moe_checkpoint, tmp_path):
-    first = consolidate_checkpoint(moe_checkpoint[0], tmp_path / "out").output_dir
-    inode = os.stat(first / "model.safetensors").st_ino
-    again = consolidate_checkpoint(moe_checkpoint[0], tmp_path / "out", overwrite=True).output_dir
-    assert again == first and os.stat(first / "model.safetensors").st_ino != inode
+    first = consolidate_checkpoint(moe_checkpoint[0], tmp_path / "out", max_shard_size=20_000).output_dir
+    expected = {path.name: path.stat().st_size for path in first.iterdir()}
+    stop = tmp_path / "stop"
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(first), str(stop), json.dumps(expected)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        for workers in (1, 2):  # several files, written by one and by two writer processes
+            again = consolidate_checkpoint(
+                moe_checkpoint[0], tmp_path / "out", max_shard_size=20_000, workers=workers, overwrite=True
+            )
+            assert again.output_dir == first
+    finally:
+        stop.touch()
+        observed = json.loads(reader.communicate(timeout=60)[0])
+    # the name always held a complete output, old or new, and the reader saw it across the replacements
+    assert observed["wrong"] == [] and observed["seen"] > 10 and observed["directories"] >= 2, observed
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(OutputExistsError):
