@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import pytest
 from conftest import REPO
@@ -91,16 +91,30 @@ def test_one_described_patch_per_pull_request_within_its_size(series):
         assert _added_lines(patch) <= (800 if number == 1 else 2000), f"{patch.name}: +{_added_lines(patch)}"
 
 
+def _created_texts(patch: Path) -> Dict[str, str]:
+    """The text of each file ``patch`` creates (``new file``: one hunk of ``+`` lines), by its path in NeMo's tree."""
+    texts: Dict[str, str] = {}
+    for block in re.split(r"^diff --git ", patch.read_text().split("\n-- \n")[0] + "\n", flags=re.M)[1:]:
+        match = re.search(r"^--- /dev/null\n\+\+\+ b/(\S+)\n@@[^\n]*@@[^\n]*\n", block, flags=re.M)
+        if match:
+            lines = block[match.end() :].splitlines(keepends=True)
+            texts[match.group(1)] = "".join(line[1:] for line in lines if line.startswith("+"))
+    return texts
+
+
 def test_the_series_is_the_products_files_renamed(series):
-    """Every file a pull request adds is a product file with only its import paths renamed (and formatted)."""
+    """Every file a pull request adds is, byte for byte, a product file with its import paths renamed and formatted
+    as NeMo formats its code (nothing else edited on the way)."""
     for patch, pr in zip(series, SERIES):
-        added = set(_added(patch))
+        created = _created_texts(patch)
         for source in pr.files:
-            assert make_upstream_patch.nemo_path(source) in added
             text = (REPO / source).read_text()
-            assert make_upstream_patch.formatted(text) == make_upstream_patch.formatted(
-                make_upstream_patch.renamed(text)
+            in_patch = created[make_upstream_patch.nemo_path(source)]
+            expected = (
+                make_upstream_patch.formatted(text) if source.endswith(".py") else make_upstream_patch.renamed(text)
             )
+            assert in_patch == expected, source
+            assert "nemo_patch" not in in_patch, source
 
 
 def _apply_through(tree: Path, series: List[Path], number: int) -> None:
