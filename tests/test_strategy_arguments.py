@@ -155,13 +155,13 @@ def test_a_config_without_a_frequency_warns_that_it_does_nothing(switch, caplog)
     assert not [r for r in caplog.records if "consolidation is off" in r.getMessage()]
 
 
-def test_user_supplied_stock_checkpoint_io_is_upgraded_with_its_settings():
+def test_user_supplied_stock_checkpoint_io_consolidates_with_its_settings():
     user_io = NeMoMegatronCheckpointIO(save_ckpt_format="torch_dist", parallel_save=False)
     strategy = MegatronStrategy(checkpoint_io=user_io, ckpt_consolidation_frequency="every_n:3")
     base = find_base_checkpoint_io(strategy.checkpoint_io)
     assert type(base) is MegatronCheckpointIO and base.parallel_save is False
     assert base.consolidation.policy == parse_consolidation_frequency("every_n:3")
-    assert base is not user_io and user_io.consolidation is None  # the user's object is not changed
+    assert base is user_io  # the object the user gave, configured in place (no copy the user cannot see)
 
 
 def test_user_supplied_consolidating_io_keeps_its_own_policy_unless_the_strategy_sets_one():
@@ -259,13 +259,18 @@ def test_a_consolidation_config_is_a_nemo_run_config():
         fdl.build(run.Config(ConsolidationConfig, keep=-1))
 
 
-def test_upgrade_from_stock_io_keeps_every_setting():
+def test_the_strategy_keeps_the_checkpoint_io_it_is_given_and_makes_it_consolidate():
     stock = NeMoMegatronCheckpointIO(async_save=True, torch_dist_multiproc=2, parallel_load=True)
-    upgraded = integration.with_consolidation(stock, ConsolidationSettings.from_arguments(True))
-    for name, value in vars(stock).items():
-        if name not in ("consolidation_settings", "consolidation"):
-            assert getattr(upgraded, name) == value, name
-    assert upgraded.consolidation.policy == parse_consolidation_frequency("each") and stock.consolidation is None
+    before = {
+        name: value for name, value in vars(stock).items() if name not in ("consolidation_settings", "consolidation")
+    }
+    assert integration.with_consolidation(stock, ConsolidationSettings.from_arguments(True)) is stock
+    assert stock.consolidation.policy == parse_consolidation_frequency("each")
+    assert {name: getattr(stock, name) for name in before} == before  # every other setting as it was
+    strategy = MegatronStrategy(ckpt_consolidation_frequency="every_n:2")
+    given = NeMoMegatronCheckpointIO(async_save=True)
+    strategy.checkpoint_io = given  # NeMo's setter: the object itself is kept (it stored a copy)
+    assert strategy.checkpoint_io is given and str(given.consolidation.policy) == "every_n:2"
     assert nemo_patch.MegatronCheckpointIO is MegatronCheckpointIO is NeMoMegatronCheckpointIO
 
 

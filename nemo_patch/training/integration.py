@@ -18,13 +18,10 @@
 Imports Lightning and the training side at module level, NeMo only inside functions (NeMo's modules import this one).
 """
 
-import copy
 import difflib
 import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
-
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
 from nemo_patch.training.callback import ConsolidationCallback, consolidation_of, find_base_checkpoint_io
 from nemo_patch.training.config import SETTINGS, ConsolidationConfig
@@ -41,7 +38,6 @@ __all__ = [
     "ensure_consolidating_io",
     "find_base_checkpoint_io",
     "remove_checkpoint",
-    "replace_base_checkpoint_io",
     "setup",
     "strategy_settings",
     "teardown",
@@ -113,17 +109,6 @@ def coordinator(settings: Optional[ConsolidationSettings]) -> Optional[Consolida
     return ConsolidationCoordinator(settings, is_global_zero=is_global_rank_zero)
 
 
-def replace_base_checkpoint_io(checkpoint_io: Any, make: Callable[[Any], Any]) -> Any:
-    """``checkpoint_io`` with its innermost IO replaced by ``make(innermost)``; the wrapper objects stay."""
-    if not isinstance(checkpoint_io, _WrappingCheckpointIO):
-        return make(checkpoint_io)
-    wrapper = checkpoint_io
-    while isinstance(wrapper.checkpoint_io, _WrappingCheckpointIO):
-        wrapper = wrapper.checkpoint_io
-    wrapper._checkpoint_io = make(wrapper.checkpoint_io)  # Lightning's setter refuses to replace a configured one
-    return checkpoint_io
-
-
 def _with_settings(checkpoint_io: Any, settings: ConsolidationSettings) -> Any:
     checkpoint_io.consolidation_settings = settings
     checkpoint_io.consolidation = coordinator(settings)
@@ -131,22 +116,21 @@ def _with_settings(checkpoint_io: Any, settings: ConsolidationSettings) -> Any:
 
 
 def with_consolidation(checkpoint_io: Any, settings: ConsolidationSettings) -> Any:
-    """``MegatronStrategy``'s ``checkpoint_io`` argument and setter: ``checkpoint_io`` consolidating as the strategy's
-    ``settings`` say, when it was given any.
+    """``MegatronStrategy``'s ``checkpoint_io`` argument and setter: ``checkpoint_io`` itself, made to consolidate as
+    the strategy's ``settings`` say when it was given any.
 
-    NeMo's ``MegatronCheckpointIO`` at the bottom of the chain is replaced by a copy with the settings (the given
-    object is left as it is); one built with settings of its own takes the strategy's; any other checkpoint IO is
-    kept, without consolidation (a warning says so).
+    NeMo's ``MegatronCheckpointIO`` at the bottom of the chain (of Lightning's wrappers) takes the settings in place:
+    the strategy keeps the object it was given, no copy, and no wrapper is rebuilt. Any other checkpoint IO is kept,
+    without consolidation (a warning says so).
     """
     if checkpoint_io is None or not settings.requested:
         return checkpoint_io
     from nemo.lightning.io.pl import MegatronCheckpointIO
 
     base = find_base_checkpoint_io(checkpoint_io)
-    if isinstance(base, MegatronCheckpointIO) and getattr(base, "consolidation_settings", None) is not None:
+    configured = isinstance(base, MegatronCheckpointIO) and getattr(base, "consolidation_settings", None) is not None
+    if configured or (settings.enabled and type(base) is MegatronCheckpointIO):
         _with_settings(base, settings)
-    elif settings.enabled and type(base) is MegatronCheckpointIO:
-        return replace_base_checkpoint_io(checkpoint_io, lambda io: _with_settings(copy.copy(io), settings))
     elif settings.enabled:
         logger.warning(
             "Checkpoint consolidation needs NeMo's MegatronCheckpointIO; the given %s is used as is and checkpoints "
@@ -167,7 +151,7 @@ def _chain(checkpoint_io: Any) -> str:
 def ensure_consolidating_io(strategy: Any) -> None:
     """Give consolidation back to a checkpoint IO that replaced the strategy's after it was built (user code, or
     NeMo's PEFT callback without the strategy's settings): NeMo's ``MegatronCheckpointIO`` at the bottom of the new
-    chain is replaced inside the same wrappers; any other one cannot consolidate, and an error names the chain."""
+    chain takes the settings in place; any other one cannot consolidate, and an error names the chain."""
     settings, checkpoint_io = strategy.consolidation_settings, strategy._checkpoint_io
     if not settings.enabled or not checkpoint_io or consolidation_of(checkpoint_io) is not None:
         return
@@ -175,9 +159,7 @@ def ensure_consolidating_io(strategy: Any) -> None:
 
     chain = _chain(checkpoint_io)
     if type(find_base_checkpoint_io(checkpoint_io)) is MegatronCheckpointIO:
-        strategy._checkpoint_io = replace_base_checkpoint_io(
-            checkpoint_io, lambda io: _with_settings(copy.copy(io), settings)
-        )
+        _with_settings(find_base_checkpoint_io(checkpoint_io), settings)
         logger.info(
             "The checkpoint IO was replaced after MegatronStrategy was built (now %s, e.g. by NeMo's PEFT callback); "
             "checkpoint consolidation was re-installed inside it",
