@@ -90,6 +90,7 @@ html_sidebars = {"**": ["sidebar-nav-all"]}  # _templates/: the whole navigation
 templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["nemo-patch.css"]
+html_js_files = [("nemo-patch-wrap.js", {"defer": "defer"})]  # break points in long literals (see the file)
 # sphinx-copybutton: copy a block's commands without prompts or the output lines that follow a "$ " prompt.
 copybutton_prompt_text = r"\$ |>>> "
 copybutton_prompt_is_regexp = True
