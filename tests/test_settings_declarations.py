@@ -30,23 +30,25 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import typing
 
 from conftest import REPO
 
 from nemo_patch.cli.nemo_consolidate import build_parser
-from nemo_patch.training.config import SETTINGS, ConsolidationConfig, attributes_docstring
+from nemo_patch.training.config import SETTINGS, ConsolidationConfig, documented_attributes
 from nemo_patch.training.integration import ARGUMENTS
 
-#: The one edit: a new setting declared after the last field.
+#: The one edit: a new setting declared after the last field, and its entry in the class's ``Attributes:``.
 NEW_FIELD = '''
     example_count: int = setting(
         7,
         validate=validate_max_pending,
-        help="an example setting added by one edit (default 7).",
         cli=CliOption("--example-count", "an example option", "parallelism", _whole_number),
     )
 '''
 ANCHOR = "\n    def __post_init__(self) -> None:\n"
+NEW_ENTRY = "        example_count: an example setting added by one edit (default 7).\n"
+DOC_ANCHOR = "\n\n    Raises:\n        ValueError: for an invalid value, naming ``ConsolidationConfig.<field>``"
 
 PROBE = textwrap.dedent(
     """
@@ -104,7 +106,8 @@ def test_one_new_field_is_a_new_setting_everywhere(tmp_path):
     shutil.copytree(REPO / "docs" / "_ext", tmp_path / "docs" / "_ext", ignore=shutil.ignore_patterns("__pycache__"))
     config = copy / "training" / "config.py"
     text = config.read_text()
-    assert text.count(ANCHOR) == 1
+    assert text.count(ANCHOR) == 1 and text.count(DOC_ANCHOR) == 1
+    text = text.replace(DOC_ANCHOR, "\n" + NEW_ENTRY + DOC_ANCHOR[1:])
     config.write_text(text.replace(ANCHOR, NEW_FIELD + ANCHOR))
 
     proc = subprocess.run(
@@ -135,11 +138,10 @@ def test_the_declarations_are_the_config_s_fields_and_what_the_cli_offers():
         assert spec.default == field.default and spec.help.strip(), spec.field
         parameter = inspect.signature(ConsolidationConfig).parameters[spec.field]
         assert parameter.default == spec.default and parameter.annotation == spec.annotation, spec.field
-    assert max(len(line) for line in attributes_docstring().splitlines()) <= 119
-    entries = [
-        line.split(":")[0].strip() for line in attributes_docstring().splitlines() if not line.startswith(" " * 12)
-    ]
-    assert entries == [spec.field for spec in SETTINGS]
+    # the class's literal Attributes: one entry per field, in field order, each a setting's help text
+    documented = documented_attributes(ConsolidationConfig.__doc__ or "")
+    assert list(documented) == [spec.field for spec in SETTINGS]
+    assert all(spec.help == documented[spec.field] and len(spec.help) > 40 for spec in SETTINGS)
     options = {option for action in build_parser()._actions for option in action.option_strings}
     assert {spec.cli.flag for spec in SETTINGS if spec.cli is not None} <= options
     defaults = vars(build_parser().parse_args(["ckpt"]))
@@ -153,3 +155,18 @@ def test_every_setting_validates_its_default_to_itself():
         assert spec.validate(spec.default, spec.name) == spec.default, spec.field
         assert inspect.signature(spec.validate).parameters, spec.field
     assert ConsolidationConfig() == ConsolidationConfig(**{spec.field: spec.default for spec in SETTINGS})
+
+
+def test_each_field_is_annotated_with_the_type_it_stores():
+    """As megatron-core's ``TransformerConfig``: the annotation is what the field holds once the config is made (the
+    constructor takes more: a ``torch.dtype``, a size string), so a reader and a type checker see the stored type."""
+    import torch
+
+    config = ConsolidationConfig(
+        dtype=torch.bfloat16, max_shard_size="500MiB", workers=2, keep=3, timeout=5, post_command="true"
+    )
+    hints = typing.get_type_hints(ConsolidationConfig)
+    for field in dataclasses.fields(config):
+        value, hint = getattr(config, field.name), hints[field.name]
+        allowed = set(typing.get_args(hint)) if typing.get_origin(hint) is typing.Union else {hint}
+        assert allowed - {type(None)} == {type(value)}, (field.name, hint, value)

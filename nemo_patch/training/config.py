@@ -26,7 +26,6 @@ Standard library only (plus the engine's torch-free output names).
 import inspect
 import math
 import re
-import textwrap
 import typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
@@ -35,7 +34,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 
-__all__ = ["CliOption", "ConsolidationConfig", "SETTINGS", "Setting", "annotation_text", "attributes_docstring"]
+__all__ = ["CliOption", "ConsolidationConfig", "SETTINGS", "Setting", "annotation_text", "documented_attributes"]
 __all__ += ["ACCEPTED_FORMATS", "DEFAULT_FORMAT", "DEFAULT_MAX_PENDING", "DEFAULT_POST_COMMAND_TIMEOUT"]
 __all__ += ["DEFAULT_TIMEOUT", "feature_installed", "setting", "validate_dtype", "validate_fields", "validate_flag"]
 __all__ += ["validate_format", "validate_keep", "validate_max_pending", "validate_max_shard_size"]
@@ -93,12 +92,12 @@ def setting(
     default: Any,
     *,
     validate: Callable[[Any, str], Any],
-    help: str,
     cli: Optional[CliOption] = None,
     feature: Optional[str] = None,
 ) -> Any:
-    """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting`)."""
-    return field(default=default, metadata={"setting": dict(validate=validate, help=help, cli=cli, feature=feature)})
+    """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting`; its help text is the field's
+    entry in the class's ``Attributes:``)."""
+    return field(default=default, metadata={"setting": dict(validate=validate, cli=cli, feature=feature)})
 
 
 def feature_installed(feature: str) -> bool:
@@ -245,7 +244,42 @@ class ConsolidationConfig:
     Values are kept in one normal form: ``dtype`` as its short name, ``max_shard_size`` as bytes, timeouts as floats.
 
     Attributes:
-        {attributes}
+        format: ``"safetensors"`` (default): ``<ckpt>/consolidated/`` with this package's layout (megatron-core names,
+            any model); ``"hf"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory written through NeMo's
+            registered exporter for the model class (e.g. Llama); see the documentation's Outputs page. Either runs in
+            the consolidation process, off the training path.
+        dtype: floating-point dtype of the outputs, ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or a ``torch.dtype``, or its
+            name, e.g. ``"bfloat16"``; kept as the short name); ``None`` (default) keeps the checkpoint's. Integer
+            tensors are never cast.
+        max_shard_size: most bytes of tensor data per output safetensors file (Hugging Face's sharding; default 5 *
+            10**9): an int, or a size string as ``save_pretrained(max_shard_size=...)`` takes it (``"5GB"``,
+            ``"500MiB"``; kept as bytes).
+        workers: writer processes on each writing node (``safetensors`` format); ``None`` (default) is a quarter of the
+            node's cores, 1 to 8, decided on the node that writes; never more than the output has tensors. The output
+            is the same whatever the number.
+        keep: what happens to a consolidated output when NeMo's top-k retention (``ModelCheckpoint(save_top_k=...)``)
+            removes its checkpoint: ``None`` (default) keeps every one, as ``<root>/retained/<checkpoint name>/``;
+            ``N`` keeps one while it is among the run's newest ``N`` consolidated outputs; ``0`` keeps none (it goes
+            with its checkpoint). ``LATEST`` never names a removed checkpoint. See the documentation's Retention page.
+        max_pending: how many consolidation requests may wait behind the running one while training runs (default 2).
+            When one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than
+            consolidation never builds an unbounded backlog. Saves that finish when fit ends are all queued (the
+            end-of-fit wait bounds them).
+        timeout: how long, in seconds, the end of ``fit`` (normal or by an exception) waits for running and queued
+            consolidations before giving up on them (logged). Default 1800.
+        merge_adapters: for PEFT (LoRA) runs, whose checkpoints hold only the adapters: ``False`` (default) writes
+            ``adapter_model.safetensors``; ``True`` writes the base model with the adapters merged as NeMo's
+            ``LoRAMerge`` computes it (``model.safetensors``, or a full ``transformers`` directory with the ``"hf"``
+            format).
+        post_command: a shell command the consolidation process runs after each output it publishes, never a training
+            process: ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` are replaced (shell-quoted);
+            its output goes to ``<output>.post-command.log``, its result (exit code, seconds, metrics from the JSON
+            lines of numbers it prints) into the output's ``metadata.json`` and, on global rank 0, the log; the metrics
+            go to the trainer's loggers at the checkpoint's global step. A failure is a warning; training goes on.
+            While it runs the next consolidation waits (queued requests count against ``max_pending``). ``None``
+            (default): none.
+        post_command_timeout: seconds the post command may run before its process group is stopped (recorded as timed
+            out). Default 3600.
 
     Raises:
         ValueError: for an invalid value, naming ``ConsolidationConfig.<field>`` and the accepted forms.
@@ -255,10 +289,6 @@ class ConsolidationConfig:
         DEFAULT_FORMAT,
         validate=validate_format,
         feature="export.hf",
-        help="``\"safetensors\"`` (default): ``<ckpt>/consolidated/`` with this package's layout (megatron-core "
-        "names, any model); ``\"hf\"``: ``<ckpt>/hf/``, a ``transformers``-loadable directory written through NeMo's "
-        "registered exporter for the model class (e.g. Llama); see the documentation's Outputs page. Either runs in "
-        "the consolidation process, off the training path.",
         cli=CliOption(
             "--format",
             "output format: safetensors (default) or hf (a Hugging Face directory)",
@@ -266,30 +296,21 @@ class ConsolidationConfig:
             choices=ACCEPTED_FORMATS,
         ),
     )
-    dtype: Optional[Any] = setting(
+    dtype: Optional[str] = setting(
         None,
         validate=validate_dtype,
-        help="floating-point dtype of the outputs, ``\"bf16\"``, ``\"fp16\"`` or ``\"fp32\"`` (or a ``torch.dtype``, "
-        "or its name, e.g. ``\"bfloat16\"``; kept as the short name); ``None`` (default) keeps the checkpoint's. "
-        "Integer tensors are never cast.",
         cli=CliOption(
             "--dtype", "cast floating-point tensors: bf16, fp16 or fp32 (default: keep the checkpoint's)", "output"
         ),
     )
-    max_shard_size: Union[int, str] = setting(
+    max_shard_size: int = setting(
         DEFAULT_MAX_SHARD_SIZE,
         validate=validate_max_shard_size,
-        help="most bytes of tensor data per output safetensors file (Hugging Face's sharding; default 5 * 10**9): an "
-        "int, or a size string as ``save_pretrained(max_shard_size=...)`` takes it (``\"5GB\"``, ``\"500MiB\"``; kept "
-        "as bytes).",
         cli=CliOption("--max-shard-size", "bytes of tensor data per file, e.g. 5GB (default) or 500MiB", "output"),
     )
     workers: Optional[int] = setting(
         None,
         validate=validate_workers,
-        help="writer processes on each writing node (``safetensors`` format); ``None`` (default) is a quarter of the "
-        "node's cores, 1 to 8, decided on the node that writes; never more than the output has tensors. The output is "
-        "the same whatever the number.",
         cli=CliOption(
             "--workers",
             "writer processes on this node (safetensors format; default: its cores, at most "
@@ -302,33 +323,19 @@ class ConsolidationConfig:
         None,
         validate=validate_keep,
         feature="training.retention",
-        help="what happens to a consolidated output when NeMo's top-k retention (``ModelCheckpoint(save_top_k=...)``) "
-        "removes its checkpoint: ``None`` (default) keeps every one, as ``<root>/retained/<checkpoint name>/``; ``N`` "
-        "keeps one while it is among the run's newest ``N`` consolidated outputs; ``0`` keeps none (it goes with its "
-        "checkpoint). ``LATEST`` never names a removed checkpoint. See the documentation's Retention page.",
     )
     max_pending: int = setting(
         DEFAULT_MAX_PENDING,
         validate=validate_max_pending,
-        help="how many consolidation requests may wait behind the running one while training runs (default 2). When "
-        "one more arrives, the oldest waiting request is skipped (logged), so a cadence faster than consolidation "
-        "never builds an unbounded backlog. Saves that finish when fit ends are all queued (the end-of-fit wait "
-        "bounds them).",
     )
     timeout: float = setting(
         DEFAULT_TIMEOUT,
         validate=validate_timeout,
-        help="how long, in seconds, the end of ``fit`` (normal or by an exception) waits for running and queued "
-        "consolidations before giving up on them (logged). Default 1800.",
     )
     merge_adapters: bool = setting(
         False,
         validate=validate_flag,
         feature="engine.adapter_merge",
-        help="for PEFT (LoRA) runs, whose checkpoints hold only the adapters: ``False`` (default) writes "
-        "``adapter_model.safetensors``; ``True`` writes the base model with the adapters merged as NeMo's "
-        "``LoRAMerge`` computes it (``model.safetensors``, or a full ``transformers`` directory with the ``\"hf\"`` "
-        "format).",
         cli=CliOption(
             "--merge-adapters",
             "for a PEFT (LoRA) adapter checkpoint: write its base model with the "
@@ -340,12 +347,6 @@ class ConsolidationConfig:
         None,
         validate=validate_post_command,
         feature="training.hooks",
-        help="a shell command the consolidation process runs after each output it publishes, never a training "
-        "process: ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` are replaced (shell-quoted); its "
-        "output goes to ``<output>.post-command.log``, its result (exit code, seconds, metrics from the JSON lines of "
-        "numbers it prints) into the output's ``metadata.json`` and, on global rank 0, the log; the metrics go to the "
-        "trainer's loggers at the checkpoint's global step. A failure is a warning; training goes on. While it runs "
-        "the next consolidation waits (queued requests count against ``max_pending``). ``None`` (default): none.",
         cli=CliOption(
             "--post-command",
             "run CMD (with /bin/sh) after the output is published: {output}, {format}, "
@@ -360,8 +361,6 @@ class ConsolidationConfig:
         DEFAULT_POST_COMMAND_TIMEOUT,
         validate=validate_timeout,
         feature="training.hooks",
-        help="seconds the post command may run before its process group is stopped (recorded as timed out). Default "
-        "3600.",
         cli=CliOption(
             "--post-command-timeout",
             "stop the post command after this many seconds (default 3600)",
@@ -396,10 +395,37 @@ def validate_fields(config: ConsolidationConfig, names: Mapping[str, str]) -> No
         object.__setattr__(config, spec.field, spec.validate(value, name))
 
 
+def documented_attributes(docstring: str) -> Dict[str, str]:
+    """The ``Attributes:`` entries of a Google-style class docstring: name -> its text on one line.
+
+    Raises:
+        ValueError: the docstring has no ``Attributes:`` section.
+    """
+    section = re.search(r"\n( *)Attributes:\n(.*?)(?:\n\s*\n|$)", docstring, flags=re.S)
+    if section is None:
+        raise ValueError("no Attributes: section")
+    entries: Dict[str, str] = {}
+    indent, name = len(section.group(1)) + 4, ""
+    for line in section.group(2).splitlines():
+        match = re.match(rf" {{{indent}}}(\w+): (.*)", line)
+        if match:
+            name, entries[match.group(1)] = match.group(1), match.group(2)
+        elif name:
+            entries[name] += " " + line.strip()
+    return entries
+
+
 _HINTS = typing.get_type_hints(ConsolidationConfig)
-#: The declarations of every setting, in field order.
+_HELP = documented_attributes(ConsolidationConfig.__doc__ or "")
+#: The declarations of every setting, in field order (help texts from the class's ``Attributes:``).
 SETTINGS: Tuple[Setting, ...] = tuple(
-    Setting(field=field_.name, default=field_.default, annotation=_HINTS[field_.name], **field_.metadata["setting"])
+    Setting(
+        field=field_.name,
+        default=field_.default,
+        annotation=_HINTS[field_.name],
+        help=_HELP.get(field_.name, ""),
+        **field_.metadata["setting"],
+    )
     for field_ in fields(ConsolidationConfig)  # every field is a setting, declared with setting()
 )
 
@@ -409,28 +435,6 @@ def annotation_text(annotation: Any) -> str:
     if isinstance(annotation, type) and typing.get_origin(annotation) is None:
         return annotation.__name__
     return re.sub(r"\b(?:[A-Za-z_]\w*\.)+(\w+)", r"\1", str(annotation))
-
-
-def attributes_docstring(indent: int = 8, width: int = 119) -> str:
-    """The ``Attributes:`` entries of :class:`ConsolidationConfig`: one ``field: help`` entry per setting, wrapped."""
-    entries = []
-    for spec in SETTINGS:
-        if not spec.help.strip():
-            raise ValueError(f"ConsolidationConfig.{spec.field} declares no help text")
-        lines = textwrap.wrap(
-            f"{spec.field}: {spec.help}",
-            width=width,
-            initial_indent=" " * indent,
-            subsequent_indent=" " * (indent + 4),
-            break_on_hyphens=False,
-        )
-        entries.append("\n".join(lines))
-    return "\n".join(entries)
-
-
-ConsolidationConfig.__doc__ = (ConsolidationConfig.__doc__ or "").replace(
-    "        {attributes}", attributes_docstring()
-)
 
 
 def consolidation_config(**fields: Any) -> Any:
@@ -457,6 +461,12 @@ def consolidation_config(**fields: Any) -> Any:
     return run.Config(ConsolidationConfig, **fields)
 
 
+#: What the constructor accepts where it differs from the stored type (NeMo-Run parses a value by the annotation).
+_ACCEPTED = {"dtype": Optional[Union[str, Any]], "max_shard_size": Union[int, str]}
 consolidation_config.__signature__ = inspect.signature(ConsolidationConfig).replace(  # type: ignore[attr-defined]
-    return_annotation="nemo_run.Config[ConsolidationConfig]"
+    parameters=[
+        parameter.replace(annotation=_ACCEPTED.get(name, parameter.annotation))
+        for name, parameter in inspect.signature(ConsolidationConfig).parameters.items()
+    ],
+    return_annotation="nemo_run.Config[ConsolidationConfig]",
 )
