@@ -32,9 +32,11 @@ import sys
 import textwrap
 import typing
 
+import pytest
 from conftest import REPO
 
 from nemo_patch.cli.nemo_consolidate import build_parser
+from nemo_patch.training import config as config_module
 from nemo_patch.training.config import SETTINGS, ConsolidationConfig, documented_attributes
 from nemo_patch.training.integration import ARGUMENTS
 
@@ -170,3 +172,21 @@ def test_each_field_is_annotated_with_the_type_it_stores():
         value, hint = getattr(config, field.name), hints[field.name]
         allowed = set(typing.get_args(hint)) if typing.get_origin(hint) is typing.Union else {hint}
         assert allowed - {type(None)} == {type(value)}, (field.name, hint, value)
+
+
+def test_a_feature_names_its_module_in_the_product_and_in_nemo_s_tree(monkeypatch):
+    """``feature`` is the module's dotted name, which the upstream packager renames like every import: it names the
+    same file in NeMo's layout (``engine.adapter_merge`` under the package root named none there)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_upstream_patch as packager
+
+    features = {spec.feature for spec in SETTINGS if spec.feature is not None}
+    assert features
+    for feature in features:
+        source = feature.replace(".", "/") + ".py"
+        assert (REPO / source).is_file(), feature
+        assert packager.nemo_path(source)[: -len(".py")].replace("/", ".") == packager.renamed(feature), feature
+    spec = next(spec for spec in SETTINGS if spec.field == "merge_adapters")
+    monkeypatch.setattr(config_module, "feature_installed", lambda feature: False)  # as in a tree without it
+    with pytest.raises(ValueError, match=f"merge_adapters=True needs {spec.feature}, which is not installed"):
+        ConsolidationConfig(merge_adapters=True)

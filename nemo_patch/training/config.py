@@ -50,8 +50,6 @@ DEFAULT_MAX_PENDING = 2
 DEFAULT_TIMEOUT = 1800.0
 #: Default ``ConsolidationConfig.post_command_timeout``, in seconds.
 DEFAULT_POST_COMMAND_TIMEOUT = 3600.0
-#: The package the ``feature`` modules are in (this package's parent).
-_ROOT = __package__.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ class CliOption:
 class Setting:
     """One setting: a field of :class:`ConsolidationConfig` with its default, annotation, validator (``(value,
     name) -> value`` in its stored form, or ``ValueError`` naming ``name``), help text, command-line option,
-    and the module (``feature``, under the package root) a value other than the default needs."""
+    and the module (``feature``, its dotted name) a value other than the default needs."""
 
     field: str
     default: Any
@@ -101,9 +99,10 @@ def setting(
 
 
 def feature_installed(feature: str) -> bool:
-    """Whether the module ``feature`` (e.g. ``"training.retention"``) is installed (looked up, not imported)."""
+    """Whether the module ``feature`` (a dotted name, e.g. ``"nemo_patch.training.retention"``) is installed (looked
+    up, not imported)."""
     try:
-        return find_spec(f"{_ROOT}.{feature}") is not None
+        return find_spec(feature) is not None
     except ModuleNotFoundError:
         return False
 
@@ -288,7 +287,7 @@ class ConsolidationConfig:
     format: str = setting(
         DEFAULT_FORMAT,
         validate=validate_format,
-        feature="export.hf",
+        feature="nemo_patch.export.hf",
         cli=CliOption(
             "--format",
             "output format: safetensors (default) or hf (a Hugging Face directory)",
@@ -322,7 +321,7 @@ class ConsolidationConfig:
     keep: Optional[int] = setting(
         None,
         validate=validate_keep,
-        feature="training.retention",
+        feature="nemo_patch.training.retention",
     )
     max_pending: int = setting(
         DEFAULT_MAX_PENDING,
@@ -335,7 +334,7 @@ class ConsolidationConfig:
     merge_adapters: bool = setting(
         False,
         validate=validate_flag,
-        feature="engine.adapter_merge",
+        feature="nemo_patch.engine.adapter_merge",
         cli=CliOption(
             "--merge-adapters",
             "for a PEFT (LoRA) adapter checkpoint: write its base model with the "
@@ -346,7 +345,7 @@ class ConsolidationConfig:
     post_command: Optional[str] = setting(
         None,
         validate=validate_post_command,
-        feature="training.hooks",
+        feature="nemo_patch.training.hooks",
         cli=CliOption(
             "--post-command",
             "run CMD (with /bin/sh) after the output is published: {output}, {format}, "
@@ -360,7 +359,7 @@ class ConsolidationConfig:
     post_command_timeout: float = setting(
         DEFAULT_POST_COMMAND_TIMEOUT,
         validate=validate_timeout,
-        feature="training.hooks",
+        feature="nemo_patch.training.hooks",
         cli=CliOption(
             "--post-command-timeout",
             "stop the post command after this many seconds (default 3600)",
@@ -391,7 +390,7 @@ def validate_fields(config: ConsolidationConfig, names: Mapping[str, str]) -> No
     for spec in SETTINGS:
         name, value = names.get(spec.field) or spec.name, getattr(config, spec.field)
         if spec.feature is not None and value != spec.default and not feature_installed(spec.feature):
-            raise ValueError(f"{name}={value!r} needs {_ROOT}.{spec.feature}, which is not installed.")
+            raise ValueError(f"{name}={value!r} needs {spec.feature}, which is not installed.")
         object.__setattr__(config, spec.field, spec.validate(value, name))
 
 
