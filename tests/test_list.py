@@ -151,6 +151,9 @@ def test_list_exit_codes(tmp_path, capsys):
     assert main([str(tmp_path / "missing"), "--list"]) == 3
     assert main([str(tmp_path), "--list"]) == 4
     assert "holds no checkpoint" in capsys.readouterr().err
+    (tmp_path / "ckpt" / "weights").mkdir(parents=True)
+    assert main([str(tmp_path / "ckpt"), "--list"]) == 4
+    assert f"is a checkpoint, not a checkpoint root: list {tmp_path}" in capsys.readouterr().err
     for argv, message in [(["--json"], "--json only with --list"), (["--list", "--watch"], "--watch cannot be used")]:
         with pytest.raises(SystemExit) as exit_:
             main([str(tmp_path), *argv])

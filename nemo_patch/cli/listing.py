@@ -278,6 +278,8 @@ def list_root(path: Path, verify: bool = False) -> Dict[str, Any]:
             "marks": [mark for mark, target in (("LATEST", latest), ("BEST", best)) if target == name],
             "consolidated": True, "outputs": outputs,
         })  # fmt: skip
+    if not checkpoints and not retained and (root / "weights").is_dir():
+        raise NotACheckpointError(f"{root} is a checkpoint, not a checkpoint root: list {root.parent}")
     if not checkpoints and not retained:
         raise NotACheckpointError(f"{root} holds no checkpoint ('<name>/weights/' or 'iter_<N>/' directories)")
     return {"root": str(root), "layout": listing.layout, "latest": latest, "best": best, "checkpoints": checkpoints,
