@@ -270,7 +270,7 @@ def build(nemo_src: Path, work: Path) -> List[str]:
             _git(work, "apply", "--whitespace=nowarn", "-", stdin=renamed(edit.read_text()))
         _git(work, "add", "-A")
         message = f"{pr.subject}\n\n{renamed((REPO / 'docs' / 'upstream' / f'{pr.key}.md').read_text())}"
-        _git(work, "commit", "-q", "-F", "-", stdin=message)
+        _git(work, "commit", "-q", "--signoff", "-F", "-", stdin=message)  # DCO: NeMo requires a Signed-off-by
         commits.append(_git(work, "rev-parse", "HEAD").strip())
     return commits
 

@@ -86,6 +86,7 @@ def test_one_described_patch_per_pull_request_within_its_size(series):
         assert f"Subject: [PATCH {number}/{len(SERIES)}] {pr.subject}" in text
         for heading in ("## What", "## Why", "## How it is tested", "## Follow-ups"):
             assert heading in text, f"{patch.name}: no {heading!r}"
+        assert "\nSigned-off-by: " in text.split("\n---\n")[0], f"{patch.name}: not signed off (DCO)"
         assert make_upstream_patch.NEMO_DOCS_PAGE in _added(patch), "each pull request documents its part"
         assert any(re.match(r"tests/.*test_[^/]*\.py$", path) for path in _added(patch)), "each is tested"
         assert _added_lines(patch) <= (800 if number == 1 else 2000), f"{patch.name}: +{_added_lines(patch)}"
