@@ -438,3 +438,23 @@ def test_a_restarted_watcher_counts_the_outputs_it_found_done(nemo_checkpoint, t
     assert again.run() == 0
     summary = again.out.getvalue().splitlines()[-1]
     assert "1 consolidated" in summary and "2 already done" in summary, again.out.getvalue()
+
+
+def test_list_of_a_megatron_save_directory(megatron_copy):
+    """``--list --json`` of a Megatron-LM save directory after a watch: every iter_N with its iteration as the global
+    step, the one the tracker has not reached unfinished, the consolidated ones complete and LATEST marked."""
+    code, log = watch(megatron_copy)
+    assert code == 0, log
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([str(megatron_copy), "--list", "--json"]) == 0
+    listing = json.loads(out.getvalue())
+    assert listing["layout"] == "megatron" and listing["latest"] == os.readlink(megatron_copy / "LATEST")
+    rows = {entry["name"]: entry for entry in listing["checkpoints"]}
+    assert sorted(rows) == [f"iter_{i:07d}" for i in ITERATIONS]
+    assert [rows[f"iter_{i:07d}"]["global_step"] for i in ITERATIONS] == list(ITERATIONS)
+    assert [rows[f"iter_{i:07d}"]["finished"] for i in ITERATIONS] == [True, True, False]
+    for i in (100, 200):
+        (output,) = rows[f"iter_{i:07d}"]["outputs"]
+        assert output["complete"] and output["format"] == "safetensors" and output["digests"] == "recorded"
+    assert rows["iter_0000200"]["marks"] == ["LATEST"] and not rows["iter_0000300"]["outputs"]
