@@ -17,14 +17,17 @@
 Rank 0 waits in the strategy's ``teardown`` for its consolidations (up to ``ConsolidationConfig.timeout``); were the
 other ranks to leave meanwhile, their next collective (``trainer.validate()``, a barrier) would time out on rank 0
 (NCCL's default: 10 minutes). So they wait in their own ``teardown`` for a key rank 0 sets in the job's rendezvous
-store once it is done: no collective, no communicator, no process-group timeout. Each waits at most
-``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS` by its own clock, then logs one warning and leaves.
+store once it is done (a client of it, public ``TCPStore``): no collective, no communicator, no process-group timeout,
+nothing running on the GPU. Only ranks that would otherwise leave ``fit`` early wait; rank 0 never waits for them. Each
+waits at most ``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS` by its own clock, then logs one warning and
+leaves.
 Standard library and ``torch.distributed`` only.
 """
 
 import datetime
 import itertools
 import logging
+import os
 from typing import Any, Optional
 
 __all__ = ["GRACE_SECONDS", "MAX_WAIT_SECONDS", "FitEnd", "capped_timedelta"]
@@ -38,6 +41,7 @@ GRACE_SECONDS = 120.0
 #: beyond); a longer ``ConsolidationConfig.timeout`` means as long as it takes.
 MAX_WAIT_SECONDS = 10.0**9
 _KEY = "checkpoint_consolidation/fit_end/{}"
+_CONNECT = datetime.timedelta(seconds=60)
 
 
 def capped_timedelta(seconds: float) -> datetime.timedelta:
@@ -52,14 +56,19 @@ _rounds = itertools.count()
 
 
 def _store() -> Optional[Any]:
-    """The job's rendezvous store when this process is one of several ranks, else ``None``."""
+    """A client of the job's rendezvous store when this process is one of several ranks, else ``None``: the public
+    ``torch.distributed.TCPStore`` at ``MASTER_ADDR``:``MASTER_PORT``, the store that ``init_process_group``'s
+    ``env://`` (Lightning's launchers, SLURM) and torchrun's agent serve for the whole job."""
     try:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store (another launcher, an older torch): the ranks do not wait
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            return None
+        return dist.TCPStore(host, int(port), is_master=False, timeout=_CONNECT, wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no store (another launcher, none reachable): the ranks do not wait
         return None
 
 
