@@ -62,10 +62,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from nemo_patch.engine.errors import CorruptShardError, UnfinishedCheckpointError
 
 __all__ = [
-    "SaveChangedError",
+    "saved_again_error",
     "SaveIdentity",
     "check_unchanged",
     "in_progress",
+    "is_save_changed",
     "order_key",
     "recorded_identity",
     "save_identity",
@@ -90,8 +91,18 @@ _DIGESTS: Dict[Tuple[Any, ...], str] = {}
 _DIGESTS_KEPT = 4096
 
 
-class SaveChangedError(CorruptShardError):
-    """The checkpoint was saved again (or rewritten in place) while it was read: nothing is published."""
+def saved_again_error(message: str) -> CorruptShardError:
+    """The error for a checkpoint saved again (or rewritten in place) while it was read: a
+    :class:`~.errors.CorruptShardError` (exit code 8; not a class of its own: one class per exit code) marked
+    ``save_changed`` (:func:`is_save_changed`)."""
+    error = CorruptShardError(message)
+    error.save_changed = True  # type: ignore[attr-defined]
+    return error
+
+
+def is_save_changed(error: BaseException) -> bool:
+    """Whether ``error`` says that the checkpoint was saved again while it was read (:func:`saved_again_error`)."""
+    return bool(getattr(error, "save_changed", False))
 
 
 @dataclass(frozen=True)
@@ -273,7 +284,7 @@ def _read_identity(checkpoint_dir: Path, read_run: bool) -> Tuple[SaveIdentity, 
             data = read_regular_file(last, _MAX_LAST_BYTES)
             after = os.lstat(last)
             if _key("", status) != _key("", after):
-                raise SaveChangedError(f"{last} changed while it was read: {checkpoint_dir} is being saved again")
+                raise saved_again_error(f"{last} changed while it was read: {checkpoint_dir} is being saved again")
             digest = hashlib.sha256(data).hexdigest()
             if len(_DIGESTS) >= _DIGESTS_KEPT:
                 _DIGESTS.clear()
@@ -326,7 +337,7 @@ def save_identity(
         UnfinishedCheckpointError: the file the format writes last is missing, or a shard or chunk file is newer
             than it (a save in progress, e.g. an ``iter_<N>`` rewritten in place).
         CorruptShardError: the last-written file cannot be read (not a regular file, over 1 GiB), or the weights
-            directory cannot be listed or holds a link where a shard or array lies; :class:`SaveChangedError` when
+            directory cannot be listed or holds a link where a shard or array lies; a :func:`saved_again_error` when
             the last-written file changed while it was read.
     """
     identity, unfinished = _read_identity(Path(checkpoint_dir), read_run)
@@ -351,12 +362,13 @@ def check_unchanged(
         ``before``.
 
     Raises:
-        SaveChangedError: it holds another save now: it was saved again while it was read (the message names it).
+        CorruptShardError: it holds another save now: it was saved again while it was read (the message names it;
+            :func:`is_save_changed` is true of it).
         UnfinishedCheckpointError: the same save, visibly in progress (a shard newer than the last-written file).
     """
     now, unfinished = _read_identity(Path(checkpoint_dir), read_run=False)
     if not now.same_save(before):
-        raise SaveChangedError(
+        raise saved_again_error(
             f"{checkpoint_dir} was saved again while it was read (its save identity changed); nothing published"
         )
     if unfinished is not None and not allow_unfinished:
