@@ -60,11 +60,12 @@ def test_no_deps_install_into_an_existing_nemo_environment_and_its_checks(tmp_pa
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], cwd=tmp_path)
     wheel = dist / f"nemo_patch-{nemo_patch.__version__}-py3-none-any.whl"
     assert wheel.is_file(), sorted(p.name for p in dist.iterdir())
-    with zipfile.ZipFile(wheel) as archive:  # the product only: no test aids
+    with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     assert "nemo_patch/engine/consolidate.py" in names
     assert {"nemo_patch/overlay/nemo_edits/series", "nemo_patch/overlay/nemo_edits/knob.diff"} <= set(names)
-    assert not [name for name in names if name.startswith("nemo_patch/testing/")], names
+    # the demo, and what it trains with (before, the wheel left nemo_patch.testing out: the demo exited 2)
+    assert {"nemo_patch/demo.py", "nemo_patch/testing/fit_run.py", "nemo_patch/testing/tiny_llama.py"} <= set(names)
 
     env_dir = tmp_path / "nemo-env"
     _run([sys.executable, "-m", "venv", str(env_dir)], cwd=tmp_path)
@@ -95,6 +96,9 @@ def test_no_deps_install_into_an_existing_nemo_environment_and_its_checks(tmp_pa
     assert package_file.startswith(purelib), package_file  # the wheel's copy, not this checkout
     off = _run([str(python), "-c", CHECK], cwd=tmp_path, env={"NEMO_PATCH_DISABLE": "1"})
     assert off.stdout.strip().splitlines()[-1] == "False"
+    check = _run([str(env_dir / "bin" / "nemo-consolidate"), "--check"], cwd=tmp_path).stdout
+    assert check.startswith("nemo_patch overlay active: ") and check.endswith("(start-up hook installed)\n"), check
+    _the_demo_runs_from_the_wheel(env_dir, tmp_path)
 
     docs = (REPO / "docs" / "installation.md").read_text()
     assert CHECK in docs and CHECK in (REPO / "README.md").read_text()
@@ -104,3 +108,23 @@ def test_no_deps_install_into_an_existing_nemo_environment_and_its_checks(tmp_pa
     _run([str(python), "-m", "pip", "uninstall", "-y", "-q", "nemo-patch"], cwd=tmp_path)
     left = set(os.listdir(purelib)) & {"nemo_patch", "nemo_patch.pth", "_nemo_patch_autoload.py"}
     assert not left
+
+
+def _the_demo_runs_from_the_wheel(env_dir, tmp_path):
+    """The demo from the wheel, as a user of a NeMo environment runs it (``nemo-patch-demo``, outside any checkout):
+    the tiny Llama with ``hf`` outputs, which ``transformers`` loads; then ``nemo-consolidate --format hf`` on its
+    checkpoint (whose context names the wheel's ``nemo_patch.testing.tiny_llama``; before, it exited 10: "No module
+    named 'nemo_patch.testing'") writes the same tensors as the run's own consolidation."""
+    from safetensors.torch import load_file
+
+    demo = [str(env_dir / "bin" / "nemo-patch-demo"), "--hf", "--frequency", "each", "--max-steps", "2"]
+    proc = _run(demo + ["--save-every", "2", "--out", str(tmp_path / "demo")], cwd=tmp_path)
+    assert "transformers.AutoModelForCausalLM.from_pretrained(" in proc.stdout, proc.stdout[-3000:]
+    root = tmp_path / "demo" / "tiny_gpt" / "checkpoints"
+    cli = [str(env_dir / "bin" / "nemo-consolidate"), str(root), "--format", "hf", "--trust-context"]
+    _run(cli + ["--out", str(tmp_path / "hf")], cwd=tmp_path)
+    ours, runs = load_file(tmp_path / "hf" / "model.safetensors"), load_file(
+        root / "LATEST" / "hf" / "model.safetensors"
+    )
+    assert sorted(ours) == sorted(runs) and len(ours) > 5
+    assert all(ours[name].equal(runs[name]) for name in ours)
