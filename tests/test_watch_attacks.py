@@ -371,10 +371,12 @@ def test_a_root_where_nothing_can_be_staged_fails_each_checkpoint_once(saved, tm
 
 def test_thousands_of_consolidated_checkpoints_cost_no_metadata_reads_per_poll(saved, tmp_path, monkeypatch):
     names = [f"model--step={step}-consumed_samples={step}.0" for step in range(1, 1001)]
-    root = make_root(saved, tmp_path / "checkpoints", names[:1])
-    assert make_watcher(root).run() == 0
-    for name in names[1:]:  # hard links: the same save, a complete output each
-        copy_into(root / names[0], root / name, link=True)
+    # hard links made first (a new link changes the files' ctime, which a save's identity records): one save under
+    # a thousand names, then the one output linked into each, a complete output each
+    root = make_root(saved, tmp_path / "checkpoints", names, link=True)
+    consolidate_checkpoint(root / names[0], root / names[0] / "consolidated", global_step=1, workers=1)
+    for name in names[1:]:
+        shutil.copytree(root / names[0] / "consolidated", root / name / "consolidated", copy_function=os.link)
     reads = []
     real = digests.source_fingerprint
     monkeypatch.setattr(digests, "source_fingerprint", lambda weights: reads.append(weights) or real(weights))

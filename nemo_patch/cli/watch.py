@@ -28,9 +28,16 @@ that ``--frequency`` picks, one at a time, oldest first:
 A checkpoint is consolidated into ``<ckpt>/consolidated`` (``<ckpt>/hf`` with ``--format hf``); the output is written
 under a hidden temporary name in ``ROOT``, not in the checkpoint (a trainer removing the checkpoint meanwhile never
 finds a file it did not list), and renamed into the checkpoint once complete, after checking that the checkpoint is
-still finished (NeMo marks a checkpoint unfinished before it removes it). Another checkpoint of the same step
-(NeMo's ``-last`` copy) gets the output's files as hard links. ``ROOT/LATEST`` then names the newest consolidated
-checkpoint; it only ever moves to a later global step.
+still finished (NeMo marks a checkpoint unfinished before it removes it). Another checkpoint of the same step gets
+the output's files as hard links only when it holds the same trainer state (:func:`same_state`: NeMo's ``-last``
+copy of that save, which records the same run and global step or, where no run is recorded (stock NeMo), holds
+byte-equal weights); another save of that step (a second run's ``-v1``, ``-last-v1``) is consolidated on its own.
+``ROOT/LATEST`` then names the newest consolidated save: it only moves forward, by the order of the saves the outputs
+record (:func:`nemo_patch.training.latest.moves_forward`: run order, fit, global step; a stock NeMo save by when it
+finished), reading the output ``LATEST`` names wherever it lies (a checkpoint, or ``retained/``). When NeMo's top-k
+retention removes the checkpoint ``LATEST`` names, the next poll moves ``LATEST`` to the newest output left (or
+removes it when none is): it never dangles. A watcher starting removes the staging directories a killed watcher left
+in ``ROOT`` (their lock is held by no process).
 
 Restarts and company: a checkpoint whose output exists and is complete (its ``metadata.json`` records this save of the
 checkpoint and lists files that are all there with their sizes: :func:`output_is_complete`) is not consolidated
@@ -77,7 +84,7 @@ from nemo_patch.engine.run_checkpoints import (
 )
 from nemo_patch.training.policy import ConsolidationPolicy
 
-__all__ = ["WatchStopped", "Watcher", "human_size", "output_is_complete", "positive_seconds"]
+__all__ = ["WatchStopped", "Watcher", "human_size", "output_is_complete", "positive_seconds", "same_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +131,14 @@ def _weights(checkpoint: Path) -> Path:
 def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
     """Whether ``output_dir`` is a complete output of ``checkpoint`` as saved now: its ``metadata.json`` records the
     checkpoint's current ``.metadata`` (:func:`nemo_patch.engine.digests.source_fingerprint`; a checkpoint saved again
-    under the same name has another) and lists files that all exist with the recorded sizes (a Hugging Face output:
-    its ``config.json`` exists)."""
+    under the same name has another) and, where it records a save identity (``"save"``), the checkpoint's current one
+    (:func:`nemo_patch.engine.save_identity.save_identity`), and lists files that all exist with the recorded sizes (a
+    Hugging Face output: its ``config.json`` exists). An output linked from another checkpoint's is complete only when
+    it records that the two hold the same trainer state (``"linked"``, :func:`same_state`): a link made before that
+    was checked may hold another save's weights, and is made again."""
     from nemo_patch.engine.digests import source_fingerprint
     from nemo_patch.engine.safe_files import read_json_file
+    from nemo_patch.engine.save_identity import SaveIdentity, save_identity
 
     try:
         if not stat.S_ISDIR(os.lstat(output_dir).st_mode):  # a link planted there is nobody's output
@@ -136,6 +147,12 @@ def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
         weights = checkpoint / "weights" if (checkpoint / "weights").is_dir() else checkpoint
         if not isinstance(manifest, dict) or manifest.get("source_metadata") != source_fingerprint(weights):
             return False
+        if "linked_from" in manifest and not isinstance(manifest.get("linked"), dict):
+            return False
+        if "save" in manifest:
+            recorded = SaveIdentity.from_json(manifest["save"])
+            if recorded.fingerprint != save_identity(checkpoint, allow_unfinished=True, read_run=False).fingerprint:
+                return False
         if manifest.get("format") == "hf":
             return (output_dir / "config.json").is_file()
         files = manifest.get("files")
@@ -151,6 +168,122 @@ def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
         return True
     except (ConsolidationError, OSError, ValueError, TypeError, AttributeError):
         return False
+
+
+#: Bytes read at a time when two files' contents are compared.
+_COMPARE_CHUNK = 4 << 20
+
+
+def _same_bytes(one: Path, other: Path) -> bool:
+    """Whether two regular files (opened without following a link) hold the same bytes: sizes first, then the
+    contents ``_COMPARE_CHUNK`` bytes at a time, stopping at the first difference.
+
+    Raises:
+        OSError: either cannot be opened or read (absent, a link).
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    with open(os.open(one, flags), "rb") as first, open(os.open(other, flags), "rb") as second:
+        a, b = os.fstat(first.fileno()), os.fstat(second.fileno())
+        if not (stat.S_ISREG(a.st_mode) and stat.S_ISREG(b.st_mode)) or a.st_size != b.st_size:
+            return False
+        if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+            return True
+        while True:
+            chunk = first.read(_COMPARE_CHUNK)
+            if chunk != second.read(_COMPARE_CHUNK):
+                return False
+            if not chunk:
+                return True
+
+
+def _tensor_files(weights: Path, layout: str) -> Dict[str, Path]:
+    """The files of a save whose bytes are its tensors, by their path relative to ``weights``: DCP (``torch_dist``,
+    Megatron-LM): the ``*.distcp`` shards; zarr: every file under each array directory (``.zarray``, the chunks). The
+    consolidation never loads ``common.pt`` (it differs between a step's save and its ``-last`` copy: the trainer's
+    callback state), and DCP's ``.metadata`` is compared unpickled (:func:`_same_dcp_metadata`: its ``save_id``
+    differs between any two saves).
+
+    Raises:
+        OSError: ``weights`` cannot be listed, or an entry of an array directory is a symbolic link.
+    """
+    found: Dict[str, Path] = {}
+    with os.scandir(weights) as entries:
+        for entry in entries:
+            if layout != "zarr" and entry.name.endswith(".distcp"):
+                found[entry.name] = Path(entry.path)
+            elif (
+                layout == "zarr"
+                and entry.is_dir(follow_symlinks=False)
+                and os.path.lexists(os.path.join(entry.path, ".zarray"))
+            ):
+                for directory, dirs, files in os.walk(entry.path, followlinks=False):
+                    for name in dirs + files:
+                        path = Path(directory) / name
+                        if path.is_symlink():
+                            raise OSError(errno.ELOOP, "a symbolic link in a zarr array", str(path))
+                        if name in files:
+                            found[str(path.relative_to(weights))] = path
+    return found
+
+
+def _same_dcp_metadata(one: Path, other: Path) -> bool:
+    """Whether two DCP ``.metadata`` files describe the same tensors in the same places (everything but the
+    ``storage_meta`` that names the save: ``save_id``, ``checkpoint_id``), read with the engine's allowlisted
+    unpickler.
+
+    Raises:
+        OSError: either cannot be read; ``pickle.UnpicklingError``: either is not DCP metadata.
+    """
+    from nemo_patch.engine.dcp_metadata import load_dcp_metadata
+    from nemo_patch.engine.safe_files import read_regular_file
+
+    a, b = (load_dcp_metadata(read_regular_file(path, 1 << 30)) for path in (one, other))
+    fields = ("state_dict_metadata", "storage_data", "planner_data", "mcore_data")
+    return all(getattr(a, name, None) == getattr(b, name, None) for name in fields)
+
+
+def same_state(one: Path, other: Path) -> Optional[str]:
+    """Whether two finished checkpoints of a root hold one trainer state, so that one's output is the other's too (a
+    save and NeMo's ``-last`` copy of it are two saves: their identities' fingerprints differ).
+
+    Args:
+        one, other: checkpoint directories (NeMo's, or Megatron-LM ``iter_<N>``).
+
+    Returns:
+        ``"run"`` when both record the same training run (the overlay's run id) and global step and have the same
+        shard files by name and size; ``"bytes"`` when neither records a run (stock NeMo) and their tensors' files
+        are byte for byte equal (:func:`_tensor_files`, compared one by one, stopping at the first difference; for
+        DCP also ``.metadata`` but for the save's own id; ``metadata.json``); ``None`` otherwise: another save, whose
+        output is made on its own.
+
+    Raises:
+        ConsolidationError: either's identity cannot be read (:func:`nemo_patch.engine.save_identity.save_identity`:
+            unfinished, unreadable).
+    """
+    import pickle
+
+    from nemo_patch.engine.save_identity import save_identity
+
+    a, b = save_identity(one), save_identity(other)
+    if a.layout != b.layout or a.global_step is None or a.global_step != b.global_step:
+        return None
+    wa, wb = _weights(one), _weights(other)
+    try:
+        files_a, files_b = _tensor_files(wa, a.layout), _tensor_files(wb, b.layout)
+        if sorted(files_a) != sorted(files_b) or not files_a:
+            return None
+        if a.run is not None or b.run is not None:
+            same_sizes = all(os.lstat(files_a[name]).st_size == os.lstat(files_b[name]).st_size for name in files_a)
+            return "run" if a.run == b.run and same_sizes else None
+        side = "metadata.json"
+        if os.path.lexists(wa / side) or os.path.lexists(wb / side):
+            if not _same_bytes(wa / side, wb / side):
+                return None
+        if a.layout != "zarr" and not _same_dcp_metadata(wa / ".metadata", wb / ".metadata"):
+            return None
+        return "bytes" if all(_same_bytes(files_a[name], files_b[name]) for name in sorted(files_a)) else None
+    except (OSError, pickle.UnpicklingError):
+        return None
 
 
 @contextlib.contextmanager
@@ -224,12 +357,14 @@ class Watcher:
     _phase_counts: Dict[int, int] = field(default_factory=dict)
     _given_up: Set["tuple[Path, str]"] = field(default_factory=set)  # (checkpoint, which save) that failed
     _said: Set["tuple[Path, str]"] = field(default_factory=set)
-    _latest_step: Optional[int] = None
     _last_finished: float = field(default_factory=time.monotonic)
     _busy: bool = False
     layout: Optional[str] = None
     _complete: Dict[Path, Tuple[Any, ...]] = field(default_factory=dict)  # output -> what it was complete as
     _saves: Dict[Path, Tuple[Any, str]] = field(default_factory=dict)  # checkpoint -> (.metadata's stat, sha256)
+    _states: Dict[Tuple[Any, ...], Optional[str]] = field(default_factory=dict)  # two saves -> same_state's answer
+    _orders: Dict[Path, Tuple[Any, Any]] = field(default_factory=dict)  # output -> (metadata.json's stat, its order)
+    _swept: bool = False  # stale staging directories removed (at the first listing of the root)
     _published: Set[int] = field(default_factory=set)  # global steps this watcher consolidated
     _no_best: Optional[ConsolidationError] = None  # why no best checkpoint is known yet (a "best" cadence)
 
@@ -327,8 +462,15 @@ class Watcher:
                 if step not in self._published:
                     self.tally.already_done.add(step)
                 self._link_copies(done, group)
-                self._point_latest(done)
-                continue
+                rest = []
+                for checkpoint in group:
+                    if self._is_complete(checkpoint.path, self._output(checkpoint)):
+                        self._point_latest(checkpoint)
+                    else:
+                        rest.append(checkpoint)  # another save of this step (another run's): consolidated on its own
+                if not rest:
+                    continue
+                group = rest
             if all((c.path, self._save_of(c.path)) in self._given_up for c in group):
                 continue
             due.append(group)
@@ -439,30 +581,68 @@ class Watcher:
                  f"(exit code {code}; not retried unless saved again)")  # fmt: skip
         return False
 
+    def _same_state(self, one: RunCheckpoint, other: RunCheckpoint) -> Optional[str]:
+        """:func:`same_state`, asked once per pair of saves (again when either's ``.metadata`` changes); a checkpoint
+        whose identity cannot be read is another save (said once)."""
+        key = (
+            one.path,
+            other.path,
+            _stat_key(self._metadata_file(one.path)),
+            _stat_key(self._metadata_file(other.path)),
+        )
+        if key in self._states:
+            return self._states[key]
+        try:
+            how = same_state(one.path, other.path)
+        except ConsolidationError as error:
+            self._once(other.path, f"{other.path.name}: not compared with {one.path.name}: {_one_line(error)}")
+            return None
+        if None not in key and len(self._states) < _SEEN_REASONS_LIMIT:
+            self._states[key] = how
+        return how
+
     def _link_copies(self, source: RunCheckpoint, group: List[RunCheckpoint]) -> None:
-        """Give the other checkpoints of ``source``'s step (NeMo's ``-last`` copies) its output as hard links, with a
-        ``metadata.json`` of their own: it records the copy's ``.metadata`` (so that :func:`output_is_complete` knows
-        the copy's output) and ``"linked_from"``, the checkpoint whose output it is."""
+        """Give the other checkpoints of ``source``'s step that hold the same trainer state (NeMo's ``-last`` copies:
+        :func:`same_state`) the output of such a checkpoint as hard links, with a ``metadata.json`` of their own: it
+        records the copy's ``.metadata`` and save identity (so that :func:`output_is_complete` knows the copy's
+        output), ``"linked_from"``, the checkpoint whose output it is, and ``"linked"``: that checkpoint's save and
+        why the two are one state (``"run"`` or ``"bytes"``). A checkpoint of another save of the step is left to be
+        consolidated on its own."""
         from nemo_patch.engine.digests import source_fingerprint
         from nemo_patch.engine.safe_files import read_json_file
+        from nemo_patch.engine.save_identity import recorded_identity, save_identity
 
+        complete = [c for c in group if c.path != source.path and self._is_complete(c.path, self._output(c))]
         for other in group:
             target = self._output(other)
-            if other.path == source.path or self._is_complete(other.path, target):
+            if other.path == source.path or any(c.path == other.path for c in complete):
                 continue
+            found = [(c, how) for c in [source] + complete if (how := self._same_state(c, other)) is not None][:1]
+            if not found:
+                self._once(other.path, f"{other.path.name} (step {other.global_step}) holds another save than "
+                                       f"{source.path.name}: not linked to its output")  # fmt: skip
+                continue
+            origin, how = found[0]
             try:
-                manifest = read_json_file(self._output(source) / "metadata.json")
+                manifest = read_json_file(self._output(origin) / "metadata.json")
                 fingerprint = source_fingerprint(_weights(other.path))
-                manifest.update(source_metadata=fingerprint, linked_from=source.path.name)
+                origin_save = recorded_identity(self._output(origin))
+                manifest.update(
+                    source_metadata=fingerprint,
+                    linked_from=origin.path.name,
+                    save=save_identity(other.path).as_json(),
+                    linked={"same": how, "save": None if origin_save is None else origin_save.as_json()},
+                )
                 text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-                check = self._check_still_finished(other, fingerprint["sha256"])
-                self._link_output(self._output(source), target, text.encode(), check)
-            except (OSError, ValueError, AttributeError, ConsolidationError) as error:
-                self._once(other.path, f"{other.path.name}: not linked to {source.path.name}'s output: "
+                check = self._check_still_finished(other, self._save_of(other.path))
+                self._link_output(self._output(origin), target, text.encode(), check)
+            except (OSError, ValueError, AttributeError, ConsolidationError, _SavedAgain) as error:
+                self._once(other.path, f"{other.path.name}: not linked to {origin.path.name}'s output: "
                                        f"{_one_line(error)}")  # fmt: skip
                 continue
             self.tally.linked += 1
-            self.say(f"Linked {other.path.name} (step {other.global_step}) -> {source.path.name}'s output")
+            self.say(f"Linked {other.path.name} (step {other.global_step}) -> {origin.path.name}'s output (the same "
+                     f"state: {'same run and step' if how == 'run' else 'byte-equal weights'})")  # fmt: skip
 
     def _link_output(self, source: Path, target: Path, metadata: bytes, before_publish: Callable[[], None]) -> None:
         """Publish ``target`` with ``source``'s files as hard links (copies where links fail) and ``metadata`` as its
@@ -496,21 +676,38 @@ class Watcher:
             publish.remove_tmp_dir(tmp_dir)
             raise
 
-    def _point_latest(self, checkpoint: RunCheckpoint) -> None:
-        """``ROOT/LATEST`` -> ``checkpoint`` unless it names a later global step already."""
-        from nemo_patch.training.latest import LATEST_NAME, set_aside_non_link, update_latest_pointer
+    def _order(self, output: Path) -> Any:
+        """:func:`nemo_patch.training.latest.output_order` of an output, read again only when its ``metadata.json``
+        changed (inode, size, times)."""
+        from nemo_patch.training.latest import output_order
 
-        if self._latest_step is None:
-            try:
-                self._latest_step = self._pointed_step()
-            except OSError:  # LATEST replaced meanwhile, or the root unreadable: taken as pointing nowhere known
-                self._latest_step = None
-        if self._latest_step is not None and checkpoint.global_step < self._latest_step:
-            return
+        key = _stat_key(output / "metadata.json")
+        known = self._orders.get(output)
+        if key is not None and known is not None and known[0] == key:
+            return known[1]
+        order = output_order(output)
+        if key is not None and len(self._orders) < _SEEN_REASONS_LIMIT:
+            self._orders[output] = (key, order)
+        return order
+
+    def _point_latest(self, checkpoint: RunCheckpoint) -> None:
+        """``ROOT/LATEST`` -> ``checkpoint`` unless the output it names is of a newer save
+        (:func:`nemo_patch.training.latest.moves_forward` on what the two outputs' ``metadata.json`` record, the
+        output ``LATEST`` names read wherever it lies: a checkpoint, or ``retained/``)."""
+        from nemo_patch.training.latest import (
+            LATEST_NAME,
+            moves_forward,
+            pointed_output,
+            set_aside_non_link,
+            update_latest_pointer,
+        )
+
         link = self.root / LATEST_NAME
         try:
             if link.is_symlink() and os.readlink(link) == checkpoint.path.name:
-                self._latest_step = checkpoint.global_step
+                return
+            current = pointed_output(self.root, (self.output_name, "consolidated", "hf"))
+            if current is not None and not moves_forward(self._order(self._output(checkpoint)), self._order(current)):
                 return
             aside = set_aside_non_link(self.root)
             if aside is not None:
@@ -518,18 +715,49 @@ class Watcher:
             update_latest_pointer(checkpoint.path, self.root)
         except OSError as error:
             self._once(link, f"{link} not updated: {error}")
-            return
-        self._latest_step = checkpoint.global_step
 
-    def _pointed_step(self) -> Optional[int]:
-        link = self.root / "LATEST"
-        if not link.is_symlink():
-            return None
-        name = os.readlink(link)
-        for checkpoint in self._list().finished:
-            if checkpoint.path.name == name:
-                return checkpoint.global_step
-        return None
+    def _keep_latest_live(self, listing: RunListing) -> None:
+        """When the checkpoint ``ROOT/LATEST`` names was removed (NeMo's top-k retention; marked unfinished first) or
+        holds no output any more, move ``LATEST`` to the newest output left (a finished checkpoint's complete output,
+        or one kept under ``retained/``), or remove it when none is left: one log line either way, never a dangling
+        ``LATEST``."""
+        from nemo_patch.engine.checkpoint_layout import is_marked_unfinished
+        from nemo_patch.engine.output_layout import RETAINED_DIRNAME
+        from nemo_patch.training.latest import LATEST_NAME, moves_forward, remove_latest_pointer, update_latest_pointer
+
+        link = self.root / LATEST_NAME
+        try:
+            if not link.is_symlink():
+                return
+            target = Path(os.path.normpath(self.root / os.readlink(link)))
+            names = (self.output_name, "consolidated", "hf")
+            if target.parent == self.root and target.is_dir() and not is_marked_unfinished(target):
+                if any(self._is_complete(target, target / name) for name in names):
+                    return
+            elif target.parent == self.root / RETAINED_DIRNAME and any(self._order(target / n) for n in names):
+                return
+            left: List[Tuple[Any, Path]] = []
+            for checkpoint in listing.finished:
+                if checkpoint.path != target and self._is_complete(checkpoint.path, self._output(checkpoint)):
+                    left.append((self._order(self._output(checkpoint)), checkpoint.path))
+            retained = self.root / RETAINED_DIRNAME
+            for entry in sorted(retained.iterdir()) if retained.is_dir() and not retained.is_symlink() else []:
+                order = self._order(entry / self.output_name)
+                if entry != target and order is not None and not entry.is_symlink():
+                    left.append((order, entry))
+            newest: Optional[Tuple[Any, Path]] = None
+            for order, entry in left:
+                if newest is None or (order is not None and moves_forward(order, newest[0])):
+                    newest = (order, entry)
+            if newest is None:
+                remove_latest_pointer(self.root)
+                self.say(f"LATEST removed: {target.name} was removed and no other consolidated output is left")
+                return
+            update_latest_pointer(newest[1], self.root)
+            self.say(f"LATEST moved from {target.name} to {os.path.relpath(newest[1], self.root)}: its checkpoint "
+                     "was removed")  # fmt: skip
+        except OSError as error:
+            self._once(link, f"{link} not updated: {_one_line(error)}")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
 
@@ -552,6 +780,9 @@ class Watcher:
         """List the root once and consolidate what is due; ``True`` when something was due."""
         listing = self._list()
         self._check_layout(listing)
+        if not self._swept:
+            self._swept = True
+            self._remove_stale_staging()
         for path, why in listing.not_finished.items():
             if not why.startswith("unfinished"):
                 self._once(path, f"skipped {path.name}: {why}")
@@ -560,7 +791,23 @@ class Watcher:
             if self.stopping:
                 break
             self._consolidate_group(group)
+        if not self.stopping:
+            self._keep_latest_live(listing if not due else self._list())
         return bool(due)
+
+    def _remove_stale_staging(self) -> None:
+        """Remove the staging directories in ``ROOT`` that no running process holds (a watcher killed while it wrote
+        an output, or a consolidation killed with it): :func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`, which
+        takes each one's lock first, so a live watcher's or consolidation's is never touched. One line per removal."""
+        from nemo_patch.engine.publish import remove_stale_tmp_dirs
+
+        try:
+            removed = remove_stale_tmp_dirs(self.root)
+        except OSError as error:
+            self._once(self.root, f"stale staging directories in {self.root} not removed: {_one_line(error)}")
+            return
+        for path in removed:
+            self.say(f"Removed {path.name}: staging left by a watcher or consolidation that no longer runs")
 
     def _stop(self, signum: int, frame: Any) -> None:
         if self.stopping:

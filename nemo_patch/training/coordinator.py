@@ -407,11 +407,27 @@ class ConsolidationCoordinator:
             self.queue.submit_all(substitutes, bounded=bounded)
 
     def _link_copy(self, copy: CheckpointSave, source: CheckpointSave) -> None:
-        """Hard-link ``source``'s output into the ``-last`` copy (never into a copy whose removal has started)."""
+        """Hard-link ``source``'s output into the ``-last`` copy (never into a copy whose removal has started), only
+        when the copy is the same trainer state as the save: the same run, ``fit`` and global step (a copy of another
+        run or fit reusing the name is another save, consolidated on its own)."""
         name = self.settings.output_dirname
         with self.lock:
             output = source.output
             if output is None or not (output / METADATA_FILENAME).is_file():
+                return
+            if (copy.run, copy.fit, copy.global_step) != (source.run, source.fit, source.global_step):
+                logger.warning(
+                    "Not linking the output of %s into %s: another save (run %s, fit %d, global step %d; the output's "
+                    "is run %s, fit %d, global step %d)",
+                    source.path.name,
+                    copy.path.name,
+                    copy.run,
+                    copy.fit,
+                    copy.global_step,
+                    source.run,
+                    source.fit,
+                    source.global_step,
+                )
                 return
             if self.is_gone(copy):
                 logger.debug("Checkpoint %s is gone or being removed; not linking %s into it", copy.path, output)

@@ -557,5 +557,5 @@ class Observer(ConsolidationObserver):
                 continue
             if not files_gone(copy_path) and _portable(weights_identity(copy_path)) == _portable(identity):
                 copy = CheckpointSave(copy_path, save.global_step, written=True, fit=save.fit, due=True)
-                copy.copy_of, copy.identity = save, identity
+                copy.copy_of, copy.identity, copy.run = save, identity, save.run
                 save.copies.append(copy)

@@ -18,15 +18,21 @@
 the training side replaces it atomically after each consolidation is published. ``<root>/BEST`` (cadences with
 ``"best"``) names the consolidated checkpoint that NeMo's ``ModelCheckpoint`` ranks best by its monitored metric, and
 is kept the same way. :func:`locate_checkpoint` resolves a
-path a user gives (a checkpoint, or a run's root) to one checkpoint, following ``LATEST`` first. Standard library and
-the engine's torch-free checkpoint layout only.
+path a user gives (a checkpoint, or a run's root) to one checkpoint, following ``LATEST`` first.
+
+Both pointers move forward only, by one comparison (:func:`moves_forward`) of the saves the outputs came from: the
+identity each output's ``metadata.json`` records under ``"save"`` (:func:`~nemo_patch.engine.save_identity.order_key`:
+run order, fit, global step; runs that record no id by when their save finished), read wherever the output lies, a
+checkpoint or ``retained/``. Outputs that record no identity (written before identities were recorded) compare by
+their recorded run, then global step. Standard library and the engine's torch-free checkpoint layout only.
 """
 
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint, looks_like_checkpoint
 from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
@@ -37,7 +43,11 @@ from nemo_patch.engine.output_target import refuse_an_output_as_checkpoint
 __all__ = [
     "BEST_NAME",
     "LATEST_NAME",
+    "OutputOrder",
     "locate_checkpoint",
+    "moves_forward",
+    "output_order",
+    "pointed_output",
     "read_latest_pointer",
     "remove_latest_pointer",
     "set_aside_non_link",
@@ -48,6 +58,76 @@ __all__ = [
 LATEST_NAME = "LATEST"
 #: File name of the pointer to the best consolidated checkpoint by the monitored metric (``"best"`` cadences).
 BEST_NAME = "BEST"
+
+
+@dataclass(frozen=True)
+class OutputOrder:
+    """Where an output's save stands in the order ``LATEST``/``BEST`` move in.
+
+    Attributes:
+        key: :func:`~nemo_patch.engine.save_identity.order_key` of the save its ``metadata.json`` records under
+            ``"save"``; ``None`` when it records none (an output written before identities were recorded).
+        run: the run it records (``"run"``, else the save's), ``None`` when none.
+        global_step: its ``global_step`` (``-1`` when it records none).
+    """
+
+    key: Optional[Tuple[Any, ...]]
+    run: Optional[str]
+    global_step: int
+
+
+def output_order(output_dir: Union[str, Path]) -> Optional[OutputOrder]:
+    """The :class:`OutputOrder` of an output (a checkpoint's ``consolidated/``/``hf/`` or a retained one's), read from
+    its own ``metadata.json``; ``None`` when that cannot be read (no output there, a link, malformed JSON)."""
+    from nemo_patch.engine.safe_files import read_json_file
+    from nemo_patch.engine.save_identity import SaveIdentity, order_key
+
+    try:
+        manifest = read_json_file(Path(output_dir) / "metadata.json")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    try:
+        identity: Optional[SaveIdentity] = SaveIdentity.from_json(manifest.get("save"))
+    except ValueError:
+        identity = None
+    run = manifest.get("run")
+    run = run if isinstance(run, str) else (identity.run if identity is not None else None)
+    step = manifest.get("global_step")
+    step = step if type(step) is int else -1
+    return OutputOrder(None if identity is None else order_key(identity), run, step)
+
+
+def moves_forward(candidate: Optional[OutputOrder], current: Optional[OutputOrder]) -> bool:
+    """Whether a pointer that names an output of order ``current`` may move to one of order ``candidate``: never
+    backwards. ``current`` ``None`` (no pointer, or it names nothing readable): yes. Both with a recorded save: by
+    :func:`~nemo_patch.engine.save_identity.order_key` (a newer run's output is newer whatever its step); else by
+    run (a run that records none first), then global step. ``candidate`` ``None``: no."""
+    if current is None:
+        return True
+    if candidate is None:
+        return False
+    if candidate.key is not None and current.key is not None:
+        return candidate.key >= current.key
+    return (candidate.run or "", candidate.global_step) >= (current.run or "", current.global_step)
+
+
+def pointed_output(
+    checkpoint_root: Union[str, Path], output_names: Tuple[str, ...] = ("consolidated", "hf"), name: str = LATEST_NAME
+) -> Optional[Path]:
+    """The output ``<checkpoint_root>/LATEST`` (or ``<name>``) names: ``<target>/<output name>`` for the first of
+    ``output_names`` that is a directory there (a checkpoint or a ``retained/`` entry); ``None`` when there is no
+    pointer or it names no output (gone: a dangling pointer)."""
+    link = Path(checkpoint_root) / name
+    try:
+        target = Path(os.path.normpath(link.parent / os.readlink(link)))
+    except OSError:  # absent, or not a link
+        return None
+    for output_name in output_names:
+        if (target / output_name).is_dir() and not (target / output_name).is_symlink():
+            return target / output_name
+    return None
 
 
 def update_latest_pointer(

@@ -62,6 +62,9 @@ from nemo_patch.engine.run_checkpoints import is_copy_name
 from nemo_patch.training.latest import (
     BEST_NAME,
     LATEST_NAME,
+    moves_forward,
+    output_order,
+    pointed_output,
     remove_latest_pointer,
     set_aside_non_link,
     update_latest_pointer,
@@ -495,8 +498,8 @@ class Observer(ConsolidationObserver):
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
-        #: ``(fit, global step)`` of the newest save this run pointed ``LATEST`` at: it only moves forward.
-        self._latest: Optional[Tuple[int, int]] = None
+        #: ``(run, fit, global step)`` of the newest save this process pointed ``LATEST`` at: it only moves forward.
+        self._latest: Optional[Tuple[str, int, int]] = None
 
     def on_train_start(self, root: Optional[Path]) -> None:
         self._warn_if_top_k_drops_consolidations()
@@ -607,13 +610,27 @@ class Observer(ConsolidationObserver):
         self._point_latest(save)
 
     def _point_latest(self, save: CheckpointSave) -> None:
-        """``LATEST`` -> ``save``, unless this run pointed it at a later save already (by ``fit``, then global step):
-        a late output of an older checkpoint (the end-of-fit redo of a failed one) never moves it back."""
-        order = (save.fit, save.global_step)
+        """``LATEST`` -> ``save``, unless it names a later save already, by (run order, fit, global step): a late
+        output of an older checkpoint (the end-of-fit redo of a failed one) never moves it back, and neither does the
+        output of an earlier run's save (a journal entry of a killed run, consolidated by this one: it is published
+        in that run's order, never as this run's newest). Against an output of another run that ``LATEST`` names
+        (written by another process: a sidecar, a run sharing the root), the outputs' recorded saves are compared
+        (:func:`~nemo_patch.training.latest.moves_forward`), read from that output's own ``metadata.json`` wherever it
+        lies (a checkpoint, or ``retained/``)."""
+        run = save.run if save.run is not None else getattr(self.coordinator, "run_id", None)
+        order = (run or "", save.fit, save.global_step)
         if self._latest is not None and order < self._latest:
-            logger.debug("LATEST stays on global step %d: %s (global step %d) is older", self._latest[1], save.path,
+            logger.debug("LATEST stays on global step %d: %s (global step %d) is older", self._latest[2], save.path,
                          save.global_step)  # fmt: skip
             return
+        name = self.coordinator.settings.output_dirname
+        current = pointed_output(save.path.parent, (name,))
+        if current is not None and current != save.path / name:
+            now, mine = output_order(current), output_order(save.path / name)
+            if now is not None and now.run != run and not moves_forward(mine, now):
+                logger.info("LATEST stays on %s: it names a newer save (%s) than %s's", current.parent.name,
+                            _run_label(now.run), save.path.name)  # fmt: skip
+                return
         self._latest = order
         self.point(save.path)
 
