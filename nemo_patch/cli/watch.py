@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, TextIO, Tuple
 
-from nemo_patch.engine.errors import ConsolidationError, UnsupportedFormatError
+from nemo_patch.engine.errors import ConsolidationError, UnfinishedCheckpointError, UnsupportedFormatError
 from nemo_patch.engine.run_checkpoints import (
     MEGATRON_LAYOUT,
     NEMO_LAYOUT,
@@ -566,7 +566,17 @@ class Watcher:
             self.say(f"{checkpoint.path.name}: removed or marked unfinished by the trainer while it was "
                      "consolidated; nothing published")  # fmt: skip
             return False
-        if isinstance(error, _SavedAgain) or (save and self._save_of(checkpoint.path) not in (save, "")):
+        from nemo_patch.engine.save_identity import is_save_changed
+
+        if isinstance(error, UnfinishedCheckpointError) and not save:  # visibly being saved: due once it finishes
+            self._given_up.add((checkpoint.path, save))  # its fingerprint is "" until then
+            self._once(checkpoint.path, f"{checkpoint.path.name}: {_one_line(error)}")
+            return False
+        if (
+            isinstance(error, _SavedAgain)
+            or is_save_changed(error)
+            or (save and self._save_of(checkpoint.path) not in (save, ""))
+        ):
             self.tally.removed += 1  # the save that was read is gone; the new one is due at the next poll
             self.say(f"{checkpoint.path.name}: saved again while it was consolidated; nothing published, the new save "
                      "is consolidated next")  # fmt: skip
