@@ -302,7 +302,8 @@ class ConsolidationConfig:
             "--dtype", "cast floating-point tensors: bf16, fp16 or fp32 (default: keep the checkpoint's)", "output"
         ),
     )
-    max_shard_size: int = setting(
+    # Union: NeMo-Run's command line parses an override (``ckpt_consolidation.max_shard_size=5GB``) by this annotation
+    max_shard_size: Union[int, str] = setting(
         DEFAULT_MAX_SHARD_SIZE,
         validate=validate_max_shard_size,
         cli=CliOption("--max-shard-size", "bytes of tensor data per file, e.g. 5GB (default) or 500MiB", "output"),
@@ -461,7 +462,7 @@ def consolidation_config(**fields: Any) -> Any:
 
 
 #: What the constructor accepts where it differs from the stored type (NeMo-Run parses a value by the annotation).
-_ACCEPTED = {"dtype": Optional[Union[str, Any]], "max_shard_size": Union[int, str]}
+_ACCEPTED = {"dtype": Optional[Union[str, Any]]}
 consolidation_config.__signature__ = inspect.signature(ConsolidationConfig).replace(  # type: ignore[attr-defined]
     parameters=[
         parameter.replace(annotation=_ACCEPTED.get(name, parameter.annotation))
