@@ -194,9 +194,10 @@ def _files(weights_dir: Path, zarr: bool) -> Tuple[List[List[Any]], int]:
     """Every file of the weights as ``[name, size, inode, mtime_ns, ctime_ns]`` (sorted), and the newest
     ``st_mtime_ns`` of a shard or chunk file (0 when none).
 
+    A symbolic link is recorded as itself and as the file it names (the readers decide whether it may be read).
+
     Raises:
-        CorruptShardError: ``weights_dir`` cannot be listed, or holds a shard or array entry that is not a regular
-            file or directory (a symbolic link, FIFO, device).
+        CorruptShardError: ``weights_dir`` cannot be listed.
     """
     entries: List[List[Any]] = []
     newest = 0
@@ -206,20 +207,30 @@ def _files(weights_dir: Path, zarr: bool) -> Tuple[List[List[Any]], int]:
         for entry in top:
             status = entry.stat(follow_symlinks=False)
             if not zarr and (entry.name in _DCP_FILES or entry.name.endswith(".distcp")):
-                if not stat.S_ISREG(status.st_mode):
-                    raise CorruptShardError(f"{entry.path} is not a regular file (a link, FIFO or device)")
-                entries.append(_key(entry.name, status))
+                status = _add(entries, entry.name, entry.path, status)
                 if entry.name.endswith(".distcp"):
                     newest = max(newest, status.st_mtime_ns)
             elif zarr and entry.name in _ZARR_FILES:
-                entries.append(_key(entry.name, status))
+                _add(entries, entry.name, entry.path, status)
             elif zarr and stat.S_ISDIR(status.st_mode) and os.path.lexists(os.path.join(entry.path, ".zarray")):
                 newest = max(newest, _array_files(Path(entry.path), entry.name, entries))
-            elif zarr and stat.S_ISLNK(status.st_mode) and os.path.lexists(os.path.join(entry.path, ".zarray")):
-                raise CorruptShardError(f"{entry.path} is a symbolic link; an array directory must lie in weights/")
+            elif zarr and stat.S_ISLNK(status.st_mode):  # a linked array: the zarr reader refuses it
+                _add(entries, entry.name, entry.path, status)
     except OSError as error:
         raise CorruptShardError(f"Cannot list the files of {weights_dir}: {error}") from error
     return sorted(entries), newest
+
+
+def _add(entries: List[List[Any]], name: str, path: str, status: os.stat_result) -> os.stat_result:
+    """Record a file (a link: itself, and the file it names when there is one); the status of what it names."""
+    entries.append(_key(name, status))
+    if stat.S_ISLNK(status.st_mode):
+        try:
+            status = os.stat(path)
+        except OSError:
+            return status
+        entries.append(_key(f"{name} ->", status))
+    return status
 
 
 def _array_files(directory: Path, relative: str, entries: List[List[Any]]) -> int:
