@@ -256,6 +256,37 @@ def test_a_tp2_checkpoint_of_the_gqa_llama_exports_the_same_files_as_tp1(importe
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_padded_vocabulary_streams_to_the_files_of_nemos_exporter_on_the_whole_model(tied_padded_llama, tmp_path):
+    """Padding pruned as NeMo's exporter prunes it, streamed: one file, byte-identical to the whole-model export.
+    Sharded, the shards are byte-identical too; only the index's metadata differs, where the whole-model save counts
+    the pruned embedding's whole padded storage (``total_size``) and the untied ``lm_head`` it never re-tied
+    (``total_parameters``); the streamed index counts what the files hold."""
+    from safetensors import safe_open
+
+    from nemo_patch.export.hf import export_hf_checkpoint
+
+    checkpoint = tied_padded_llama / "nemo"
+    for shard in (5 << 30, 20_000):
+        streamed, whole = tmp_path / f"streamed-{shard}", tmp_path / f"whole-{shard}"
+        export_hf_checkpoint(checkpoint, streamed, max_shard_size=shard)
+        export_hf_checkpoint(checkpoint, whole, max_shard_size=shard, stream=False)
+        names = sorted(path.name for path in whole.iterdir())
+        assert sorted(path.name for path in streamed.iterdir()) == names
+        for name in names:
+            if name != "model.safetensors.index.json":
+                assert (streamed / name).read_bytes() == (whole / name).read_bytes(), name
+    index = json.loads((tmp_path / "streamed-20000" / "model.safetensors.index.json").read_text())
+    other = json.loads((tmp_path / "whole-20000" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == other["weight_map"] and "lm_head.weight" not in index["weight_map"]
+    sizes = {}
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(tmp_path / "streamed-20000" / file), "pt") as handle:
+            sizes.update({name: handle.get_tensor(name).numel() for name in handle.keys()})
+    assert sizes["model.embed_tokens.weight"] == 50 * 64
+    assert index["metadata"] == {"total_parameters": sum(sizes.values()), "total_size": 4 * sum(sizes.values())}
+
+
 def test_fine_tuned_mixtral_round_trips_through_transformers(tmp_path_factory, tmp_path):
     """The MoE family: a tiny random Mixtral (4 experts, top-2, GQA) made with ``transformers``, imported with NeMo's
     ``HFMixtralImporter``, fine-tuned on the CPU with ``"hf"`` consolidation (NeMo's ``HFMixtralExporter``), loaded

@@ -56,7 +56,7 @@ def families(tmp_path_factory):
     """``<root>/<name>/hf`` (the perturbed ``transformers`` model) and ``<root>/<name>/nemo`` (its NeMo import) for
     every name in :data:`FAMILIES`."""
     root = tmp_path_factory.mktemp("families")
-    return make_tiny_llama(root, "--families", ",".join(FAMILIES), "--perturb")
+    return make_tiny_llama(root, "--families", ",".join([*FAMILIES, "mixtral"]), "--perturb")
 
 
 def _tokens():
@@ -114,6 +114,35 @@ def test_a_family_exports_its_source_tensors_and_logits(families, tmp_path, name
     with torch.no_grad():
         logits, expected = model.eval()(_tokens()).logits, reference.eval()(_tokens()).logits
     assert logits.shape == expected.shape and (logits - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("max_shard_size", [5 << 30, 40_000])
+@pytest.mark.parametrize("name", [*FAMILIES, "mixtral"])
+def test_the_streamed_export_writes_the_files_of_nemos_exporter_on_the_whole_model(
+    families, tmp_path, monkeypatch, name, max_shard_size
+):
+    """Every family (Mixtral: one layer's experts per group; tied and untied embeddings), in one file and sharded:
+    the streamed export (the default) writes the same files, byte for byte, as NeMo's exporter converting the whole
+    model in memory (``stream=False``); and it never runs NeMo's ``apply_transforms`` on the whole model."""
+    from nemo.lightning import io
+
+    calls = []
+    nemo_apply = io.apply_transforms
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return nemo_apply(*args, **kwargs)
+
+    monkeypatch.setattr(io, "apply_transforms", counted)
+    export_hf_checkpoint(families / name / "nemo", tmp_path / "streamed", max_shard_size=max_shard_size)
+    assert calls == []
+    export_hf_checkpoint(families / name / "nemo", tmp_path / "whole", max_shard_size=max_shard_size, stream=False)
+    assert calls == [1]
+    names = sorted(path.name for path in (tmp_path / "whole").iterdir())
+    assert sorted(path.name for path in (tmp_path / "streamed").iterdir()) == names
+    assert ("model.safetensors.index.json" in names) is (max_shard_size == 40_000)
+    for file in names:
+        assert (tmp_path / "streamed" / file).read_bytes() == (tmp_path / "whole" / file).read_bytes(), file
 
 
 @pytest.mark.parametrize("name", ["qwen3-tied", "qwen2"])

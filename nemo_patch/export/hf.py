@@ -44,8 +44,12 @@ saves them in the distributed checkpoint under the TE names, so consolidated nam
 :func:`te_layer_norm_names` (:mod:`nemo_patch.export.layer_norms`, the one place both namings are handled) also
 renames local names that reach it.
 
-Memory: unlike the ``safetensors`` format, the exporter converts a whole model at once, so peak memory is about twice
-the model's weights.
+Memory: the exporter's mapping and transforms are applied one layer at a time and each result is written at once
+(:mod:`nemo_patch.export.hf_stream`; the target model lives on the ``meta`` device), so peak memory is the imports'
+(about 0.7 GB of NeMo and ``transformers``) plus about two layers' tensors, whatever the model's size; the files are
+those of the whole-model conversion, byte for byte. An exporter whose transforms cannot be split, ``stream=False``,
+and a PEFT adapter directory convert the whole model in memory (about twice its weights); so does ``verify``'s
+re-read through NeMo's importer.
 
 Imports torch and the engine at module level; NeMo only inside the functions that need it (``import
 nemo_patch.export.hf`` imports no NeMo); never the training side, the overlay, the CLI or ``nemo_patch.testing``.
@@ -77,10 +81,12 @@ from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSI
 from nemo_patch.engine.output_target import check_output_target, refuse_remote
 from nemo_patch.engine.publish import staged_output
 from nemo_patch.engine.save_identity import check_unchanged, save_identity
+from nemo_patch.engine.tensor_sources import open_sources
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.errors import AdapterCheckpointError, ExportError
+from nemo_patch.export.hf_stream import LazyCheckpointState, StreamedConversion, saved_names
 from nemo_patch.export.hf_verify import ImporterUnavailable, check_through_importer
 from nemo_patch.export.layer_norms import te_layer_norm_names
 
@@ -144,7 +150,7 @@ class _StateSource:
     state's tensor ``<path>``)."""
 
     def __init__(self, state_dict: Dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
-        self._state_dict = state_dict
+        self._state_dict: Any = state_dict  # or a LazyCheckpointState (streamed)
         self.config = config
         self.dtype = dtype
 
@@ -152,7 +158,10 @@ class _StateSource:
         return self._state_dict
 
     def to(self, dtype: torch.dtype) -> "_StateSource":
-        self._state_dict = cast_floating(self._state_dict, dtype)
+        if isinstance(self._state_dict, LazyCheckpointState):
+            self._state_dict = self._state_dict.cast_to(dtype)
+        else:
+            self._state_dict = cast_floating(self._state_dict, dtype)
         self.dtype = dtype
         return self
 
@@ -225,14 +234,22 @@ class _OfflineExport:
     _np_merged: bool
     _np_max_shard_size: int
     _np_output_dir: Path
+    _np_stream: bool = False
+    _np_open: Callable[[], LazyCheckpointState]
 
     def _np_reset(self) -> None:
-        self._np_state: Optional[Dict[str, torch.Tensor]] = None
+        self._np_state: Any = None
+        self._np_conversion: Optional[StreamedConversion] = None
+        self._np_apply_path: Optional[Path] = None
         self._np_allocated: Dict[int, torch.Tensor] = {}
         self._np_saved: Optional[Dict[str, torch.Tensor]] = None
         self._np_ckpt_loaded = False
 
     def _np_source_state(self) -> Dict[str, torch.Tensor]:
+        if self._np_state is None and self._np_stream:
+            lazy = self._np_open()
+            self._np_dtype = self._np_dtype or lazy.floating_dtype()
+            self._np_state = lazy.cast_to(self._np_dtype)
         if self._np_state is None:
             state = self._np_read()
             self._np_dtype = self._np_dtype or checkpoint_dtype(state)
@@ -251,7 +268,12 @@ class _OfflineExport:
 
     def nemo_load(self, path: Any, trainer: Any = None, cpu: bool = True) -> Tuple[_StateSource, None]:
         state = self._np_source_state()
-        return _StateSource(state, self._np_config(), checkpoint_dtype(state)), None
+        assert self._np_dtype is not None
+        return _StateSource(state, self._np_config(), self._np_dtype), None
+
+    def apply(self, output_path: Any, *args: Any, **kwargs: Any) -> Any:
+        self._np_apply_path = Path(output_path)
+        return super().apply(output_path, *args, **kwargs)  # type: ignore[misc]
 
     def ckpt_load(self, path: Any) -> Any:
         if self._np_merged:
@@ -271,7 +293,11 @@ class _OfflineExport:
             bound = signature.bind_partial(*args, **kwargs)
             bound.arguments["dtype"] = self._np_dtype
             args, kwargs = bound.args, bound.kwargs
-        target = base_init(*args, **kwargs)
+        if self._np_stream:
+            with torch.device("meta"):  # the streamed conversion assigns nothing: each result is written at once
+                target = base_init(*args, **kwargs)
+        else:
+            target = base_init(*args, **kwargs)
         dtype = self._np_dtype
         if dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in target.parameters()):
             target = target.to(dtype)  # an init without a dtype (HFMixtralExporter.init()) builds fp32
@@ -280,9 +306,77 @@ class _OfflineExport:
         return target
 
     def convert_state(self, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        converted = super().convert_state(source, target, *args, **kwargs)  # type: ignore[misc]
+        if self._np_stream:
+            converted = self._np_streamed_convert(source, target, *args, **kwargs)
+        else:
+            converted = super().convert_state(source, target, *args, **kwargs)  # type: ignore[misc]
         converted.save_pretrained = functools.partial(self._save_checked, converted, converted.save_pretrained)
         return converted
+
+    def _np_streamed_convert(self, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        """NeMo's ``convert_state`` with its ``io.apply_transforms`` streamed (:mod:`nemo_patch.export.hf_stream`):
+        the converted tensors are written to the directory ``apply`` saves to, one layer at a time."""
+        from nemo.lightning import io
+
+        assert self._np_apply_path is not None
+        name = self._np_exporter_class.__qualname__
+        conversion = StreamedConversion(name, self._np_apply_path, self._np_max_shard_size)
+        nemo_apply = io.apply_transforms
+
+        def streamed(source: Any, target: Any, mapping: Dict[str, str], *rest: Any, **options: Any) -> Any:
+            return conversion.apply_transforms(nemo_apply, source, target, mapping, *rest, **options)
+
+        io.apply_transforms = streamed
+        try:
+            converted = super().convert_state(source, target, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            io.apply_transforms = nemo_apply
+        if conversion.streamed:
+            self._np_conversion = conversion
+        return converted
+
+    def _np_save_streamed(
+        self, target: Any, save: Callable[..., Any], output_path: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """The streamed conversion's ``save_pretrained``: the weights are written already; checks that they are the
+        tensors ``save_pretrained`` would write, writes the index, and lets ``save_pretrained`` write the rest
+        (``config.json``, ``generation_config.json``) with no weights, in a directory of its own whose weight files
+        are dropped.
+
+        Raises:
+            ExportError: the tensors to be saved are not those written (names the first differences).
+        """
+        import shutil
+        import tempfile
+
+        conversion = self._np_conversion
+        assert conversion is not None
+        state = kwargs.get("state_dict")
+        if state is None and hasattr(target, "tie_weights"):
+            target.tie_weights()
+        names = saved_names(target, target.state_dict() if state is None else state)
+        planned = [spec.name for spec in conversion.planned]
+        if names != planned:
+            extra, missing = sorted(set(names) - set(planned)), sorted(set(planned) - set(names))
+            raise ExportError(
+                f"NeMo's {self._np_exporter_class.__qualname__} saves other tensors than its transforms were streamed "
+                f"for (to be saved, not written: {extra[:5]}; written, not to be saved: {missing[:5]})"
+            )
+        conversion.write_index()
+        output_path = Path(output_path)
+        scratch = Path(tempfile.mkdtemp(prefix=".np-config-", dir=output_path))
+        try:
+            kwargs.update(state_dict={}, safe_serialization=True)
+            result = save(scratch, *args, **kwargs)
+            for path in scratch.iterdir():
+                if path.is_file() and not path.name.endswith(".safetensors") and not path.name.endswith(".index.json"):
+                    os.replace(path, output_path / path.name)
+        finally:
+            shutil.rmtree(scratch)
+        self._np_saved = {
+            spec.name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for spec in conversion.planned
+        }
+        return result
 
     @property
     def tokenizer(self) -> _TokenizerSaving:
@@ -297,6 +391,8 @@ class _OfflineExport:
         Raises:
             ExportError: a tensor to be written was never assigned by the exporter (the message names them).
         """
+        if self._np_conversion is not None:
+            return self._np_save_streamed(target, save, output_path, *args, **kwargs)
         if _is_peft_model(target):  # only the adapters are written, as the PEFT exporters' apply saves them
             from peft import get_peft_model_state_dict
 
@@ -448,6 +544,14 @@ def _verify_against_checkpoint(
             before_reading=drop_converted,
         )
     except ImporterUnavailable as error:
+        if any(tensor.is_meta for tensor in saved.values()):  # streamed: the converted tensors are gone
+            logger.warning(
+                "Verifying only the tensor names of %s (streamed; NeMo's importer cannot run: %s)", output_dir, error
+            )
+            missing = sorted(set(saved) - set(_written_names(output_dir)))
+            if missing:
+                raise VerificationError(f"{output_dir} lacks tensors of the exported model: {missing[:5]}")
+            return
         logger.warning(
             "Verifying %s against NeMo's exporter's converted model only (not the checkpoint): %s", output_dir, error
         )
@@ -505,6 +609,7 @@ def export_hf_checkpoint(
     staging_dir: Optional[Union[str, Path]] = None,
     before_publish: Optional[Callable[[], None]] = None,
     trust_context: Optional[bool] = None,
+    stream: bool = True,
 ) -> ConsolidationResult:
     """Write a ``transformers``-loadable directory for a finished NeMo 2 ``torch_dist`` checkpoint.
 
@@ -537,6 +642,9 @@ def export_hf_checkpoint(
             its ``context/`` is checked before NeMo loads it, and loaded off the network
             (:func:`nemo_patch.export.context_trust.context_loading`); ``True`` (``--trust-context``) or ``None``
             (the training run's own checkpoint) load it as NeMo does.
+        stream: convert and write one layer at a time (:mod:`nemo_patch.export.hf_stream`); ``False`` converts the
+            whole model in memory, as NeMo's ``export_ckpt`` does (the same files). An adapter directory (without
+            ``merge_adapters``) is always converted in memory (adapters are small).
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
@@ -580,7 +688,26 @@ def export_hf_checkpoint(
         except (Exception, CheckpointException) as error:
             raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
 
+    def open_lazy() -> LazyCheckpointState:
+        nonlocal metadata
+        sources = open_sources(location, None, merge_adapters, base_checkpoint)
+        metadata = sources.model_metadata
+        produce = sources.producer(reuse=False)
+        specs = {output.spec.name: output.spec for output in sources.outputs}
+        renamed = te_layer_norm_names(specs)  # type: ignore[arg-type]
+
+        def read_one(name: str) -> torch.Tensor:
+            try:
+                return produce(renamed[name])  # type: ignore[arg-type]
+            except ConsolidationError:
+                raise
+            except (Exception, CheckpointException) as error:
+                raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
+
+        return LazyCheckpointState(renamed, read_one, None, progress)  # type: ignore[arg-type]
+
     exporter._np_read, exporter._np_dtype, exporter._np_merged = read, dtype, location.adapter and merge_adapters
+    exporter._np_open, exporter._np_stream = open_lazy, stream and not peft
     exporter._np_max_shard_size, exporter._np_output_dir = max_shard_size, output_dir
     requested_dtype = dtype
     failure = f"Exporting {ckpt_dir} to Hugging Face"

@@ -187,6 +187,9 @@ def make_tiny_hf_llama(
     padded_vocab_size: Optional[int] = None,
     family: str = "llama",
     perturb: bool = False,
+    layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
 ) -> Path:
     """Write a random 2-layer, hidden-64 ``LlamaForCausalLM`` (GQA: 4 heads, 2 KV heads) and its tokenizer; with
     ``family="mixtral"`` a ``MixtralForCausalLM`` of the same shape with 4 experts, top-2 routing; ``"qwen2"`` a
@@ -194,7 +197,8 @@ def make_tiny_hf_llama(
     importer does not read ``head_dim`` and its ``kv_channels`` is 128); ``"mistral"`` a ``MistralForCausalLM``
     without sliding window; ``"phi3"`` a ``Phi3ForCausalLM`` (fused ``qkv_proj`` and ``gate_up_proj``; 4 KV heads,
     as NeMo's importer reads no ``num_key_value_heads``; no sliding window, no pad token). With ``perturb`` the norms
-    and biases are random too (:func:`_perturb`).
+    and biases are random too (:func:`_perturb`). ``layers``, ``hidden_size`` and ``intermediate_size`` make a larger
+    model of the same kind (``scripts/bench_hf_export.py``, the export's memory-bound test).
 
     ``dtype`` (a ``torch`` dtype name) is the weights' dtype and the config's, which NeMo's importer makes the
     model's training dtype (``bf16``/``fp16`` flags and ``params_dtype``). The tokenizer has ``vocab_size`` entries;
@@ -239,9 +243,9 @@ def make_tiny_hf_llama(
     }
     settings: Dict[str, Any] = dict(
         vocab_size=padded_vocab_size or vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4 * SEQ_LENGTH,
@@ -312,6 +316,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--families", default=None, help="comma-separated <family>[-tied] names, one model each")
     parser.add_argument("--perturb", action="store_true", help="random norms and biases (not ones and zeros)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--intermediate-size", type=int, default=128)
     args = parser.parse_args(argv)
     # Through the package module, not __main__: NeMo's context must name the config class by its importable path.
     from nemo_patch.testing import tiny_llama
@@ -332,6 +339,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             padded_vocab_size=args.padded_vocab_size,
             family=family,
             perturb=args.perturb,
+            layers=args.layers,
+            hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size,
         )
     with megatron_on_cpu():
         for out, family, _ in models:

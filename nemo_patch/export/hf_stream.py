@@ -1,0 +1,393 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The streamed Hugging Face export: NeMo's exporter's own mapping and transforms, applied one layer at a time.
+
+NeMo's exporters convert with ``io.apply_transforms(source, target, mapping, transforms)`` on a whole model: every
+source tensor and every converted tensor in memory at once (about twice the weights). Here the exporter's own
+``apply`` and ``convert_state`` run unchanged; while ``convert_state`` runs, ``io.apply_transforms`` is
+:meth:`StreamedConversion.apply_transforms`, which takes the same mapping and transforms and applies them per group of
+tensors:
+
+- the source is a :class:`LazyCheckpointState`: the names of the checkpoint's tensors, each read through the engine
+  (and cast to the export's dtype) only when a group needs it;
+- the target is NeMo's Hugging Face model built on the ``meta`` device (no weights allocated);
+- a group is one layer (every name whose first all-digit dotted component is ``<i>``: ``decoder.layers.<i>.*`` in the
+  source, ``model.layers.<i>.*`` in the target; a layer's fused QKV, gate/up and experts are in it), then everything
+  else (embeddings, final norm, output layer). Each of NeMo's ``StateDictTransform`` objects (the mapping's too) runs
+  on a ``TransformCTX`` holding that group's source tensors and target entries, so NeMo's wildcard matching binds
+  ``*`` within the layer exactly as on the whole model;
+- every converted tensor is checked as ``apply_transforms`` checks it (shape against the target's parameter, dtype
+  unchanged unless ``cast_dtype``) and written at once at its place in the safetensors files, then freed.
+
+The files are laid out before the first group runs, as ``transformers``' ``save_pretrained`` lays them out: the
+tensors it would save (tied duplicates removed by its rule), sharded by ``huggingface_hub`` at ``max_shard_size`` in
+the state dict's order, each file's header in the ``safetensors`` library's order (dtype, then name), with
+``{"format": "pt"}`` metadata, and ``model.safetensors.index.json`` with ``total_parameters`` and ``total_size``;
+so the files are byte-identical to the in-memory path's. The engine writes them (:func:`.part_writer.create_files`:
+header written and size allocated; then each tensor with ``pwrite`` at its offset).
+
+When the transforms cannot be split (a transform that is not a ``StateDictTransform``, one whose source keys span
+groups or whose target keys are not in the same group, or a source that is not the engine's checkpoint),
+:meth:`StreamedConversion.apply_transforms` logs one line naming the exporter and why, and runs NeMo's own
+``apply_transforms`` on the whole model instead.
+
+Imports torch and the engine at module level; NeMo inside the functions that need it.
+"""
+
+import logging
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+
+from nemo_patch.engine.casting import checked_cast
+from nemo_patch.engine.part_writer import create_files
+from nemo_patch.engine.plan import TensorSpec, plan_shards
+from nemo_patch.engine.safetensors_writer import OutputFile, encode_header
+
+__all__ = ["LazyCheckpointState", "StreamedConversion", "layer_of", "saved_names"]
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+#: The ``safetensors`` library's ``Dtype`` order (its files sort tensors by dtype, descending, then by name).
+_DTYPE_RANK = {
+    torch.bool: 0,
+    torch.uint8: 4,
+    torch.int8: 5,
+    torch.float8_e5m2: 6,
+    torch.float8_e4m3fn: 7,
+    torch.int16: 9,
+    torch.float16: 11,
+    torch.bfloat16: 12,
+    torch.int32: 13,
+    torch.float32: 15,
+    torch.float64: 16,
+    torch.int64: 17,
+}
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The layer index of a tensor name: its first all-digit dotted component (``None`` when it has none)."""
+    match = _LAYER.search(name)
+    return None if match is None else int(match.group(1))
+
+
+class LazyCheckpointState(Mapping[str, torch.Tensor]):
+    """The checkpoint's consolidated state dict without its tensors: each is read through the engine when asked for
+    (new memory each time, cast to :attr:`dtype` if floating-point; a cast that would overflow raises
+    :class:`~nemo_patch.engine.errors.DtypeOverflowError`).
+
+    Args:
+        specs: name -> its spec as stored (the exporter's names: Transformer Engine layer-norm names).
+        read: reads a tensor by its name in ``specs``, in its stored dtype.
+        dtype: floating-point dtype of the tensors returned (``None``: as stored).
+        progress: called with ``(bytes read, bytes in all)`` after each read.
+    """
+
+    def __init__(
+        self,
+        specs: Mapping[str, TensorSpec],
+        read: Callable[[str], torch.Tensor],
+        dtype: Optional[torch.dtype] = None,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> None:
+        self.specs, self._read, self.dtype, self._progress = dict(specs), read, dtype, progress
+        self._total = sum(spec.nbytes for spec in self.specs.values())
+        self._done = [0]
+
+    def floating_dtype(self) -> torch.dtype:
+        """The floating-point dtype that holds most of the checkpoint's floating-point bytes (as
+        :func:`nemo_patch.export.hf.checkpoint_dtype`).
+
+        Raises:
+            ConsolidationError: no floating-point tensor.
+        """
+        from nemo_patch.engine.errors import ConsolidationError
+
+        sizes: Dict[torch.dtype, int] = defaultdict(int)
+        for spec in self.specs.values():
+            if spec.dtype.is_floating_point:
+                sizes[spec.dtype] += spec.nbytes
+        if not sizes:
+            raise ConsolidationError("The checkpoint holds no floating-point model tensors to export")
+        return max(sizes, key=lambda dtype: sizes[dtype])
+
+    def cast_to(self, dtype: torch.dtype) -> "LazyCheckpointState":
+        """The same state whose floating-point tensors come in ``dtype``."""
+        other = LazyCheckpointState(self.specs, self._read, dtype, self._progress)
+        other._done = self._done
+        return other
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        spec = self.specs[name]
+        tensor = self._read(name)
+        self._done[0] += spec.nbytes
+        if self._progress is not None:
+            self._progress(min(self._done[0], self._total), self._total)
+        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+            tensor = checked_cast(name, tensor, torch.empty(tensor.shape, dtype=self.dtype))
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
+def saved_names(target: Any, state: Mapping[str, torch.Tensor]) -> List[str]:
+    """The names of ``state`` that ``transformers``' ``save_pretrained(state_dict=state, safe_serialization=True)``
+    writes for ``target`` (a model on the ``meta`` device): ``_keys_to_ignore_on_save`` removed, and of names sharing
+    one parameter, those matching the model's tied-weight patterns removed while one is left (its rule)."""
+    from transformers.modeling_utils import _get_tied_weight_keys
+
+    names = [name for name in state if name not in (getattr(target, "_keys_to_ignore_on_save", None) or ())]
+    owners: Dict[int, List[str]] = defaultdict(list)
+    for name in names:
+        try:
+            owner: Any = target.get_parameter(name)
+        except AttributeError:
+            try:
+                owner = target.get_buffer(name)
+            except AttributeError:
+                owner = state[name]
+        owners[id(owner)].append(name)
+    tied = _get_tied_weight_keys(target)
+    dropped: Set[str] = set()
+    for group in owners.values():
+        if len(group) > 1 and tied is not None:
+            found = 0
+            for name in sorted(group):
+                if any(re.search(pattern, name) for pattern in tied):
+                    found += 1
+                    if found < len(group):
+                        dropped.add(name)
+    return [name for name in names if name not in dropped]
+
+
+def _file_order(spec: TensorSpec) -> Tuple[int, str]:
+    return (-_DTYPE_RANK.get(spec.dtype, 99), spec.name)
+
+
+def plan_hf_files(specs: Sequence[TensorSpec], max_shard_size: int) -> List[OutputFile]:
+    """The safetensors files ``save_pretrained`` writes for ``specs`` (in state dict order): ``huggingface_hub``'s
+    shards, each file's tensors in the ``safetensors`` library's order, ``{"format": "pt"}`` metadata."""
+    files = []
+    for name, group in plan_shards(specs, max_shard_size).items():
+        ordered = tuple(sorted(group, key=_file_order))
+        files.append(OutputFile(name, encode_header(ordered, {"format": "pt"}), ordered))
+    return files
+
+
+def _matches(keys: List[str], pattern: str) -> bool:
+    from nemo.lightning.io.state import _match_keys
+
+    return any(key is not None for key in _match_keys(keys, pattern).flat)
+
+
+def _patterns(key: Any) -> List[str]:
+    if isinstance(key, str):
+        return [key]
+    if isinstance(key, dict):
+        return list(key.values())
+    return list(key)
+
+
+class StreamedConversion:
+    """``io.apply_transforms`` for one export, applied per group and written at once (see the module docstring).
+
+    Args:
+        exporter: the exporter's class name, for log lines and errors.
+        output_dir: where ``save_pretrained`` will save (the files are created there).
+        max_shard_size: bytes of tensor data per safetensors file.
+    """
+
+    def __init__(self, exporter: str, output_dir: Path, max_shard_size: int) -> None:
+        self.exporter, self.output_dir, self.max_shard_size = exporter, Path(output_dir), max_shard_size
+        self.streamed = False
+        self.planned: List[TensorSpec] = []
+        self.files: List[OutputFile] = []
+        self.total_parameters = 0
+
+    def _split_problem(self, transforms: List[Any], source: Dict[Any, List[str]], target: Dict[Any, List[str]]) -> str:
+        from nemo.lightning.io.state import StateDictTransform
+
+        for transform in transforms:
+            if not isinstance(transform, StateDictTransform):
+                return f"its transform {transform!r} is not a StateDictTransform"
+            sources, targets = _patterns(transform.source_key), _patterns(transform.target_key)
+            for group, keys in source.items():
+                found = [_matches(keys, pattern) for pattern in sources]
+                if any(found) and not all(found):
+                    return f"the source keys of its transform {transform.source_key} span layers"
+                if all(found) and not all(_matches(target.get(group, []), pattern) for pattern in targets):
+                    return f"the target keys of its transform {transform.target_key} are not in the source's layer"
+        return ""
+
+    def apply_transforms(
+        self,
+        nemo_apply: Callable[..., Any],
+        source: Any,
+        target: Any,
+        mapping: Dict[str, str],
+        transforms: Optional[List[Any]] = None,
+        state_dict_ignored_entries: Optional[List[str]] = None,
+        cast_dtype: Optional[torch.dtype] = None,
+    ) -> Any:
+        """NeMo's ``apply_transforms(source, target, mapping, transforms, ...)``, streamed: the converted tensors are
+        written to :attr:`output_dir` and ``target`` (on ``meta``) is returned unassigned; or, where the transforms
+        cannot be split, ``nemo_apply`` on the whole model (one log line says why).
+
+        Raises:
+            ValueError: a converted tensor's shape differs from the target parameter's, or a mapping's source key
+                matches nothing (NeMo's messages).
+            AssertionError: a converted tensor's dtype differs from the target's (NeMo's check).
+            OSError: the files cannot be written.
+        """
+        from nemo.lightning.io.state import StateDictTransform, TransformCTX
+
+        transforms = list(transforms or [])
+        state = source.state_dict() if hasattr(source, "state_dict") else None
+        everything = [StateDictTransform(key, value) for key, value in mapping.items()] + transforms
+        target_state = target.state_dict()
+        by_layer: Dict[Any, List[str]] = defaultdict(list)
+        target_by_layer: Dict[Any, List[str]] = defaultdict(list)
+        problem = "its source is not the checkpoint read by the engine"
+        if isinstance(state, LazyCheckpointState):
+            for key in state:
+                by_layer[layer_of(key)].append(key)
+            for key in target_state:
+                target_by_layer[layer_of(key)].append(key)
+            problem = self._split_problem(everything, by_layer, target_by_layer)
+        if problem:
+            logger.info("Not streaming NeMo's %s: %s; converting the whole model in memory", self.exporter, problem)
+            if isinstance(state, LazyCheckpointState):
+                source._state_dict = dict(state.items())
+            converted = nemo_apply(source, target, mapping=mapping, transforms=transforms,
+                                   state_dict_ignored_entries=state_dict_ignored_entries or [],
+                                   cast_dtype=cast_dtype)  # fmt: skip
+            for module in converted.modules():  # buffers never saved (rotary inv_freq): memory, not meta, for .cpu()
+                for name in getattr(module, "_non_persistent_buffers_set", ()):
+                    buffer = module._buffers.get(name)
+                    if buffer is not None and buffer.is_meta:
+                        module._buffers[name] = torch.empty_like(buffer, device="cpu")
+            return converted
+        assert isinstance(state, LazyCheckpointState)
+        if getattr(target.config, "tie_word_embeddings", False) and hasattr(target, "tie_weights"):
+            target.tie_weights()
+        names = saved_names(target, target_state)
+        self.planned = [
+            TensorSpec(name, cast_dtype if cast_dtype and target_state[name].is_floating_point()
+                       else target_state[name].dtype, tuple(target_state[name].shape))
+            for name in names
+        ]  # fmt: skip
+        self.total_parameters = target.num_parameters()
+        self.files = plan_hf_files(self.planned, self.max_shard_size)
+        create_files(self.output_dir, self.files)
+        where = {spec.name: (file.name, spec, offset) for file in self.files for spec, offset in file.offsets()}
+        descriptors = {file.name: os.open(self.output_dir / file.name, os.O_WRONLY) for file in self.files}
+        applied = set()
+        written: Set[str] = set()
+        try:
+            groups = sorted((g for g in by_layer if g is not None)) + ([None] if None in by_layer else [])
+            for group in groups:
+                keys = by_layer[group]
+                todo = [t for t in everything if all(_matches(keys, p) for p in _patterns(t.source_key))]
+                if not todo:
+                    continue
+                ctx = TransformCTX(
+                    source=source,
+                    source_state={key: state[key] for key in keys},
+                    target=target,
+                    target_state={key: target_state[key] for key in target_by_layer.get(group, [])},
+                )
+                for transform in todo:
+                    ctx = transform(ctx)
+                    applied.add(id(transform))
+                for name, tensor in ctx.target_state.items():
+                    if tensor.is_meta:
+                        continue
+                    self._write(name, tensor, target_state[name], cast_dtype, where, descriptors)
+                    written.add(name)
+                del ctx
+            for transform in everything:
+                if id(transform) not in applied and isinstance(transform.source_key, str):
+                    raise ValueError(f"No matches found for source key: {transform.source_key}")
+            missing = [spec.name for spec in self.planned if spec.name not in written]
+            if missing:
+                from nemo_patch.export.errors import ExportError
+
+                raise ExportError(
+                    f"NeMo's {self.exporter} left {len(missing)} tensor(s) of the Hugging Face model unassigned "
+                    f"(no source tensor maps to them): {', '.join(missing[:5])}"
+                    + (", ..." if len(missing) > 5 else "")
+                )
+            for fd in descriptors.values():
+                os.fsync(fd)
+        finally:
+            for fd in descriptors.values():
+                os.close(fd)
+        self.streamed = True
+        target.cpu = lambda *args, **kwargs: target  # its parameters stay on meta: what apply calls next keeps it
+        return target
+
+    def _write(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        meta: torch.Tensor,
+        cast_dtype: Optional[torch.dtype],
+        where: Mapping[str, Tuple[str, TensorSpec, int]],
+        descriptors: Mapping[str, int],
+    ) -> None:
+        if tuple(tensor.shape) != tuple(meta.shape):
+            raise ValueError(
+                f"Shape mismatch for parameter {name}: target shape {tuple(meta.shape)} vs converted source shape "
+                f"{tuple(tensor.shape)}"
+            )
+        if cast_dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(cast_dtype)
+        elif tensor.dtype != meta.dtype:
+            raise AssertionError(
+                f"dtype mismatch between source and target state dicts: {name} is {tensor.dtype}, "
+                f"the target's {meta.dtype}"
+            )
+        if name not in where:
+            return  # a tensor save_pretrained leaves out (a tied duplicate)
+        file, spec, offset = where[name]
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+        fd = descriptors[file]
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+
+    def write_index(self) -> None:
+        """``model.safetensors.index.json`` as ``save_pretrained`` writes it, when there are several files."""
+        import json
+
+        if len(self.files) < 2:
+            return
+        index = {
+            "metadata": {"total_parameters": self.total_parameters,
+                         "total_size": sum(spec.nbytes for spec in self.planned)},
+            "weight_map": {spec.name: file.name for file in self.files for spec in file.specs},
+        }  # fmt: skip
+        with open(self.output_dir / "model.safetensors.index.json", "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,138 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Benchmark: the streamed Hugging Face export against NeMo's exporter on the whole model and the safetensors format.
+
+The checkpoint: a many-layer Llama (``--layers`` x hidden ``--hidden-size``, fp32; the default 46 x 1024 is about
+2.2 GB of weights) made with ``transformers`` and imported with NeMo's own importer on the CPU
+(``python -m nemo_patch.testing.tiny_llama``), with its NeMo ``context/``. Measured side by side, each in a fresh
+process, one after the other:
+
+- ``hf streamed``: ``nemo-consolidate --format hf --trust-context`` (:mod:`nemo_patch.export.hf_stream`);
+- ``hf in-memory``: NeMo's exporter on the whole model, which is what ``llm.export_ckpt`` does once it has loaded the
+  model (``export_hf_checkpoint(..., stream=False)``);
+- ``safetensors``: ``nemo-consolidate --format safetensors --workers 1``;
+- ``imports only``: a process importing NeMo's Llama exporter and ``transformers`` (the fixed start-up of the first
+  two rows).
+
+Each row: peak resident memory of the whole process tree (sampled every 20 ms with ``psutil``), over the model's
+weight bytes (the ``.distcp`` files), and wall time, start-up included. Then the lines::
+
+    hf streamed peak RSS / model bytes: X%
+    hf in-memory peak RSS / model bytes: Y%
+    hf streamed time / safetensors time: Z.ZZx
+
+Usage: ``python scripts/bench_hf_export.py [--work DIR] [--layers 46] [--hidden-size 1024]``. The entry point is
+guarded: NeMo's importer spawns processes that import the main module again.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+#: The start-up every ``--format hf`` process pays before it reads a tensor (NeMo's exporter and ``transformers``).
+IMPORTS = (
+    "from nemo.lightning import io; from nemo.collections.llm.gpt.model import llama; "
+    "from transformers import LlamaForCausalLM"
+)
+IN_MEMORY = (
+    "import sys; from nemo_patch.export.hf import export_hf_checkpoint; "
+    "export_hf_checkpoint(sys.argv[1], sys.argv[2], stream=False)"
+)
+
+
+def measure(command: List[str]) -> Tuple[int, float]:
+    """Run ``command``; return the peak RSS of its process tree (bytes) and its wall seconds.
+
+    Raises:
+        RuntimeError: it failed (its last output).
+    """
+    import psutil
+
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    root, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            tree = [root] + root.children(recursive=True)
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    wall = time.perf_counter() - start
+    output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{command} failed ({proc.returncode}): {output[-3000:]}")
+    return peak, wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=None, help="where the checkpoint and outputs go (default: tmp)")
+    parser.add_argument("--layers", type=int, default=46)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--intermediate-size", type=int, default=2816)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-hf-"))
+    model = work / "model"
+    if not (model / "nemo").exists():
+        started = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "nemo_patch.testing.tiny_llama", "--out", str(model), "--layers", str(args.layers),
+             "--hidden-size", str(args.hidden_size), "--intermediate-size", str(args.intermediate_size)],
+            cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        print(f"checkpoint made with NeMo's importer in {time.perf_counter() - started:.0f} s")
+    checkpoint = model / "nemo"
+    weights = sum(path.stat().st_size for path in (checkpoint / "weights").glob("*.distcp"))
+    cli = [sys.executable, "-m", "nemo_patch.cli.nemo_consolidate", str(checkpoint), "--quiet", "--force"]
+    runs = {
+        "hf streamed": cli + ["--format", "hf", "--trust-context", "--out", str(work / "hf-streamed")],
+        "hf in-memory": [sys.executable, "-c", IN_MEMORY, str(checkpoint), str(work / "hf-in-memory")],
+        "safetensors": cli + ["--workers", "1", "--out", str(work / "safetensors")],
+        "imports only": [sys.executable, "-c", IMPORTS],
+    }
+    print(f"model bytes: {weights / 1e9:.2f} GB ({args.layers} layers, hidden {args.hidden_size}); "
+          f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")  # fmt: skip
+    results = {}
+    for name, command in runs.items():
+        shutil.rmtree(work / name.replace(" ", "-"), ignore_errors=True)
+        results[name] = measure(command)
+        peak, wall = results[name]
+        print(
+            f"{name:>13}: peak RSS {peak / 1e6:8.0f} MB ({100 * peak / weights:5.1f}% of the weights), {wall:6.1f} s"
+        )
+    above = (results["hf streamed"][0] - results["imports only"][0]) / weights
+    print(f"hf streamed peak RSS above the imports' baseline / model bytes: {100 * above:.0f}%")
+    streamed, in_memory = sorted((work / "hf-streamed").glob("*.safetensors")), work / "hf-in-memory"
+    same = all(path.read_bytes() == (in_memory / path.name).read_bytes() for path in streamed)
+    print(f"hf streamed and in-memory safetensors files byte-identical: {same}")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"hf streamed peak RSS / model bytes: {100 * results['hf streamed'][0] / weights:.0f}%")
+    print(f"hf in-memory peak RSS / model bytes: {100 * results['hf in-memory'][0] / weights:.0f}%")
+    print(f"hf streamed time / safetensors time: {results['hf streamed'][1] / results['safetensors'][1]:.2f}x")
+    if args.work is None:
+        shutil.rmtree(work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
