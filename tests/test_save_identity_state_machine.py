@@ -23,7 +23,8 @@ Every step acts on one NeMo log directory (one checkpoint root) as a user, a sch
   removes checkpoints), sync or async save; the training job killed (SIGKILL at a global step, in the middle of a
   consolidation, between a removal's record and its delete, or at a random moment), the sidecar killed (SIGKILL at a
   random moment) or stopped and restarted;
-* ``watch``: the sidecar alone, ``--until-idle``, run to its end or SIGKILLed at a random moment;
+* ``watch``: the sidecar alone, ``--until-idle``, run to its end or SIGKILLed in the middle of its work (a drawn
+  0-0.4 s after its first staging directory appears);
 * ``resave``: a finished checkpoint saved again in place under its name with other tensors (megatron-core's
   ``dist_checkpointing.save``, as a Megatron-LM rollback does).
 
@@ -43,7 +44,8 @@ After every step two invariants are checked:
    they finished), among the saves that have a live output. The ground truth is the test's own book of which step
    made which save, never the product's run ids. This is checked strictly after a step in which a product process
    ran to its end and nothing was killed; after a kill (or while a re-saved checkpoint waits for a sidecar) ``LATEST``
-   may lag or dangle, but may never name anything but a live output.
+   may lag or dangle, but may never name anything but a live output. After a sidecar ran to its end, no staging
+   directory of a dead sidecar is left in the root.
 
 Cost: a fit is 15-40 s on a 2-core machine, a sidecar's start-up a few seconds. CI runs one walk of
 ``NEMO_PATCH_STATE_MACHINE_STEPS`` (default 6) steps with the fixed seed ``NEMO_PATCH_STATE_MACHINE_SEED`` (default
@@ -71,6 +73,7 @@ from unittest import mock
 import pytest
 from conftest import REPO
 
+from nemo_patch.engine.publish import TMP_PREFIX
 from nemo_patch.testing.mcore_compare import compare
 
 #: The walk CI runs: its steps cover a new run and a resume, both consolidation sides, top-k removals, a re-save and
@@ -266,6 +269,8 @@ class Walk:
             self._register(index, step)
             self._check_truth(step)
             self._check_latest(step, strict)
+            if strict and (step.kind == "watch" or step.options.get("sidecar") in ("beside", "killed")):
+                self._check_no_dead_staging()
         return self.done
 
     def _step_dir(self, index: int) -> Path:
@@ -343,8 +348,10 @@ class Walk:
         logs = self._step_dir(index)
         kill_after = step.options["kill_after"]
         watcher = _Watcher(self.root, logs / "watch.log", frequency=step.options["frequency"], until_idle=2.0)
-        if kill_after is not None:
-            watcher.kill_after(kill_after)
+        if kill_after is not None:  # 0-0.4 s after its first staging directory appears: in the middle of its work
+            root = self.root
+            watcher.kill_after(kill_after / 10, ready=lambda: any(root.glob(f"{TMP_PREFIX}*")) or root.exists()
+                               and "Consolidated " in watcher.log.read_text(errors="replace"))  # fmt: skip
         code = watcher.wait()
         step.killed = watcher.killed
         if not watcher.killed and code != 0:
@@ -458,6 +465,15 @@ class Walk:
                           f"consolidated is not its own save ({weights}): {error}")  # fmt: skip
             self.book.compared.add(key)
 
+    def _check_no_dead_staging(self) -> None:
+        """After a sidecar ran to its end: no staging directory of a dead sidecar is left in the root (#45: "stale
+        staging directories of a dead watcher are removed on the next start"; a killed one leaves its own)."""
+        for entry in sorted(self.root.glob(f"{TMP_PREFIX}*")) if self.root.is_dir() else []:
+            owner = entry.name[len(TMP_PREFIX) :].split("-", 1)[0]
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                self.fail(f"after step {len(self.done) - 1}: a dead sidecar's staging directory is left after a "
+                          f"sidecar ran to its end: {entry.name}")  # fmt: skip
+
     def _check_latest(self, step: Step, strict: bool) -> None:
         outputs = [(entry, save) for entry, _, save, stale in self._outputs() if not stale and save is not None]
         link = self.root / LATEST
@@ -535,16 +551,21 @@ class _Process:
         self._timer: Optional[threading.Thread] = None
         self._cancelled = threading.Event()
 
-    def kill_after(self, seconds: float, ready: Optional[str] = None) -> None:
-        """SIGKILL it ``seconds`` after it starts, or after its log first shows ``ready`` (its start-up, a few
-        seconds on a loaded machine, does not count)."""
+    def kill_after(self, seconds: float, ready: Any = None) -> None:
+        """SIGKILL it ``seconds`` after it starts, or after its log first shows ``ready`` (a string), or after
+        ``ready()`` (a callable) first holds: its start-up, a few seconds on a loaded machine, does not count."""
+
+        def is_ready() -> bool:
+            if callable(ready):
+                return bool(ready())
+            return ready in self.log.read_text(errors="replace")
 
         def wait_then_kill() -> None:
             deadline = time.monotonic() + 300
             while ready is not None and time.monotonic() < deadline and self.proc.poll() is None:
-                if ready in self.log.read_text(errors="replace"):
+                if is_ready():
                     break
-                time.sleep(0.05)
+                time.sleep(0.01)
             if not self._cancelled.wait(seconds):
                 self.kill()
 
