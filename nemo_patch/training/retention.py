@@ -627,7 +627,8 @@ class Observer(ConsolidationObserver):
         current = pointed_output(save.path.parent, (name,))
         if current is not None and current != save.path / name:
             now, mine = output_order(current), output_order(save.path / name)
-            if now is not None and now.run != run and not moves_forward(mine, now):
+            own = mine.run if mine is not None else run  # the run the output records (none: made offline)
+            if now is not None and now.run != own and not moves_forward(mine, now):
                 logger.info("LATEST stays on %s: it names a newer save (%s) than %s's", current.parent.name,
                             _run_label(now.run), save.path.name)  # fmt: skip
                 return
