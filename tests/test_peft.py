@@ -101,6 +101,20 @@ def test_merged_and_peft_outputs_give_the_trained_models_logits(lora_run):
     assert lora_run["max_abs_peft_logit_diff"] < 1e-5
 
 
+def test_merged_adapters_stream_to_the_files_of_nemos_exporter_on_the_whole_model(lora_run, tmp_path):
+    """``merge_adapters=True`` with ``--format hf``: the streamed export (base + LoRA delta read per tensor through the
+    engine) writes the same files, byte for byte, as NeMo's exporter on the whole merged model."""
+    from nemo_patch.export.hf import export_hf_checkpoint
+
+    newest = lora_run["root"] / lora_run["latest"]
+    export_hf_checkpoint(newest, tmp_path / "streamed", merge_adapters=True, verify=True)
+    export_hf_checkpoint(newest, tmp_path / "whole", merge_adapters=True, stream=False)
+    names = sorted(path.name for path in (tmp_path / "whole").iterdir())
+    assert "model.safetensors" in names and sorted(path.name for path in (tmp_path / "streamed").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
 def test_the_merge_is_nemos_lora_merge_with_the_alpha_over_dim_scale(lora_run, imported_llama, tmp_path):
     newest = lora_run["root"] / lora_run["latest"]
     merged_dir = lora_run["out"] / "probe-merged" / "safetensors"

@@ -623,7 +623,7 @@ def export_hf_checkpoint(
         overwrite: replace an existing output; if ``False`` it raises :class:`OutputExistsError` before any work.
         verify: re-read the written files and compare every tensor with the checkpoint's, through NeMo's importer for
             the class (:mod:`nemo_patch.export.hf_verify`; a PEFT directory, or a class without a usable importer,
-            with the exporter's converted model). Peak memory is then about twice the model's weights again.
+            with the exporter's converted model). The importer's re-read needs about twice the model's weights.
         allow_unfinished: export even if NeMo's unfinished marker is present.
         progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
         merge_adapters: for a LoRA adapter checkpoint, export the base model with the adapters merged (a full
