@@ -14,13 +14,14 @@
 
 """Consolidation metrics in the trainer's loggers (TensorBoard, W&B, ...), from global rank 0.
 
-Each published consolidation is logged once, at the global step when the training loop saw it end:
+Each published consolidation is logged once, at its checkpoint's own global step (as ``eval/*`` metrics of a post
+command are), when the training loop sees it end:
 ``consolidation/seconds`` (wall seconds of the consolidation, a post command's excluded),
 ``consolidation/bytes_per_second`` (output bytes on disk per second) and ``consolidation/skipped`` (due consolidations
 of the run that did not happen so far; cumulative, also logged alone when only it changes).
 """
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver
 
@@ -32,34 +33,39 @@ class Observer(ConsolidationObserver):
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
-        #: One ``ConsolidationRecord`` per published consolidation of this run, oldest first.
-        self.records: List[Any] = []
+        #: ``(ConsolidationRecord, global step of its checkpoint)`` per published consolidation of this run, oldest
+        #: first.
+        self.records: List[Tuple[Any, int]] = []
         self._logged_records = 0
         self._logged_skipped = 0
 
     def on_ended(self, save: CheckpointSave, record: Optional[Any], error: Optional[str]) -> None:
         if record is not None:
-            self.records.append(record)
+            self.records.append((record, save.global_step))
 
     def report(self, trainer: Any) -> None:
-        """Log the consolidations published since the last call at ``trainer.global_step``: one ``log_metrics`` call
-        each, and one for ``consolidation/skipped`` alone when only that changed."""
+        """Log the consolidations published since the last call, each at its checkpoint's global step (one
+        ``log_metrics`` call each), and ``consolidation/skipped`` alone at ``trainer.global_step`` when only that
+        changed."""
         if not trainer.loggers:
             return
         new = self.records[self._logged_records :]
         skipped = self.coordinator.skipped_count
         metrics = [
-            {
-                "consolidation/seconds": record.seconds,
-                "consolidation/bytes_per_second": record.bytes_per_second,
-                "consolidation/skipped": float(skipped),
-            }
-            for record in new
+            (
+                {
+                    "consolidation/seconds": record.seconds,
+                    "consolidation/bytes_per_second": record.bytes_per_second,
+                    "consolidation/skipped": float(skipped),
+                },
+                step if step >= 0 else trainer.global_step,
+            )
+            for record, step in new
         ]
         if not metrics and skipped != self._logged_skipped:
-            metrics = [{"consolidation/skipped": float(skipped)}]
-        for values in metrics:
+            metrics = [({"consolidation/skipped": float(skipped)}, trainer.global_step)]
+        for values, step in metrics:
             for trainer_logger in trainer.loggers:
-                trainer_logger.log_metrics(values, step=trainer.global_step)
+                trainer_logger.log_metrics(values, step=step)
         self._logged_records += len(new)
         self._logged_skipped = skipped
