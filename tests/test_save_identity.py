@@ -251,10 +251,10 @@ def test_a_slash_separated_zarr_chunk_path_through_a_symlink_is_refused(saves, t
     (array / ".zarray").write_text(json.dumps({**meta, "dimension_separator": "/"}))
     chunk = (array / "0.0.0").read_bytes()
     (array / "0.0.0").unlink()
-    outside = tmp_path / "outside" / "0"
-    outside.mkdir(parents=True)
-    (outside / "0").write_bytes(b"\x7f" * len(chunk))  # another file's bytes, of the chunk's size
-    os.symlink(outside, array / "0")  # <array>/0 -> outside; the chunk is <array>/0/0/0
+    outside = tmp_path / "outside"
+    (outside / "0").mkdir(parents=True)
+    (outside / "0" / "0").write_bytes(b"\x7f" * len(chunk))  # another file's bytes, of the chunk's size
+    os.symlink(outside, array / "0")  # <array>/0 -> outside: the chunk <array>/0/0/0 is outside/0/0
     os.utime(checkpoint / "weights" / "metadata.json")
     with pytest.raises(CorruptShardError, match="symbolic link"):
         consolidate_checkpoint(checkpoint, tmp_path / "out")
