@@ -15,7 +15,8 @@
 """Consolidation is layout-independent.
 
 Real multi-rank checkpoints (2 CPU processes, gloo) written by NeMo's checkpoint IO and megatron-core consolidate to
-exactly the tensors of the TP=1 checkpoint they were resharded from.
+exactly the tensors of the TP=1 checkpoint they were resharded from, as PyTorch's own DCP converter
+(``dcp_to_torch_save``) reads that TP=1 checkpoint.
 
 How the checkpoints are made: a TP=1 run trains 2 steps with ``lr=0`` and saves (so its weights are the initial
 ones); the TP=2 and PP=2 runs restore those weights through NeMo's ``RestoreConfig`` (megatron-core reshards them),
@@ -26,7 +27,7 @@ end-to-end test checks against the trained model itself.
 
 import pytest
 import torch
-from conftest import run_fit
+from conftest import dcp_reference_tensors, run_fit
 from safetensors.torch import load_file
 
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
@@ -50,7 +51,10 @@ def source(request, tmp_path_factory):
     assert ("output_layer.weight" in tensors) == (not tied)
     assert any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)  # optimizer state present
     assert not any(name.startswith("optimizer") or "_extra_state" in name for name in tensors)
-    return {"dir": out, "tied": tied, "tensors": tensors}
+    # The expected tensors are PyTorch's DCP converter's reading of the TP=1 checkpoint, not the product's output
+    reference = dcp_reference_tensors(out / "tiny_gpt" / "checkpoints" / "LATEST" / "weights", out)
+    _assert_same(tensors, reference)
+    return {"dir": out, "tied": tied, "tensors": reference}
 
 
 def _assert_same(tensors, expected):
@@ -70,6 +74,10 @@ def test_multi_rank_checkpoint_consolidates_to_the_tp1_tensors(source, layout, t
     if "tp" in layout:  # the QKV weight is stored in TP shards: 2 layers x 2 ranks
         assert len(metadata.state_dict_metadata[QKV].chunks) == 4
     _assert_same(tensors, source["tensors"])
+    # and PyTorch's DCP converter reads the same tensors from the multi-rank checkpoint itself
+    _assert_same(
+        dcp_reference_tensors(tmp_path / "tiny_gpt" / "checkpoints" / "LATEST" / "weights", tmp_path), tensors
+    )
 
 
 def test_checkpoint_without_optimizer_state(source, tmp_path):
