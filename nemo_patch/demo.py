@@ -214,13 +214,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.evaluate is not None:
         print(json.dumps(evaluate(args.evaluate, args.format)))
         return 0
-    # nemo_patch's own INFO lines (a consolidation started, one published), on stderr in logging's default format.
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
-    package_logger = logging.getLogger("nemo_patch")
-    package_logger.addHandler(handler)
-    package_logger.setLevel(logging.INFO)
-    package_logger.propagate = False
+    # nemo_patch's INFO lines (a consolidation started, one published) are NeMo's, in NeMo's format: the training
+    # side logs through NeMo's logger (nemo_patch.training.integration.use_nemo_logging).
+    logging.getLogger("nemo_patch").setLevel(logging.INFO)
 
     reason = overlay_off_reason()
     if reason is not None:

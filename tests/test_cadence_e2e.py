@@ -159,8 +159,10 @@ def test_the_readme_demo_with_each_and_async_save_skips_nothing(tmp_path):
     assert all("yes" in row for row in rows.values())
     assert "<-" in rows[_name(10)] and "never finished" not in proc.stderr
     assert "Traceback" not in proc.stderr and "ERROR:nemo_patch" not in proc.stderr
+    # through NeMo's logger, in NeMo's format (before: "INFO:nemo_patch.training.coordinator:Consolidated ...")
+    assert "INFO:nemo_patch" not in proc.stdout + proc.stderr
     logged = re.findall(
-        r"INFO:nemo_patch\.training\.coordinator:Consolidated (\S+) \(global step (\d+)\)", proc.stderr
+        r"\[NeMo I [^\]]* coordinator:\d+\] Consolidated (\S+) \(global step (\d+)\)", proc.stdout + proc.stderr
     )
     # one INFO line per consolidation; the step-10 -last copy's output is linked from step 10's, not consolidated
     assert sorted(int(step) for _, step in logged) == list(steps)

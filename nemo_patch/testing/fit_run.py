@@ -571,6 +571,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         logging.getLogger("nemo_patch").setLevel(logging.INFO)
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.WARNING)
+            # the training side's lines are NeMo's (integration.use_nemo_logging): not a second time in this format
+            logging.getLogger().handlers[0].addFilter(lambda record: not record.name.startswith("nemo_patch.training"))
     save_consolidated = None if args.save_consolidated is None else args.save_consolidated == "true"
     report = run_tiny_fit(
         args.out,

@@ -20,6 +20,7 @@ Imports Lightning and the training side at module level, NeMo only inside functi
 
 import difflib
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -46,6 +47,43 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+class _NeMoLogging(logging.Handler):
+    """Hands the training side's log records to NeMo's logger (``nemo.utils.logging``), so that they read as NeMo's
+    own lines (``[NeMo I <time> coordinator:<line>] Consolidated ...``) on NeMo's streams and log files; then to the
+    root logger's handlers other than those writing to the console (a log file, ``pytest``'s capture), which NeMo's
+    line already reached."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from nemo.utils import logging as nemo_logging
+
+        root = logging.getLogger().handlers
+        done = list(logging.getLogger("nemo_patch.training").handlers)  # these had the record already
+        target = getattr(nemo_logging, "_logger", None)
+        if target is not None and target.isEnabledFor(record.levelno):
+            for handler in target.handlers:  # NeMo's (pytest also attaches its capture to non-propagating loggers)
+                if handler not in root and handler not in done and record.levelno >= handler.level:
+                    handler.handle(record)
+                    done.append(handler)
+        for handler in root:
+            console = getattr(handler, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+            if not console and handler not in done and record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def use_nemo_logging() -> None:
+    """Route the ``nemo_patch.training`` loggers through NeMo's logger (once per process; called when a strategy is
+    made and set up, so NeMo is imported by then), instead of propagating (:class:`_NeMoLogging`). Their level
+    becomes ``INFO`` unless one was set, so that a consolidation's start and publication show in the job's log as
+    NeMo's INFO lines do."""
+    training = logging.getLogger("nemo_patch.training")
+    if not any(type(handler).__name__ == "_NeMoLogging" for handler in training.handlers):  # also across reloads
+        training.addHandler(_NeMoLogging())
+        training.propagate = False
+        if training.level == logging.NOTSET:
+            training.setLevel(logging.INFO)
+
+
 #: ``MegatronStrategy``'s consolidation arguments.
 ARGUMENTS = ("save_consolidated", "ckpt_consolidation_frequency", "ckpt_consolidation")
 #: ``ckpt_consolidation_<field>``, the spelling a user may guess for a config field, -> the field.
@@ -68,6 +106,7 @@ def strategy_settings(
         ValueError: an invalid or contradictory value, naming the argument and what is accepted.
         TypeError: a misspelt consolidation keyword, naming the closest argument.
     """
+    use_nemo_logging()
     candidates = [*ARGUMENTS, *_FLAT_SPELLINGS]
     for name in kwargs:
         close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.8)
@@ -179,6 +218,7 @@ def setup(strategy: Any, trainer: Any) -> None:
     """``MegatronStrategy.setup``, after NeMo's own callbacks were added: :func:`ensure_consolidating_io`, then the
     :class:`ConsolidationCallback` is appended (it runs after NeMo's ``ModelCheckpoint`` and
     ``AsyncFinalizerCallback`` in every hook) and set up (Lightning set the callbacks up before the strategy)."""
+    use_nemo_logging()
     ensure_consolidating_io(strategy)
     if consolidation_of(strategy.checkpoint_io) is None:
         return
