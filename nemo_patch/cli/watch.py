@@ -286,6 +286,15 @@ def same_state(one: Path, other: Path) -> Optional[str]:
         return None
 
 
+def _same_output_files(one: Path, other: Path) -> bool:
+    """Whether two outputs hold the same files (hard links: their first ``*.safetensors`` file is one file)."""
+    try:
+        first = min(path.name for path in one.iterdir() if path.name.endswith(".safetensors"))
+        return os.path.samefile(one / first, other / first)
+    except (OSError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
 def _held(checkpoint: Path) -> Iterator[bool]:
     """An exclusive, non-blocking ``flock`` on the checkpoint's directory while the block runs: ``True`` when this
@@ -719,6 +728,8 @@ class Watcher:
             current = pointed_output(self.root, (self.output_name, "consolidated", "hf"))
             if current is not None and not moves_forward(self._order(self._output(checkpoint)), self._order(current)):
                 return
+            if current is not None and checkpoint.copy and _same_output_files(current, self._output(checkpoint)):
+                return  # a -last copy holding the output LATEST names (its links): LATEST stays on the step's own
             aside = set_aside_non_link(self.root)
             if aside is not None:
                 self.say(f"{link} was not a symbolic link; moved to {aside.name}")
