@@ -111,6 +111,11 @@ SERIES = (
         + ("tests/nemo/lightning/conftest.py", "tests/nemo/lightning/_io/test_consolidation_reader.py"),
     ),
     PullRequest(
+        "identity",
+        "Checkpoint consolidation: which save an output was made from",
+        ("nemo_patch/engine/save_identity.py", "tests/nemo/lightning/_io/test_consolidation_identity.py"),
+    ),
+    PullRequest(
         "outputs",
         "Checkpoint consolidation: streamed writes, per-tensor digests and verification",
         tuple(f"nemo_patch/engine/{name}.py" for name in (
@@ -138,7 +143,10 @@ SERIES = (
             f"nemo_patch/training/{name}.py"
             for name in ("callback", "background", "coordinator", "fit_end", "integration")
         )
-        + ("tests/nemo/lightning/pytorch/strategies/test_megatron_strategy_consolidation.py",),
+        + (
+            "nemo_patch/engine/checkpoint_root.py",
+            "tests/nemo/lightning/pytorch/strategies/test_megatron_strategy_consolidation.py",
+        ),
     ),
 )
 

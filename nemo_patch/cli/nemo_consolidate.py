@@ -469,8 +469,7 @@ def _verify_existing(
     """``--verify`` on an output that exists: compare it with the checkpoint (and its context's model), write
     nothing."""
     from nemo_patch.engine.digests import verify_digests
-    from nemo_patch.engine.save_identity import verify_identity
-    from nemo_patch.engine.verify import verify_consolidated, verify_names_and_shapes
+    from nemo_patch.engine.verify import verify_consolidated, verify_identity, verify_names_and_shapes
 
     expected = _context_shapes(location, trust)
     verify_identity(location.checkpoint_dir, output_dir)  # made from the save the checkpoint holds now

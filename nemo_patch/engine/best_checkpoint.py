@@ -34,12 +34,10 @@ Imports the standard library, and torch when reading ``common.pt``; never NeMo o
 """
 
 import logging
-import os
-import pathlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
@@ -49,8 +47,7 @@ from nemo_patch.engine.errors import (
     NotACheckpointError,
     UnfinishedCheckpointError,
 )
-from nemo_patch.engine.record_checks import open_record
-from nemo_patch.engine.safe_files import open_regular
+from nemo_patch.engine.save_identity import read_common_state
 
 __all__ = [
     "NOT_A_METRIC",
@@ -74,8 +71,6 @@ class NoMonitoredMetricError(ConsolidationError):
 
 
 logger = logging.getLogger(__name__)
-#: The largest ``common.pt`` read for the monitored metric (megatron-core's holds a few MB of non-tensor state).
-MAX_COMMON_BYTES = 1 << 30
 
 #: ``ModelCheckpoint(monitor=...)`` values that rank checkpoints by time, not by a metric.
 NOT_A_METRIC = (None, "step", "epoch")
@@ -121,35 +116,6 @@ def _finished(checkpoint_dir: Path) -> bool:
         return inspect_checkpoint(checkpoint_dir, allow_unfinished=True).finished
     except ConsolidationError:
         return False
-
-
-def read_common_state(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
-    """The state Lightning stored beside the weights of a NeMo 2 checkpoint (``weights/common.pt``: ``global_step``,
-    ``epoch``, ``callbacks``, ...), or ``None`` when there is none or it cannot be read safely (logged at debug level).
-
-    ``common.pt`` is read with ``torch.load(weights_only=True)`` allowing ``pathlib`` paths only, and only when it is a
-    regular file of at most :data:`MAX_COMMON_BYTES` bytes.
-    """
-    import torch
-
-    common = checkpoint_dir / "weights" / "common.pt"
-    try:
-        with (
-            open_regular(common) as handle,
-            torch.serialization.safe_globals([pathlib.PosixPath, pathlib.WindowsPath]),
-        ):
-            size = os.fstat(handle.fileno()).st_size
-            if size > MAX_COMMON_BYTES:
-                raise OSError(f"{common} is larger than {MAX_COMMON_BYTES} bytes")
-            # members checked first (uncompressed, inside the file, sharing no data) so that what torch.load
-            # allocates is bounded by the file's size; their CRC-32 on the way
-            window, finish = open_record(handle, 0, size, str(common))
-            payload = torch.load(cast(IO[bytes], window), map_location="cpu", weights_only=True)
-            finish()
-    except Exception as error:  # missing, or needs a class we do not unpickle
-        logger.debug("Not reading %s: %s", common, error)
-        return None
-    return payload if isinstance(payload, dict) else None
 
 
 def read_checkpoint_callback_state(checkpoint_dir: Path) -> Optional[Tuple[Dict[str, Any], Optional[str]]]:

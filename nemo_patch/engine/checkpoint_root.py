@@ -20,11 +20,12 @@ a run's final step ``...-last``. Standard library only.
 
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Tuple, Union
+
+from nemo_patch.engine.save_identity import _STEP_IN_NAME, global_step_in_name
 
 __all__ = ["checkpoint_root", "checkpoints_newest_first", "global_step_in_name", "is_copy_name", "without_copy_suffix"]
 
-_STEP = re.compile(r"step=([0-9]+)")
 _COPY = re.compile(r"-last(?:-v[0-9]+)?$")
 
 
@@ -47,13 +48,6 @@ def without_copy_suffix(name: str) -> str:
     return _COPY.sub("", name)
 
 
-def global_step_in_name(name: str) -> Optional[int]:
-    """The global step of a checkpoint from NeMo's ``step=<N>`` in its name (``N`` is the global step - 1), or
-    ``None`` when the name has none."""
-    match = _STEP.search(name)
-    return int(match.group(1)) + 1 if match else None
-
-
 def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:
     """The checkpoint directories (``<name>/weights/``) in a run's checkpoint root, newest first.
 
@@ -72,6 +66,6 @@ def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:
             continue
         # NeMo's ``-last`` copy of a step holds the same weights as the step's own checkpoint; prefer the latter
         # (the one ``LATEST`` names) whatever the two modification times say.
-        match = _STEP.search(path.name)
+        match = _STEP_IN_NAME.search(path.name)
         keys[path] = (int(match.group(1)) if match else -1, not is_copy_name(path.name), mtime)
     return sorted(keys, key=keys.__getitem__, reverse=True)

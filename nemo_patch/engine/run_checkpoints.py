@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
 from nemo_patch.engine.checkpoint_root import global_step_in_name, is_copy_name
 from nemo_patch.engine.safe_files import read_regular_file
+from nemo_patch.engine.save_identity import common_global_step
 
 __all__ = [
     "MEGATRON_LAYOUT",
@@ -133,15 +134,6 @@ def run_layout(root: Union[str, Path]) -> Optional[str]:
         ):
             return NEMO_LAYOUT
     return None
-
-
-def common_global_step(checkpoint_dir: Path) -> Optional[int]:
-    """``global_step`` in a NeMo checkpoint's ``weights/common.pt`` (Lightning's checkpoint state), or ``None``."""
-    from nemo_patch.engine.best_checkpoint import read_common_state
-
-    state = read_common_state(checkpoint_dir)
-    step = state.get("global_step") if state is not None else None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def _nemo(root: Path, listing: RunListing) -> None:

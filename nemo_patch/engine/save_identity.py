@@ -42,7 +42,7 @@ The identity is read before and after a consolidation reads the checkpoint; any 
 checkpoint (other inodes) is another save: its outputs are made again.
 
 ``run`` is the training run's id where the checkpoint records one (the overlay's callback stores ``"run_id"`` in
-its state, which Lightning saves in ``weights/common.pt``, read with :func:`.best_checkpoint.read_common_state`, never
+its state, which Lightning saves in ``weights/common.pt``, read with :func:`read_common_state`, never
 a plain ``torch.load``), else ``None`` (stock NeMo, Megatron-LM). :func:`order_key` is the order ``LATEST`` and
 ``BEST`` move in.
 
@@ -52,12 +52,14 @@ when a run id is read.
 
 import hashlib
 import json
+import logging
 import os
+import pathlib
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import IO, Any, Dict, List, Optional, Tuple, Union, cast
 
 from nemo_patch.engine.errors import CorruptShardError, UnfinishedCheckpointError
 
@@ -70,7 +72,9 @@ __all__ = [
     "order_key",
     "recorded_identity",
     "save_identity",
-    "verify_identity",
+    "common_global_step",
+    "global_step_in_name",
+    "read_common_state",
 ]
 
 #: ``SaveIdentity.layout`` values.
@@ -89,6 +93,11 @@ _ZARR_FILES = ("common.pt", "metadata.json")
 #: a file rewritten or replaced has another change time or inode.
 _DIGESTS: Dict[Tuple[Any, ...], str] = {}
 _DIGESTS_KEPT = 4096
+#: The largest ``common.pt`` read (megatron-core's holds a few MB of non-tensor state).
+MAX_COMMON_BYTES = 1 << 30
+#: NeMo's ``ModelCheckpoint`` names: ``step=<N>`` with ``N`` the global step - 1.
+_STEP_IN_NAME = re.compile(r"step=([0-9]+)")
+logger = logging.getLogger(__name__)
 
 
 def saved_again_error(message: str) -> CorruptShardError:
@@ -249,10 +258,54 @@ def _array_files(directory: Path, relative: str, entries: List[List[Any]]) -> in
     return newest
 
 
+def global_step_in_name(name: str) -> Optional[int]:
+    """The global step of a checkpoint from NeMo's ``step=<N>`` in its name (``N`` is the global step - 1), or
+    ``None`` when the name has none."""
+    match = _STEP_IN_NAME.search(name)
+    return int(match.group(1)) + 1 if match else None
+
+
+def read_common_state(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
+    """The state Lightning stored beside the weights of a NeMo 2 checkpoint (``weights/common.pt``: ``global_step``,
+    ``epoch``, ``callbacks``, ...), or ``None`` when there is none or it cannot be read safely (logged at debug level).
+
+    ``common.pt`` is read with ``torch.load(weights_only=True)`` allowing ``pathlib`` paths only, and only when it is a
+    regular file of at most :data:`MAX_COMMON_BYTES` bytes.
+    """
+    import torch
+
+    from nemo_patch.engine.record_checks import open_record
+    from nemo_patch.engine.safe_files import open_regular
+
+    common = checkpoint_dir / "weights" / "common.pt"
+    try:
+        with (
+            open_regular(common) as handle,
+            torch.serialization.safe_globals([pathlib.PosixPath, pathlib.WindowsPath]),
+        ):
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_COMMON_BYTES:
+                raise OSError(f"{common} is larger than {MAX_COMMON_BYTES} bytes")
+            # members checked first (uncompressed, inside the file, sharing no data) so that what torch.load
+            # allocates is bounded by the file's size; their CRC-32 on the way
+            window, finish = open_record(handle, 0, size, str(common))
+            payload = torch.load(cast(IO[bytes], window), map_location="cpu", weights_only=True)
+            finish()
+    except Exception as error:  # missing, or needs a class we do not unpickle
+        logger.debug("Not reading %s: %s", common, error)
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def common_global_step(checkpoint_dir: Path) -> Optional[int]:
+    """``global_step`` in a NeMo checkpoint's ``weights/common.pt`` (Lightning's checkpoint state), or ``None``."""
+    state = read_common_state(checkpoint_dir)
+    step = state.get("global_step") if state is not None else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
 def _run_of(checkpoint_dir: Path) -> Optional[str]:
     """The run id the overlay's callback stored in ``weights/common.pt``, or ``None``."""
-    from nemo_patch.engine.best_checkpoint import read_common_state
-
     payload = read_common_state(checkpoint_dir)
     callbacks = payload.get("callbacks") if payload is not None else None
     for key, state in (callbacks if isinstance(callbacks, dict) else {}).items():
@@ -266,9 +319,6 @@ def _run_of(checkpoint_dir: Path) -> Optional[str]:
 def _global_step(checkpoint_dir: Path, layout: str) -> Optional[int]:
     if layout == MEGATRON_LM:
         return int(checkpoint_dir.name[len("iter_") :])
-    from nemo_patch.engine.checkpoint_root import global_step_in_name
-    from nemo_patch.engine.run_checkpoints import common_global_step
-
     step = global_step_in_name(checkpoint_dir.name)
     return common_global_step(checkpoint_dir) if step is None else step
 
@@ -410,43 +460,3 @@ def order_key(identity: SaveIdentity, fit: int = 0) -> Tuple[Any, ...]:
     if identity.run is None:
         return ("", fit, identity.finished_ns, step)
     return (identity.run, fit, step, identity.finished_ns)
-
-
-def verify_identity(checkpoint_dir: Union[str, Path], output_dir: Union[str, Path]) -> Optional[SaveIdentity]:
-    """``--verify``: the output was made from the save the checkpoint holds now.
-
-    Args:
-        checkpoint_dir: the checkpoint (``<ckpt>/``, its ``weights/`` or an ``iter_<N>``).
-        output_dir: its output, whose ``metadata.json`` records ``"save"`` (outputs written before identities were
-            recorded record none: nothing is compared then).
-
-    Returns:
-        The identity the output records, or ``None`` when it records none.
-
-    Raises:
-        VerificationError: the checkpoint holds another save (saved again, or copied, after the output was made),
-            or a save is in progress in it; the message says which.
-    """
-    from nemo_patch.engine.safe_files import read_json_file
-    from nemo_patch.engine.verify import VerificationError
-
-    try:
-        manifest = read_json_file(Path(output_dir) / "metadata.json")
-    except (OSError, ValueError):
-        return None  # the digest check reports an unreadable metadata.json
-    if not isinstance(manifest, dict) or "save" not in manifest:
-        return None
-    try:
-        recorded = SaveIdentity.from_json(manifest["save"])
-    except ValueError as error:
-        raise VerificationError(f"{output_dir}/metadata.json records a malformed \"save\": {error}") from error
-    try:
-        now = save_identity(checkpoint_dir, read_run=False)
-    except UnfinishedCheckpointError as error:
-        raise VerificationError(f"{checkpoint_dir} is being saved again: {error}") from error
-    if not now.same_save(recorded):
-        raise VerificationError(
-            f"{output_dir} was made from another save of {checkpoint_dir}: the checkpoint was saved again (or "
-            "copied) after the output was made; consolidate it again"
-        )
-    return recorded

@@ -28,10 +28,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from nemo_patch.engine.casting import cast_overflow
 from nemo_patch.engine.checkpoint_reader import open_weights
-from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, UnfinishedCheckpointError
 from nemo_patch.engine.output_files import output_weight_map
 from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM
 from nemo_patch.engine.plan import OutputTensor, plan_outputs
+from nemo_patch.engine.save_identity import SaveIdentity, save_identity
 
 __all__ = [
     "VerificationError",
@@ -188,3 +189,42 @@ def verify_consolidated(
         except Exception as error:
             raise VerificationError(f"Cannot read {output_dir / filename}: {type(error).__name__}: {error}") from error
     return len(weight_map)
+
+
+def verify_identity(checkpoint_dir: Union[str, Path], output_dir: Union[str, Path]) -> Optional[SaveIdentity]:
+    """``--verify``: the output was made from the save the checkpoint holds now.
+
+    Args:
+        checkpoint_dir: the checkpoint (``<ckpt>/``, its ``weights/`` or an ``iter_<N>``).
+        output_dir: its output, whose ``metadata.json`` records ``"save"`` (outputs written before identities were
+            recorded record none: nothing is compared then).
+
+    Returns:
+        The identity the output records, or ``None`` when it records none.
+
+    Raises:
+        VerificationError: the checkpoint holds another save (saved again, or copied, after the output was made),
+            or a save is in progress in it; the message says which.
+    """
+    from nemo_patch.engine.safe_files import read_json_file
+
+    try:
+        manifest = read_json_file(Path(output_dir) / "metadata.json")
+    except (OSError, ValueError):
+        return None  # the digest check reports an unreadable metadata.json
+    if not isinstance(manifest, dict) or "save" not in manifest:
+        return None
+    try:
+        recorded = SaveIdentity.from_json(manifest["save"])
+    except ValueError as error:
+        raise VerificationError(f"{output_dir}/metadata.json records a malformed \"save\": {error}") from error
+    try:
+        now = save_identity(checkpoint_dir, read_run=False)
+    except UnfinishedCheckpointError as error:
+        raise VerificationError(f"{checkpoint_dir} is being saved again: {error}") from error
+    if not now.same_save(recorded):
+        raise VerificationError(
+            f"{output_dir} was made from another save of {checkpoint_dir}: the checkpoint was saved again (or "
+            "copied) after the output was made; consolidate it again"
+        )
+    return recorded

@@ -99,8 +99,11 @@ def setting(
 
 
 def feature_installed(feature: str) -> bool:
-    """Whether the module ``feature`` (a dotted name, e.g. ``"nemo_patch.training.retention"``) is installed (looked
-    up, not imported)."""
+    """Whether the module ``feature`` is installed (looked up, not imported).
+
+    Args:
+        feature: a dotted module name, e.g. ``"nemo_patch.training.retention"``.
+    """
     try:
         return find_spec(feature) is not None
     except ModuleNotFoundError:
@@ -439,10 +442,10 @@ def annotation_text(annotation: Any) -> str:
 
 def consolidation_config(**fields: Any) -> Any:
     """``run.Config(ConsolidationConfig, **fields)``, a NeMo-Run configuration of a :class:`ConsolidationConfig`: the
-    factory that NeMo-Run's command line (``nemo llm pretrain/finetune``) and recipe overrides call by its dotted name,
-    ``trainer.strategy.ckpt_consolidation="nemo_patch.consolidation_config(format=hf,dtype=bf16)"``; later overrides
-    reach its fields (``trainer.strategy.ckpt_consolidation.keep=3``). Its signature is ``ConsolidationConfig``'s, so
-    NeMo-Run parses each value as that field's type.
+    factory that NeMo-Run's command line (``nemo llm pretrain/finetune``) and recipe overrides call by its dotted name
+    (this module's, or the package's export), e.g. ``trainer.strategy.ckpt_consolidation=<name>(format=hf)``; later
+    overrides reach its fields (``trainer.strategy.ckpt_consolidation.keep=3``). Its signature is
+    ``ConsolidationConfig``'s, so NeMo-Run parses each value as that field's type.
 
     Args:
         **fields: ``ConsolidationConfig`` fields (docs/strategy-arguments.md).

@@ -72,10 +72,10 @@ class _NeMoLogging(logging.Handler):
 
 
 def use_nemo_logging() -> None:
-    """Route the ``nemo_patch.training`` loggers through NeMo's logger (once per process; called when a strategy is
-    made and set up, so NeMo is imported by then), instead of propagating (:class:`_NeMoLogging`). Their level
-    becomes ``INFO`` unless one was set, so that a consolidation's start and publication show in the job's log as
-    NeMo's INFO lines do."""
+    """Route the loggers of ``nemo_patch.training``
+    through NeMo's logger (once per process; called when a strategy is made and set up, so NeMo is imported by then),
+    instead of propagating (:class:`_NeMoLogging`). Their level becomes ``INFO`` unless one was set, so that a
+    consolidation's start and publication show in the job's log as NeMo's INFO lines do."""
     training = logging.getLogger("nemo_patch.training")
     if not any(type(handler).__name__ == "_NeMoLogging" for handler in training.handlers):  # also across reloads
         training.addHandler(_NeMoLogging())
