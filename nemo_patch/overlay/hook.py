@@ -34,6 +34,7 @@ Standard library only, and no other ``nemo_patch`` module: what runs before and 
 """
 
 import functools
+import inspect
 import linecache
 import os
 import re
@@ -116,13 +117,14 @@ def not_applied_reason() -> Optional[str]:
 
 def guard_unedited(module: ModuleType) -> None:
     """Make the unedited ``MegatronStrategy`` of NeMo's ``module`` refuse the consolidation keywords
-    (:func:`is_consolidation_keyword`) with :class:`OverlayNotAppliedError`; other modules, and a class already
-    guarded, are left alone. The class keeps its signature (``functools.wraps``) and NeMo's ``IOMixin`` wrapping."""
+    (:func:`is_consolidation_keyword`) with :class:`OverlayNotAppliedError`; other modules, a class already guarded,
+    and one whose ``__init__`` takes ``ckpt_consolidation_frequency`` itself (a NeMo with the series merged) are left
+    alone. The class keeps its signature (``functools.wraps``) and NeMo's ``IOMixin`` wrapping."""
     strategy = vars(module).get("MegatronStrategy")
     if module.__name__ != TARGET_MODULE or not isinstance(strategy, type):
         return
     original = strategy.__dict__.get("__init__")
-    if original is None or getattr(original, "nemo_patch_guard", False):
+    if original is None or getattr(original, "nemo_patch_guard", False) or _takes_the_knob(original):
         return
     filename = str(module.__spec__.origin if module.__spec__ is not None else module.__file__)
 
@@ -140,6 +142,14 @@ def guard_unedited(module: ModuleType) -> None:
 
     __init__.nemo_patch_guard = True  # type: ignore[attr-defined]
     strategy.__init__ = __init__  # type: ignore[misc]
+
+
+def _takes_the_knob(init: Any) -> bool:
+    """Whether ``init`` already takes ``ckpt_consolidation_frequency`` (a NeMo with the series merged)."""
+    try:
+        return "ckpt_consolidation_frequency" in inspect.signature(init).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def read_series(directory: Optional[str] = None) -> List[Tuple[str, str, List[_Hunk]]]:

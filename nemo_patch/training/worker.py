@@ -93,10 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings: ConsolidationSettings = args.settings
     # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
-    try:  # before torch is imported: Linux lowers the calling thread only, and threads started earlier keep theirs
-        os.nice(_niceness())  # the consolidations yield to the training job's threads
-    except OSError:  # a sandbox that forbids it; consolidation still works at the same priority
-        pass
+    _lower_priority(_niceness())  # the consolidations yield to the training job's threads
     consolidate = _consolidator(settings, preload=args.serve)
     if results is None:
         error = consolidate(args.checkpoint, args.global_step, args.best, args.run)
@@ -173,6 +170,17 @@ def _consolidator(
         return None
 
     return consolidate
+
+
+def _lower_priority(niceness: int) -> None:
+    """``os.nice(niceness)`` (up to 19) for every thread: Linux lowers the calling thread only, and threads started
+    earlier (torch's, when a package imported it) keep theirs. A sandbox that forbids it leaves the priority as is."""
+    try:
+        niceness = os.nice(min(niceness, 19 - os.nice(0)))
+        for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+            os.setpriority(os.PRIO_PROCESS, int(task), niceness)
+    except (OSError, ValueError):  # also a thread that ended meanwhile
+        pass
 
 
 def _niceness() -> int:
