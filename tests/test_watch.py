@@ -123,7 +123,7 @@ def test_a_watcher_consolidates_megatron_saves_as_they_finish(megatron_run, tmp_
     assert megatron_run["code"] == 0, log
     for iteration in (100, 200):
         assert_output_equals(root / f"iter_{iteration:07d}", tmp_path)
-        assert f"Consolidated iter_{iteration:07d} (step {iteration})" in log
+        assert f"Consolidated iter_{iteration:07d} (global step {iteration})" in log
     assert not (root / "iter_0000300" / "consolidated").exists(), "an iteration the tracker never reached"
     assert "iter_0000300" not in log
     assert os.readlink(root / "LATEST") == "iter_0000200"

@@ -559,8 +559,8 @@ class Watcher:
         self.tally.consolidated += 1
         self._published.add(checkpoint.global_step)
         self.tally.bytes += size
-        self.say(f"Consolidated {checkpoint.path.name} (step {checkpoint.global_step}) -> {output}: {count} tensors, "
-                 f"{human_size(size)} in {seconds:.1f} s")  # fmt: skip
+        self.say(f"Consolidated {checkpoint.path.name} (global step {checkpoint.global_step}) -> {output}: "
+                 f"{count} tensors, {human_size(size)} in {seconds:.1f} s")  # fmt: skip
         if self.after_publish is not None:
             code = self.after_publish(checkpoint, output)
             if code:
@@ -596,7 +596,7 @@ class Watcher:
         self.tally.failed += 1
         self.tally.exit_code = code
         self._given_up.add((checkpoint.path, save))
-        self.say(f"error: {checkpoint.path.name} (step {checkpoint.global_step}): {message} "
+        self.say(f"error: {checkpoint.path.name} (global step {checkpoint.global_step}): {message} "
                  f"(exit code {code}; not retried unless saved again)")  # fmt: skip
         return False
 
@@ -638,7 +638,7 @@ class Watcher:
                 continue
             found = [(c, how) for c in [source] + complete if (how := self._same_state(c, other)) is not None][:1]
             if not found:
-                self._once(other.path, f"{other.path.name} (step {other.global_step}) holds another save than "
+                self._once(other.path, f"{other.path.name} (global step {other.global_step}) holds another save than "
                                        f"{source.path.name}: not linked to its output")  # fmt: skip
                 continue
             origin, how = found[0]
@@ -660,8 +660,8 @@ class Watcher:
                                        f"{_one_line(error)}")  # fmt: skip
                 continue
             self.tally.linked += 1
-            self.say(f"Linked {other.path.name} (step {other.global_step}) -> {origin.path.name}'s output (the same "
-                     f"state: {'same run and step' if how == 'run' else 'byte-equal weights'})")  # fmt: skip
+            self.say(f"Linked {other.path.name} (global step {other.global_step}) -> {origin.path.name}'s output "
+                     f"(the same state: {'same run and step' if how == 'run' else 'byte-equal weights'})")  # fmt: skip
 
     def _link_output(self, source: Path, target: Path, metadata: bytes, before_publish: Callable[[], None]) -> None:
         """Publish ``target`` with ``source``'s files as hard links (copies where links fail) and ``metadata`` as its
