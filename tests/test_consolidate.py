@@ -22,8 +22,8 @@ import re
 import pytest
 import torch
 from blake3 import blake3
+from conftest import dcp_reference_tensors
 from safetensors import safe_open
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nemo_patch.engine.consolidate import consolidate_checkpoint
 from nemo_patch.engine.errors import (
@@ -37,28 +37,10 @@ from nemo_patch.engine.plan import consolidated_key
 from nemo_patch.engine.publish import TMP_PREFIX
 
 
-def _reference_tensors(weights_dir, tmp_path):
-    """The model tensors of a checkpoint according to PyTorch's own DCP converter, split per layer by hand."""
-    dcp_to_torch_save(str(weights_dir), str(tmp_path / "reference.pt"))
-    full = torch.load(tmp_path / "reference.pt", weights_only=False)
-    reference = {}
-    for key, value in full.items():
-        if not key.startswith("module.") or "_extra_state" in key or not isinstance(value, torch.Tensor):
-            continue
-        name = key[len("module.") :]
-        if ".layers." in name:
-            head, tail = name.split(".layers.", 1)
-            for layer in range(value.shape[0]):
-                reference[f"{head}.layers.{layer}.{tail}"] = value[layer]
-        else:
-            reference[name] = value
-    return reference
-
-
 @pytest.mark.slow
 def test_output_equals_pytorch_dcp_conversion_tensor_for_tensor(each_run, tmp_path):
     checkpoint = each_run["root"] / "LATEST"
-    reference = _reference_tensors(checkpoint / "weights", tmp_path)
+    reference = dcp_reference_tensors(checkpoint / "weights", tmp_path)
     with safe_open(str(checkpoint / "consolidated" / "model.safetensors"), "pt") as handle:
         names = set(handle.keys())
         assert names == set(reference), "every model tensor of the checkpoint, and nothing else"
