@@ -53,7 +53,6 @@ from nemo_patch.engine.digests import (
     source_fingerprint,
     verify_digests,
 )
-from nemo_patch.engine.save_identity import SaveIdentity, check_unchanged, save_identity
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
@@ -65,6 +64,7 @@ from nemo_patch.engine.output_layout import (
 from nemo_patch.engine.output_target import check_output_target, refuse_an_output_as_checkpoint, refuse_remote
 from nemo_patch.engine.plan import OutputTensor, TensorSpec
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header, write_file
+from nemo_patch.engine.save_identity import SaveIdentity, check_unchanged, save_identity
 from nemo_patch.engine.stage_times import StageTimes, stage_times
 from nemo_patch.engine.tensor_sources import Sources, merged_reader, open_sources, tensor_producer
 from nemo_patch.engine.verify import (
