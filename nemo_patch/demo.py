@@ -147,8 +147,8 @@ def print_transformers_load(root: Path) -> None:
     )
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run the demo (``nemo-patch-demo``); returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``nemo-patch-demo``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--frequency",
@@ -210,7 +210,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="(what --post-command runs) load one output and print its metrics as a JSON line, then exit",
     )
     parser.add_argument("--format", default="safetensors", help="with --evaluate: the output's format")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the demo (``nemo-patch-demo``); returns the exit code."""
+    args = build_parser().parse_args(argv)
     if args.evaluate is not None:
         print(json.dumps(evaluate(args.evaluate, args.format)))
         return 0

@@ -25,6 +25,7 @@ of the consolidation process, or a parameter of one of this package's functions.
 """
 
 import ast
+import dataclasses
 import inspect
 import re
 from typing import Iterator, Set, Tuple
@@ -71,8 +72,9 @@ def known_arguments() -> Set[str]:
     import lightning.pytorch.callbacks as lightning_callbacks
     from nemo import lightning as nl
 
-    from nemo_patch import MegatronCheckpointIO, MegatronStrategy
+    from nemo_patch import ConsolidationConfig, MegatronCheckpointIO, MegatronStrategy
     from nemo_patch.cli.nemo_consolidate import build_parser
+    from nemo_patch.demo import build_parser as build_demo_parser
     from nemo_patch.overlay.deprecated import deprecated_keywords
     from nemo_patch.training.worker import build_parser as build_worker_parser
 
@@ -84,10 +86,12 @@ def known_arguments() -> Set[str]:
         lightning_callbacks.ModelCheckpoint.__init__,
     ):
         known |= set(inspect.signature(function).parameters)
+    known |= {field.name for field in dataclasses.fields(ConsolidationConfig)}
     # The flat keywords of earlier versions are still accepted (with a DeprecationWarning) until the next minor
     # release.
     known |= {*deprecated_keywords("strategy"), *deprecated_keywords("io")}
-    for parser in (build_parser(), build_worker_parser()):  # nemo-consolidate's, and the consolidation process's
+    # nemo-consolidate's, the consolidation process's and nemo-patch-demo's
+    for parser in (build_parser(), build_worker_parser(), build_demo_parser()):
         for action in parser._actions:
             known |= set(action.option_strings)
     for path in PACKAGE.rglob("*.py"):  # and the parameters of this package's own functions (its Python API)
