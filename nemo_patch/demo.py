@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the demo (``nemo-patch-demo``); returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.evaluate is not None:
         print(json.dumps(evaluate(args.evaluate, args.format)))
         return 0
