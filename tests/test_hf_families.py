@@ -163,21 +163,35 @@ def test_a_bfloat16_export_holds_the_source_tensors_in_bfloat16(families, tmp_pa
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_a_tensor_the_exporter_leaves_unassigned_fails_the_export_naming_it(families, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "in-memory"])
+def test_a_tensor_the_exporter_leaves_unassigned_fails_the_export_naming_it(families, tmp_path, monkeypatch, stream):
+    """The final norm dropped from ``HFQwen2Exporter``'s mapping, in whichever ``io.apply_transforms`` its
+    ``convert_state`` calls (the streamed conversion's, or NeMo's on the whole model): the export fails naming it."""
+    from nemo.collections.llm.gpt.model.qwen2 import HFQwen2Exporter
     from nemo.lightning import io
 
-    apply_transforms = io.apply_transforms
+    convert_state = HFQwen2Exporter.convert_state
 
-    def without_final_norm(source, target, mapping, *args, **kwargs):
-        mapping = {key: value for key, value in mapping.items() if value != "model.norm.weight"}
-        return apply_transforms(source, target, mapping, *args, **kwargs)
+    def without_final_norm(self, *args, **kwargs):
+        apply_transforms = io.apply_transforms  # looked up as convert_state looks it up
 
-    monkeypatch.setattr(io, "apply_transforms", without_final_norm)
+        def dropping(source, target, mapping, *rest, **options):
+            mapping = {key: value for key, value in mapping.items() if value != "model.norm.weight"}
+            return apply_transforms(source, target, mapping, *rest, **options)
+
+        io.apply_transforms = dropping
+        try:
+            return convert_state(self, *args, **kwargs)
+        finally:
+            io.apply_transforms = apply_transforms
+
+    monkeypatch.setattr(HFQwen2Exporter, "convert_state", without_final_norm)
     with pytest.raises(
         ExportError, match=r"HFQwen2Exporter left 1 tensor\(s\) .* unassigned .*: model\.norm\.weight$"
     ):
-        export_hf_checkpoint(families / "qwen2" / "nemo", tmp_path / "hf")
+        export_hf_checkpoint(families / "qwen2" / "nemo", tmp_path / "hf", stream=stream)
     assert not (tmp_path / "hf").exists()
+    assert [path.name for path in tmp_path.iterdir()] == []  # no staging directory left either
 
 
 def test_an_exporter_that_fails_raises_export_error_with_its_message(families, tmp_path, monkeypatch):
@@ -313,11 +327,43 @@ def test_verify_names_the_written_tensor_and_its_shard_of_a_mismatch(families, s
     )  # the original passes
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "in-memory"])
 def test_verify_without_an_importer_compares_with_the_exporters_model_and_says_so(
-    families, tmp_path, monkeypatch, caplog
+    families, tmp_path, monkeypatch, caplog, stream
 ):
     monkeypatch.setattr(hf_verify, "importer_class", lambda model_class: None)
     with caplog.at_level(logging.WARNING, logger="nemo_patch.export.hf"):
-        export_hf_checkpoint(families / "llama" / "nemo", tmp_path / "hf", verify=True)
+        export_hf_checkpoint(families / "llama" / "nemo", tmp_path / "hf", verify=True, stream=stream)
     assert "against NeMo's exporter's converted model only (not the checkpoint): NeMo has no Hugging Face importer " \
            "for nemo.collections.llm.gpt.model.llama.LlamaModel" in caplog.text  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "in-memory"])
+def test_verify_without_an_importer_catches_a_written_tensor_that_differs_from_the_exporters(
+    families, tmp_path, monkeypatch, stream
+):
+    """The written files changed after the export (one element of one tensor): ``verify`` without an importer
+    compares every tensor's bytes with the exporter's conversion (the streamed export converts again, one layer at a
+    time), so it fails naming the tensor and its file, and publishes nothing."""
+    from nemo_patch.export import hf
+
+    monkeypatch.setattr(hf_verify, "importer_class", lambda model_class: None)
+    verify = hf._verify_against_checkpoint
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def tampering_first(location, output_dir, *args, **kwargs):
+        path = output_dir / "model.safetensors"
+        header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+        offset = header + json.loads(path.read_bytes()[8:header])[name]["data_offsets"][0]
+        with open(path, "r+b") as handle:
+            handle.seek(offset)
+            byte = handle.read(1)
+            handle.seek(offset)
+            handle.write(bytes([byte[0] ^ 0x40]))
+        return verify(location, output_dir, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "_verify_against_checkpoint", tampering_first)
+    with pytest.raises(VerificationError, match=rf"Tensor {name} in .*/hf/model\.safetensors differs") as raised:
+        export_hf_checkpoint(families / "llama" / "nemo", tmp_path / "hf", verify=True, stream=stream)
+    assert raised.value.exit_code == 9
+    assert not (tmp_path / "hf").exists()

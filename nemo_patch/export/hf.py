@@ -236,6 +236,7 @@ class _OfflineExport:
     _np_output_dir: Path
     _np_stream: bool = False
     _np_open: Callable[[], LazyCheckpointState]
+    _np_compare_with: Optional[Path] = None  # set: the streamed conversion compares with these files, writes none
 
     def _np_reset(self) -> None:
         self._np_state: Any = None
@@ -320,7 +321,7 @@ class _OfflineExport:
 
         assert self._np_apply_path is not None
         name = self._np_exporter_class.__qualname__
-        conversion = StreamedConversion(name, self._np_apply_path, self._np_max_shard_size)
+        conversion = StreamedConversion(name, self._np_apply_path, self._np_max_shard_size, self._np_compare_with)
         nemo_apply = io.apply_transforms
 
         def streamed(source: Any, target: Any, mapping: Dict[str, str], *rest: Any, **options: Any) -> Any:
@@ -528,6 +529,7 @@ def _verify_against_checkpoint(
     if peft:  # NeMo registers no importer of Hugging Face PEFT directories
         _verify_hf(output_dir, saved)
         return
+    streamed = any(tensor.is_meta for tensor in saved.values())  # the converted tensors are gone
 
     def drop_converted() -> None:
         saved.clear()
@@ -544,18 +546,37 @@ def _verify_against_checkpoint(
             before_reading=drop_converted,
         )
     except ImporterUnavailable as error:
-        if any(tensor.is_meta for tensor in saved.values()):  # streamed: the converted tensors are gone
-            logger.warning(
-                "Verifying only the tensor names of %s (streamed; NeMo's importer cannot run: %s)", output_dir, error
-            )
-            missing = sorted(set(saved) - set(_written_names(output_dir)))
-            if missing:
-                raise VerificationError(f"{output_dir} lacks tensors of the exported model: {missing[:5]}")
-            return
         logger.warning(
             "Verifying %s against NeMo's exporter's converted model only (not the checkpoint): %s", output_dir, error
         )
+        if streamed:  # converted again, one layer at a time, each tensor compared with the written one
+            saved = _convert_again_comparing(exporter, output_dir)
+            if all(tensor.is_meta for tensor in saved.values()):
+                return
         _verify_hf(output_dir, saved)
+
+
+def _convert_again_comparing(exporter: Any, output_dir: Path) -> Dict[str, torch.Tensor]:
+    """Run the exporter again, streamed, comparing each converted tensor with the one written in ``output_dir``
+    instead of writing it (:class:`StreamedConversion`'s ``compare_with``); its other files go to a scratch
+    directory, removed. Returns what the exporter saved (meta tensors, or the converted model where its transforms
+    were not split this time).
+
+    Raises:
+        VerificationError: a written tensor or file header differs from the converted model's, or a file is missing
+            or extra (names it).
+    """
+    import shutil
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix=".np-verify-", dir=output_dir))
+    exporter._np_reset()
+    exporter._np_compare_with = output_dir
+    try:
+        return _run_exporter(exporter, scratch)
+    finally:
+        exporter._np_compare_with = None
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:

@@ -182,6 +182,15 @@ def saved_names(target: Any, state: Mapping[str, torch.Tensor]) -> List[str]:
     return [name for name in names if name not in dropped]
 
 
+def _same_bytes(fd: int, offset: int, data: memoryview, chunk: int = 1 << 26) -> bool:
+    """Whether the file ``fd`` holds ``data`` at ``offset`` (read in chunks of ``chunk`` bytes)."""
+    for start in range(0, len(data), chunk):
+        want = data[start : start + chunk]
+        if os.pread(fd, len(want), offset + start) != want:
+            return False
+    return True
+
+
 def _file_order(spec: TensorSpec) -> Tuple[int, str]:
     return (-_DTYPE_RANK.get(spec.dtype, 99), spec.name)
 
@@ -217,10 +226,16 @@ class StreamedConversion:
         exporter: the exporter's class name, for log lines and errors.
         output_dir: where ``save_pretrained`` will save (the files are created there).
         max_shard_size: bytes of tensor data per safetensors file.
+        compare_with: a directory this conversion wrote before: nothing is written, and each converted tensor is
+            compared (bitwise) with the one in that directory's files, whose headers must be the planned ones
+            (``verify`` of a streamed export where NeMo's importer cannot run).
     """
 
-    def __init__(self, exporter: str, output_dir: Path, max_shard_size: int) -> None:
+    def __init__(
+        self, exporter: str, output_dir: Path, max_shard_size: int, compare_with: Optional[Path] = None
+    ) -> None:
         self.exporter, self.output_dir, self.max_shard_size = exporter, Path(output_dir), max_shard_size
+        self.compare_with = None if compare_with is None else Path(compare_with)
         self.streamed = False
         self.planned: List[TensorSpec] = []
         self.files: List[OutputFile] = []
@@ -259,6 +274,9 @@ class StreamedConversion:
             ValueError: a converted tensor's shape differs from the target parameter's, or a mapping's source key
                 matches nothing (NeMo's messages).
             AssertionError: a converted tensor's dtype differs from the target's (NeMo's check).
+            ExportError: a tensor of the Hugging Face model to be saved is assigned by no transform (names them).
+            VerificationError: with :attr:`compare_with`, a file's header or a tensor differs from the converted
+                model's (names the tensor and its file), or a file is missing or extra.
             OSError: the files cannot be written.
         """
         from nemo.lightning.io.state import StateDictTransform, TransformCTX
@@ -300,9 +318,13 @@ class StreamedConversion:
         ]  # fmt: skip
         self.total_parameters = target.num_parameters()
         self.files = plan_hf_files(self.planned, self.max_shard_size)
-        create_files(self.output_dir, self.files)
         where = {spec.name: (file.name, spec, offset) for file in self.files for spec, offset in file.offsets()}
-        descriptors = {file.name: os.open(self.output_dir / file.name, os.O_WRONLY) for file in self.files}
+        if self.compare_with is None:
+            create_files(self.output_dir, self.files)
+            descriptors = {file.name: os.open(self.output_dir / file.name, os.O_WRONLY) for file in self.files}
+        else:
+            self._check_headers(self.compare_with)
+            descriptors = {file.name: os.open(self.compare_with / file.name, os.O_RDONLY) for file in self.files}
         applied = set()
         written: Set[str] = set()
         try:
@@ -339,8 +361,9 @@ class StreamedConversion:
                     f"(no source tensor maps to them): {', '.join(missing[:5])}"
                     + (", ..." if len(missing) > 5 else "")
                 )
-            for fd in descriptors.values():
-                os.fsync(fd)
+            if self.compare_with is None:
+                for fd in descriptors.values():
+                    os.fsync(fd)
         finally:
             for fd in descriptors.values():
                 os.close(fd)
@@ -374,9 +397,37 @@ class StreamedConversion:
         file, spec, offset = where[name]
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
         fd = descriptors[file]
+        if self.compare_with is not None:
+            if not _same_bytes(fd, offset, data):
+                from nemo_patch.engine.verify import VerificationError
+
+                raise VerificationError(
+                    f"Tensor {name} in {self.compare_with / file} differs from the exported model's"
+                )
+            return
         done = 0
         while done < len(data):
             done += os.pwrite(fd, data[done:], offset + done)
+
+    def _check_headers(self, directory: Path) -> None:
+        """The safetensors files in ``directory`` are the planned ones, each starting with its planned header (so
+        each tensor's name, dtype, shape and offsets are the planned ones).
+
+        Raises:
+            VerificationError: a file is missing, extra, or its header differs (names the file).
+        """
+        from nemo_patch.engine.verify import VerificationError
+
+        found = sorted(path.name for path in directory.glob("*.safetensors"))
+        planned = sorted(file.name for file in self.files)
+        if found != planned:
+            raise VerificationError(
+                f"{directory} holds the safetensors files {found[:5]}, the exported model {planned[:5]}"
+            )
+        for file in self.files:
+            with open(directory / file.name, "rb") as handle:
+                if handle.read(len(file.header)) != file.header:
+                    raise VerificationError(f"The header of {directory / file.name} differs from the exported model's")
 
     def write_index(self) -> None:
         """``model.safetensors.index.json`` as ``save_pretrained`` writes it, when there are several files."""
