@@ -132,9 +132,9 @@ def test_post_commands_and_hooks_of_each_output_and_training_unaffected(tmp_path
     log = (out / "fit.log").read_text()
     assert len(re.findall(r"RaisingConsolidationHook\.on_consolidation_end raised", log)) == 1  # logged once
     assert log.count(f"RuntimeError: {HOOK_ERROR}") == 1
-    assert len(re.findall(r"WARNING:\S+:After publishing .* post command timed out after", log)) == 1
-    assert len(re.findall(r"WARNING:\S+:After publishing .* post command exited 3 after", log)) == 1
-    assert len(re.findall(r"INFO:\S+:After publishing .* post command exited 0 after", log)) == 1
+    assert len(re.findall(r"\[NeMo W [^\]]*\] After publishing .* post command timed out after", log)) == 1
+    assert len(re.findall(r"\[NeMo W [^\]]*\] After publishing .* post command exited 3 after", log)) == 1
+    assert len(re.findall(r"\[NeMo I [^\]]*\] After publishing .* post command exited 0 after", log)) == 1
 
 
 def test_a_command_that_runs_on_delays_later_consolidations_not_training_and_is_stopped_when_fit_ends(tmp_path):
@@ -165,4 +165,4 @@ def test_a_command_that_runs_on_delays_later_consolidations_not_training_and_is_
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # nothing of the command's process group is left
     log = (out / "fit.log").read_text()
-    assert len(re.findall(r"WARNING:\S+:After publishing .* post command was stopped after", log)) == 1
+    assert len(re.findall(r"\[NeMo W [^\]]*\] After publishing .* post command was stopped after", log)) == 1

@@ -317,11 +317,12 @@ def test_preemption_with_a_consolidation_in_flight_exits_within_the_timeout(tmp_
 
 
 @pytest.mark.slow
-def test_every_rank_leaves_fit_with_rank_0_so_a_collective_after_fit_does_not_time_out(tmp_path):
+def test_every_rank_leaves_fit_with_rank_0_so_a_collective_after_fit_does_not_time_out(tmp_path, monkeypatch):
     """2 processes (DP=2, gloo) whose process group times out after 20 s once training starts. Rank 0's first
     consolidation is held (SIGSTOP), so its teardown waits out the 30 s ``ConsolidationConfig.timeout`` and stops it
     (5 s more). Right after ``fit`` both ranks run a barrier: it succeeds on both, because rank 1 waited for rank 0 in
     its own teardown, on the rendezvous store, not inside the barrier."""
+    monkeypatch.setenv("NEMO_TESTING", "1")  # NeMo's logger shows every rank's lines, not only global rank 0's
     report = run_fit(tmp_path, frequency="each", max_steps=2, save_every=2, devices=2, timeout=30.0, fault="hold:1",
                      pg_timeout=20, barrier_after_fit=True, info_logs=True)  # fmt: skip
     outcomes = [json.loads((tmp_path / f"after-fit-rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -143,6 +143,7 @@ class ConsolidationCoordinator:
         self._substitutes: List[CheckpointSave] = []
         #: Which ``fit`` of this process is running (1, 2, ...), and whether it is (set up to teardown).
         self.fit = 0
+        self.fit_started_ns: Optional[int] = None
         self.fitting = False
         #: The training run its saves belong to (``"run"`` in their outputs' ``metadata.json``): a new id when a
         #: ``fit`` starts, then the one stored in the checkpoint it resumes from, if any (``ConsolidationCallback``).
@@ -237,6 +238,7 @@ class ConsolidationCoordinator:
         with self.lock:
             self.fit += 1
             self.run_id = new_run_id()
+            self.fit_started_ns = time.time_ns()  # a save that finished before is older than every one of this fit
             self.schedule.begin_fit()
             if checkpoint_callback is not None:
                 self.checkpoint_callback = checkpoint_callback

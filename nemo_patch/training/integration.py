@@ -52,7 +52,7 @@ class _NeMoLogging(logging.Handler):
     """Hands the training side's log records to NeMo's logger (``nemo.utils.logging``), so that they read as NeMo's
     own lines (``[NeMo I <time> coordinator:<line>] Consolidated ...``) on NeMo's streams and log files; then to the
     root logger's handlers other than those writing to the console (a log file, ``pytest``'s capture), which NeMo's
-    line already reached."""
+    line already reached. NeMo logs on global rank 0 only; a warning of another rank goes to stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from nemo.utils import logging as nemo_logging
@@ -65,10 +65,14 @@ class _NeMoLogging(logging.Handler):
                 if handler not in root and handler not in done and record.levelno >= handler.level:
                     handler.handle(record)
                     done.append(handler)
+        nemo_took_it = len(done) > len(logging.getLogger("nemo_patch.training").handlers)
         for handler in root:
             console = getattr(handler, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
             if not console and handler not in done and record.levelno >= handler.level:
                 handler.handle(record)
+        if not nemo_took_it and record.levelno >= logging.WARNING:
+            # NeMo silences every rank but global rank 0 (unless NEMO_TESTING): a warning of another rank still shows
+            (logging.lastResort or logging.StreamHandler()).handle(record)
 
 
 def use_nemo_logging() -> None:

@@ -616,7 +616,8 @@ class Observer(ConsolidationObserver):
         in that run's order, never as this run's newest). Against an output of another run that ``LATEST`` names
         (written by another process: a sidecar, a run sharing the root), the outputs' recorded saves are compared
         (:func:`~nemo_patch.training.latest.moves_forward`), read from that output's own ``metadata.json`` wherever it
-        lies (a checkpoint, or ``retained/``)."""
+        lies (a checkpoint, or ``retained/``), unless that save finished before this fit started (:meth:`_superseded`).
+        """
         run = save.run if save.run is not None else getattr(self.coordinator, "run_id", None)
         order = (run or "", save.fit, save.global_step)
         if self._latest is not None and order < self._latest:
@@ -628,12 +629,30 @@ class Observer(ConsolidationObserver):
         if current is not None and current != save.path / name:
             now, mine = output_order(current), output_order(save.path / name)
             own = mine.run if mine is not None else run  # the run the output records (none: made offline)
-            if now is not None and now.run != own and not moves_forward(mine, now):
+            if (
+                now is not None
+                and now.run != own
+                and not moves_forward(mine, now)
+                and not self._superseded(own, current)
+            ):
                 logger.info("LATEST stays on %s: it names a newer save (%s) than %s's", current.parent.name,
                             _run_label(now.run), save.path.name)  # fmt: skip
                 return
         self._latest = order
         self.point(save.path)
+
+    def _superseded(self, run: Optional[str], current: Path) -> bool:
+        """Whether this fit's own output (``run`` is the training run's) supersedes the ``current`` output of another
+        run: its save finished before this fit started (a rollback or a resume of an older run after a newer one ran
+        in the root: the run that trains now publishes the newest outputs). A run training beside it (its save
+        finished later) keeps the order of runs."""
+        from nemo_patch.engine.save_identity import recorded_identity
+
+        started = getattr(self.coordinator, "fit_started_ns", None)
+        if run is None or run != getattr(self.coordinator, "run_id", None) or started is None:
+            return False
+        identity = recorded_identity(current)
+        return identity is not None and 0 < identity.finished_ns < started
 
     def link_files(self, output: Path, copy: CheckpointSave) -> Dict[str, bytes]:
         """An output kept under ``retained/`` had its ``metadata.json`` rewritten for that place: the copy's names its
