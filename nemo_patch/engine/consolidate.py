@@ -12,10 +12,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""A consolidation with everything the product adds to the converter: integrity, parallel writers, adapters, zarr.
+"""A consolidation with what the engine adds to the converter: integrity, parallel writers, adapters, zarr.
 
-:func:`consolidate_checkpoint` runs a :class:`CheckpointConsolidation`, the converter's
-:class:`~.converter.Consolidation` with its steps extended:
+:func:`consolidate_checkpoint` runs the converter's :class:`~.converter.Consolidation` with the steps of a
+:class:`ConsolidationSteps`:
 
 * ``metadata.json`` beside the weights (layout version ``FORMAT_VERSION``): global step, source, tensor count, bytes,
   dtype, vocabulary sizes and per-tensor digests (:mod:`.digests`), which every writer computes for
@@ -37,7 +37,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from safetensors import safe_open
@@ -92,8 +92,8 @@ except ModuleNotFoundError as missing:  # pragma: no cover
     adapter_settings = None  # type: ignore[assignment]
 
 __all__ = [
-    "CheckpointConsolidation",
     "ConsolidationResult",
+    "ConsolidationSteps",
     "PartsRunner",
     "ProgressCallback",
     "consolidate_checkpoint",
@@ -186,76 +186,67 @@ ProgressCallback = Callable[[int, int], None]
 PartsRunner = Callable[[List[Any], Sources], List[Any]]
 
 
-class CheckpointConsolidation(Consolidation):
-    """The converter's consolidation with the product's steps (see the module docstring and
-    :func:`consolidate_checkpoint` for the arguments)."""
+@dataclass
+class ConsolidationSteps:
+    """The steps :func:`consolidate_checkpoint` gives the converter's :class:`~.converter.Consolidation` (see the
+    module docstring, and :func:`consolidate_checkpoint` for the fields), and what they record for the result."""
 
-    def __init__(
-        self,
-        checkpoint_dir: Union[str, Path],
-        output_dir: Optional[Union[str, Path]] = None,
-        *,
-        global_step: Optional[int] = None,
-        dtype: Optional[torch.dtype] = None,
-        verify: bool = False,
-        progress: Optional[ProgressCallback] = None,
-        expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
-        merge_adapters: bool = False,
-        base_checkpoint: Optional[Union[str, Path]] = None,
-        best: Optional[Mapping[str, Any]] = None,
-        run: Optional[str] = None,
-        workers: int = 1,
-        parts: Optional[int] = None,
-        parts_runner: Optional[PartsRunner] = None,
-        allow_unfinished: bool = False,
-        staging_dir: Optional[Union[str, Path]] = None,
-        before_publish: Optional[Callable[[], None]] = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(checkpoint_dir, output_dir, **options)
-        self.allow_unfinished, self.staging_dir, self.before_publish = allow_unfinished, staging_dir, before_publish
-        self.global_step, self.dtype, self.verify, self.progress = global_step, dtype, verify, progress
-        self.expected_shapes, self.merge_adapters, self.base_checkpoint = (
-            expected_shapes,
-            merge_adapters,
-            base_checkpoint,
+    job: Consolidation = field(init=False)
+    global_step: Optional[int] = None
+    dtype: Optional[torch.dtype] = None
+    verify: bool = False
+    progress: Optional[ProgressCallback] = None
+    expected_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None
+    merge_adapters: bool = False
+    base_checkpoint: Optional[Union[str, Path]] = None
+    best: Optional[Mapping[str, Any]] = None
+    run_id: Optional[str] = None
+    workers: int = 1
+    parts: Optional[int] = None
+    parts_runner: Optional[PartsRunner] = None
+    allow_unfinished: bool = False
+    staging_dir: Optional[Union[str, Path]] = None
+    before_publish: Optional[Callable[[], None]] = None
+    times: StageTimes = field(default_factory=StageTimes)  # this process's planning; the parts report their own
+    location: Optional[CheckpointLocation] = None
+    readers: Optional[Sources] = None  # what the outputs are read from (``job.sources``: by name)
+    digests: Dict[str, str] = field(default_factory=dict)
+    entries: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    kind: str = "model"
+    source: Dict[str, Any] = field(default_factory=dict)  # digests.source_fingerprint, taken when it is opened
+    identity: Optional[SaveIdentity] = None  # which save it holds, taken before it is read
+    layout: List[OutputFile] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise ValueError(f"Invalid workers {self.workers!r}: expected a whole number of writer processes >= 1.")
+
+    def consolidation(self, checkpoint_dir: Union[str, Path], output_dir: Any, **options: Any) -> Consolidation:
+        """The converter's consolidation with these steps."""
+        self.job = Consolidation(
+            checkpoint_dir,
+            output_dir,
+            locator=self.locate,
+            reader=self.open,
+            stager=self.staged,
+            writer=self.write,
+            **options,
         )
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise ValueError(f"Invalid workers {workers!r}: expected a whole number of writer processes >= 1.")
-        self.best, self.run_id, self.workers = best, run, workers
-        self.parts, self.parts_runner = parts, parts_runner
-        self.times = StageTimes()  # this process's planning; the parts report their own stages
-        self.readers: Optional[Sources] = None  # what the outputs are read from (``self.sources``: by name)
-        self.digests: Dict[str, str] = {}
-        self.entries: Dict[str, Dict[str, Any]] = {}
-        self.kind = "model"
-        self.location: Optional[CheckpointLocation] = None
-        self.source: Dict[str, Any] = {}  # digests.source_fingerprint of the checkpoint, taken when it is opened
-        self.identity: Optional[SaveIdentity] = None  # which save it holds, taken before it is read
-        self.layout: List[OutputFile] = []
-
-    def locate(self) -> CheckpointLocation:
-        with self.times.timed("metadata"):
-            refuse_remote(self.checkpoint_dir, "the checkpoint")
-            refuse_an_output_as_checkpoint(self.checkpoint_dir)
-            location = inspect_checkpoint(self.checkpoint_dir, allow_unfinished=self.allow_unfinished)
-            if self.output_dir is None:
-                self.output_dir = location.checkpoint_dir / CONSOLIDATED_DIRNAME
-            check_output_target(location.checkpoint_dir, Path(self.output_dir), self.overwrite)
-        return location
+        return self.job
 
     @property
     def output_path(self) -> Path:
         """The output directory (known once the checkpoint is located)."""
-        if self.output_dir is None:
-            raise RuntimeError("the output directory is known once the checkpoint is located")
-        return Path(self.output_dir)
+        return Path(cast(Path, self.job.output_dir))
 
-    def opened(self) -> Tuple[CheckpointLocation, Sources]:
-        """The checkpoint and its sources (:meth:`open` has run)."""
-        if self.location is None or self.readers is None:
-            raise RuntimeError("the checkpoint is not opened yet")
-        return self.location, self.readers
+    def locate(self, job: Consolidation) -> CheckpointLocation:
+        with self.times.timed("metadata"):
+            refuse_remote(job.checkpoint_dir, "the checkpoint")
+            refuse_an_output_as_checkpoint(job.checkpoint_dir)
+            location = inspect_checkpoint(job.checkpoint_dir, allow_unfinished=self.allow_unfinished)
+            job.output_dir = job.output_dir or location.checkpoint_dir / CONSOLIDATED_DIRNAME
+            check_output_target(location.checkpoint_dir, job.output_dir, job.overwrite)
+        return location
 
     def open(self, location: CheckpointLocation) -> Tuple[List[OutputTensor], Producer]:
         self.location = location
@@ -266,23 +257,31 @@ class CheckpointConsolidation(Consolidation):
             self.source = source_fingerprint(location.weights_dir)
             self.readers = open_sources(location, self.dtype, self.merge_adapters, self.base_checkpoint)
         if location.adapter and self.readers.merge is None:
-            self.kind, self.stem = "adapter", ADAPTER_STEM
+            self.kind, self.job.stem = "adapter", ADAPTER_STEM
         return self.readers.outputs, self.readers.producer()
 
     @contextlib.contextmanager
     def staged(self, location: CheckpointLocation) -> Iterator[Path]:
-        """Publishing with the output's lock and an atomic exchange (:func:`.publish.staged_output`); the output's
-        ``metadata.json`` is written, and with ``verify`` every tensor checked, once the weights are written."""
-        failure = f"Consolidating {location.checkpoint_dir}"
-        staging = super().staged(location) if publish is None else publish.staged_output(
-            location.checkpoint_dir, self.output_path, self.overwrite, failure, staging_dir=self.staging_dir,
-            before_publish=self.before_publish)  # fmt: skip
+        """Publishing with the output's lock and an atomic exchange (:func:`.publish.staged_output`), else the
+        converter's; ``metadata.json`` is written, and with ``verify`` every tensor checked, before publishing."""
+        staging = (
+            self.job.staged(location)
+            if publish is None
+            else publish.staged_output(
+                location.checkpoint_dir,
+                self.output_path,
+                self.job.overwrite,
+                f"Consolidating {location.checkpoint_dir}",
+                staging_dir=self.staging_dir,
+                before_publish=self.before_publish,
+            )
+        )
         with staging as directory:
             yield directory
-            self.finish(directory, location, list(self.sources.values()))
+            self.finish(directory, location, list(self.job.sources.values()))
 
     def write(self, directory: Path, files: Dict[str, List[TensorSpec]], produce: Producer) -> None:
-        location, sources = self.opened()
+        location, sources = cast(CheckpointLocation, self.location), cast(Sources, self.readers)
         self.layout = [
             OutputFile(name, encode_header(specs, {"format": "pt"}), tuple(specs)) for name, specs in files.items()
         ]
@@ -317,10 +316,10 @@ class CheckpointConsolidation(Consolidation):
             self.times.merge(result.stage_seconds)
 
     def finish(self, directory: Path, location: CheckpointLocation, outputs: List[OutputTensor]) -> None:
-        (_, sources), output_dir = self.opened(), self.output_path
+        sources, output_dir, stem = cast(Sources, self.readers), self.output_path, self.job.stem
         self.entries = {file.name: file_entry(file, self.digests) for file in self.layout}
         if len(self.layout) > 1:
-            self.entries[index_filename(self.stem)] = json_file_entry(directory / index_filename(self.stem))
+            self.entries[index_filename(stem)] = json_file_entry(directory / index_filename(stem))
         manifest = {
             "format_version": FORMAT_VERSION,
             "kind": self.kind,
@@ -439,34 +438,30 @@ def consolidate_checkpoint(
             left under ``output_dir``'s name or in a temporary directory.
         ValueError: if ``max_shard_size`` < 1, ``workers`` < 1 or ``dtype`` is not a floating-point dtype.
     """
-    job = CheckpointConsolidation(
-        checkpoint_dir,
-        output_dir,
-        global_step=global_step,
-        verify=verify,
-        progress=progress,
-        expected_shapes=expected_shapes,
-        merge_adapters=merge_adapters,
-        base_checkpoint=base_checkpoint,
-        best=best,
-        run=run,
-        workers=workers,
-        parts=parts,
-        parts_runner=parts_runner,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        allow_unfinished=allow_unfinished,
-        staging_dir=staging_dir,
-        before_publish=before_publish,
+    steps = ConsolidationSteps(
+        global_step,
+        dtype,
+        verify,
+        progress,
+        expected_shapes,
+        merge_adapters,
+        base_checkpoint,
+        best,
+        run,
+        workers,
+        parts,
+        parts_runner,
+        allow_unfinished,
+        staging_dir,
+        before_publish,
     )
+    job = steps.consolidation(checkpoint_dir, output_dir, max_shard_size=max_shard_size, overwrite=overwrite)
     outputs = job.run()
     total = sum(output.spec.nbytes for output in outputs)
     logger.info(
-        "Consolidated %s -> %s (%d tensors, %d bytes)", job.checkpoint_dir, job.output_path, len(outputs), total
+        "Consolidated %s -> %s (%d tensors, %d bytes)", job.checkpoint_dir, job.output_dir, len(outputs), total
     )
     algorithm = digest_algorithm()  # BLAKE3 where installed, else sha256
-    files = {name: entry.get(f"{algorithm}_tree", entry.get(algorithm, "")) for name, entry in job.entries.items()}
-    return ConsolidationResult(
-        job.output_path, len(outputs), total, global_step, files, job.kind, job.times.snapshot()
-    )
+    files = {name: entry.get(f"{algorithm}_tree", entry.get(algorithm, "")) for name, entry in steps.entries.items()}
+    output = steps.output_path
+    return ConsolidationResult(output, len(outputs), total, global_step, files, steps.kind, steps.times.snapshot())

@@ -28,7 +28,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,25 +38,23 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from nemo_patch.engine.checkpoint_layout import CONSOLIDATED_DIRNAME, CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.dcp_metadata import load_dcp_metadata
-from nemo_patch.engine.errors import (
-    ConsolidationError,
-    CorruptShardError,
-    OutputExistsError,
-    UnsupportedFormatError,
-)
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError, UnsupportedFormatError
 from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs, plan_shards
 
 Producer = Callable[[TensorSpec], torch.Tensor]  #: reads the output tensor of a spec
 
 
 class Consolidation:
-    """One consolidation of a checkpoint; :meth:`run` does it, in steps a subclass may extend.
+    """One consolidation of a checkpoint: :meth:`run` locates it, plans its output files, writes them into a staging
+    directory and publishes that, each step a method a caller may replace with a function of the same arguments.
 
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory.
         output_dir: where to publish (default ``<ckpt>/consolidated``).
         max_shard_size: most tensor-data bytes per file, an ``int`` or a size such as ``"5GB"`` (the default).
         overwrite: replace an existing output (only a directory of safetensors and JSON files is replaced).
+        locator, reader, stager, writer: replace :func:`.checkpoint_layout.inspect_checkpoint` (called with this
+            consolidation), :meth:`open`, :meth:`staged` and :meth:`write`.
     """
 
     def __init__(
@@ -66,9 +64,15 @@ class Consolidation:
         *,
         max_shard_size: Union[int, str] = "5GB",
         overwrite: bool = False,
+        locator: Optional[Callable[["Consolidation"], CheckpointLocation]] = None,
+        reader: Optional[Callable[[CheckpointLocation], Tuple[List[OutputTensor], Producer]]] = None,
+        stager: Optional[Callable[[CheckpointLocation], ContextManager[Path]]] = None,
+        writer: Optional[Callable[[Path, Dict[str, List[TensorSpec]], Producer], None]] = None,
     ) -> None:
         self.checkpoint_dir, self.output_dir = Path(checkpoint_dir), None if output_dir is None else Path(output_dir)
         self.max_shard_size, self.overwrite = max_shard_size, overwrite
+        self.locator = locator or (lambda job: inspect_checkpoint(job.checkpoint_dir))
+        self.reader, self.stager, self.writer = reader or self.open, stager or self.staged, writer or self.write
         #: The weights files' name stem, and each output tensor's source by name.
         self.stem, self.sources = "model", cast(Dict[str, OutputTensor], {})
 
@@ -82,24 +86,20 @@ class Consolidation:
             ValueError: ``max_shard_size`` is not a size.
             OSError: the output cannot be written (nothing is left behind).
         """
-        location = self.locate()
+        location = self.locator(self)
         self.output_dir = self.output_dir or location.checkpoint_dir / CONSOLIDATED_DIRNAME
-        outputs, produce = self.open(location)
+        outputs, produce = self.reader(location)
         if not outputs:
             raise ConsolidationError(f"{location.weights_dir} holds no model tensors ('module.*' entries)")
         self.sources = {output.spec.name: output for output in outputs}
         files = plan_shards([output.spec for output in outputs], self.max_shard_size, self.stem)
-        with self.staged(location) as directory:
-            self.write(directory, files, produce)
+        with self.stager(location) as directory:
+            self.writer(directory, files, produce)
             if len(files) > 1:
                 weights = {spec.name: name for name, specs in files.items() for spec in specs}
                 index = {"metadata": {"total_size": sum(o.spec.nbytes for o in outputs)}, "weight_map": weights}
                 (directory / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return outputs
-
-    def locate(self) -> CheckpointLocation:
-        """Find and check the checkpoint (:func:`.checkpoint_layout.inspect_checkpoint`)."""
-        return inspect_checkpoint(self.checkpoint_dir)
 
     def open(self, location: CheckpointLocation) -> Tuple[List[OutputTensor], Producer]:
         """The output tensors and the function that reads one (entry by entry, the last kept); raises
@@ -170,12 +170,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m " + __spec__.name, description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="the checkpoint directory (or its weights/ directory)")
     parser.add_argument("--out", help="the output directory (default: <checkpoint>/consolidated)")
-    parser.add_argument("--max-shard-size", default="5GB", help="tensor bytes per file")
+    parser.add_argument("--max-shard-size", default="5GB", type=lambda n: int(n) if n.isdigit() else n, help="bytes")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     args = parser.parse_args(argv)
-    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     try:
-        job = Consolidation(args.checkpoint, args.out, max_shard_size=size, overwrite=args.overwrite)
+        job = Consolidation(args.checkpoint, args.out, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
         job.run()
         print(job.output_dir)
     except (ConsolidationError, ValueError) as error:

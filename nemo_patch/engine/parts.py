@@ -239,7 +239,7 @@ def _writer_main(job_json: str, connection: Any, counter: Any, parent: Optional[
 
 
 #: Modules whose presence means this process has state a forked child must not inherit (process groups, helper
-#: threads, allocators): NeMo's model building for ``--verify``, a ``torchrun`` rank's gloo group.
+#: threads, allocators): NeMo's model building for a verification, a ``torchrun`` rank's gloo group.
 _NOT_FORK_SAFE = ("nemo", "megatron.core", "lightning", "transformer_engine", "apex")
 
 
@@ -373,7 +373,7 @@ def write_parts(
     count: int,
     progress: Optional[Callable[[int], None]],
 ) -> List[PartResult]:
-    """Fill the created ``layout`` of ``consolidation`` (a :class:`.consolidate.CheckpointConsolidation`)
+    """Fill the created ``layout`` of ``consolidation`` (a :class:`.consolidate.ConsolidationSteps`)
     in ``count`` parts: with its ``parts_runner`` when it has one, else with :func:`run_parts` on this node.
 
     Raises:
