@@ -29,14 +29,14 @@ from typing import List, Optional, Protocol, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from nemo_patch.engine import moe_names, plan
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.dcp_reader import DCPRegionReader
 from nemo_patch.engine.errors import CorruptShardError, UnsupportedFormatError
 from nemo_patch.engine.layout_checks import check_dcp_layout, check_no_missing_layer
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
-from nemo_patch.engine.plan import model_tensor_keys
 
-try:  # an addition of the overlay: megatron-core's deprecated zarr format
+try:  # a later addition: megatron-core's deprecated zarr format
     import nemo_patch.engine.zarr_reader as zarr_reader
 except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
@@ -44,6 +44,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover
     zarr_reader = None  # type: ignore[assignment]
 
 __all__ = ["RegionReader", "open_weights"]
+plan.moe_names = moe_names  # mixture-of-experts entries: one output tensor per expert
 
 
 class RegionReader(Protocol):
@@ -85,7 +86,7 @@ def open_weights(
     backend = inspect_checkpoint(weights_dir, allow_unfinished=True).backend if backend is None else backend
     if backend == "zarr" and zarr_reader is not None:
         metadata = zarr_reader.read_zarr_metadata(weights_dir) if metadata is None else metadata
-        check_no_missing_layer(metadata, model_tensor_keys(metadata))
+        check_no_missing_layer(metadata, plan.model_tensor_keys(metadata))
         return metadata, zarr_reader.ZarrRegionReader(weights_dir, metadata)
     if backend != "torch_dist":
         raise UnsupportedFormatError(f"{weights_dir}: cannot read a '{backend}' checkpoint")
@@ -97,7 +98,7 @@ def open_weights(
                 f"Cannot read the checkpoint metadata file {weights_dir / '.metadata'}: {type(error).__name__}: "
                 f"{error}"
             ) from error
-    keys = model_tensor_keys(metadata)
+    keys = plan.model_tensor_keys(metadata)
     files = check_dcp_layout(weights_dir, metadata, keys)
     check_no_missing_layer(metadata, keys)
     return metadata, DCPRegionReader(weights_dir, metadata, files=files, checked=keys)

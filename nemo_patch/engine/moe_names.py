@@ -20,7 +20,7 @@ megatron-core's ``SequentialMLP``, ``GroupedMLP`` and ``TEGroupedMLP`` all save 
 expert-parallel layout gives the same names and bytes. The pre-MLP norm of an MoE layer, which the local layer spec
 saves as ``mlp.linear_fc1.layer_norm_*`` although the layer has no ``linear_fc1``, is named ``pre_mlp_layernorm.*`` as
 the model names it (dense layers keep the fused names); also in a multi-token-prediction layer's
-``mtp.layers.<i>.transformer_layer.``. :mod:`.plan` uses this module where it is present.
+``mtp.layers.<i>.transformer_layer.``. :mod:`.checkpoint_reader` registers it in :mod:`.plan`.
 """
 
 import re

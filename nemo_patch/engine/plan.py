@@ -18,15 +18,15 @@ The output is the TP=1, PP=1 megatron-core model's ``state_dict()`` but ``_extra
 whatever parallelism saved it: the ``module.*`` tensor entries, ``module.`` dropped (Megatron-LM's: all but
 ``optimizer.*``), layer-stacked entries split per layer (``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
 ``decoder.layers.<i>.mlp.linear_fc1.weight``, the indices from the stored chunks). A tensor the chunks cover in part
-is refused, naming the key (chunks are counted as not overlapping: :mod:`.layout_checks` proves it). MoE expert
-entries need :mod:`.moe_names`, else are refused.
+is refused, naming the key (chunks are counted as not overlapping). Mixture-of-experts entries are refused unless
+a module naming their experts is registered (:data:`moe_names`).
 """
 
 import itertools
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -34,12 +34,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from nemo_patch.engine.errors import UnknownLayoutError
 
-try:  # a later addition: mixture-of-experts entries, one output tensor per expert
-    import nemo_patch.engine.moe_names as moe_names
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    moe_names = None  # type: ignore[assignment]
+#: The module naming mixture-of-experts outputs, which registers itself here; without one they are refused.
+moe_names: Any = None
 
 _MODEL_PREFIX = "module."
 _OPTIMIZER = re.compile(r"^(?:chained_\d+\.)?optimizer\.")  # Megatron-LM's; ``chained_<i>.`` for several optimizers
