@@ -27,7 +27,7 @@ bytes are in its cache, and ``metadata.json`` records, per safetensors file (for
 and ``{"size", "blake3"}`` for a JSON file (the index). Together these cover every byte of every file exactly once,
 so they detect what a whole-file digest detects (a hash over hashes is as collision-resistant as the hash), and they
 say which tensor changed. They are the same whatever the number of writers, and ``blake3_tree`` identifies a file
-as a whole. :func:`verify_digests` checks an output against them; ``--verify`` runs it besides comparing every
+as a whole. :func:`verify_digests` checks an output against them; verifying runs it besides comparing every
 tensor with the checkpoint bitwise (:func:`.verify.verify_consolidated`), which is what makes it as
 strong as before.
 

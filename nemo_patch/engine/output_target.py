@@ -168,7 +168,7 @@ def check_output_target(
             directory itself).
         output_dir: where the output is to be published.
         overwrite: an existing output is to be replaced (``--force``); if ``False``, any existing entry is refused.
-        read_only: the output is only read (``--verify`` of an existing output): only where it is is checked.
+        read_only: the output is only read (the verification of an existing output): only where it is is checked.
 
     Raises:
         RemoteStorageError: ``output_dir`` is a URL.

@@ -50,7 +50,7 @@ from nemo_patch.engine.stage_times import stage_times
 __all__ = ["OffsetWritesRefusedError", "Placement", "create_files", "placements_of", "split_parts", "write_part"]
 
 #: Bytes per ``pwrite`` call. One call per tensor (tens to hundreds of MB) made a whole consolidation about 20% slower
-#: than cache-sized pieces (in-process A/B on ``scripts/bench_consolidation.py``'s 2.55 GB checkpoint, 2 cores).
+#: than cache-sized pieces (in-process A/B on a 2.55 GB checkpoint, 2 cores).
 _WRITE_BLOCK = 1 << 18
 #: Bytes written to a file after which its writeback is started (:class:`_Writeback`).
 _WRITEBACK_BYTES = 64 << 20

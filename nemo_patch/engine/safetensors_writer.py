@@ -98,7 +98,7 @@ class OutputFile:
 WRITEBACK_BYTES = 64 << 20
 #: Bytes per ``write`` call, each hashed just before it is written: small enough that the write copies them from the
 #: CPU's cache, where hashing left them (the tensor's memory is read once for both). One call per tensor made one
-#: writer of ``scripts/bench_consolidation.py``'s 2.55 GB checkpoint about 20% slower (2 cores).
+#: writer of a 2.55 GB checkpoint about 20% slower (2 cores).
 WRITE_BLOCK = 1 << 18
 
 

@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Which save a checkpoint holds: one identity for every layout the product reads, owned here.
+"""Which save a checkpoint holds: one identity for every layout the engine reads, owned here.
 
 A checkpoint's name and global step do not say which save it holds: NeMo saves again under one name (a second
 ``fit``, a new run in the same log directory, ``-last`` copies), megatron-core rewrites ``iter_<N>`` in place (a
@@ -38,10 +38,10 @@ not keep modification times (``cp -r``; ``cp -a`` keeps them) looks the same; ``
 
 The identity is read before and after a consolidation reads the checkpoint; any difference publishes nothing
 (:func:`check_unchanged`). Every output's ``metadata.json`` records it as ``"save"`` (:meth:`SaveIdentity.as_json`;
-:func:`recorded_identity` reads it back), and ``--verify`` compares it with the checkpoint's current one. A copy of a
-checkpoint (other inodes) is another save: its outputs are made again.
+:func:`recorded_identity` reads it back); verifying an output compares it with the checkpoint's current one. A copy
+of a checkpoint (other inodes) is another save: its outputs are made again.
 
-``run`` is the training run's id where the checkpoint records one (the overlay's callback stores ``"run_id"`` in
+``run`` is the training run's id where the checkpoint records one (the consolidation callback stores ``"run_id"`` in
 its state, which Lightning saves in ``weights/common.pt``, read with :func:`read_common_state`, never
 a plain ``torch.load``), else ``None`` (stock NeMo, Megatron-LM). :func:`order_key` is the order ``LATEST`` and
 ``BEST`` move in.
@@ -121,7 +121,7 @@ class SaveIdentity:
     Attributes:
         layout: ``"torch_dist"`` (NeMo), ``"zarr"`` (NeMo ``save_ckpt_format='zarr'``) or ``"megatron_lm"``
             (Megatron-LM / Megatron-Bridge ``iter_<N>``).
-        run: the training run's id the checkpoint records (the overlay's callback state ``"run_id"``), or ``None``.
+        run: the training run's id the checkpoint records (the callback's state ``"run_id"``), or ``None``.
         global_step: the global step (NeMo: ``step=<N>`` in the name, else ``common.pt``; Megatron-LM: ``N``), or
             ``None`` when unknown.
         fingerprint: 64 hex digits (sha256) that differ between any two saves (see the module docstring).
@@ -305,7 +305,7 @@ def common_global_step(checkpoint_dir: Path) -> Optional[int]:
 
 
 def _run_of(checkpoint_dir: Path) -> Optional[str]:
-    """The run id the overlay's callback stored in ``weights/common.pt``, or ``None``."""
+    """The run id the consolidation callback stored in ``weights/common.pt``, or ``None``."""
     payload = read_common_state(checkpoint_dir)
     callbacks = payload.get("callbacks") if payload is not None else None
     for key, state in (callbacks if isinstance(callbacks, dict) else {}).items():

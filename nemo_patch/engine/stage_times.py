@@ -20,7 +20,6 @@ place in the output tensor, casting if asked), ``hashing`` (BLAKE3 of each outpu
 into the output files) and ``fsync`` (make them durable: the ``fdatasync`` calls that run beside the writes, then the
 final ``fsync``). Stages overlap: a writer reads the next tensor while it writes, hashes and syncs the current one,
 and several writers run at once, so the sum is more than the wall time; the largest stage is the bottleneck.
-``scripts/bench_consolidation.py`` prints them.
 
 Standard library only.
 """

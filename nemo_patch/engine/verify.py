@@ -192,7 +192,7 @@ def verify_consolidated(
 
 
 def verify_identity(checkpoint_dir: Union[str, Path], output_dir: Union[str, Path]) -> Optional[SaveIdentity]:
-    """``--verify``: the output was made from the save the checkpoint holds now.
+    """The output was made from the save the checkpoint holds now.
 
     Args:
         checkpoint_dir: the checkpoint (``<ckpt>/``, its ``weights/`` or an ``iter_<N>``).
