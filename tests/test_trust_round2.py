@@ -256,13 +256,30 @@ def test_a_metadata_that_builds_more_than_its_bytes_allow_is_refused(tmp_path, c
 
 
 def test_the_metadata_element_bound_leaves_dcp_metadata_far_below_it(saved):
-    from nemo_patch.engine import metadata_checks
+    from nemo_patch.engine.pickle_limits import prescan
 
     data = (saved / ".metadata").read_bytes()
-    unpickler = metadata_checks._BoundedUnpickler(io.BytesIO(data))
-    unpickler.load()
-    built = unpickler.element_budget - unpickler.elements_left
-    assert 0 < built < len(data)  # DCP's metadata builds less than one element per byte; the bound is 4
+    assert 0 < prescan(data) < len(data)  # DCP's metadata walks less than one element per byte; the bound is 4
+
+
+def test_a_metadata_over_the_element_bound_is_refused_before_anything_is_unpickled(tmp_path, monkeypatch):
+    """The opcodes are checked first: the unpickler never runs, and refusing costs about the file's size (the
+    element-counting unpickler kept each ``torch.Size`` of 20,000 elements until the bound: 6 MB)."""
+    import tracemalloc
+
+    from nemo_patch.engine import dcp_metadata
+
+    monkeypatch.setattr(dcp_metadata, "_MetadataUnpickler", lambda *args: pytest.fail("the unpickler ran"))
+    data = _amplifying_pickle(b"torch\nSize\n", 20_000, 0)[:-2] + b"(" + b"h\x00h\x01\x85R" * 50_000 + b"l."
+    (tmp_path / ".metadata").write_bytes(data)  # 50,000 torch.Size of 20,000 elements each, kept in a list
+    tracemalloc.start()
+    try:
+        with pytest.raises(pickle.UnpicklingError, match=r"builds more than \d+ elements"):
+            read_dcp_metadata(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * len(data) + (1 << 20), (len(data), peak)
 
 
 def _zip_aliasing(record: bytes, member: str, alias: str) -> bytes:

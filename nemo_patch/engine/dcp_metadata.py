@@ -15,9 +15,10 @@
 """Load a ``torch.distributed.checkpoint`` ``.metadata`` file without running code from it.
 
 ``FileSystemReader.read_metadata`` (and NeMo's ``load_sharded_metadata_torch_dist``) unpickle it unrestricted: a
-crafted checkpoint runs any callable it names. :func:`load_dcp_metadata` resolves only an allowlist of names (the DCP
-metadata classes, ``torch.Size``, dtypes, stand-ins for megatron-core's ``MCoreMetadata``, ...) and rebuilds only
-metadata objects. ``torch.load(weights_only=True)`` cannot: it reads pickle protocol 2; DCP writes 4 or 5.
+crafted checkpoint runs any callable it names. :func:`load_dcp_metadata` unpickles it with the C ``pickle.Unpickler``
+whose ``find_class`` resolves only an allowlist of names (the DCP metadata classes, ``torch.Size``, dtypes, stand-ins
+for megatron-core's ``MCoreMetadata``, ...). ``torch.load(weights_only=True)`` cannot: it reads pickle protocol 2;
+DCP writes 4 or 5.
 """
 
 import io
@@ -26,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import filesystem, metadata, planner
@@ -68,18 +69,16 @@ def _allowlist() -> Dict[Tuple[str, str], Any]:
     return table
 
 
-#: ``(module, name)`` -> the one object a ``.metadata`` pickle may name.
-_ALLOWED = _allowlist()
-_REBUILT = {
-    v for v in _ALLOWED.values() if isinstance(v, type) and not issubclass(v, Enum) and v.__module__ != "builtins"
+#: ``(module, name)`` -> the one object a ``.metadata`` pickle may name. An enum is named as the lookup of its members
+#: by value (they are pickled with ``REDUCE``): ``NEWOBJ``, which takes a type only, would return a shared member.
+_ALLOWED = {
+    k: v._value2member_map_.__getitem__ if isinstance(v, type) and issubclass(v, Enum) else v
+    for k, v in _allowlist().items()
 }
 
 
-class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler, resolving names through :data:`_ALLOWED` only."""
-
-    dispatch: ClassVar[Dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
-    _build = dispatch[pickle.BUILD[0]]
+class _MetadataUnpickler(pickle.Unpickler):
+    """The C unpickler, resolving names through :data:`_ALLOWED` only."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED:
@@ -89,23 +88,15 @@ class _MetadataUnpickler(pickle._Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("DCP metadata holds a persistent id; refusing it")
 
-    def _load_build(self) -> None:
-        target = getattr(self, "stack")[-2]
-        if type(target) not in _REBUILT:
-            raise pickle.UnpicklingError(f"refusing to set the state of a {type(target).__name__}: not DCP metadata")
-        _MetadataUnpickler._build(self)
 
-    dispatch[pickle.BUILD[0]] = _load_build
-
-
-def load_dcp_metadata(data: bytes, unpickler: Optional[type] = None) -> Metadata:
-    """The DCP metadata in ``data`` (a ``.metadata`` file's bytes), unpickled with the allowlist (or ``unpickler``'s).
+def load_dcp_metadata(data: bytes) -> Metadata:
+    """The DCP metadata in ``data`` (a ``.metadata`` file's bytes), unpickled with the allowlist.
 
     Raises:
         pickle.UnpicklingError: a name outside the allowlist, corrupt data, or something else than a ``Metadata``.
     """
     try:
-        loaded = (unpickler or _MetadataUnpickler)(io.BytesIO(data)).load()
+        loaded = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError:
         raise
     except Exception as error:  # EOFError, ValueError, TypeError, ... from damaged data

@@ -14,15 +14,14 @@
 
 """Read a ``.metadata`` file of a checkpoint from elsewhere: bounded, checked before and after it is unpickled.
 
-:func:`read_dcp_metadata` reads the file as a bounded regular file (:mod:`.safe_files`), bounds what
-the pickle may build (:mod:`.pickle_limits`: its structure before, the elements it builds while it is unpickled, at
-most a few per byte of the file), unpickles it with the allowlist
-(:func:`.dcp_metadata.load_dcp_metadata`), and checks every field the engine reads: an allowlisted
-file can still hold wrong values of the right classes (``size="abc"``, ``chunks=None``, an integer key), which then
-fail here naming the entry (:func:`validate_metadata`). Whether the chunks tile their tensor and where the files are
-is checked by :mod:`.layout_checks`.
+:func:`read_dcp_metadata` reads the file as a bounded regular file (:mod:`.safe_files`), checks its opcodes
+(:func:`.pickle_limits.prescan`), unpickles it with the allowlist (:func:`.dcp_metadata.load_dcp_metadata`), and
+checks every field the engine reads: an allowlisted file can still hold wrong values of the right classes
+(``size="abc"``, ``chunks=None``, an integer key), which then fail here naming the entry (:func:`validate_metadata`).
+Whether the chunks tile their tensor and where the files are is checked by :mod:`.layout_checks`.
 """
 
+import gc
 import pickle
 from pathlib import Path
 from typing import Any, Optional
@@ -38,18 +37,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from nemo_patch.engine.dcp_metadata import _MetadataUnpickler, load_dcp_metadata
-from nemo_patch.engine.pickle_limits import element_bounded, prescan_pickle
+from nemo_patch.engine.dcp_metadata import load_dcp_metadata
+from nemo_patch.engine.pickle_limits import prescan
 from nemo_patch.engine.safe_files import read_regular_file
 
 __all__ = ["MAX_METADATA_BYTES", "InvalidMetadataError", "read_dcp_metadata", "validate_metadata"]
 
 #: The most bytes a ``.metadata`` file may have (a large MoE model's is tens of MB).
 MAX_METADATA_BYTES = 512 << 20
-
-
-#: The allowlist's unpickler, counting the elements it builds (:func:`.pickle_limits.element_bounded`).
-_BoundedUnpickler = element_bounded(_MetadataUnpickler)
 
 
 class InvalidMetadataError(pickle.UnpicklingError):
@@ -118,5 +113,11 @@ def read_dcp_metadata(dcp_dir: Path) -> Metadata:
             wrong types.
     """
     data = read_regular_file(Path(dcp_dir) / ".metadata", MAX_METADATA_BYTES)
-    prescan_pickle(data)
-    return validate_metadata(load_dcp_metadata(data, _BoundedUnpickler))
+    collecting = gc.isenabled()
+    gc.disable()  # what is allocated here lives until the end: the cyclic collector would walk it again and again
+    try:
+        prescan(data)
+        return validate_metadata(load_dcp_metadata(data))
+    finally:
+        if collecting:
+            gc.enable()

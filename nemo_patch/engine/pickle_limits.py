@@ -12,206 +12,205 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Bounds on what a ``.metadata`` pickle may make the unpickler build: checked before anything is built, and counted
-while it is built.
+"""The opcodes of a ``.metadata`` pickle, checked before anything is built from them (:func:`prescan`).
 
-:mod:`.dcp_metadata` resolves only allowlisted names, but an allowlisted pickle can still cost
-unbounded memory or crash the interpreter: a memo index near 2**32 makes CPython allocate a memo array of that size,
-and a deeply nested tuple used as a dict key crashes it in C recursion. :func:`prescan_pickle` walks the opcodes with
-``pickletools.genops`` (no object is made) and refuses such files. A few bytes can also build many elements: the
-allowlisted ``torch.Size`` applied again and again to one memoised list of N items builds N elements per 3-byte
-``BINGET, TUPLE1, REDUCE``, so memory grew with the square of the file's size. :func:`element_bounded` makes an
-unpickler class that counts the elements it builds (each container's items, each object's state, not the opcodes)
-and stops at :data:`MAX_ELEMENTS_PER_BYTE` per byte of the file: memory is then linear in the file's size.
-:mod:`.metadata_checks` uses both.
-
-Standard library only.
+:mod:`.dcp_metadata` resolves only allowlisted names; an allowlisted pickle can still cost unbounded memory or time or
+harm the interpreter. One pass over the opcodes, making no object, refuses: a memo index past the memo's end
+(``LONG_BINPUT`` 2**30 makes CPython allocate and zero a memo array of that size); nesting deeper than
+:data:`MAX_NESTING` (hashing a deeply nested tuple crashes CPython in C recursion); walking more than
+:data:`MAX_ELEMENTS_PER_BYTE` elements per byte of the file (``torch.Size`` applied again and again to one memoised
+list of N items copies N elements per 3-byte ``BINGET, TUPLE1, REDUCE``: the elements each stack item holds are
+tracked, and what a callable is given, a hashed key and an object's state count as walked); ``BUILD`` on anything but
+an object ``NEWOBJ`` just made (on a class it would change the class for the whole process); and changing a container
+or object once the memo referenced it (its count would be stale; so no reference cycle can be made).
 """
 
-import io
 import pickle
-import pickletools
-from typing import Any, Callable, Collection, Dict, Sequence
+from typing import List, NoReturn, Tuple
 
-__all__ = ["MAX_ELEMENTS_PER_BYTE", "MAX_NESTING", "element_bounded", "prescan_pickle"]
+__all__ = ["MAX_ELEMENTS_PER_BYTE", "MAX_NESTING", "prescan"]
 
 #: The deepest nesting of containers and objects a ``.metadata`` pickle may build (DCP's is about 8 deep).
 MAX_NESTING = 64
-_SETTERS = {"PUT", "BINPUT", "LONG_BINPUT"}
-_GETTERS = {"GET", "BINGET", "LONG_BINGET"}
-_FILLERS = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}
+#: The most elements a pickle may walk per byte of its file, plus 65,536 (DCP's metadata: fewer than one).
+MAX_ELEMENTS_PER_BYTE = 4
+_ATOMS = {op: size for ops, size in ((b"N\x88\x89)", 0), (b"K", 1), (b"M", 2), (b"J", 4), (b"G", 8)) for op in ops}
+_PREFIXED = {op: size for ops, size in ((b"\x8cUC\x8a", 1), (b"XTB\x8b", 4), (b"\x8d\x8e\x96", 8)) for op in ops}
+_MEMO = {op: size for ops, size in ((b"q", 1), (b"r", 4), (b"gp", 0)) for op in ops}  # 0: a text line
+_LINES = {op: lines for ops, lines in ((b"ILFSV", 1), (b"c", 2)) for op in ops}  # text arguments, one per line
+_ATOM = 1 << 7  # an item's code: (elements << 7) | depth
 
 
-def prescan_pickle(data: bytes, max_nesting: int = MAX_NESTING) -> None:
-    """Check a pickle's structure before anything is built from it, with ``pickletools.genops`` (no object is made).
+def _refuse(message: str) -> NoReturn:
+    raise pickle.UnpicklingError(message)
 
-    A stack of nesting depths is simulated from each opcode's declared stack effect, so that what the unpickler would
-    build is bounded before it builds it:
 
-    * memo indices (``PUT``/``GET`` and their binary forms) must be smaller than the number of opcodes read so far:
-      a 9-byte pickle with a memo index near 2**32 makes CPython's unpickler allocate and zero a memo array of that
-      size;
-    * nesting (a container or object inside another) must stay within ``max_nesting``: hashing a deeply nested
-      tuple used as a dict key crashes CPython in C recursion (a segfault, no message).
+def prescan(data: bytes) -> int:  # noqa: C901 - one loop over the opcodes, for speed
+    """Check a pickle's opcodes before anything is built from them (see the module docstring), in one pass.
+
+    Each stack item is an int: its code, ``(elements << 7) | depth``, for what cannot change, or ``~n`` for the n-th
+    container or new object: ``cells[n]`` its code, ``sizes[n]`` its items at most, ``states[n]`` 0 when new from
+    ``NEWOBJ``, 1 for a container, 2 once referenced from the memo (it may no longer change).
+
+    Returns:
+        The elements the pickle makes the unpickler walk (at most :data:`MAX_ELEMENTS_PER_BYTE` per byte, plus 65,536).
 
     Raises:
-        pickle.UnpicklingError: naming the byte offset and what is wrong; also for opcodes ``pickletools`` cannot
-            parse (a truncated or corrupt file).
+        pickle.UnpicklingError: naming the byte offset and what is wrong; also for a truncated or corrupt file and
+            opcodes DCP does not write (persistent ids, extensions, ``DUP``, ``INST``, ``OBJ``, ``NEWOBJ_EX``,
+            ``POP_MARK``, out-of-band buffers).
     """
-    depths: list = []  # nesting depth of each stack item; None marks a MARK
-    memo: Dict[int, int] = {}
-    count = 0
+    budget = MAX_ELEMENTS_PER_BYTE * len(data) + (1 << 16)
+    too_many = f"the pickle builds more than {budget} elements (items and fields) from its {len(data)} bytes"
+    limit = budget << 7 | MAX_NESTING  # a code above it holds too many elements
+    stack: List[int] = []
+    marks: List[int] = []
+    memo: List[int] = []
+    cells: List[int] = []
+    sizes: List[int] = []
+    states = bytearray()
+    push, pop, walked, i = stack.append, stack.pop, 0, 0
+
+    def made(elements: int, depth: int) -> int:
+        if depth > MAX_NESTING:
+            _refuse(f"nesting deeper than {MAX_NESTING} at byte {i}: not DCP metadata")
+        if elements > budget:
+            _refuse(too_many)
+        return elements << 7 | depth
+
+    def count(items: List[int]) -> Tuple[int, int]:
+        elements = depth = 0
+        for item in items:
+            code = item if item >= 0 else cells[~item]
+            elements, depth = elements + (code >> 7), max(depth, code & 127)
+        return elements, depth
+
+    def changed(target: int, items: List[int]) -> int:
+        if target >= 0 or states[~target] == 2:
+            _refuse(f"refusing to change an immutable or shared object at byte {i}: not DCP metadata")
+        elements, depth = count(items)
+        code, sizes[~target] = cells[~target], sizes[~target] + len(items)
+        cells[~target] = made((code >> 7) + elements, max(code & 127, depth + 1))
+        return elements
+
     try:
-        for opcode, arg, position in pickletools.genops(data):
-            count += 1
-            name = opcode.name
-            if name in _SETTERS or name == "MEMOIZE":
-                index = len(memo) if name == "MEMOIZE" else arg
-                if not isinstance(index, int) or index > count:
-                    raise pickle.UnpicklingError(f"memo index {index} at byte {position} of a {len(data)}-byte pickle")
-                memo[index] = depths[-1] if depths and depths[-1] is not None else 0
-                continue
-            if name in _GETTERS:
-                if arg not in memo:
-                    raise pickle.UnpicklingError(f"memo index {arg} at byte {position} was never stored")
-                depths.append(memo[arg])
-                continue
-            popped: list = []
-            for item in reversed(opcode.stack_before):
-                if item is pickletools.stackslice:
-                    while depths and depths[-1] is not None:
-                        popped.append(depths.pop())
-                elif item is pickletools.markobject:
-                    if not depths or depths[-1] is not None:
-                        raise pickle.UnpicklingError(f"{name} at byte {position} finds no MARK")
-                    depths.pop()
-                elif depths and depths[-1] is not None:
-                    popped.append(depths.pop())
+        while True:
+            op = data[i]
+            i += 1
+            if op == 0x94:  # MEMOIZE
+                memo.append(stack[-1])
+            elif op == 0x68:  # BINGET
+                item = memo[data[i]]
+                i += 1
+                if item < 0:
+                    states[~item] = 2
+                push(item)
+            elif op == 0x6A:  # LONG_BINGET
+                item = memo[int.from_bytes(data[i : i + 4], "little")]
+                i += 4
+                if item < 0:
+                    states[~item] = 2
+                push(item)
+            elif op == 0x4B:  # BININT1
+                push(_ATOM)
+                i += 1
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+            elif op in _ATOMS:
+                push(_ATOM)
+                i += _ATOMS[op]
+            elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE: a callable applied to its arguments
+                item = pop()
+                code = item if item >= 0 else cells[~item]
+                stack[-1], walked = ~len(cells), walked + (code >> 7)
+                cells.append(code + _ATOM)
+                sizes.append(code >> 7)
+                states.append(op == 0x52)
+            elif op == 0x62:  # BUILD: a state used once has its items copied, a shared one is walked whole
+                item, target = pop(), stack[-1]
+                if target >= 0 or states[~target]:
+                    _refuse(f"refusing to set the state of a type, a global or a shared object (BUILD at byte {i})")
+                code, old = item if item >= 0 else cells[~item], cells[~target]
+                cells[~target] = made((old >> 7) + (code >> 7), max(old & 127, (code & 127) + 1))
+                walked += sizes[~item] if item < 0 and states[~item] != 2 else code >> 7
+            elif op == 0x75:  # SETITEMS: the keys hashed
+                start = marks.pop()
+                items = stack[start:]
+                del stack[start:]
+                changed(stack[-1], items)
+                walked += sum(key if key >= 0 else cells[~key] for key in items[0::2]) >> 7  # at least their elements
+            elif op == 0x85 or op == 0x86:  # TUPLE1, TUPLE2
+                item = stack[-1]
+                code = (item if item >= 0 else cells[~item]) + _ATOM + 1
+                if op == 0x86:
+                    item = pop()
+                    other = stack[-1] if stack[-1] >= 0 else cells[~stack[-1]]
+                    code = (code + (other & ~127)) & ~127 | max(code & 127, (other & 127) + 1)
+                if code & 127 > MAX_NESTING or code > limit:
+                    made(code >> 7, code & 127)
+                stack[-1] = code
+            elif op in b"}]\x8f":  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
+                push(~len(cells))
+                cells.append(_ATOM)
+                sizes.append(0)
+                states.append(1)
+            elif op in _PREFIXED:
+                size = _PREFIXED[op]
+                i += size + int.from_bytes(data[i : i + size], "little")
+                push(_ATOM)
+            elif op == 0x87:  # TUPLE3
+                elements, depth = count(stack[-3:])
+                del stack[-3:]
+                push(made(elements + 1, depth + 1))
+            elif op in b"tld\x91e\x90":  # from the items above the last MARK
+                start = marks.pop()
+                items = stack[start:]
+                del stack[start:]
+                if op in b"e\x90":  # APPENDS, ADDITEMS (all hashed)
+                    elements = changed(stack[-1], items)
+                    walked += elements if op == 0x90 else 0
+                else:  # TUPLE, LIST, DICT (the keys hashed), FROZENSET (all hashed)
+                    elements, depth = count(items)
+                    walked += count(items[0::2])[0] if op == 0x64 else elements if op == 0x91 else 0
+                    push(made(elements + 1, depth + 1))
+                    if op in b"ld":
+                        cells.append(stack[-1])
+                        sizes.append(len(items))
+                        states.append(1)
+                        stack[-1] = ~(len(cells) - 1)
+            elif op in b"as":  # APPEND, SETITEM (the key hashed)
+                items = [pop() for _ in range(2 if op == 0x73 else 1)][::-1]
+                elements = changed(stack[-1], items)
+                walked += count(items[:1])[0] if op == 0x73 else 0
+            elif op in _MEMO:  # GET, PUT, BINPUT, LONG_BINPUT
+                size = _MEMO[op] or data.index(b"\n", i) + 1 - i
+                index = int(data[i : i + size]) if op in b"gp" else int.from_bytes(data[i : i + size], "little")
+                i += size
+                if op == 0x67:
+                    item = memo[index]
+                    if item < 0:
+                        states[~item] = 2
+                    push(item)
+                elif index > len(memo):
+                    _refuse(f"memo index {index} at byte {i} of a {len(data)}-byte pickle")
                 else:
-                    raise pickle.UnpicklingError(f"{name} at byte {position} pops an empty stack")
-            if name == "MARK":
-                depths.append(None)
-            elif opcode.stack_after:
-                inner = max(popped, default=-1) + 1
-                if name in _FILLERS:  # the container stays below what was added to it
-                    inner = max(popped[-1], max(popped[:-1], default=-1) + 1)
-                if inner > max_nesting:
-                    raise pickle.UnpicklingError(
-                        f"nesting deeper than {max_nesting} at byte {position}: not DCP metadata"
-                    )
-                depths.extend([inner] * len(opcode.stack_after))
-    except (ValueError, IndexError, KeyError) as error:
-        raise pickle.UnpicklingError(f"not a well-formed pickle: {error}") from error
-
-
-#: The most elements a pickle may build or walk per byte of its file, plus :data:`_SPARE_ELEMENTS`: DCP's metadata
-#: counts fewer than one per byte (``torch.Size`` of an int: a few elements from 4 bytes at least).
-MAX_ELEMENTS_PER_BYTE = 4
-_SPARE_ELEMENTS = 1 << 16
-_MADE = ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "LIST", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET")
-_APPLIED = ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST")  # a callable applied to arguments it may iterate
-_HASHED = ("DICT", "SETITEM", "SETITEMS", "FROZENSET", "ADDITEMS")  # keys hashed: a tuple's hash walks all of it
-_CONTAINERS = (tuple, list, dict, set, frozenset)
-
-
-def _size(value: Any) -> int:
-    return 1 + (len(value) if isinstance(value, _CONTAINERS) else 0)
-
-
-def _walked(values: Collection[Any], limit: int) -> int:
-    """The elements reachable from ``values`` through built-in containers, each container counted as often as it is
-    reached (hashing a tuple or iterating an argument walks it each time), counting stopped once past ``limit``."""
-    count = len(values)
-    pending = list(values) if count <= limit else []
-    while pending and count <= limit:
-        value = pending.pop()
-        if isinstance(value, _CONTAINERS) and value:
-            count += len(value) * (2 if isinstance(value, dict) else 1)
-            if count <= limit:
-                pending.extend(value.keys() if isinstance(value, dict) else value)
-                pending.extend(value.values() if isinstance(value, dict) else ())
-    return count
-
-
-def _dict_items(items: Sequence[Any], limit: int) -> int:
-    """Key-value pairs laid out flat (as above a MARK): the keys walked (hashed), the values one each."""
-    keys = items[0::2]
-    return len(items) - len(keys) + _walked(keys, limit)
-
-
-def _state(state: Any, limit: int) -> int:
-    """What ``BUILD`` walks: the state dict's keys (hashed) and values, and the slot state's."""
-    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
-    count = 1
-    for part in parts:
-        count += len(part) + _walked(part.keys(), limit) if isinstance(part, dict) else _size(part)
-    return count
-
-
-def _cost_before(self: Any, name: str) -> int:
-    """The elements an opcode walks in what is on the stack before it runs (its arguments and the items it adds)."""
-    stack, limit = self.stack, self.elements_left
-    if name in ("APPEND", "APPENDS"):  # a reference each
-        return 1 if name == "APPEND" else len(stack)
-    if name == "SETITEM":
-        return _dict_items(stack[-2:], limit)
-    if name in ("SETITEMS", "DICT"):  # above the MARK: key, value, key, value, ...
-        return _dict_items(stack, limit)
-    if name in ("FROZENSET", "ADDITEMS"):
-        return _walked(stack, limit)
-    if name in ("REDUCE", "NEWOBJ"):
-        return _walked(stack[-1:], limit)
-    if name == "NEWOBJ_EX":
-        return _walked(stack[-2:], limit)
-    if name in ("OBJ", "INST"):  # the class (OBJ) and the arguments, above the MARK
-        return _walked(stack, limit)
-    if name == "BUILD":
-        return _state(stack[-1], limit)
-    return 0
-
-
-def _counted(load: Callable[[Any], None], name: str) -> Callable[[Any], None]:
-    def run(self: Any) -> None:
-        count = _cost_before(self, name)
-        if count <= self.elements_left:
-            load(self)
-            if name in _MADE or name in _APPLIED or name in ("DICT", "FROZENSET"):
-                count += _size(self.stack[-1])  # what it built
-        self.elements_left -= count
-        if self.elements_left < 0:
-            raise pickle.UnpicklingError(
-                f"the pickle builds more than {self.element_budget} elements (items and fields) from its "
-                f"{self.file_bytes} bytes: not DCP metadata"
-            )
-
-    return run
-
-
-def element_bounded(unpickler: type) -> type:
-    """A subclass of ``unpickler`` (a ``pickle._Unpickler``, the pure-Python one) that counts the elements it builds
-    and walks, and raises ``pickle.UnpicklingError`` beyond ``MAX_ELEMENTS_PER_BYTE`` per byte of its file (a
-    seekable stream), plus a constant, before the opcode that would pass the bound runs.
-
-    Counted: the items of each container it makes (``TUPLE``, ``LIST``, ``DICT``, ...), each item added to one
-    (``APPEND(S)``, ``SETITEM(S)``, ``ADDITEMS``), each object's state (``BUILD``), and for an allowlisted callable
-    applied to arguments (``REDUCE``, ``NEWOBJ``, ...: ``torch.Size``, ``set``, ``frozenset``) every element of its
-    arguments, nested containers included, and what it returns; keys that are hashed are walked the same way (a
-    tuple's hash is not cached). So ``set`` applied again and again to one memoised list costs the list's length each
-    time, though each result holds one element.
-    """
-    dispatch = dict(unpickler.dispatch)  # type: ignore[attr-defined]
-    for name in (*_MADE, *_APPLIED, *_HASHED, "APPEND", "APPENDS", "BUILD"):
-        code = getattr(pickle, name)[0]
-        if code in dispatch:
-            dispatch[code] = _counted(dispatch[code], name)
-
-    def __init__(self: Any, file: io.BufferedIOBase, *args: Any, **kwargs: Any) -> None:
-        base: Any = unpickler
-        base.__init__(self, file, *args, **kwargs)
-        start = file.tell()
-        size = file.seek(0, io.SEEK_END) - start
-        file.seek(start)
-        self.file_bytes, self.element_budget = size, MAX_ELEMENTS_PER_BYTE * size + _SPARE_ELEMENTS
-        self.elements_left = self.element_budget
-
-    return type(f"ElementBounded{unpickler.__name__}", (unpickler,), {"dispatch": dispatch, "__init__": __init__})
+                    memo[index : index + 1] = [stack[-1]]
+            elif op in _LINES:
+                for _ in range(_LINES[op]):
+                    i = data.index(b"\n", i) + 1
+                push(_ATOM)
+            elif op == 0x93:  # STACK_GLOBAL
+                del stack[-2:]
+                push(_ATOM)
+            elif op == 0x30:  # POP (a MARK on top is popped instead)
+                _ = marks.pop() if marks and marks[-1] == len(stack) else pop()
+            elif op == 0x95 or op == 0x80:  # FRAME, PROTO
+                i += 8 if op == 0x95 else 1
+            elif op == 0x2E:  # STOP
+                return walked
+            else:
+                _refuse(f"opcode {bytes([op])!r} at byte {i - 1} is not one DCP metadata uses")
+            if walked > budget:
+                _refuse(too_many)
+    except (IndexError, ValueError) as error:
+        raise pickle.UnpicklingError(f"not a well-formed pickle at byte {i}: {error}") from error

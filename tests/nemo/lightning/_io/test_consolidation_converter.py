@@ -107,3 +107,12 @@ def test_other_layouts_and_a_truncated_shard_are_refused_and_leave_nothing(check
     (copy / "weights" / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
     with pytest.raises(UnsupportedFormatError):
         Consolidation(copy).run()
+
+
+def test_a_crafted_metadata_runs_nothing(checkpoint, tmp_path):
+    copy, marker = tmp_path / checkpoint[0].name, tmp_path / "ran"
+    subprocess.run(["cp", "-r", str(checkpoint[0]), str(copy)], check=True)
+    (copy / "weights" / ".metadata").write_bytes(f"cposix\nsystem\n(S'touch {marker}'\ntR.".encode())  # os.system
+    with pytest.raises(CorruptShardError, match="refusing to load posix.system"):
+        Consolidation(copy).run()
+    assert not marker.exists() and sorted(p.name for p in copy.iterdir()) == ["weights"]
