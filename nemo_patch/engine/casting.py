@@ -21,11 +21,13 @@ small for the dtype becoming 0 is precision loss and is not refused.
 """
 
 import math
+import sys
 from dataclasses import replace
 from typing import List, Optional
 
 import torch
 
+from nemo_patch.engine import tensor_sources
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.plan import OutputTensor
 
@@ -84,3 +86,6 @@ def checked_cast(name: str, source: torch.Tensor, out: torch.Tensor) -> torch.Te
     if overflow is not None:
         raise DtypeOverflowError(f"{name}: {overflow}; refusing to write inf for finite weights (use bf16)")
     return out
+
+
+tensor_sources.casting = sys.modules[__name__]  # the dtype casts of every consolidation's outputs

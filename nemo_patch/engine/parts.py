@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_patch.engine import casting  # noqa: F401 (registers the dtype casts a part job may need)
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.part_writer import Placement, split_parts, write_part

@@ -38,12 +38,8 @@ from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs
 from nemo_patch.engine.stage_times import stage_times
 
-try:  # a later addition: outputs cast to another dtype (refusing a cast that overflows)
-    import nemo_patch.engine.casting as casting
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    casting = None  # type: ignore[assignment]
+#: The module casting outputs to another dtype (``checked_cast``, ``cast_outputs``), which registers itself here.
+casting: Any = None
 
 try:  # a later addition: LoRA adapter checkpoints merged into their base model
     import nemo_patch.engine.adapter_merge as adapter_merge
@@ -209,7 +205,7 @@ def open_sources(
         merge = adapter_merge.open_lora_merge(location, metadata, base_checkpoint)
     planned = merge.base_outputs if merge is not None else plan_outputs(metadata)
     if dtype is not None and casting is None:
-        raise ConsolidationError(f"casting the outputs to {dtype} needs {__package__}.casting")
+        raise ConsolidationError(f"casting the outputs to {dtype} needs a dtype cast module; none is registered")
     return Sources(
         metadata, reader, merge, planned, planned if dtype is None else casting.cast_outputs(planned, dtype)
     )

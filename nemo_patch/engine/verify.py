@@ -120,7 +120,7 @@ def verify_consolidated(
     Floating-point sources are cast to the output's dtype first (for outputs written with a ``dtype`` cast); the
     cast is the same one the consolidation used, so the comparison is exact. As a cast to a narrower dtype would turn
     a finite value that overflows into the same ``inf`` on both sides, an output value that is not finite where its
-    source is fails first (:func:`.plan.cast_overflow`). Reads one tensor at a time, once its shape in the output's
+    source is fails first (:func:`.casting.cast_overflow`). Reads one tensor at a time, once its shape in the output's
     header is its source's (a header claiming a larger tensor costs nothing).
 
     Args:
