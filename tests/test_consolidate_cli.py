@@ -159,7 +159,7 @@ def test_unfinished_checkpoint_exits_5_unless_explicitly_allowed(checkpoint_copy
     marker = checkpoint_copy.parent / f"{checkpoint_copy.name}-unfinished"
     marker.touch()
     _assert_failed(capsys, [checkpoint_copy], 5, "unfinished checkpoint (NeMo's unfinished marker is present)")
-    _assert_failed(capsys, [checkpoint_copy], 5, "(--allow-unfinished, or allow_unfinished=True, consolidates")
+    _assert_failed(capsys, [checkpoint_copy], 5, "its save never ended (--allow-unfinished consolidates what it")
     assert not (checkpoint_copy / "consolidated").exists()
     code, _, err = _cli(capsys, checkpoint_copy, "--allow-unfinished")
     assert code == 0 and "warning:" in err and "--allow-unfinished" in err

@@ -606,7 +606,9 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             result = consolidate_checkpoint(location.checkpoint_dir, args.out, **options)
     except ConsolidationError as error:
         close()
-        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
+        ended = str(error).endswith("its save never ended")  # the engine's message names no option of this command
+        hint = " (--allow-unfinished consolidates what it holds anyway)" if ended else ""
+        print(f"{PROG}: error: {_one_line(error)}{hint}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         close()

@@ -110,9 +110,6 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
     finished = weights_written(weights_dir) and not is_marked_unfinished(checkpoint_dir)
     if not finished and not allow_unfinished:
         why = "NeMo's unfinished marker is present" if is_marked_unfinished(checkpoint_dir) else "no '.metadata'"
-        raise UnfinishedCheckpointError(
-            f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended (--allow-unfinished, or "
-            "allow_unfinished=True, consolidates what it holds anyway)"
-        )
+        raise UnfinishedCheckpointError(f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended")
     base = _json(weights_dir / "adapter_metadata.json").get("model_ckpt_path") if adapter else None
     return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend, adapter, base)
