@@ -66,7 +66,7 @@ from nemo_patch.engine.plan import OutputTensor, TensorSpec
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header, write_file
 from nemo_patch.engine.save_identity import SaveIdentity, check_unchanged, save_identity
 from nemo_patch.engine.stage_times import StageTimes, stage_times
-from nemo_patch.engine.tensor_sources import Sources, merged_reader, open_sources, tensor_producer
+from nemo_patch.engine.tensor_sources import Sources, merged_reader, open_sources
 from nemo_patch.engine.verify import (
     VerificationError,
     output_shapes,
@@ -98,7 +98,6 @@ __all__ = [
     "ProgressCallback",
     "consolidate_checkpoint",
     "read_state_dict",
-    "tensor_producer",
 ]
 
 logger = logging.getLogger(__name__)
