@@ -26,12 +26,18 @@ process, one after the other:
 - ``imports only``: a process importing NeMo's Llama exporter and ``transformers`` (the fixed start-up of the first
   two rows).
 
+The in-memory row needs about twice the weights in memory; it is skipped (and says so) when the machine has less than
+2.5 times the weights available.
+
 Each row: peak resident memory of the whole process tree (sampled every 20 ms with ``psutil``), over the model's
 weight bytes (the ``.distcp`` files), and wall time, start-up included. Then the lines::
 
     hf streamed peak RSS / model bytes: X%
     hf in-memory peak RSS / model bytes: Y%
     hf streamed time / safetensors time: Z.ZZx
+
+On a shared machine the times vary by 2x from one round to the next (the imports' time most: the outputs written
+evict the libraries' pages from the page cache); ``--repeat`` runs all rows that many times, in turn.
 
 Usage: ``python scripts/bench_hf_export.py [--work DIR] [--layers 46] [--hidden-size 1024]``. The entry point is
 guarded: NeMo's importer spawns processes that import the main module again.
@@ -40,12 +46,13 @@ guarded: NeMo's importer spawns processes that import the main module again.
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 #: The start-up every ``--format hf`` process pays before it reads a tensor (NeMo's exporter and ``transformers``).
@@ -90,6 +97,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=46)
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--intermediate-size", type=int, default=2816)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of all rows, one after the other (the times: "
+                        "each row's median; the peaks: each row's largest)")  # fmt: skip
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-hf-"))
     model = work / "model"
@@ -104,30 +113,42 @@ def main() -> int:
     checkpoint = model / "nemo"
     weights = sum(path.stat().st_size for path in (checkpoint / "weights").glob("*.distcp"))
     cli = [sys.executable, "-m", "nemo_patch.cli.nemo_consolidate", str(checkpoint), "--quiet", "--force"]
+    import psutil
+
     runs = {
         "hf streamed": cli + ["--format", "hf", "--trust-context", "--out", str(work / "hf-streamed")],
         "hf in-memory": [sys.executable, "-c", IN_MEMORY, str(checkpoint), str(work / "hf-in-memory")],
         "safetensors": cli + ["--workers", "1", "--out", str(work / "safetensors")],
         "imports only": [sys.executable, "-c", IMPORTS],
     }
+    available = psutil.virtual_memory().available
+    if available < 2.5 * weights:
+        del runs["hf in-memory"]
+        print(f"hf in-memory: skipped, {available / 1e9:.1f} GB available < 2.5 x the weights")
     print(f"model bytes: {weights / 1e9:.2f} GB ({args.layers} layers, hidden {args.hidden_size}); "
           f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")  # fmt: skip
-    results = {}
-    for name, command in runs.items():
-        shutil.rmtree(work / name.replace(" ", "-"), ignore_errors=True)
-        results[name] = measure(command)
-        peak, wall = results[name]
-        print(
-            f"{name:>13}: peak RSS {peak / 1e6:8.0f} MB ({100 * peak / weights:5.1f}% of the weights), {wall:6.1f} s"
-        )
+    rounds: Dict[str, List[Tuple[int, float]]] = {name: [] for name in runs}
+    for round_ in range(args.repeat):
+        for name, command in runs.items():
+            shutil.rmtree(work / name.replace(" ", "-"), ignore_errors=True)
+            rounds[name].append(measure(command))
+            peak, wall = rounds[name][-1]
+            print(f"{name:>13}: peak RSS {peak / 1e6:8.0f} MB ({100 * peak / weights:5.1f}% of the weights), "
+                  f"{wall:6.1f} s" + (f" (round {round_ + 1})" if args.repeat > 1 else ""))  # fmt: skip
+    results = {name: (max(p for p, _ in got), statistics.median(w for _, w in got)) for name, got in rounds.items()}
+    if args.repeat > 1:
+        for name, (peak, wall) in results.items():
+            print(f"{name:>13}: largest peak RSS {peak / 1e6:8.0f} MB, median time {wall:6.1f} s")
     above = (results["hf streamed"][0] - results["imports only"][0]) / weights
     print(f"hf streamed peak RSS above the imports' baseline / model bytes: {100 * above:.0f}%")
-    streamed, in_memory = sorted((work / "hf-streamed").glob("*.safetensors")), work / "hf-in-memory"
-    same = all(path.read_bytes() == (in_memory / path.name).read_bytes() for path in streamed)
-    print(f"hf streamed and in-memory safetensors files byte-identical: {same}")
+    if "hf in-memory" in results:
+        streamed, in_memory = sorted((work / "hf-streamed").glob("*.safetensors")), work / "hf-in-memory"
+        same = all(path.read_bytes() == (in_memory / path.name).read_bytes() for path in streamed)
+        print(f"hf streamed and in-memory safetensors files byte-identical: {same}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"hf streamed peak RSS / model bytes: {100 * results['hf streamed'][0] / weights:.0f}%")
-    print(f"hf in-memory peak RSS / model bytes: {100 * results['hf in-memory'][0] / weights:.0f}%")
+    if "hf in-memory" in results:
+        print(f"hf in-memory peak RSS / model bytes: {100 * results['hf in-memory'][0] / weights:.0f}%")
     print(f"hf streamed time / safetensors time: {results['hf streamed'][1] / results['safetensors'][1]:.2f}x")
     if args.work is None:
         shutil.rmtree(work)

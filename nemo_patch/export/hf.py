@@ -34,7 +34,8 @@ checkpoint are byte-identical. An exporter that fails raises :class:`ExportError
 for the class maps every written tensor back and each result must equal the checkpoint's tensor, read again by the
 engine (:mod:`nemo_patch.export.hf_verify`; only vocabulary padding rows and a tied ``lm_head`` may be absent). A
 class without a usable importer, and a PEFT adapter directory, are compared with the exporter's converted model
-instead (with a warning for the former).
+instead (with a warning for the former; a streamed export is converted again, one layer at a time, and each tensor
+compared with the written one).
 
 Layer-norm names: NeMo's exporters map the Transformer Engine spec's fused names
 (``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight``, ``...mlp.linear_fc1.layer_norm_weight``). A
