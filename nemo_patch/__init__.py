@@ -48,6 +48,7 @@ __nemo_version__ = check_nemo_version()
 from nemo_patch.engine.errors import ConsolidationError  # noqa: E402
 from nemo_patch.overlay.apply import apply_overlay as _apply_overlay  # noqa: E402
 from nemo_patch.overlay.apply import overlay_applied  # noqa: E402
+from nemo_patch.overlay.extensions import register_extensions  # noqa: E402
 from nemo_patch.training.config import ConsolidationConfig  # noqa: E402
 from nemo_patch.training.latest import locate_checkpoint, read_latest_pointer  # noqa: E402
 from nemo_patch.training.settings import ConsolidationSettings  # noqa: E402
@@ -97,4 +98,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'nemo_patch' has no attribute {name!r}")
 
 
+register_extensions()  # the training side's later additions, which NeMo's tree does not have yet
 _apply_overlay()

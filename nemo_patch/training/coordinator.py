@@ -23,8 +23,9 @@ global step (a second ``fit`` starts its steps again; NeMo saves into ``-last`` 
 output is published or linked only while the weights it was made from are still there. The training loop's per-step
 pass runs on a :class:`~.background.PollingWorker` (the stepper), off the training thread; every other entry point of
 the training thread first finishes the pass handed over (:meth:`ConsolidationCoordinator.sync`), so the schedule and
-the queue are used by one thread at a time. The later additions take part as observers, from their own modules where
-they are installed. Standard library and the engine's helpers only.
+the queue are used by one thread at a time. Extensions take part as observers, each a
+:class:`~.schedule.ConsolidationObserver` every new coordinator makes from the factories registered with
+:func:`~.schedule.register_observer`. Standard library and the engine's helpers only.
 """
 
 import logging
@@ -46,6 +47,7 @@ from nemo_patch.training.background import PollingWorker
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.queue import ConsolidationQueue
 from nemo_patch.training.schedule import (
+    OBSERVER_FACTORIES,
     CheckpointSave,
     ConsolidationObserver,
     ConsolidationSchedule,
@@ -55,43 +57,10 @@ from nemo_patch.training.schedule import (
 )
 from nemo_patch.training.settings import ConsolidationSettings
 
-try:  # a later addition: outputs kept past NeMo's top-k removal, and LATEST
-    import nemo_patch.training.retention as retention
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    retention = None  # type: ignore[assignment]
-try:  # a later addition: the "best" cadence and BEST
-    import nemo_patch.training.best as best
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    best = None  # type: ignore[assignment]
-try:  # a later addition: the journal of due consolidations, resumed by the next run
-    import nemo_patch.training.journal as journal
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    journal = None  # type: ignore[assignment]
-try:  # a later addition: consolidation metrics in the trainer's loggers
-    import nemo_patch.training.metrics as metrics
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    metrics = None  # type: ignore[assignment]
-try:  # a later addition: the post command's result and the callbacks' on_consolidation_end/failed hooks
-    import nemo_patch.training.hooks as hooks
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    hooks = None  # type: ignore[assignment]
-
 __all__ = ["ConsolidationCoordinator", "ConsolidationRecord", "new_run_id", "weights_identity"]
 
 logger = logging.getLogger(__name__)
 
-#: The observers of every run, in the order they are called (``BEST`` moves before retention prunes).
-OBSERVERS = [feature.Observer for feature in (best, retention, journal, metrics, hooks) if feature is not None]
 #: NeMo's ``ModelCheckpoint`` -> the coordinator of the ``fit`` it serves (for the deletions it makes by itself).
 _BY_CHECKPOINT_CALLBACK: "weakref.WeakKeyDictionary[Any, ConsolidationCoordinator]" = weakref.WeakKeyDictionary()
 
@@ -160,7 +129,7 @@ class ConsolidationCoordinator:
         self._step_handed = False
         #: Seconds the training thread waited in a save for the stepper's pass (:meth:`sync`).
         self.synced_seconds = 0.0
-        self.observers: List[ConsolidationObserver] = [make(self) for make in OBSERVERS]
+        self.observers: List[ConsolidationObserver] = [make(self) for make in OBSERVER_FACTORIES]
         #: The observers that report in the training loop (those whose ``report`` does something).
         self.reporters: List[ConsolidationObserver] = [
             o for o in self.observers if type(o).report is not ConsolidationObserver.report

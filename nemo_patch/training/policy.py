@@ -20,33 +20,34 @@
 * ``"latest"``: none during training; the newest finished checkpoint when ``fit`` ends.
 
 A policy is a tuple of phases (one, here) and whether the newest checkpoint is consolidated when ``fit`` ends, so that
-the later additions (``"best"``: :mod:`.best`; phases such as ``"every_n:10; each@50000"``: :mod:`.phases`) change
-no user of it. Standard library only.
+extensions (:func:`extend_cadences`: ``"best"``, phases such as ``"every_n:10; each@50000"``) change no user of
+it. Standard library only.
 """
 
 import re
 from dataclasses import dataclass
-from importlib.util import find_spec
-from typing import Literal, Optional, Tuple
+from typing import Any, Callable, List, Literal, Optional, Tuple
 
-try:  # a later addition: phases that change the cadence at given global steps
-    import nemo_patch.training.phases as phases
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    phases = None  # type: ignore[assignment]
+__all__ = ["ACCEPTED_FREQUENCIES", "CadencePhase", "ConsolidationPolicy", "extend_cadences"]
+__all__ += ["parse_consolidation_frequency"]
 
-__all__ = ["ACCEPTED_FREQUENCIES", "CadencePhase", "ConsolidationPolicy", "parse_consolidation_frequency"]
+#: The accepted values, for error messages; the cadences and parser of phases extensions add (:func:`extend_cadences`).
+ACCEPTED_FREQUENCIES = '"each", "latest" or "every_n:<k>" with k an integer >= 1 (e.g. "every_n:5")'
+_MORE_CADENCES: List[str] = []
+_PHASES: List[Callable[[str, Callable[[str], Tuple[Any, bool]]], Tuple[List[Any], bool]]] = []
 
-#: Whether the ``"best"`` cadence is installed (looked up, not imported: it imports Lightning).
-_HAVE_BEST = find_spec(f"{__package__}.best") is not None
-#: The accepted values, for error messages.
-ACCEPTED_FREQUENCIES = (
-    '"each", "latest"'
-    + (', "best"' if _HAVE_BEST else "")
-    + ' or "every_n:<k>" with k an integer >= 1 (e.g. "every_n:5")'
-    + (phases.ACCEPTED if phases is not None else "")
-)
+
+def extend_cadences(
+    cadences: Tuple[str, ...] = (), parse_phases: Optional[Callable] = None, accepted: str = ""
+) -> None:
+    """Accept an extension's ``cadences`` (e.g. ``("best",)``) and, with ``parse_phases(value, parse_cadence) ->
+    (phases, latest)``, several cadences by global step; ``accepted`` ends :data:`ACCEPTED_FREQUENCIES`."""
+    global ACCEPTED_FREQUENCIES
+    _MORE_CADENCES.extend(name for name in cadences if name not in _MORE_CADENCES)
+    _PHASES[:] = [parse_phases] if parse_phases is not None else _PHASES
+    more = "".join(f', "{name}"' for name in cadences) + ' or "every_n:'
+    ACCEPTED_FREQUENCIES = ACCEPTED_FREQUENCIES.replace(' or "every_n:', more, 1) + accepted
+
 
 Cadence = Literal["each", "every_n", "best"]
 
@@ -140,7 +141,7 @@ def _cadence(item: str) -> Tuple[CadencePhase, bool]:
         ValueError: saying why ``item`` is not one.
     """
     match = _CADENCE.fullmatch(item)
-    if match is None or (match.group(1) == "best" and not _HAVE_BEST):
+    if match is None or (match.group(1) == "best" and "best" not in _MORE_CADENCES):
         lower = item.lower()
         if match is None and lower != item and (lower == "latest" or _CADENCE.fullmatch(lower)):
             raise ValueError(f"{item!r} is not a cadence: cadences are lower case ({lower!r})")
@@ -162,8 +163,8 @@ def parse_consolidation_frequency(value: object) -> ConsolidationPolicy:
     if value.strip().lower() in _OFF_WORDS:
         raise _invalid(value, "consolidation is turned off with ckpt_consolidation_frequency=None (the default)")
     try:
-        if phases is not None:
-            found, latest = phases.parse_phases(value, _cadence)
+        if _PHASES:
+            found, latest = _PHASES[0](value, _cadence)
         elif value == "latest":
             found, latest = [], True
         else:

@@ -44,13 +44,7 @@ from typing import IO, Callable, Deque, Dict, List, Mapping, Optional, Sequence,
 from nemo_patch.engine.publish import tmp_dirs_of
 from nemo_patch.training.schedule import CheckpointSave, RequestState
 from nemo_patch.training.settings import ConsolidationSettings
-
-try:  # a later addition: the process kept apart from the training job on a GPU node (Linux)
-    import nemo_patch.training.isolation as isolation
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    isolation = None  # type: ignore[assignment]
+from nemo_patch.training.worker import PROCESS_LAUNCHERS
 
 __all__ = ["ConsolidationQueue"]
 
@@ -442,8 +436,9 @@ class ConsolidationQueue:
     def _spawn(self) -> _Process:
         """Start a consolidation process in ``--serve`` mode (``OSError`` if it cannot be started)."""
         args = [sys.executable, "-m", WORKER_MODULE, "--serve", "--settings", self._settings_json]
-        args += isolation.parent_arguments() if isolation is not None else []
-        env = isolation.environment(os.environ) if isolation is not None else None
+        env: Mapping[str, str] = os.environ
+        for launch in PROCESS_LAUNCHERS:  # an extension's (worker.py): its module as --extension, its environment
+            args, env = launch(args, env)
         # Its output goes to an anonymous temporary file (the checkpoint directory may be read-only).
         log_file = tempfile.TemporaryFile()
         try:
@@ -453,7 +448,7 @@ class ConsolidationQueue:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
-                env=env,
+                env=None if env is os.environ else dict(env),
                 close_fds=True,
             )
         except OSError:

@@ -34,11 +34,13 @@ from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_wr
 from nemo_patch.training.policy import ConsolidationPolicy
 
 __all__ = [
+    "OBSERVER_FACTORIES",
     "CheckpointSave",
     "ConsolidationObserver",
     "ConsolidationSchedule",
     "RequestState",
     "files_gone",
+    "register_observer",
     "weights_identity",
 ]
 
@@ -308,3 +310,13 @@ class ConsolidationObserver:
 
     def report(self, trainer: Any) -> None:
         """What ended since the last call, reported in the training loop (never raises into it)."""
+
+
+#: Every new coordinator's observers are ``factory(coordinator)`` of these, in order (:func:`register_observer`).
+OBSERVER_FACTORIES: List[Callable[[Any], ConsolidationObserver]] = []
+
+
+def register_observer(factory: Callable[[Any], ConsolidationObserver]) -> None:
+    """Give every coordinator made from now on the observer ``factory(coordinator)`` (once), after those before it."""
+    if factory not in OBSERVER_FACTORIES:
+        OBSERVER_FACTORIES.append(factory)

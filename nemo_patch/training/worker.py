@@ -25,32 +25,22 @@ excepted: it imports NeMo to find the model's exporter).
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import warnings
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
-try:  # a later addition: a command run after each output is published (ConsolidationConfig.post_command)
-    import nemo_patch.training.hooks as hooks
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    hooks = None  # type: ignore[assignment]
-try:  # a later addition: the process kept apart from the training job on a GPU node (Linux)
-    import nemo_patch.training.isolation as isolation
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    isolation = None  # type: ignore[assignment]
-
-__all__ = ["NICENESS_VARIABLE", "WORKER_NICENESS", "build_parser", "main"]
+__all__ = ["NICENESS_VARIABLE", "PROCESS_LAUNCHERS", "WORKER_NICENESS", "build_parser", "main"]
 
 #: The environment variable that sets the process's niceness (NeMo's tree: ``NEMO_CONSOLIDATION_WORKER_NICENESS``).
 NICENESS_VARIABLE = "NEMO_PATCH_WORKER_NICENESS"
+#: Extensions' ``launch(args, environ) -> (args, environ)``, applied before the queue starts the process; none here.
+PROCESS_LAUNCHERS: List[Callable[[List[str], Mapping[str, str]], Tuple[List[str], Mapping[str, str]]]] = []
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve", action="store_true", help="import, then serve JSON requests from stdin")
     parser.add_argument("--settings", type=ConsolidationSettings.from_json, default=ConsolidationSettings())
     parser.add_argument("--parent", type=int, default=None, help="the training process that started this one")
+    parser.add_argument("--extension", action="append", default=[], help="a module with extend_worker(parent)")
     return parser
 
 
@@ -83,8 +74,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if (args.checkpoint is None) != args.serve:
         parser.error("give either a checkpoint or --serve")
-    if isolation is not None:
-        isolation.set_up(args.parent)  # before torch is imported
+    after_publish: Optional[Callable[[ConsolidationSettings, Path, Optional[int]], Tuple[Any, bool]]] = None
+    for extension in args.extension:  # set up before torch is imported; returns what runs after publishing, or None
+        after_publish = importlib.import_module(extension).extend_worker(args.parent) or after_publish
     results: Optional[IO[str]] = None
     if args.serve:  # fd 1 carries result lines only: a private copy of it for them, stderr for everything else
         sys.stdout.flush()
@@ -99,8 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         error = consolidate(args.checkpoint, args.global_step, args.best, args.run)
         if error is not None:
             print(error, file=sys.stderr, flush=True)
-        elif settings.config.post_command is not None and hooks is not None:
-            done, _ = hooks.run_post_command(settings, args.checkpoint, args.global_step)
+        elif after_publish is not None and settings.config.post_command is not None:
+            done, _ = after_publish(settings, args.checkpoint, args.global_step)
             print(done.describe(), file=sys.stderr, flush=True)
         return 0 if error is None else 1
     results.write(json.dumps({"ready": True}) + "\n")
@@ -120,9 +112,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         reply: Dict[str, Any] = {"error": error}
         stopped = False
-        if error is None and settings.config.post_command is not None and hooks is not None:
+        if error is None and after_publish is not None and settings.config.post_command is not None:
             results.write(json.dumps({"published": True}) + "\n")  # a death from here on leaves the output published
-            done, stopped = hooks.run_post_command(settings, Path(request["checkpoint"]), request.get("global_step"))
+            done, stopped = after_publish(settings, Path(request["checkpoint"]), request.get("global_step"))
             reply["post_command"] = done.to_json()
         results.write(json.dumps(reply) + "\n")
         if stopped:
@@ -195,8 +187,6 @@ def _niceness() -> int:
 
 def _import_quietly(module: str) -> None:
     """Import ``module`` ahead of the request; a failure is left for the request itself to report."""
-    import importlib
-
     try:
         importlib.import_module(module)
     except Exception:  # noqa: BLE001 - reported by the consolidation that needs it
