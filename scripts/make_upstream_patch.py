@@ -29,8 +29,9 @@ starts with a ``.. pull-request: <key>`` line) and each pull request's descripti
 ``--nemo-src`` is the directory holding NeMo's ``nemo/`` package (a checkout or an unpacked wheel; default: the
 installed one). The series is built in a temporary git repository holding that tree, one commit per pull request, and
 written with ``git format-patch``; ``OUTDIR/series`` lists the patches in order. Checks before anything is written:
-no ``nemo_patch`` name left, no line over 119 columns, every module a file imports outside an optional-import block
-(or a :data:`GATED` one, in a function) present in the tree by then. ``tests/test_upstream_patch.py`` applies the
+no ``nemo_patch`` name left, no line over 119 columns, every module a file imports present in the tree by then (in an
+optional-import block: added by a later pull request of the series), and no import of a module the series never adds
+(:data:`GATED` and :data:`PENDING` aside). ``tests/test_upstream_patch.py`` applies the
 series to the installed NeMo and runs each pull request's tests there: the same test files the product's suite runs
 against the overlay.
 """
@@ -73,9 +74,12 @@ ISORT_SETTINGS = dict(
     known_third_party=["nemo_text_processing", "examples", "scripts"],
     default_section="THIRDPARTY",
 )
-#: Modules imported inside functions only for a ``ConsolidationConfig`` value whose ``feature`` (the module that
-#: ships with them) the config refuses where it is missing: later pull requests add them.
+#: Modules the series does not add, imported inside functions only for a ``ConsolidationConfig`` value whose
+#: ``feature`` (the module that ships with them) the config refuses where it is missing: later pull requests add them.
 GATED = (f"{PACKAGE}.export.", f"{PACKAGE}.post_command")
+#: Modules the series does not add that the engine still imports in an optional-import block (to become
+#: registrations, as the training side's extensions are): the only such imports :func:`check_file` lets through.
+PENDING = tuple(f"{PACKAGE}.{name}" for name in ("zarr_reader", "adapter_settings", "adapter_merge"))
 LEFTOVERS = re.compile(r"nemo_patch|nemo-patch|NEMO_PATCH|nemo-consolidate")
 
 
@@ -180,8 +184,8 @@ def formatted(text: str) -> str:
 
 
 def _optional_imports(tree: ast.Module) -> set:
-    """The ``import`` nodes inside ``try: ... except ModuleNotFoundError`` blocks (extension points), and those of
-    :data:`GATED` modules inside functions."""
+    """The ``import`` nodes inside ``try: ... except ModuleNotFoundError`` blocks, and those of :data:`GATED` modules
+    inside functions."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -197,8 +201,19 @@ def _optional_imports(tree: ast.Module) -> set:
     return found
 
 
+def series_modules() -> set:
+    """The dotted names of the modules the whole series adds (in NeMo's tree)."""
+    paths = [nemo_path(path) for pr in SERIES for path in pr.files if path.endswith(".py")]
+    return {path[: -len(".py")].replace("/", ".").removesuffix(".__init__") for path in paths}
+
+
 def check_file(path: str, text: str, tree_root: Path) -> List[str]:
-    """Problems of one file as it lands in NeMo's tree (``tree_root`` holds the tree so far, this file included)."""
+    """Problems of one file as it lands in NeMo's tree (``tree_root`` holds the tree so far, this file included).
+
+    An import of a module of :data:`PACKAGE` must find it in the tree by then; in an optional-import block it may
+    name a module a later pull request of the series adds. An import of a module the series never adds is refused,
+    optional or not, but for :data:`GATED` imports in functions and the :data:`PENDING` ones.
+    """
     problems = [
         f"{path}:{n}: {line.strip()[:80]}" for n, line in enumerate(text.splitlines(), 1) if LEFTOVERS.search(line)
     ]
@@ -209,16 +224,26 @@ def check_file(path: str, text: str, tree_root: Path) -> List[str]:
     ]
     if path.endswith(".py"):
         tree = ast.parse(text)
-        optional = _optional_imports(tree)
+        optional, later = _optional_imports(tree), series_modules()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):
-                if id(node) in optional:
+                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names if alias.name.startswith(PACKAGE)]
+            else:
+                continue
+            if not modules:
+                continue
+            target = tree_root / modules[0].replace(".", "/")
+            names = [target.with_suffix(".py"), target / "__init__.py"]
+            names += [tree_root / f"{module.replace('.', '/')}.py" for module in modules[1:]]
+            if not any(name.exists() for name in names):
+                if id(node) in optional and (modules[0].startswith(GATED) or modules[0] in PENDING):
                     continue
-                target = tree_root / node.module.replace(".", "/")
-                names = [target.with_suffix(".py"), target / "__init__.py"]
-                names += [target / f"{alias.name}.py" for alias in node.names]
-                if not any(name.exists() for name in names):
-                    problems.append(f"{path}:{node.lineno}: imports {node.module}, not in the tree yet")
+                if id(node) in optional and any(module in later for module in modules):
+                    continue
+                what = "a module the series never adds" if id(node) in optional else "not in the tree yet"
+                problems.append(f"{path}:{node.lineno}: imports {modules[0]}, {what}")
     return problems
 
 

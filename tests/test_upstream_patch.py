@@ -158,3 +158,27 @@ def test_added_python_follows_nemos_lint(series, tree):
         tree_ = ast.parse((tree / path).read_text())
         if path.startswith("nemo/"):
             assert not any(isinstance(node, ast.Assert) for node in ast.walk(tree_)), f"{path}: assert in library code"
+
+
+def test_the_packager_refuses_an_import_of_a_module_the_series_never_adds(tmp_path):
+    """An optional import of a later addition of the product (which NeMo's tree never gets from the series) is refused
+    like any other; one of a module a later pull request of the series adds is let through at its stage."""
+    (tmp_path / "nemo" / "lightning" / "io" / "consolidation").mkdir(parents=True)
+    package = make_upstream_patch.PACKAGE
+
+    def optional(module: str) -> str:
+        return f"try:\n    import {module} as extension\nexcept ModuleNotFoundError:\n    extension = None\n"
+
+    check = make_upstream_patch.check_file
+    never = f"{package}.training.retention"
+    assert check("nemo/a.py", optional(never), tmp_path) == [
+        f"nemo/a.py:2: imports {never}, a module the series never adds"
+    ]
+    assert check("nemo/a.py", optional(f"{package}.publish"), tmp_path) == []  # the writers pull request adds it
+    assert check("nemo/a.py", f"from {package}.publish import publish_dir\n", tmp_path) == [
+        f"nemo/a.py:1: imports {package}.publish, not in the tree yet"
+    ]
+    assert (
+        never not in make_upstream_patch.series_modules()
+        and f"{package}.publish" in make_upstream_patch.series_modules()
+    )
