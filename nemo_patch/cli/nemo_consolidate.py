@@ -83,10 +83,7 @@ if TYPE_CHECKING:
     from nemo_patch.cli.distributed import LaunchedGroup
     from nemo_patch.engine.consolidate import ConsolidationResult
 
-__all__ = ["DTYPES", "main"]
-
-#: ``--dtype`` values and the ``torch`` dtype each names.
-DTYPES = DTYPE_NAMES
+__all__ = ["main"]
 
 PROG = "nemo-consolidate"
 #: Exit codes that no error class carries (:mod:`nemo_patch.engine.errors` has the others): code -> (a few words for
@@ -558,7 +555,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             print(f"{PROG}: warning: {location.checkpoint_dir} is unfinished; consolidating it anyway "
                   "(--allow-unfinished): the output may be incomplete or wrong", file=sys.stderr)  # fmt: skip
         options = dict(
-            dtype=None if args.dtype is None else getattr(torch, DTYPES[args.dtype]),
+            dtype=None if args.dtype is None else getattr(torch, DTYPE_NAMES[args.dtype]),
             overwrite=args.force,
             verify=args.verify,
             allow_unfinished=args.allow_unfinished,
