@@ -228,16 +228,15 @@ def _tensor_files(weights: Path, layout: str) -> Dict[str, Path]:
 
 def _same_dcp_metadata(one: Path, other: Path) -> bool:
     """Whether two DCP ``.metadata`` files describe the same tensors in the same places (everything but the
-    ``storage_meta`` that names the save: ``save_id``, ``checkpoint_id``), read with the engine's allowlisted
-    unpickler.
+    ``storage_meta`` that names the save: ``save_id``, ``checkpoint_id``), read as a consolidation reads them
+    (:func:`.metadata_checks.read_dcp_metadata`: opcodes bounded first, allowlisted, type-checked).
 
     Raises:
         OSError: either cannot be read; ``pickle.UnpicklingError``: either is not DCP metadata.
     """
-    from nemo_patch.engine.dcp_metadata import load_dcp_metadata
-    from nemo_patch.engine.safe_files import read_regular_file
+    from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
-    a, b = (load_dcp_metadata(read_regular_file(path, 1 << 30)) for path in (one, other))
+    a, b = (read_dcp_metadata(path.parent) for path in (one, other))
     fields = ("state_dict_metadata", "storage_data", "planner_data", "mcore_data")
     return all(getattr(a, name, None) == getattr(b, name, None) for name in fields)
 
