@@ -53,7 +53,7 @@ from nemo_patch.testing.limits import LimitExceeded, address_space_limited, prop
 BYTES_PER_BYTE = 400
 SPARE_BYTES = 32 << 20
 SPARE_ADDRESS_SPACE = 1 << 30
-#: CPU time per byte (the pure-Python unpickler takes about 1 microsecond per opcode), generous for a shared machine.
+#: CPU time per byte (the opcode prescan takes well under 1 microsecond per opcode), generous for a shared machine.
 SECONDS_PER_BYTE = 40e-6
 SPARE_SECONDS = 3.0
 EXAMPLES = int(os.environ.get("NEMO_PATCH_BOUNDS_EXAMPLES", "15"))
