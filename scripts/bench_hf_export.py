@@ -29,8 +29,9 @@ process, one after the other:
 The in-memory row needs about twice the weights in memory; it is skipped (and says so) when the machine has less than
 2.5 times the weights available.
 
-Each row: peak resident memory of the whole process tree (sampled every 20 ms with ``psutil``), over the model's
-weight bytes (the ``.distcp`` files), and wall time, start-up included. Then the lines::
+Each row: peak resident memory of the whole process tree (sampled every 20 ms with ``psutil``; and of the row's own
+process, the kernel's high-water mark), over the model's weight bytes (the ``.distcp`` files), and wall time, start-up
+included. Then the lines::
 
     hf streamed peak RSS / model bytes: X%
     hf in-memory peak RSS / model bytes: Y%
@@ -66,8 +67,11 @@ IN_MEMORY = (
 )
 
 
-def measure(command: List[str]) -> Tuple[int, float]:
-    """Run ``command``; return the peak RSS of its process tree (bytes) and its wall seconds.
+def measure(command: List[str]) -> Tuple[int, float, int]:
+    """Run ``command``; return the peak RSS of its process tree (bytes, sampled), its wall seconds, and the peak RSS
+    of its own process (bytes: the kernel's high-water mark, ``ru_maxrss``, not sampled). A child sampled between
+    ``vfork`` and ``exec`` (a library running ``ninja --version`` or ``lscpu``) shares its parent's memory but shows
+    its RSS, so the sampled tree peak can count the parent twice; the high-water mark cannot.
 
     Raises:
         RuntimeError: it failed (its last output).
@@ -77,7 +81,10 @@ def measure(command: List[str]) -> Tuple[int, float]:
     start = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     root, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
         try:
             tree = [root] + root.children(recursive=True)
             peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
@@ -85,10 +92,11 @@ def measure(command: List[str]) -> Tuple[int, float]:
             pass
         time.sleep(0.02)
     wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
     output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
     if proc.returncode != 0:
         raise RuntimeError(f"{command} failed ({proc.returncode}): {output[-3000:]}")
-    return peak, wall
+    return peak, wall, usage.ru_maxrss * 1024
 
 
 def main() -> int:
@@ -127,18 +135,23 @@ def main() -> int:
         print(f"hf in-memory: skipped, {available / 1e9:.1f} GB available < 2.5 x the weights")
     print(f"model bytes: {weights / 1e9:.2f} GB ({args.layers} layers, hidden {args.hidden_size}); "
           f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")  # fmt: skip
-    rounds: Dict[str, List[Tuple[int, float]]] = {name: [] for name in runs}
+    rounds: Dict[str, List[Tuple[int, float, int]]] = {name: [] for name in runs}
     for round_ in range(args.repeat):
         for name, command in runs.items():
             shutil.rmtree(work / name.replace(" ", "-"), ignore_errors=True)
             rounds[name].append(measure(command))
-            peak, wall = rounds[name][-1]
-            print(f"{name:>13}: peak RSS {peak / 1e6:8.0f} MB ({100 * peak / weights:5.1f}% of the weights), "
-                  f"{wall:6.1f} s" + (f" (round {round_ + 1})" if args.repeat > 1 else ""))  # fmt: skip
-    results = {name: (max(p for p, _ in got), statistics.median(w for _, w in got)) for name, got in rounds.items()}
+            peak, wall, own = rounds[name][-1]
+            print(f"{name:>13}: peak RSS {peak / 1e6:8.0f} MB ({100 * peak / weights:5.1f}% of the weights; its own "
+                  f"process {own / 1e6:.0f} MB), {wall:6.1f} s"
+                  + (f" (round {round_ + 1})" if args.repeat > 1 else ""))  # fmt: skip
+    results = {
+        name: (max(g[0] for g in got), statistics.median(g[1] for g in got), max(g[2] for g in got))
+        for name, got in rounds.items()
+    }
     if args.repeat > 1:
-        for name, (peak, wall) in results.items():
-            print(f"{name:>13}: largest peak RSS {peak / 1e6:8.0f} MB, median time {wall:6.1f} s")
+        for name, (peak, wall, own) in results.items():
+            print(f"{name:>13}: largest peak RSS {peak / 1e6:8.0f} MB (own process {own / 1e6:.0f} MB), "
+                  f"median time {wall:6.1f} s")  # fmt: skip
     above = (results["hf streamed"][0] - results["imports only"][0]) / weights
     print(f"hf streamed peak RSS above the imports' baseline / model bytes: {100 * above:.0f}%")
     if "hf in-memory" in results:
@@ -146,6 +159,8 @@ def main() -> int:
         same = all(path.read_bytes() == (in_memory / path.name).read_bytes() for path in streamed)
         print(f"hf streamed and in-memory safetensors files byte-identical: {same}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    own = results["hf streamed"][2] / weights
+    print(f"hf streamed peak RSS of its own process (kernel high-water mark) / model bytes: {100 * own:.0f}%")
     print(f"hf streamed peak RSS / model bytes: {100 * results['hf streamed'][0] / weights:.0f}%")
     if "hf in-memory" in results:
         print(f"hf in-memory peak RSS / model bytes: {100 * results['hf in-memory'][0] / weights:.0f}%")
