@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from nemo.lightning.pytorch.strategies import MegatronStrategy
 from safetensors.torch import load_file
 
+from nemo_patch.training import policy
+from nemo_patch.training import queue as queue_module
+from nemo_patch.training import worker
 from nemo_patch.training.callback import consolidation_of
 from nemo_patch.training.config import ConsolidationConfig
+from nemo_patch.training.settings import ConsolidationSettings
 
 pytestmark = [pytest.mark.unit, pytest.mark.run_only_on("CPU")]
 
@@ -86,7 +91,14 @@ def main():
     from nemo.lightning.pytorch.plugins import MegatronDataSampler
     from torch.utils.data import DataLoader
 
-    out, hooks = Path(sys.argv[1]), []
+    out, hooks, observed = Path(sys.argv[1]), [], []
+    from nemo_patch.training.schedule import ConsolidationObserver, register_observer
+
+    class Published(ConsolidationObserver):  # an extension's observer, registered as an extension registers it
+        def on_published(self, save):
+            observed.append(save.path.name)
+
+    register_observer(Published)
 
     class Hooks(pl.Callback):
         def on_consolidation_end(self, trainer, pl_module, result):
@@ -125,7 +137,7 @@ def main():
     torch.save(state, out / "final_state.pt")
     root = out / "tiny" / "checkpoints"
     (out / "report.json").write_text(json.dumps({
-        "hooks": hooks, "async_save": strategy.async_save, "global_step": trainer.global_step,
+        "hooks": hooks, "observed": observed, "async_save": strategy.async_save, "global_step": trainer.global_step,
         "latest": str(root / "LATEST") if (root / "LATEST").is_symlink() else None,
         "latest_target": str((root / "LATEST").resolve()) if (root / "LATEST").is_symlink() else None}))
 
@@ -204,8 +216,58 @@ class TestMegatronStrategyConsolidation:
                 expected[name.removeprefix("module.")] = tensor
         assert tensors.keys() == expected.keys()
         assert all(torch.equal(tensors[name], expected[name]) for name in expected)
+        assert report["observed"] == [newest.name]  # a registered observer sees the output published
         if IN_NEMO:  # LATEST and the callbacks' hooks come with later pull requests (docs/UPSTREAM.md)
             assert report["latest"] is None and report["hooks"] == []
         else:
             assert Path(report["latest_target"]).name == newest.name
             assert report["hooks"] == [{"checkpoint": newest.name, "global_step": 4}]
+
+    def test_a_launcher_and_an_extension_module_reach_the_consolidation_process(self, tmp_path, monkeypatch):
+        """``worker.PROCESS_LAUNCHERS`` changes the process's command line and environment; the ``--extension``
+        module it names is set up in the process, before it serves, with the training process's pid (docs/UPSTREAM.md:
+        in NeMo's tree the process has imported torch by then)."""
+        (tmp_path / "probe_extension.py").write_text(
+            "import os, sys\n"
+            "def extend_worker(parent):\n"
+            "    open(os.environ['PROBE_OUT'], 'w').write(f'{parent} {\"torch\" in sys.modules}')\n"
+        )
+
+        def launch(args, environ):
+            env = dict(environ, PROBE_OUT=str(tmp_path / "probe.txt"))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), environ.get("PYTHONPATH")]))
+            return [*args, "--parent", str(os.getpid()), "--extension", "probe_extension"], env
+
+        monkeypatch.setattr(worker, "PROCESS_LAUNCHERS", [launch])
+        monkeypatch.setattr(queue_module, "PROCESS_LAUNCHERS", [launch])
+        queue = queue_module.ConsolidationQueue(lambda save, error: None, ConsolidationSettings(frequency="each"))
+        queue.start_process()
+        try:
+            deadline = time.monotonic() + 120
+            while not queue._server.ready and queue._server.alive and time.monotonic() < deadline:
+                queue._server.result()
+                time.sleep(0.1)
+            assert queue._server.ready
+        finally:
+            queue.close()
+        parent, torch_imported = (tmp_path / "probe.txt").read_text().split()
+        assert parent == str(os.getpid())
+        # set up before the worker imports torch; in NeMo's tree ``import nemo.lightning`` (the package) already did
+        assert torch_imported == str(IN_NEMO)
+
+    def test_an_extension_adds_a_cadence_and_phases(self, monkeypatch):
+        monkeypatch.setattr(policy, "_MORE_CADENCES", list(policy._MORE_CADENCES))
+        monkeypatch.setattr(policy, "_PHASES", list(policy._PHASES))
+        monkeypatch.setattr(policy, "ACCEPTED_FREQUENCIES", policy.ACCEPTED_FREQUENCIES)
+
+        def phases(value, parse_cadence):
+            return [parse_cadence(item)[0] for item in value.split(";")], False
+
+        if not IN_NEMO:  # the overlay registered its own ("best", phases) when it was imported
+            assert "best" in policy._MORE_CADENCES and policy._PHASES
+        else:
+            with pytest.raises(ValueError, match="'best' is not a cadence"):
+                policy.parse_consolidation_frequency("best")
+        policy.extend_cadences(("best",), phases, ' or "<cadence>;<cadence>@<global step>"')
+        assert str(policy.parse_consolidation_frequency("each;best@10")) == "each; best@10"
+        assert policy.ACCEPTED_FREQUENCIES.endswith(' or "<cadence>;<cadence>@<global step>"')
