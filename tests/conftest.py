@@ -24,10 +24,13 @@ callback group) from leaking between runs.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -79,9 +82,50 @@ def run_fit_process(out: Path, *, stock: bool = False, **options: Any) -> subpro
         args.append("--stock")
         env["NEMO_PATCH_DISABLE"] = "1"
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    # its own process group, output to files: the fit's end is its process's exit, not the end of every pipe a
+    # process it started may hold; what of the group outlives it is named and killed (a die: fault kills the group)
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        process = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=REPO, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            _stop_group(process.pid, grace=0.0)
+            process.wait()
+            raise
+        left = _stop_group(process.pid, grace=30.0)
+        stdout.seek(0)
+        stderr.seek(0)
+        proc = subprocess.CompletedProcess(
+            args, returncode, stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+        )
     (out / "fit.log").write_text(proc.stdout + proc.stderr)
+    if left:
+        pytest.fail(f"processes of the fit outlived it (killed now): {left}\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc
+
+
+def _stop_group(group: int, grace: float) -> List[str]:
+    """Wait up to ``grace`` seconds for the processes of process group ``group`` to end, then SIGKILL what is left;
+    returns the command lines of those killed (a process group's members from ``/proc``, as ps(1) reads them)."""
+    deadline = time.monotonic() + grace
+    while True:
+        members = {}
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if entry.name.isdigit() and fields[0] != "Z" and int(fields[2]) == group:
+                    members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            except (OSError, IndexError, ValueError):
+                continue
+        if not members or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if members:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return [f"{pid}: {cmdline}" for pid, cmdline in sorted(members.items())]
 
 
 def consolidated_names(report: Dict[str, Any]) -> list:

@@ -147,10 +147,14 @@ def test_a_command_that_runs_on_delays_later_consolidations_not_training_and_is_
         record_hooks=True,
     )  # fmt: skip
     assert report["global_step"] == 8 and sorted(map(int, report["val_loss"])) == [2, 4, 6, 8]
-    # the first best output's command ran through training: one consolidation; of the later best checkpoints (4 and
-    # 6), one waited behind it and was dropped when fit ended, the other was skipped beyond the bound
-    assert report["completed_steps"] == [2] and len(report["skipped"]) == 1
-    assert _scalars(report, "consolidation/skipped")[-1][1] >= 1
+    # the first best output's command ran through training: one consolidation; the later best checkpoints (4 and 6)
+    # waited behind it and were dropped when fit ended, or one was skipped beyond the bound (the bound holds once the
+    # process is ready: on a loaded machine its start-up outlasts the saves of 4 and 6, and both wait)
+    log = (out / "fit.log").read_text()
+    (dropped,) = re.findall(r"\[NeMo E [^\]]*\] Checkpoint consolidation did not finish .* dropping (\d+) queued", log)
+    assert report["completed_steps"] == [2] and len(report["skipped"]) + int(dropped) == 2
+    if report["skipped"]:
+        assert _scalars(report, "consolidation/skipped")[-1][1] >= 1
     assert 8 <= report["end_wait_seconds"] < 60  # the end of fit waited ConsolidationConfig.timeout, not the command
     calls = _hooks(out)
     assert [(call["hook"], call["global_step"]) for call in calls] == [("end", 2)]
@@ -164,5 +168,4 @@ def test_a_command_that_runs_on_delays_later_consolidations_not_training_and_is_
     (pid,) = [int(line) for line in pids.read_text().split()]
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # nothing of the command's process group is left
-    log = (out / "fit.log").read_text()
     assert len(re.findall(r"\[NeMo W [^\]]*\] After publishing .* post command was stopped after", log)) == 1

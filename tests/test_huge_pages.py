@@ -65,10 +65,22 @@ def test_torch_marks_large_tensors_for_huge_pages_only_after_prefer_huge_pages_b
 
 
 @pytest.mark.parametrize(
-    "entry",
-    ["from nemo_patch.cli.nemo_consolidate import main", "from nemo_patch.training.worker import main"],
+    "entry, arguments",
+    [
+        ("from nemo_patch.cli.nemo_consolidate import main", []),
+        # as the overlay starts it (nemo_patch.overlay.extensions.launch), less --parent: no parent to die with here
+        ("from nemo_patch.training.worker import main", ["--extension", "nemo_patch.overlay.extensions"]),
+    ],
     ids=["nemo-consolidate", "consolidation-process"],
 )
-def test_the_consolidating_entry_points_turn_it_on_before_torch(entry, tmp_path):
-    code = f"{entry}\nmain([{str(tmp_path / 'missing')!r}])\n" + HUGE  # fails on the path, after the switch
+def test_the_consolidating_entry_points_turn_it_on_before_torch(entry, arguments, tmp_path):
+    argv = [str(tmp_path / "missing"), *arguments]
+    code = f"{entry}\nmain({argv!r})\n" + HUGE  # fails on the path, after the switch
     assert _run(code) == ["True"]
+
+
+def test_the_overlay_starts_its_consolidation_process_with_the_extension_that_turns_it_on():
+    from nemo_patch.overlay.extensions import launch
+
+    args, _ = launch(["checkpoint"], {})
+    assert args[args.index("--extension") + 1] == "nemo_patch.overlay.extensions"

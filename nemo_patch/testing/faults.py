@@ -129,12 +129,15 @@ def _descendants(pid: int) -> List[int]:
 
 
 def _kill_job() -> None:
-    """SIGKILL every process this one started, then this one."""
+    """SIGKILL every process this one started, then this one: its whole process group where it leads one (the
+    kernel's group kill also takes a process another thread is forking meanwhile, which a listing misses)."""
     for pid in _descendants(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
