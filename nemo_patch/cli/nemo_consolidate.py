@@ -637,17 +637,10 @@ def checkpoint_global_step(checkpoint_dir: Path) -> Optional[int]:
     ``global_step`` in its ``weights/common.pt`` (what the training run records for the same checkpoint), else the one
     NeMo's ``step=<N>`` in its name gives (``N + 1``: NeMo names a checkpoint after the step before Lightning counts
     it), else ``None``."""
-    import torch
+    from nemo_patch.engine.save_identity import common_global_step, global_step_in_name
 
-    from nemo_patch.engine.best_checkpoint import read_common_state
-    from nemo_patch.engine.checkpoint_root import global_step_in_name
-
-    step = (read_common_state(checkpoint_dir) or {}).get("global_step")
-    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
-        step = int(step.item())
-    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-        return step
-    return global_step_in_name(checkpoint_dir.name)
+    step = common_global_step(checkpoint_dir)
+    return global_step_in_name(checkpoint_dir.name) if step is None else step
 
 
 def _post_command(args: argparse.Namespace, location: "CheckpointLocation", result: "ConsolidationResult") -> int:
