@@ -144,7 +144,7 @@ def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
         if not stat.S_ISDIR(os.lstat(output_dir).st_mode):  # a link planted there is nobody's output
             return False
         manifest = read_json_file(output_dir / "metadata.json")
-        weights = checkpoint / "weights" if (checkpoint / "weights").is_dir() else checkpoint
+        weights = _weights(checkpoint)
         if not isinstance(manifest, dict) or manifest.get("source_metadata") != source_fingerprint(weights):
             return False
         if "linked_from" in manifest and not isinstance(manifest.get("linked"), dict):
@@ -283,15 +283,6 @@ def same_state(one: Path, other: Path) -> Optional[str]:
         return "bytes" if all(_same_bytes(files_a[name], files_b[name]) for name in sorted(files_a)) else None
     except (OSError, pickle.UnpicklingError):
         return None
-
-
-def _same_output_files(one: Path, other: Path) -> bool:
-    """Whether two outputs hold the same files (hard links: their first ``*.safetensors`` file is one file)."""
-    try:
-        first = min(path.name for path in one.iterdir() if path.name.endswith(".safetensors"))
-        return os.path.samefile(one / first, other / first)
-    except (OSError, ValueError):
-        return False
 
 
 @contextlib.contextmanager
@@ -719,6 +710,7 @@ class Watcher:
             set_aside_non_link,
             update_latest_pointer,
         )
+        from nemo_patch.training.retention import same_output_files
 
         link = self.root / LATEST_NAME
         try:
@@ -727,7 +719,7 @@ class Watcher:
             current = pointed_output(self.root, (self.output_name, "consolidated", "hf"))
             if current is not None and not moves_forward(self._order(self._output(checkpoint)), self._order(current)):
                 return
-            if current is not None and checkpoint.copy and _same_output_files(current, self._output(checkpoint)):
+            if current is not None and checkpoint.copy and same_output_files(current, self._output(checkpoint)):
                 return  # a -last copy holding the output LATEST names (its links): LATEST stays on the step's own
             aside = set_aside_non_link(self.root)
             if aside is not None:

@@ -83,6 +83,7 @@ __all__ = [
     "repoint_latest",
     "retain_output",
     "retained_name",
+    "same_output_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path, run: O
         kept_from = metadata.get("retained_from") if isinstance(metadata, dict) else None
         if not isinstance(kept_from, str) or retained_name(Path(kept_from)) != name:
             continue
-        if check_files and not _same_files(source, entry / output_name):
+        if check_files and not same_output_files(source, entry / output_name):
             continue
         if not check_files and _run_of(metadata) != run:
             continue
@@ -234,7 +235,7 @@ def _unique_entry(retained_root: Path, name: str, output_name: str) -> Path:
     return entry
 
 
-def _same_files(one: Path, other: Path) -> bool:
+def same_output_files(one: Path, other: Path) -> bool:
     """Whether two outputs hold the same files (hard links: the first tensor file of ``one`` is ``other``'s)."""
     try:
         first = min(path.name for path in one.iterdir() if path.name.endswith(".safetensors"))
@@ -268,12 +269,12 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     except (OSError, ValueError):
         return None
     same = checkpoint_dir.parent / RETAINED_DIRNAME / retained_name(checkpoint_dir)
-    if _same_files(source, same / output_name):  # kept already (a -last copy of a step whose output was kept)
+    if same_output_files(source, same / output_name):  # kept already (a -last copy of a step whose output was kept)
         return None
     entry = _unique_entry(checkpoint_dir.parent / RETAINED_DIRNAME, retained_name(checkpoint_dir), output_name)
     if is_copy_name(checkpoint_dir.name):
         others = consolidated_outputs(checkpoint_dir.parent, output_name)
-        if any(other.entry != checkpoint_dir and _same_files(source, other.output_dir) for other in others):
+        if any(other.entry != checkpoint_dir and same_output_files(source, other.output_dir) for other in others):
             return None
     created = not entry.exists()
     entry.mkdir(parents=True, exist_ok=True)
@@ -305,7 +306,7 @@ def _held_elsewhere(checkpoint_dir: Path, output_name: str) -> bool:
     """Whether another complete output of the root holds the same files as the checkpoint's (a ``-last`` copy's)."""
     source = checkpoint_dir / output_name
     others = consolidated_outputs(checkpoint_dir.parent, output_name)
-    return any(other.entry != checkpoint_dir and _same_files(source, other.output_dir) for other in others)
+    return any(other.entry != checkpoint_dir and same_output_files(source, other.output_dir) for other in others)
 
 
 def _is_plain_file(path: Path) -> bool:
@@ -462,7 +463,7 @@ def repoint_latest(
         return target
     owner, step, readable = _owner(target, output_name, run)
     own = [o for o in consolidated_outputs(root, output_name) if o.entry != removing and o.run == owner]
-    same = [o for o in own if readable and _same_files(target / output_name, o.output_dir)]
+    same = [o for o in own if readable and same_output_files(target / output_name, o.output_dir)]
     older = [o for o in own if step is None or o.global_step < step]
     remaining = same or older
     if remaining:
