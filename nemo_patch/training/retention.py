@@ -124,15 +124,6 @@ def _metadata(output_dir: Path) -> Optional[Dict[str, Any]]:
     return metadata if isinstance(metadata, dict) else None
 
 
-def _global_step(output_dir: Path) -> Optional[int]:
-    """The ``global_step`` in ``<output_dir>/metadata.json``, ``-1`` if it records none, ``None`` if incomplete."""
-    metadata = _metadata(output_dir)
-    if metadata is None:
-        return None
-    step = metadata.get("global_step")
-    return int(step) if isinstance(step, int) else -1
-
-
 def _run_of(metadata: Dict[str, Any]) -> Optional[str]:
     run = metadata.get("run")
     return run if isinstance(run, str) else None
@@ -202,7 +193,7 @@ def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path, run: O
     retained_root = root / RETAINED_DIRNAME
     name = retained_name(checkpoint_dir)
     source = Path(checkpoint_dir) / output_name
-    check_files = _global_step(source) is not None
+    check_files = _metadata(source) is not None
     found = []
     try:
         entries = [path for path in retained_root.iterdir() if path.is_dir() and not path.name.startswith(".")]
@@ -403,7 +394,7 @@ def repoint_best(root: Path, output_name: str, removing: Path, run: Optional[str
         return target
     owner, _, _ = _owner(target, output_name, run)
     entry = retained_entry_of(root, output_name, removing, owner)
-    if entry is not None and _global_step(entry / output_name) is not None:
+    if entry is not None and _metadata(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (%s)", removing.name, _relative(entry, root), _why(removing))
         return entry
@@ -421,10 +412,10 @@ def repair_best(root: Path, output_name: str, run: Optional[str] = None) -> Opti
         What ``BEST`` names afterwards (``None``: no pointer).
     """
     target = _pointer_target(root, BEST_NAME)
-    if target is None or _global_step(target / output_name) is not None:
+    if target is None or _metadata(target / output_name) is not None:
         return target
     entry = retained_entry_of(root, output_name, target, run)
-    if entry is not None and _global_step(entry / output_name) is not None:
+    if entry is not None and _metadata(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (its checkpoint is gone)", target.name, _relative(entry, root))
         return entry
@@ -459,7 +450,7 @@ def repoint_latest(
     if target is None:
         return None
     removing = Path(os.path.normpath(removing)) if removing is not None else None
-    if target != removing and _global_step(target / output_name) is not None:
+    if target != removing and _metadata(target / output_name) is not None:
         return target
     owner, step, readable = _owner(target, output_name, run)
     own = [o for o in consolidated_outputs(root, output_name) if o.entry != removing and o.run == owner]
@@ -547,7 +538,7 @@ class Observer(ConsolidationObserver):
         failure to keep (disk full, a link limit) is logged, leaves no entry behind, and the pointers still move."""
         coordinator = self.coordinator
         name, keep, root = coordinator.settings.output_dirname, coordinator.settings.config.keep, checkpoint_dir.parent
-        if keep == 0 and _global_step(checkpoint_dir / name) is not None:
+        if keep == 0 and _metadata(checkpoint_dir / name) is not None:
             logger.info(
                 "The consolidated output of %s goes with its checkpoint, which NeMo is removing "
                 "(ConsolidationConfig.keep=0)",
@@ -567,7 +558,7 @@ class Observer(ConsolidationObserver):
             else:
                 if (
                     entry is None
-                    and _global_step(checkpoint_dir / name) is not None
+                    and _metadata(checkpoint_dir / name) is not None
                     and not _held_elsewhere(checkpoint_dir, name)
                 ):
                     logger.warning(
