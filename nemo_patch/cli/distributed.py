@@ -269,10 +269,8 @@ class LaunchedGroup:
                 self._wait(work, deadline)
         self._sends.clear()
         self._joined = False
-        try:
+        with contextlib.suppress(Exception):  # leaving a group whose peers are gone
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - leaving a group whose peers are gone
-            pass
 
     # --- messages ---
 
@@ -294,10 +292,8 @@ class LaunchedGroup:
             return self._failure(error, deadline)
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed connection: waiting for the peer's message finds it lost
             self._sends.append((peer, dist.isend(tensor, peer, tag=tag), tensor))
-        except RuntimeError:
-            pass  # the connection to the peer is closed: waiting for the peer's own message finds it lost
 
     def _send_text(self, text: str, peer: int, tag: int) -> None:
         data = text.encode()

@@ -35,6 +35,7 @@ lock is taken. Exit codes: 0; 3 when ``ROOT`` does not exist; 4 when it holds no
 """
 
 import argparse
+import contextlib
 import json
 import os
 import stat
@@ -117,13 +118,10 @@ def _header_dtypes(path: Path) -> List[str]:
 
 def _size_on_disk(output: Path) -> int:
     total = 0
-    try:
-        with os.scandir(output) as entries:
-            for entry in entries:
-                if entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), os.scandir(output) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
     return total
 
 

@@ -222,10 +222,8 @@ def _installed_version() -> str:
     the overlay): the distribution named after the top-level package, else the one that ships that package."""
     package = __name__.split(".")[0]
     names = [package.replace("_", "-")]
-    try:
+    with contextlib.suppress(Exception):  # a broken distribution elsewhere must not break --version
         names += metadata.packages_distributions().get(package, [])
-    except Exception:  # a broken distribution elsewhere must not break --version
-        pass
     for name in names:
         try:
             return f"{name} {metadata.version(name)}"

@@ -45,6 +45,7 @@ is brought up to date before it returns. A journal that cannot be written (disk 
 Standard library and the training side's schedule only.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -105,12 +106,8 @@ def write_journal(root: Path, due: List[Dict[str, Any]], run: Optional[str] = No
     """
     path = root / JOURNAL_NAME
     if not due:
-        try:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # a directory: not a journal of this run's
             path.unlink()
-        except FileNotFoundError:
-            pass
-        except IsADirectoryError:  # not a journal: nothing of this run's to remove
-            pass
         return
     data = (json.dumps({"version": JOURNAL_VERSION, "run": run, "due": due}, indent=1) + "\n").encode()
     tmp = root / f"{JOURNAL_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -125,10 +122,8 @@ def write_journal(root: Path, due: List[Dict[str, Any]], run: Optional[str] = No
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass
         raise
 
 
@@ -258,10 +253,8 @@ def _unchanged_since(checkpoint: Path, identity: Optional[Tuple[int, ...]], jour
         return _portable(now) == _portable(identity)
     mtimes = []
     for name in (".metadata", "metadata.json"):
-        try:
+        with contextlib.suppress(OSError):
             mtimes.append(os.stat(checkpoint / "weights" / name).st_mtime_ns)
-        except OSError:
-            pass
     return bool(mtimes) and max(mtimes) <= journal_mtime_ns
 
 

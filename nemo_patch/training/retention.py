@@ -45,6 +45,7 @@ the root's entries only one level deep and picks ``*-last``/``*-end`` checkpoint
 layout and publishing helpers and the training side's schedule and ``LATEST`` only: never NeMo or Lightning.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -285,10 +286,8 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
         if log_kept:
             kept_log.unlink(missing_ok=True)
         if created:  # link_output removed its staging directory: the entry is empty again
-            try:
+            with contextlib.suppress(OSError):
                 entry.rmdir()
-            except OSError:
-                pass
         raise
     return entry
 
