@@ -44,24 +44,15 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from nemo_patch.cli.watch import human_size, output_is_complete
+from nemo_patch.cli.watch import ONE_CHECKPOINT_OPTIONS, given_options, human_size, output_is_complete
 from nemo_patch.engine.errors import CheckpointNotFoundError, ConsolidationError, NotACheckpointError
 from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
 from nemo_patch.engine.run_checkpoints import list_run_checkpoints
 
 __all__ = ["add_list_options", "check_list_arguments", "format_listing", "list_root", "run_list"]
 
-#: Options of a consolidation that mean nothing to ``--list``.
-_NOT_WITH_LIST = {
-    "watch": "--watch",
-    "out": "--out",
-    "best": "--best",
-    "force": "--force",
-    "allow_unfinished": "--allow-unfinished",
-    "merge_adapters": "--merge-adapters",
-    "base_checkpoint": "--base-checkpoint",
-    "post_command": "--post-command",
-}
+#: Options (argparse's names) of a consolidation that mean nothing to ``--list``.
+_NOT_WITH_LIST = ("watch", *ONE_CHECKPOINT_OPTIONS, "post_command")
 #: safetensors' dtype names -> the names ``--dtype`` and ``torch`` use.
 _DTYPES = {"F64": "fp64", "F32": "fp32", "BF16": "bf16", "F16": "fp16", "F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2",
            "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
@@ -85,7 +76,7 @@ def check_list_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         if args.json:
             parser.error("--json only with --list")
         return False
-    given = [flag for name, flag in _NOT_WITH_LIST.items() if getattr(args, name, None) not in (None, False)]
+    given = given_options(args, _NOT_WITH_LIST)
     if given:
         parser.error(f"--list writes nothing: {', '.join(given)} cannot be used with it")
     return True

@@ -72,7 +72,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, TextIO, Tuple
 
 from nemo_patch.engine.errors import ConsolidationError, UnfinishedCheckpointError, UnsupportedFormatError
 from nemo_patch.engine.run_checkpoints import (
@@ -891,15 +891,13 @@ def human_size(size: float) -> str:
 
 # -- the command line -------------------------------------------------------------------------------------------------
 
-#: Options of a one-checkpoint run that mean nothing to the watcher.
-_ONE_CHECKPOINT_OPTIONS = {
-    "out": "--out",
-    "best": "--best",
-    "force": "--force",
-    "allow_unfinished": "--allow-unfinished",
-    "merge_adapters": "--merge-adapters",
-    "base_checkpoint": "--base-checkpoint",
-}
+#: Options (argparse's names) of a one-checkpoint run that mean nothing to the watcher.
+ONE_CHECKPOINT_OPTIONS = ("out", "best", "force", "allow_unfinished", "merge_adapters", "base_checkpoint")
+
+
+def given_options(args: argparse.Namespace, names: Iterable[str]) -> List[str]:
+    """The flags (``--base-checkpoint``) of the options ``names`` (argparse's ``dest``) given on the command line."""
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name, None) not in (None, False)]
 
 
 def add_watch_options(parser: argparse.ArgumentParser) -> None:
@@ -934,12 +932,11 @@ def check_watch_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     from nemo_patch.training.policy import parse_consolidation_frequency
 
     if not args.watch:
-        given = [flag for flag in ("--frequency", "--until-idle", "--poll-interval")
-                 if getattr(args, flag[2:].replace("-", "_")) is not None]  # fmt: skip
+        given = given_options(args, ("frequency", "until_idle", "poll_interval"))
         if given:
             parser.error(f"{', '.join(given)} only with --watch")
         return None
-    given = [flag for name, flag in _ONE_CHECKPOINT_OPTIONS.items() if getattr(args, name, None) not in (None, False)]
+    given = given_options(args, ONE_CHECKPOINT_OPTIONS)
     if given:
         parser.error(f"--watch consolidates each checkpoint into its own directory: {', '.join(given)} cannot be used")
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
