@@ -148,8 +148,8 @@ def read_journal(root: Path) -> Tuple[List[Any], Optional[str], Optional[str]]:
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
-            return [], None, "it is a directory, not the file this package writes (this run cannot keep a journal "
-            "while it is there)"
+            why = "this run cannot keep a journal while it is there"
+            return [], None, f"it is a directory, not the file this package writes ({why})"
         if not stat.S_ISREG(info.st_mode):
             return [], None, "it is not a regular file"
         if info.st_size > _JOURNAL_MAX_BYTES:
@@ -178,14 +178,8 @@ def read_journal(root: Path) -> Tuple[List[Any], Optional[str], Optional[str]]:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         return [], None, f"its version is {_show(version)}, not one this package writes"
     if version > JOURNAL_VERSION:
-        return (
-            [],
-            None,
-            (
-                f"it was written by a newer nemo-patch (journal version {version}; this one reads {JOURNAL_VERSION}): "
-                "consolidate what it lists with that version or with nemo-consolidate"
-            ),
-        )
+        why = f"it was written by a newer nemo-patch (journal version {version}; this one reads {JOURNAL_VERSION})"
+        return [], None, f"{why}: consolidate what it lists with that version or with nemo-consolidate"
     run = journal.get("run")
     return journal["due"], run if isinstance(run, str) and _RUN.fullmatch(run) else None, None
 
