@@ -78,7 +78,7 @@ import stat
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Set, Tuple, Union
 
 from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.export.errors import UntrustedContextError
@@ -226,25 +226,30 @@ def _io_json(context_dir: Union[str, Path]) -> Any:
 def _scan(context_dir: Union[str, Path]) -> Tuple[Set[Tuple[str, str]], bool]:
     """The references of ``io.json`` and whether the file mentions ``trust_remote_code``."""
     path = Path(context_dir) / _IO_JSON
-    data = _io_json(context_dir)
     found: Set[Tuple[str, str]] = set()
     remote_code = False
-    stack: List[Any] = [data]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            if "module" in value and "name" in value:
-                module, name = value["module"], value["name"]
-                if not isinstance(module, str) or not isinstance(name, str):
-                    raise UntrustedContextError(f"{path}: a reference {value!r:.200} that is not a module and a name")
-                found.add((module, name))
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
+    for value in _values(_io_json(context_dir)):
+        if isinstance(value, dict) and "module" in value and "name" in value:
+            module, name = value["module"], value["name"]
+            if not isinstance(module, str) or not isinstance(name, str):
+                raise UntrustedContextError(f"{path}: a reference {value!r:.200} that is not a module and a name")
+            found.add((module, name))
         elif isinstance(value, str) and "trust_remote_code" in value:
             remote_code = True
     return found, remote_code
+
+
+def _values(data: Any) -> Iterator[Any]:
+    """Every value of a JSON document, depth first, its objects' keys included."""
+    stack: List[Any] = [data]
+    while stack:
+        item = stack.pop()
+        yield item
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _under(module: str, prefixes: Tuple[str, ...]) -> bool:
@@ -323,19 +328,6 @@ def check_context_trusted(context_dir: Union[str, Path], trust: bool = False) ->
         )
 
 
-def _strings(value: Any) -> Iterator[str]:
-    stack: List[Any] = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str):
-            yield item
-
-
 def _bounded_or_directory(path: Path, status: os.stat_result) -> Optional[str]:
     """Why ``path`` may not be opened by NeMo, or ``None`` for a directory or a regular file of bounded size."""
     if stat.S_ISDIR(status.st_mode):
@@ -351,23 +343,12 @@ def _hub_artifacts(data: Any) -> List[str]:
     """The names the hub artifacts of ``io.json`` hold: fiddle configs of a :data:`HUB_ARTIFACTS` class (NeMo saves one
     for a name that was no path when the context was written), by their ``attr``."""
     found = []
-    for value in _objects(data):
-        if _referenced_callable(data, value.get("metadata")) in HUB_ARTIFACTS:
+    for value in _values(data):
+        if isinstance(value, dict) and _referenced_callable(data, value.get("metadata")) in HUB_ARTIFACTS:
             attr = next((item[1] for item in value.get("items") or [] if isinstance(item, list) and len(item) == 2
                          and item[0] == "Attr(name='attr')"), None)  # fmt: skip
             found.append(str(attr.get("value") if isinstance(attr, dict) else attr))
     return found
-
-
-def _objects(data: Any) -> Iterator[Dict[str, Any]]:
-    stack: List[Any] = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            yield item
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
 
 
 def _referenced_callable(data: Any, metadata: Any) -> Optional[Tuple[Any, Any]]:
@@ -419,8 +400,8 @@ def check_context_files(context_dir: Union[str, Path]) -> None:
         except OSError as error:
             raise UntrustedContextError(f"Cannot list {directory}: {error}") from error
     data = _io_json(context_dir)
-    for text in _strings(data):
-        if not text or "\0" in text or len(text) > 4096:
+    for text in _values(data):
+        if not isinstance(text, str) or not text or "\0" in text or len(text) > 4096:
             continue
         path = Path(text) if os.path.isabs(text) else context_dir / text
         try:
