@@ -367,14 +367,6 @@ def _differs(expected: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return expected != value
 
 
-def _unravel(flat: int, shape: Tuple[int, ...]) -> List[int]:
-    index = []
-    for size in reversed(shape):
-        index.append(flat % size)
-        flat //= size
-    return index[::-1]
-
-
 def _trace(
     step: Any,
     name: str,
@@ -447,10 +439,11 @@ def _mismatch(
         if not math.isnan(code):
             k = int(code - 1) // 4
             source, start, shape = next(span for span in spans if span[1] <= k < span[1] + math.prod(span[2]))
+            index = [int(i) for i in torch.unravel_index(torch.tensor(k - start), shape)]
             return (
-                f"Tensor {source} in {written.file(source)} differs from the checkpoint at "
-                f"{_unravel(k - start, shape)}: NeMo's {importer_name} puts that element in {name} at {position}, "
-                f"where the checkpoint holds {held!r}, not {got!r}"
+                f"Tensor {source} in {written.file(source)} differs from the checkpoint at {index}: NeMo's "
+                f"{importer_name} puts that element in {name} at {position}, where the checkpoint holds {held!r}, not "
+                f"{got!r}"
             )
     return (
         f"{_gives(made_from, written, name, importer_name)}, which differs from the checkpoint's at {position}: "
