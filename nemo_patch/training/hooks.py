@@ -26,11 +26,10 @@ trainer's loggers at the checkpoint's global step and calls, on every callback o
 and uploads belong in the post command, which runs in the consolidation process). An exception in a hook is logged
 (the first of each hook with its traceback, later ones at debug level) and never fails training.
 
-Standard library and the engine's post command result only: never NeMo or Lightning (the trainer is duck-typed).
+Standard library, the engine's post command and safe file reads only: never NeMo or Lightning (a duck-typed trainer).
 """
 
 import dataclasses
-import json
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from nemo_patch.engine.post_command import PostCommandResult, post_command_log_path, record_result
 from nemo_patch.engine.post_command import run_post_command as run_command
+from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver
 
 __all__ = [
@@ -101,12 +101,10 @@ class ConsolidationOutcome:
 
 
 def read_metadata(output_dir: Path) -> Dict[str, Any]:
-    """An output's ``metadata.json`` as a dict; ``{}`` when it is missing, too large or not a JSON object."""
-    path = Path(output_dir) / "metadata.json"
+    """An output's ``metadata.json`` as a dict; ``{}`` when it is missing, too large, not a regular file or not a JSON
+    object."""
     try:
-        if path.stat().st_size > _METADATA_MAX_BYTES:
-            return {}
-        value = json.loads(path.read_text())
+        value = read_json_file(Path(output_dir) / "metadata.json", _METADATA_MAX_BYTES)
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
