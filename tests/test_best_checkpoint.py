@@ -85,6 +85,7 @@ def test_the_state_of_the_newest_finished_checkpoint_wins_and_gives_the_mode(run
 def test_without_a_readable_state_the_names_decide_leaving_out_last_copies(run):
     root, paths = run
     _checkpoint(root, 8, 1.0, last=True)  # NeMo's -last copies are not ranked (nemo_topk_check_previous_run)
+    _checkpoint(root, 9, 0.9, last=True).rename(root / "m--val_loss=0.9000-step=8-last-v1")  # a second fit's copy
     _checkpoint(root, 10, 0.5, finished=False)  # nor unfinished checkpoints
     best = find_best_checkpoint(root)
     assert (best.checkpoint_dir, best.value, best.source) == (paths[4], 3.2, "checkpoint names")

@@ -217,7 +217,7 @@ def list_root(path: Path, verify: bool = False) -> Dict[str, Any]:
         NotACheckpointError: it holds no checkpoint and no retained output.
         OSError: it cannot be listed.
     """
-    from nemo_patch.engine.checkpoint_root import checkpoint_root, global_step_in_name
+    from nemo_patch.engine.checkpoint_root import checkpoint_root, global_step_in_name, is_copy_name
 
     if not os.path.lexists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")
@@ -233,7 +233,7 @@ def list_root(path: Path, verify: bool = False) -> Dict[str, Any]:
         step = global_step_in_name(unfinished.name)
         if step is None and unfinished.name.startswith("iter_") and unfinished.name[5:].isdigit():
             step = int(unfinished.name[5:])
-        found.append((step, "-last" in unfinished.name, unfinished.name, unfinished, why))
+        found.append((step, is_copy_name(unfinished.name), unfinished.name, unfinished, why))
     found.sort(key=lambda item: (item[0] is None, item[0] or 0, item[1], item[2]))
     same_step = {checkpoint.path: [other.path for other in listing.finished if other.global_step ==
                                    checkpoint.global_step and other.path != checkpoint.path]

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
-from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
+from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first, is_copy_name
 from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
     ConsolidationError,
@@ -143,7 +143,7 @@ def _from_names(root: Path, candidates: List[Path], monitor: str, mode: str) -> 
     scored = []
     for candidate in candidates:
         match = pattern.search(candidate.name)
-        if match and not candidate.name.endswith("-last") and _finished(candidate):
+        if match and not is_copy_name(candidate.name) and _finished(candidate):
             scored.append((float(match.group(1)), candidate))
     if not scored:
         raise NoMonitoredMetricError(
