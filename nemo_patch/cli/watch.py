@@ -65,7 +65,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import stat
 import sys
@@ -618,6 +617,7 @@ class Watcher:
         why the two are one state (``"run"`` or ``"bytes"``). A checkpoint of another save of the step is left to be
         consolidated on its own."""
         from nemo_patch.engine.digests import source_fingerprint
+        from nemo_patch.engine.publish import link_output
         from nemo_patch.engine.safe_files import read_json_file
         from nemo_patch.engine.save_identity import recorded_identity, save_identity
 
@@ -644,7 +644,9 @@ class Watcher:
                 )
                 text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
                 check = self._check_still_finished(other, self._save_of(other.path))
-                self._link_output(self._output(origin), target, text.encode(), check)
+                # staged in the root, as a consolidation is: nothing is created inside the copy's directory before the
+                # rename (NeMo's removal of the copy would meet it); published only if the copy is still that save
+                link_output(self._output(origin), target, {"metadata.json": text.encode()}, self.root, check)
             except (OSError, ValueError, AttributeError, ConsolidationError, _SavedAgain) as error:
                 self._once(other.path, f"{other.path.name}: not linked to {origin.path.name}'s output: "
                                        f"{_one_line(error)}")  # fmt: skip
@@ -652,38 +654,6 @@ class Watcher:
             self.tally.linked += 1
             self.say(f"Linked {other.path.name} (global step {other.global_step}) -> {origin.path.name}'s output "
                      f"(the same state: {'same run and step' if how == 'run' else 'byte-equal weights'})")  # fmt: skip
-
-    def _link_output(self, source: Path, target: Path, metadata: bytes, before_publish: Callable[[], None]) -> None:
-        """Publish ``target`` with ``source``'s files as hard links (copies where links fail) and ``metadata`` as its
-        ``metadata.json``: staged in the root, as a consolidation is (nothing is created inside the copy's directory
-        before the rename, which NeMo's removal of the copy would meet), and published only if ``before_publish``
-        passes (the copy is still finished, still the save whose digest ``metadata`` records)."""
-        from nemo_patch.engine import publish
-
-        tmp_dir = publish.make_tmp_dir(self.root)
-        try:
-            with os.scandir(source) as entries:
-                names = sorted(entry.name for entry in entries)
-            for name in names:
-                if name == publish.TMP_LOCK_NAME:
-                    continue
-                if name == "metadata.json":
-                    with open(tmp_dir / name, "xb") as handle:
-                        handle.write(metadata)
-                        handle.flush()
-                        os.fsync(handle.fileno())
-                    continue
-                if not stat.S_ISREG(os.lstat(source / name).st_mode):
-                    raise OSError(errno.EINVAL, "not a regular file in the output", str(source / name))
-                try:
-                    os.link(source / name, tmp_dir / name, follow_symlinks=False)
-                except OSError:
-                    shutil.copyfile(source / name, tmp_dir / name, follow_symlinks=False)
-            before_publish()
-            publish.publish_dir(tmp_dir, target)
-        except BaseException:
-            publish.remove_tmp_dir(tmp_dir)
-            raise
 
     def _order(self, output: Path) -> Any:
         """:func:`nemo_patch.training.latest.output_order` of an output, read again only when its ``metadata.json``

@@ -48,6 +48,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import threading
 import time
@@ -476,42 +477,55 @@ def staged_output(
 
 
 def link_output(
-    source_output: Union[str, Path], output_dir: Union[str, Path], replace_files: Optional[Mapping[str, bytes]] = None
+    source_output: Union[str, Path],
+    output_dir: Union[str, Path],
+    replace_files: Optional[Mapping[str, bytes]] = None,
+    staging_parent: Optional[Union[str, Path]] = None,
+    before_publish: Optional[Callable[[], None]] = None,
 ) -> Path:
     """Publish ``output_dir`` with the same files as ``source_output``, without recomputing them.
 
-    Files are hard-linked where the filesystem allows and copied otherwise, into a staging directory next to
-    ``output_dir`` that is then renamed into place (an existing ``output_dir`` is replaced as :func:`publish_dir`
+    Files are hard-linked where the filesystem allows and copied otherwise (never through a symbolic link), into a
+    staging directory that is then renamed into place (an existing ``output_dir`` is replaced as :func:`publish_dir`
     does: only a previous output or an empty directory).
 
     Args:
-        source_output: an existing output directory.
+        source_output: an existing output directory (regular files only).
         output_dir: the new output directory (its parent must exist).
         replace_files: file name -> bytes written (and fsynced) instead of linking that file of ``source_output``.
+        staging_parent: where the staging directory is made, on ``output_dir``'s filesystem (default: its parent).
+        before_publish: called right before the rename; what it raises publishes nothing.
 
     Returns:
         ``output_dir``.
 
     Raises:
-        OSError: if the files cannot be linked, copied or written (nothing is left behind); ``FileExistsError`` if
-            ``output_dir`` is something else than a previous output or an empty directory.
+        OSError: if the files cannot be linked, copied or written, or ``source_output`` holds something else than a
+            regular file (nothing is left behind); ``FileExistsError`` if ``output_dir`` is something else than a
+            previous output or an empty directory.
     """
     source_output, output_dir = Path(source_output), Path(output_dir)
     replace_files = dict(replace_files or {})
-    tmp_dir = make_tmp_dir(output_dir.parent)
+    tmp_dir = make_tmp_dir(output_dir.parent if staging_parent is None else Path(staging_parent))
     try:
         for source in sorted(source_output.iterdir()):
             target = tmp_dir / source.name
+            if source.name == TMP_LOCK_NAME:  # the staging directory holds its own
+                continue
             if source.name in replace_files:
-                with open(target, "wb") as handle:
+                with open(target, "xb") as handle:
                     handle.write(replace_files[source.name])
                     handle.flush()
                     os.fsync(handle.fileno())
                 continue
+            if not stat.S_ISREG(os.lstat(source).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file in the output", str(source))
             try:
-                os.link(source, target)
+                os.link(source, target, follow_symlinks=False)
             except OSError:
-                shutil.copy2(source, target)
+                shutil.copy2(source, target, follow_symlinks=False)
+        if before_publish is not None:
+            before_publish()
         publish_dir(tmp_dir, output_dir)
     except BaseException:
         remove_tmp_dir(tmp_dir)
