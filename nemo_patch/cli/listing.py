@@ -48,6 +48,7 @@ from nemo_patch.cli.watch import ONE_CHECKPOINT_OPTIONS, given_options, human_si
 from nemo_patch.engine.errors import CheckpointNotFoundError, ConsolidationError, NotACheckpointError
 from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
 from nemo_patch.engine.run_checkpoints import list_run_checkpoints
+from nemo_patch.training.latest import read_output_metadata
 
 __all__ = ["add_list_options", "check_list_arguments", "format_listing", "list_root", "run_list"]
 
@@ -80,16 +81,6 @@ def check_list_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
     if given:
         parser.error(f"--list writes nothing: {', '.join(given)} cannot be used with it")
     return True
-
-
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    from nemo_patch.engine.safe_files import read_json_file
-
-    try:
-        data = read_json_file(path)
-    except (OSError, ValueError, ConsolidationError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _header_dtypes(path: Path) -> List[str]:
@@ -139,7 +130,7 @@ def _recorded_run(manifest: Dict[str, Any]) -> Optional[str]:
 
 def _output_row(checkpoint: Optional[Path], output: Path, verify: bool) -> Dict[str, Any]:
     """What one output directory is (see the module docstring); ``checkpoint`` is ``None`` for a retained output."""
-    manifest = _read_json(output / "metadata.json") or {}
+    manifest = read_output_metadata(output) or {}
     files: Dict[str, Any] = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
     names = sorted(name for name in files if isinstance(name, str) and name.endswith(".safetensors"))
     if not names:

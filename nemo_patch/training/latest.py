@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint, looks_like_checkpoint
 from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
@@ -49,6 +49,7 @@ __all__ = [
     "output_order",
     "pointed_output",
     "read_latest_pointer",
+    "read_output_metadata",
     "remove_latest_pointer",
     "set_aside_non_link",
     "update_latest_pointer",
@@ -76,17 +77,25 @@ class OutputOrder:
     global_step: int
 
 
-def output_order(output_dir: Union[str, Path]) -> Optional[OutputOrder]:
-    """The :class:`OutputOrder` of an output (a checkpoint's ``consolidated/``/``hf/`` or a retained one's), read from
-    its own ``metadata.json``; ``None`` when that cannot be read (no output there, a link, malformed JSON)."""
+def read_output_metadata(output_dir: Union[str, Path]) -> Optional[Dict[str, Any]]:
+    """``<output_dir>/metadata.json`` (a bounded regular file holding a JSON object), ``None`` when it cannot be read
+    (no output there, a link or a FIFO, malformed JSON, not an object)."""
     from nemo_patch.engine.safe_files import read_json_file
-    from nemo_patch.engine.save_identity import SaveIdentity, order_key
 
     try:
         manifest = read_json_file(Path(output_dir) / "metadata.json")
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict):
+    return manifest if isinstance(manifest, dict) else None
+
+
+def output_order(output_dir: Union[str, Path]) -> Optional[OutputOrder]:
+    """The :class:`OutputOrder` of an output (a checkpoint's ``consolidated/``/``hf/`` or a retained one's), read from
+    its own ``metadata.json``; ``None`` when that cannot be read (:func:`read_output_metadata`)."""
+    from nemo_patch.engine.save_identity import SaveIdentity, order_key
+
+    manifest = read_output_metadata(output_dir)
+    if manifest is None:
         return None
     try:
         identity: Optional[SaveIdentity] = SaveIdentity.from_json(manifest.get("save"))

@@ -66,6 +66,7 @@ from nemo_patch.training.latest import (
     moves_forward,
     output_order,
     pointed_output,
+    read_output_metadata,
     remove_latest_pointer,
     set_aside_non_link,
     update_latest_pointer,
@@ -116,15 +117,6 @@ def retained_name(checkpoint_dir: Path) -> str:
     return without_copy_suffix(Path(checkpoint_dir).name)
 
 
-def _metadata(output_dir: Path) -> Optional[Dict[str, Any]]:
-    """``<output_dir>/metadata.json``, ``None`` if the output is incomplete (no readable JSON object there)."""
-    try:
-        metadata = json.loads((output_dir / METADATA_FILENAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return metadata if isinstance(metadata, dict) else None
-
-
 def _run_of(metadata: Dict[str, Any]) -> Optional[str]:
     run = metadata.get("run")
     return run if isinstance(run, str) else None
@@ -132,7 +124,7 @@ def _run_of(metadata: Dict[str, Any]) -> Optional[str]:
 
 def output_run(output_dir: Path) -> Optional[str]:
     """The run that made the output (``"run"`` in its ``metadata.json``), ``None`` if it records none."""
-    metadata = _metadata(output_dir)
+    metadata = read_output_metadata(output_dir)
     return None if metadata is None else _run_of(metadata)
 
 
@@ -161,7 +153,7 @@ def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutpu
             continue
         if not retained and (entry.name.endswith(UNFINISHED_SUFFIX) or is_marked_unfinished(entry)):
             continue
-        metadata = _metadata(entry / output_name)
+        metadata = read_output_metadata(entry / output_name)
         if metadata is not None:
             step = metadata.get("global_step")
             step = int(step) if isinstance(step, int) else -1
@@ -194,7 +186,7 @@ def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path, run: O
     retained_root = root / RETAINED_DIRNAME
     name = retained_name(checkpoint_dir)
     source = Path(checkpoint_dir) / output_name
-    check_files = _metadata(source) is not None
+    check_files = read_output_metadata(source) is not None
     found = []
     try:
         entries = [path for path in retained_root.iterdir() if path.is_dir() and not path.name.startswith(".")]
@@ -365,7 +357,7 @@ def _pointer_target(root: Path, name: str = LATEST_NAME) -> Optional[Path]:
 def _owner(target: Path, output_name: str, run: Optional[str]) -> Tuple[Optional[str], Optional[int], bool]:
     """Whose output a pointer names: ``(run, global step, readable)`` from its ``metadata.json``; when that cannot be
     read (the output is gone), ``(run, None, False)``: the caller's run, the one that looks after the pointer."""
-    metadata = _metadata(target / output_name)
+    metadata = read_output_metadata(target / output_name)
     if metadata is None:
         return run, None, False
     step = metadata.get("global_step")
@@ -393,7 +385,7 @@ def repoint_best(root: Path, output_name: str, removing: Path, run: Optional[str
         return target
     owner, _, _ = _owner(target, output_name, run)
     entry = retained_entry_of(root, output_name, removing, owner)
-    if entry is not None and _metadata(entry / output_name) is not None:
+    if entry is not None and read_output_metadata(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (%s)", removing.name, _relative(entry, root), _why(removing))
         return entry
@@ -411,10 +403,10 @@ def repair_best(root: Path, output_name: str, run: Optional[str] = None) -> Opti
         What ``BEST`` names afterwards (``None``: no pointer).
     """
     target = _pointer_target(root, BEST_NAME)
-    if target is None or _metadata(target / output_name) is not None:
+    if target is None or read_output_metadata(target / output_name) is not None:
         return target
     entry = retained_entry_of(root, output_name, target, run)
-    if entry is not None and _metadata(entry / output_name) is not None:
+    if entry is not None and read_output_metadata(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
         logger.info("BEST moved from %s to %s (its checkpoint is gone)", target.name, _relative(entry, root))
         return entry
@@ -449,7 +441,7 @@ def repoint_latest(
     if target is None:
         return None
     removing = Path(os.path.normpath(removing)) if removing is not None else None
-    if target != removing and _metadata(target / output_name) is not None:
+    if target != removing and read_output_metadata(target / output_name) is not None:
         return target
     owner, step, readable = _owner(target, output_name, run)
     own = [o for o in consolidated_outputs(root, output_name) if o.entry != removing and o.run == owner]
@@ -537,7 +529,7 @@ class Observer(ConsolidationObserver):
         failure to keep (disk full, a link limit) is logged, leaves no entry behind, and the pointers still move."""
         coordinator = self.coordinator
         name, keep, root = coordinator.settings.output_dirname, coordinator.settings.config.keep, checkpoint_dir.parent
-        if keep == 0 and _metadata(checkpoint_dir / name) is not None:
+        if keep == 0 and read_output_metadata(checkpoint_dir / name) is not None:
             logger.info(
                 "The consolidated output of %s goes with its checkpoint, which NeMo is removing "
                 "(ConsolidationConfig.keep=0)",
@@ -557,7 +549,7 @@ class Observer(ConsolidationObserver):
             else:
                 if (
                     entry is None
-                    and _metadata(checkpoint_dir / name) is not None
+                    and read_output_metadata(checkpoint_dir / name) is not None
                     and not _held_elsewhere(checkpoint_dir, name)
                 ):
                     logger.warning(
