@@ -375,3 +375,47 @@ def test_a_family_fine_tuned_with_hf_consolidation_gives_the_trained_model(
     ):
         assert not torch.equal(trained.get_tensor("model.layers.0.mlp.down_proj.weight"),
                                imported.get_tensor("model.layers.0.mlp.down_proj.weight"))  # fmt: skip
+
+
+def test_an_export_whose_checkpoint_is_saved_again_while_it_is_read_publishes_nothing(
+    imported_llama, tmp_path, monkeypatch
+):
+    """The streamed export reads the first tensor while the checkpoint is being saved again (forced: the old save's
+    ``weights/`` removed, the read made, the new save's files written). The landed export raised "Cannot read the
+    weights of ...", a failure a sidecar never retries; it now says the save changed, and publishes nothing."""
+    import nemo_patch.export.hf as hf
+    from nemo_patch.engine.errors import CorruptShardError
+    from nemo_patch.engine.save_identity import is_save_changed
+
+    checkpoint, output = tmp_path / "nemo", tmp_path / "hf"
+    shutil.copytree(imported_llama / "nemo", checkpoint)
+    open_sources, reads = hf.open_sources, []
+
+    def open_during_a_new_save(*args, **kwargs):
+        sources = open_sources(*args, **kwargs)
+        producer = sources.producer
+
+        def producer_during_a_new_save(*p_args, **p_kwargs):
+            produce = producer(*p_args, **p_kwargs)
+
+            def produce_one(spec):
+                if not reads:  # the first tensor: the checkpoint is saved again under its name (new files)
+                    reads.append(spec)
+                    saved = tmp_path / "new-save"
+                    shutil.move(checkpoint / "weights", saved)
+                    try:
+                        return produce(spec)
+                    finally:
+                        shutil.copytree(saved, checkpoint / "weights")
+                return produce(spec)
+
+            return produce_one
+
+        sources.producer = producer_during_a_new_save
+        return sources
+
+    monkeypatch.setattr(hf, "open_sources", open_during_a_new_save)
+    with pytest.raises(CorruptShardError, match="saved again while it was read") as info:
+        hf.export_hf_checkpoint(checkpoint, output, trust_context=True)
+    assert reads and is_save_changed(info.value)
+    assert not output.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

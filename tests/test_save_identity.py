@@ -169,6 +169,37 @@ def test_a_zarr_checkpoint_saved_again_while_it_is_read_publishes_nothing(saves,
     assert recorded_identity(output) == save_identity(checkpoint)
 
 
+def test_a_read_that_fails_because_the_checkpoint_is_saved_again_says_so(saves, tmp_path, monkeypatch):
+    """A zarr checkpoint saved again while a tensor is read: the reader meets the window in which the old save's
+    array is gone and the new one not yet there (forced here: the reader's open of an array is made to fall inside
+    the new save's writing, which on CI happened by chance between the reader thread and the save). The landed code
+    raised "Cannot read zarr array ...: FileNotFoundError", a failure a sidecar never retries; the error now says the
+    save changed, and nothing is published."""
+    import nemo_patch.engine.zarr_reader as zarr_reader
+
+    checkpoint, output = tmp_path / NAME, tmp_path / "out"
+    _place(saves["zarr", 0], checkpoint)
+    open_below, opened = zarr_reader._open_below, []
+
+    def open_during_a_new_save(root, parts):
+        if len(opened) == 3:  # the first tensor's array and chunk read: now the checkpoint is saved again
+            shutil.rmtree(checkpoint / "weights")
+            try:
+                return open_below(root, parts)
+            finally:
+                shutil.copytree(saves["zarr", 1] / "weights", checkpoint / "weights")
+                opened.append("saved again")
+        opened.append(parts)
+        return open_below(root, parts)
+
+    monkeypatch.setattr(zarr_reader, "_open_below", open_during_a_new_save)
+    with pytest.raises(CorruptShardError, match="saved again while it was read") as info:
+        consolidate_checkpoint(checkpoint, output, workers=1)
+    assert "saved again" in opened and isinstance(info.value.__cause__, (CorruptShardError, OSError))
+    assert is_save_changed(info.value)
+    assert not output.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def _rewrite_in_place(source: Path, target: Path) -> None:
     """Write ``source``'s bytes into ``target``'s existing file (same inode), as a save in place does."""
     with open(target, "r+b") as handle:

@@ -53,6 +53,7 @@ from nemo_patch.engine.digests import (
     source_fingerprint,
     verify_digests,
 )
+from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
     CONSOLIDATED_DIRNAME,
@@ -64,7 +65,7 @@ from nemo_patch.engine.output_layout import (
 from nemo_patch.engine.output_target import check_output_target, refuse_an_output_as_checkpoint, refuse_remote
 from nemo_patch.engine.plan import OutputTensor, TensorSpec
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header, write_file
-from nemo_patch.engine.save_identity import SaveIdentity, check_unchanged, save_identity
+from nemo_patch.engine.save_identity import SaveIdentity, check_unchanged, save_identity, saved_again_instead
 from nemo_patch.engine.stage_times import StageTimes, stage_times
 from nemo_patch.engine.tensor_sources import Sources, merged_reader, open_sources
 from nemo_patch.engine.verify import (
@@ -455,7 +456,14 @@ def consolidate_checkpoint(
         before_publish,
     )
     job = steps.consolidation(checkpoint_dir, output_dir, max_shard_size=max_shard_size, overwrite=overwrite)
-    outputs = job.run()
+    try:
+        outputs = job.run()
+    except (ConsolidationError, OSError) as error:  # a read that failed because the checkpoint was saved again
+        if steps.location is not None and steps.identity is not None:
+            changed = saved_again_instead(steps.location.checkpoint_dir, steps.identity, error)
+            if changed is not None:
+                raise changed from error
+        raise
     total = sum(output.spec.nbytes for output in outputs)
     logger.info(
         "Consolidated %s -> %s (%d tensors, %d bytes)", job.checkpoint_dir, job.output_dir, len(outputs), total

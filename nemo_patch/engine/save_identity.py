@@ -61,10 +61,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Tuple, Union, cast
 
-from nemo_patch.engine.errors import CorruptShardError, UnfinishedCheckpointError
+from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, UnfinishedCheckpointError
 
 __all__ = [
     "saved_again_error",
+    "saved_again_instead",
     "SaveIdentity",
     "check_unchanged",
     "in_progress",
@@ -435,6 +436,30 @@ def check_unchanged(
     if unfinished is not None and not allow_unfinished:
         raise UnfinishedCheckpointError(unfinished)
     return before
+
+
+def saved_again_instead(
+    checkpoint_dir: Union[str, Path], before: SaveIdentity, error: BaseException
+) -> Optional[CorruptShardError]:
+    """What to raise instead of ``error``, a failure while reading the save ``before``: a :func:`saved_again_error`
+    when the checkpoint holds another save now (a file of the old save vanished or changed under the reader because
+    it was saved again: the cause to report, which a sidecar retries), else ``None`` (``error`` stands; also when
+    which save it holds cannot be told).
+
+    Args:
+        checkpoint_dir: the checkpoint that was being read.
+        before: its :func:`save_identity`, taken before it was read.
+        error: what the read raised.
+    """
+    if is_save_changed(error):
+        return None
+    try:
+        check_unchanged(checkpoint_dir, before, allow_unfinished=True)
+    except CorruptShardError as changed:
+        return changed if is_save_changed(changed) else None
+    except (ConsolidationError, OSError):
+        return None
+    return None
 
 
 def recorded_identity(output_dir: Union[str, Path]) -> Optional[SaveIdentity]:

@@ -81,7 +81,7 @@ from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, FORMAT_VERSION, HF_DIRNAME, METADATA_FILENAME
 from nemo_patch.engine.output_target import check_output_target, refuse_remote
 from nemo_patch.engine.publish import staged_output
-from nemo_patch.engine.save_identity import check_unchanged, save_identity
+from nemo_patch.engine.save_identity import check_unchanged, save_identity, saved_again_instead
 from nemo_patch.engine.tensor_sources import open_sources
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
@@ -734,8 +734,14 @@ def export_hf_checkpoint(
     requested_dtype = dtype
     failure = f"Exporting {ckpt_dir} to Hugging Face"
     with staged_output(ckpt_dir, output_dir, overwrite, failure, "hf-", staging_dir, before_publish) as tmp_dir:
-        with loading():  # the exporter loads the context's tokenizer
-            saved = _run_exporter(exporter, tmp_dir)
+        try:
+            with loading():  # the exporter loads the context's tokenizer
+                saved = _run_exporter(exporter, tmp_dir)
+        except (ConsolidationError, OSError) as error:  # a read that failed because the checkpoint was saved again
+            changed = saved_again_instead(ckpt_dir, identity, error)
+            if changed is not None:
+                raise changed from error
+            raise
         written = _written_names(tmp_dir)
         total_bytes = sum(saved[n].numel() * saved[n].element_size() for n in written if n in saved)
         if verify:
