@@ -90,7 +90,7 @@ while not os.path.exists(stop):
     if (after.st_ino, after.st_ctime_ns) != (before.st_ino, before.st_ctime_ns):  # renamed meanwhile (ctime)
         continue
     seen += 1
-    directories.add(before.st_ino)
+    directories.add((before.st_ino, before.st_ctime_ns))  # a new directory may reuse a removed one's inode number
     if found is None or sorted(found) != sorted(expected) or any(
             found[name] != size for name, size in expected.items() if name.endswith(".safetensors")):
         wrong.append(found)
