@@ -36,7 +36,8 @@ pins=(
   nvidia-modelopt==0.37.0 PuLP==3.3.2 torchprofile==0.1.0     # llm.api (llm.train) and checkpoint saving
   nvidia-resiliency-ext==0.4.1 defusedxml==0.7.1              # NeMoLogger's local-checkpoint callback check
   fiddle==0.3.1 absl-py==2.5.1 libcst==1.9.0 graphviz==0.21 cloudpickle==3.0.0 wrapt==2.5.2
-  omegaconf==2.3.0 hydra-core==1.3.2 onnx==1.17.0 protobuf==5.29.6
+  omegaconf==2.3.0 hydra-core==1.3.2 onnx==1.17.0  # protobuf: the machine's (7.x); 5.29 broke its tensorboard
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5  # nv-one-logger; not there
   nv-one-logger-core==2.3.1 nv-one-logger-training-telemetry==2.3.1
   nv-one-logger-pytorch-lightning-integration==2.3.1 StrEnum==0.4.15 overrides==7.7.0 toml==0.10.2
   datasets==4.0.0 multiprocess==0.70.16 dill==0.3.8

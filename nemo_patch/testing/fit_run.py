@@ -440,10 +440,14 @@ def _probe_logits(model: Any, root: Path) -> float:
 
     trained = next(m for m in model.modules() if isinstance(m, MCoreGPTModel)).eval()
     parameter = next(trained.parameters())
+    # on a GPU node both models on the GPU: Lightning's teardown moved the trained one to the CPU, and megatron-core's
+    # attention takes its buffer from the current CUDA device
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else parameter.device
+    trained = trained.to(device)
     fresh = model.config.configure_model(tokenizer=None).eval()
     nemo_patch.load_consolidated_into(fresh, root / "LATEST" / "consolidated")
-    fresh = fresh.to(device=parameter.device, dtype=parameter.dtype)  # bf16 weights stay the same bits
-    batch = {key: value.to(parameter.device) for key, value in _probe_batch().items()}
+    fresh = fresh.to(device=device, dtype=parameter.dtype)  # bf16 weights stay the same bits
+    batch = {key: value.to(device) for key, value in _probe_batch().items()}
     with torch.no_grad():
         expected = trained(batch["tokens"], batch["position_ids"], batch["attention_mask"])
         actual = fresh(batch["tokens"], batch["position_ids"], batch["attention_mask"])
