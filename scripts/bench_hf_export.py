@@ -30,15 +30,21 @@ The in-memory row needs about twice the weights in memory; it is skipped (and sa
 2.5 times the weights available.
 
 Each row: peak resident memory of the whole process tree (sampled every 20 ms with ``psutil``; and of the row's own
-process, the kernel's high-water mark), over the model's weight bytes (the ``.distcp`` files), and wall time, start-up
-included. Then the lines::
+process, the kernel's high-water mark), over the model's weight bytes (the ``.distcp`` files); wall time with start-up;
+and the time of the work alone, measured by the row's process after its imports (torch and the engine; NeMo's exporter
+and ``transformers`` for the ``hf`` rows), which is what the training-time consolidation process and ``--watch``, that
+import once, pay per checkpoint. Then the lines::
 
     hf streamed peak RSS / model bytes: X%
     hf in-memory peak RSS / model bytes: Y%
+    hf streamed time with start-up / safetensors time with start-up: W.WWx
     hf streamed time / safetensors time: Z.ZZx
 
-On a shared machine the times vary by 2x from one round to the next (the imports' time most: the outputs written
-evict the libraries' pages from the page cache); ``--repeat`` runs all rows that many times, in turn.
+(``Z``: the work alone; ``W``: the one-shot command, NeMo's imports included).
+
+Before each row, earlier rows' writes are synced and the checkpoint's files are read once (the page cache holds them
+for every row alike). The times still vary from one round to the next (the write-back of the outputs most; on a shared
+machine by up to 2x); ``--repeat`` runs all rows that many times, in turn.
 
 Usage: ``python scripts/bench_hf_export.py [--work DIR] [--layers 46] [--hidden-size 1024]``. The entry point is
 guarded: NeMo's importer spawns processes that import the main module again.
@@ -46,6 +52,7 @@ guarded: NeMo's importer spawns processes that import the main module again.
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -61,15 +68,44 @@ IMPORTS = (
     "from nemo.lightning import io; from nemo.collections.llm.gpt.model import llama; "
     "from transformers import LlamaForCausalLM"
 )
-IN_MEMORY = (
-    "import sys; from nemo_patch.export.hf import export_hf_checkpoint; "
+#: What every row imports before its clock for the work starts: torch and the engine (the ``safetensors`` row's
+#: start-up); the ``hf`` rows add :data:`IMPORTS`.
+ENGINE_IMPORTS = "import torch; import nemo_patch.cli.nemo_consolidate; import nemo_patch.engine.consolidate"
+#: A row's process: its imports, then ``WORK`` timed by the process itself and printed as ``work seconds: S`` (the
+#: row's time without its start-up, which the training-time consolidation process and ``--watch`` pay once).
+ROW = (
+    "import sys, time; {imports}; started = time.perf_counter(); {work}; "
+    "print(f'work seconds: {{time.perf_counter() - started:.3f}}', flush=True)"
+)
+CLI_WORK = "code = nemo_patch.cli.nemo_consolidate.main(sys.argv[1:]); code and sys.exit(code)"
+IN_MEMORY_WORK = (
+    "from nemo_patch.export.hf import export_hf_checkpoint; "
     "export_hf_checkpoint(sys.argv[1], sys.argv[2], stream=False)"
 )
 
 
-def measure(command: List[str]) -> Tuple[int, float, int]:
-    """Run ``command``; return the peak RSS of its process tree (bytes, sampled), its wall seconds, and the peak RSS
-    of its own process (bytes: the kernel's high-water mark, ``ru_maxrss``, not sampled). A child sampled between
+def settle(checkpoint: Path) -> None:
+    """The same start for every row: earlier rows' written data made durable (``sync``), and the checkpoint's files
+    read once, so that each row reads them from the page cache (an earlier row's outputs, or the in-memory row's
+    memory, may have evicted them)."""
+    os.sync()
+    for path in sorted(checkpoint.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+
+
+def row(imports: str, work: str, *args: str) -> List[str]:
+    """A row's command line: a Python process that imports ``imports``, then runs ``work`` (with ``args`` as
+    ``sys.argv[1:]``) and prints its seconds (:data:`ROW`)."""
+    return [sys.executable, "-c", ROW.format(imports=imports, work=work), *args]
+
+
+def measure(command: List[str]) -> Tuple[int, float, int, float]:
+    """Run ``command``; return the peak RSS of its process tree (bytes, sampled), its wall seconds, the peak RSS
+    of its own process (bytes: the kernel's high-water mark, ``ru_maxrss``, not sampled), and the seconds of its work
+    (its ``work seconds:`` line; the wall seconds where it prints none). A child sampled between
     ``vfork`` and ``exec`` (a library running ``ninja --version`` or ``lscpu``) shares its parent's memory but shows
     its RSS, so the sampled tree peak can count the parent twice; the high-water mark cannot.
 
@@ -96,7 +132,8 @@ def measure(command: List[str]) -> Tuple[int, float, int]:
     output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
     if proc.returncode != 0:
         raise RuntimeError(f"{command} failed ({proc.returncode}): {output[-3000:]}")
-    return peak, wall, usage.ru_maxrss * 1024
+    found = re.findall(r"^work seconds: ([0-9.]+)$", output, re.MULTILINE)
+    return peak, wall, usage.ru_maxrss * 1024, float(found[-1]) if found else wall
 
 
 def main() -> int:
@@ -120,14 +157,17 @@ def main() -> int:
         print(f"checkpoint made with NeMo's importer in {time.perf_counter() - started:.0f} s")
     checkpoint = model / "nemo"
     weights = sum(path.stat().st_size for path in (checkpoint / "weights").glob("*.distcp"))
-    cli = [sys.executable, "-m", "nemo_patch.cli.nemo_consolidate", str(checkpoint), "--quiet", "--force"]
+    cli = [str(checkpoint), "--quiet", "--force"]
     import psutil
 
+    hf_imports = f"{ENGINE_IMPORTS}; {IMPORTS}"
     runs = {
-        "hf streamed": cli + ["--format", "hf", "--trust-context", "--out", str(work / "hf-streamed")],
-        "hf in-memory": [sys.executable, "-c", IN_MEMORY, str(checkpoint), str(work / "hf-in-memory")],
-        "safetensors": cli + ["--workers", "1", "--out", str(work / "safetensors")],
-        "imports only": [sys.executable, "-c", IMPORTS],
+        "hf streamed": row(
+            hf_imports, CLI_WORK, *cli, "--format", "hf", "--trust-context", "--out", str(work / "hf-streamed")
+        ),
+        "hf in-memory": row(hf_imports, IN_MEMORY_WORK, str(checkpoint), str(work / "hf-in-memory")),
+        "safetensors": row(ENGINE_IMPORTS, CLI_WORK, *cli, "--workers", "1", "--out", str(work / "safetensors")),
+        "imports only": row(hf_imports, "pass"),
     }
     available = psutil.virtual_memory().available
     if available < 2.5 * weights:
@@ -135,23 +175,29 @@ def main() -> int:
         print(f"hf in-memory: skipped, {available / 1e9:.1f} GB available < 2.5 x the weights")
     print(f"model bytes: {weights / 1e9:.2f} GB ({args.layers} layers, hidden {args.hidden_size}); "
           f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")  # fmt: skip
-    rounds: Dict[str, List[Tuple[int, float, int]]] = {name: [] for name in runs}
+    rounds: Dict[str, List[Tuple[int, float, int, float]]] = {name: [] for name in runs}
     for round_ in range(args.repeat):
         for name, command in runs.items():
             shutil.rmtree(work / name.replace(" ", "-"), ignore_errors=True)
+            settle(checkpoint)
             rounds[name].append(measure(command))
-            peak, wall, own = rounds[name][-1]
+            peak, wall, own, busy = rounds[name][-1]
             print(f"{name:>13}: peak RSS {peak / 1e6:8.0f} MB ({100 * peak / weights:5.1f}% of the weights; its own "
-                  f"process {own / 1e6:.0f} MB), {wall:6.1f} s"
+                  f"process {own / 1e6:.0f} MB), {wall:6.1f} s, {busy:6.1f} s without start-up"
                   + (f" (round {round_ + 1})" if args.repeat > 1 else ""))  # fmt: skip
     results = {
-        name: (max(g[0] for g in got), statistics.median(g[1] for g in got), max(g[2] for g in got))
+        name: (
+            max(g[0] for g in got),
+            statistics.median(g[1] for g in got),
+            max(g[2] for g in got),
+            statistics.median(g[3] for g in got),
+        )
         for name, got in rounds.items()
     }
     if args.repeat > 1:
-        for name, (peak, wall, own) in results.items():
+        for name, (peak, wall, own, busy) in results.items():
             print(f"{name:>13}: largest peak RSS {peak / 1e6:8.0f} MB (own process {own / 1e6:.0f} MB), "
-                  f"median time {wall:6.1f} s")  # fmt: skip
+                  f"median time {wall:6.1f} s, {busy:6.1f} s without start-up")  # fmt: skip
     above = (results["hf streamed"][0] - results["imports only"][0]) / weights
     print(f"hf streamed peak RSS above the imports' baseline / model bytes: {100 * above:.0f}%")
     if "hf in-memory" in results:
@@ -164,7 +210,11 @@ def main() -> int:
     print(f"hf streamed peak RSS / model bytes: {100 * results['hf streamed'][0] / weights:.0f}%")
     if "hf in-memory" in results:
         print(f"hf in-memory peak RSS / model bytes: {100 * results['hf in-memory'][0] / weights:.0f}%")
-    print(f"hf streamed time / safetensors time: {results['hf streamed'][1] / results['safetensors'][1]:.2f}x")
+    print(
+        f"hf streamed time with start-up / safetensors time with start-up: "
+        f"{results['hf streamed'][1] / results['safetensors'][1]:.2f}x"
+    )
+    print(f"hf streamed time / safetensors time: {results['hf streamed'][3] / results['safetensors'][3]:.2f}x")
     if args.work is None:
         shutil.rmtree(work)
     return 0

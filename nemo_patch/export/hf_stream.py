@@ -36,7 +36,8 @@ tensors it would save (tied duplicates removed by its rule), sharded by ``huggin
 the state dict's order, each file's header in the ``safetensors`` library's order (dtype, then name), with
 ``{"format": "pt"}`` metadata, and ``model.safetensors.index.json`` with ``total_parameters`` and ``total_size``;
 so the files are byte-identical to the in-memory path's. The engine writes them (:func:`.part_writer.create_files`:
-header written and size allocated; then each tensor with ``pwrite`` at its offset).
+header written and size allocated; then :func:`.part_writer.write_part`, the writer of the ``safetensors`` format: each
+tensor written at its offset from a thread while the next is converted, durable as it goes, fsynced at the end).
 
 When the transforms cannot be split (a transform that is not a ``StateDictTransform``, one whose source keys span
 groups or whose target keys are not in the same group, or a source that is not the engine's checkpoint),
@@ -56,7 +57,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from nemo_patch.engine.casting import checked_cast
-from nemo_patch.engine.part_writer import create_files
+from nemo_patch.engine.part_writer import create_files, placements_of, write_part
 from nemo_patch.engine.plan import TensorSpec, plan_shards
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header
 
@@ -191,6 +192,29 @@ def _same_bytes(fd: int, offset: int, data: memoryview, chunk: int = 1 << 26) ->
     return True
 
 
+def _checked(name: str, tensor: torch.Tensor, meta: torch.Tensor, cast_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A converted tensor checked as NeMo's ``apply_transforms`` checks it (its messages), cast to ``cast_dtype``
+    (floating point only) and contiguous.
+
+    Raises:
+        ValueError: its shape differs from the target parameter's.
+        AssertionError: its dtype differs from the target's (no ``cast_dtype``).
+    """
+    if tuple(tensor.shape) != tuple(meta.shape):
+        raise ValueError(
+            f"Shape mismatch for parameter {name}: target shape {tuple(meta.shape)} vs converted source shape "
+            f"{tuple(tensor.shape)}"
+        )
+    if cast_dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(cast_dtype)
+    elif tensor.dtype != meta.dtype:
+        raise AssertionError(
+            f"dtype mismatch between source and target state dicts: {name} is {tensor.dtype}, "
+            f"the target's {meta.dtype}"
+        )
+    return tensor.detach().contiguous()
+
+
 def _file_order(spec: TensorSpec) -> Tuple[int, str]:
     return (-_DTYPE_RANK.get(spec.dtype, 99), spec.name)
 
@@ -279,7 +303,7 @@ class StreamedConversion:
                 model's (names the tensor and its file), or a file is missing or extra.
             OSError: the files cannot be written.
         """
-        from nemo.lightning.io.state import StateDictTransform, TransformCTX
+        from nemo.lightning.io.state import StateDictTransform
 
         transforms = list(transforms or [])
         state = source.state_dict() if hasattr(source, "state_dict") else None
@@ -318,96 +342,117 @@ class StreamedConversion:
         ]  # fmt: skip
         self.total_parameters = target.num_parameters()
         self.files = plan_hf_files(self.planned, self.max_shard_size)
-        where = {spec.name: (file.name, spec, offset) for file in self.files for spec, offset in file.offsets()}
+        groups = sorted((g for g in by_layer if g is not None)) + ([None] if None in by_layer else [])
+        converted = self._converted(groups, everything, by_layer, target_by_layer, source, target, target_state,
+                                    cast_dtype)  # fmt: skip
         if self.compare_with is None:
-            create_files(self.output_dir, self.files)
-            descriptors = {file.name: os.open(self.output_dir / file.name, os.O_WRONLY) for file in self.files}
+            self._write(converted, [name for group in groups for name in target_by_layer.get(group, [])])
         else:
-            self._check_headers(self.compare_with)
-            descriptors = {file.name: os.open(self.compare_with / file.name, os.O_RDONLY) for file in self.files}
-        applied = set()
-        written: Set[str] = set()
-        try:
-            groups = sorted((g for g in by_layer if g is not None)) + ([None] if None in by_layer else [])
-            for group in groups:
-                keys = by_layer[group]
-                todo = [t for t in everything if all(_matches(keys, p) for p in _patterns(t.source_key))]
-                if not todo:
-                    continue
-                ctx = TransformCTX(
-                    source=source,
-                    source_state={key: state[key] for key in keys},
-                    target=target,
-                    target_state={key: target_state[key] for key in target_by_layer.get(group, [])},
-                )
-                for transform in todo:
-                    ctx = transform(ctx)
-                    applied.add(id(transform))
-                for name, tensor in ctx.target_state.items():
-                    if tensor.is_meta:
-                        continue
-                    self._write(name, tensor, target_state[name], cast_dtype, where, descriptors)
-                    written.add(name)
-                del ctx
-            for transform in everything:
-                if id(transform) not in applied and isinstance(transform.source_key, str):
-                    raise ValueError(f"No matches found for source key: {transform.source_key}")
-            missing = [spec.name for spec in self.planned if spec.name not in written]
-            if missing:
-                from nemo_patch.export.errors import ExportError
-
-                raise ExportError(
-                    f"NeMo's {self.exporter} left {len(missing)} tensor(s) of the Hugging Face model unassigned "
-                    f"(no source tensor maps to them): {', '.join(missing[:5])}"
-                    + (", ..." if len(missing) > 5 else "")
-                )
-            if self.compare_with is None:
-                for fd in descriptors.values():
-                    os.fsync(fd)
-        finally:
-            for fd in descriptors.values():
-                os.close(fd)
+            self._compare(converted)
         self.streamed = True
         target.cpu = lambda *args, **kwargs: target  # its parameters stay on meta: what apply calls next keeps it
         return target
 
-    def _write(
+    def _converted(
         self,
-        name: str,
-        tensor: torch.Tensor,
-        meta: torch.Tensor,
+        groups: List[Any],
+        everything: List[Any],
+        by_layer: Mapping[Any, List[str]],
+        target_by_layer: Mapping[Any, List[str]],
+        source: Any,
+        target: Any,
+        target_state: Mapping[str, torch.Tensor],
         cast_dtype: Optional[torch.dtype],
-        where: Mapping[str, Tuple[str, TensorSpec, int]],
-        descriptors: Mapping[str, int],
-    ) -> None:
-        if tuple(tensor.shape) != tuple(meta.shape):
-            raise ValueError(
-                f"Shape mismatch for parameter {name}: target shape {tuple(meta.shape)} vs converted source shape "
-                f"{tuple(tensor.shape)}"
-            )
-        if cast_dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(cast_dtype)
-        elif tensor.dtype != meta.dtype:
-            raise AssertionError(
-                f"dtype mismatch between source and target state dicts: {name} is {tensor.dtype}, "
-                f"the target's {meta.dtype}"
-            )
-        if name not in where:
-            return  # a tensor save_pretrained leaves out (a tied duplicate)
-        file, spec, offset = where[name]
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
-        fd = descriptors[file]
-        if self.compare_with is not None:
-            if not _same_bytes(fd, offset, data):
-                from nemo_patch.engine.verify import VerificationError
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Run the transforms group by group; yield each converted tensor that is saved, checked as NeMo's
+        ``apply_transforms`` checks it and cast; at the end, check that every transform and planned tensor was used.
 
-                raise VerificationError(
-                    f"Tensor {name} in {self.compare_with / file} differs from the exported model's"
-                )
-            return
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], offset + done)
+        Raises:
+            ValueError, AssertionError, ExportError: as :meth:`apply_transforms`.
+        """
+        from nemo.lightning.io.state import TransformCTX
+
+        state = source.state_dict()
+        saved = {spec.name for spec in self.planned}
+        applied = set()
+        written: Set[str] = set()
+        for group in groups:
+            keys = by_layer[group]
+            todo = [t for t in everything if all(_matches(keys, p) for p in _patterns(t.source_key))]
+            if not todo:
+                continue
+            ctx = TransformCTX(
+                source=source,
+                source_state={key: state[key] for key in keys},
+                target=target,
+                target_state={key: target_state[key] for key in target_by_layer.get(group, [])},
+            )
+            for transform in todo:
+                ctx = transform(ctx)
+                applied.add(id(transform))
+            converted = {name: tensor for name, tensor in ctx.target_state.items() if not tensor.is_meta}
+            del ctx
+            for name in list(converted):
+                tensor = _checked(name, converted.pop(name), target_state[name], cast_dtype)
+                written.add(name)
+                if name in saved:  # else a tensor save_pretrained leaves out (a tied duplicate)
+                    yield name, tensor
+                del tensor
+        for transform in everything:
+            if id(transform) not in applied and isinstance(transform.source_key, str):
+                raise ValueError(f"No matches found for source key: {transform.source_key}")
+        missing = [spec.name for spec in self.planned if spec.name not in written]
+        if missing:
+            from nemo_patch.export.errors import ExportError
+
+            raise ExportError(
+                f"NeMo's {self.exporter} left {len(missing)} tensor(s) of the Hugging Face model unassigned "
+                f"(no source tensor maps to them): {', '.join(missing[:5])}" + (", ..." if len(missing) > 5 else "")
+            )
+
+    def _write(self, converted: Iterator[Tuple[str, torch.Tensor]], order: List[str]) -> None:
+        """Write the converted tensors with the engine's writer (:func:`.part_writer.write_part`: each tensor written
+        from a thread while the next is converted, written bytes made durable as it goes, fsynced at the end), asking
+        for them in the order the groups produce them."""
+        placements = {placement.name: placement for placement in placements_of(self.files)}
+        ready: Dict[str, torch.Tensor] = {}
+
+        def produce(spec: TensorSpec) -> torch.Tensor:
+            while spec.name not in ready:
+                found = next(converted, None)  # at its end, the converter raises naming what was never assigned
+                if found is None:
+                    raise ValueError(f"NeMo's {self.exporter} gave {spec.name} no tensor to write")
+                ready[found[0]] = found[1]
+            return ready.pop(spec.name)
+
+        create_files(self.output_dir, self.files)
+        write_part(self.output_dir, [placements[name] for name in order if name in placements],
+                   {spec.name: spec for spec in self.planned}, produce)  # fmt: skip
+        for _ in converted:  # the groups after the last saved tensor, and the converter's checks at the end
+            pass
+
+    def _compare(self, converted: Iterator[Tuple[str, torch.Tensor]]) -> None:
+        """Compare the converted tensors with the files of :attr:`compare_with`.
+
+        Raises:
+            VerificationError: a file's header or a tensor differs.
+        """
+        from nemo_patch.engine.verify import VerificationError
+
+        assert self.compare_with is not None
+        self._check_headers(self.compare_with)
+        where = {spec.name: (file.name, offset) for file in self.files for spec, offset in file.offsets()}
+        descriptors = {file.name: os.open(self.compare_with / file.name, os.O_RDONLY) for file in self.files}
+        try:
+            for name, tensor in converted:
+                file, offset = where[name]
+                if not _same_bytes(descriptors[file], offset, tensor.reshape(-1).view(torch.uint8).numpy().data):
+                    raise VerificationError(
+                        f"Tensor {name} in {self.compare_with / file} differs from the exported model's"
+                    )
+        finally:
+            for fd in descriptors.values():
+                os.close(fd)
 
     def _check_headers(self, directory: Path) -> None:
         """The safetensors files in ``directory`` are the planned ones, each starting with its planned header (so
