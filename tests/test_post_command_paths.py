@@ -178,7 +178,7 @@ def test_offline_global_step_is_the_training_runs_from_common_pt(checkpoint_copy
 def test_global_step_without_common_pt_comes_from_the_name(checkpoint_copy, each_run, tmp_path):
     """NeMo's ``step=N`` names the step before Lightning's global step: checked on every checkpoint of a real run
     (name against ``common.pt``), then the name is what a checkpoint without a readable ``common.pt`` gets."""
-    from nemo_patch.cli.nemo_consolidate import checkpoint_global_step
+    from nemo_patch.engine.save_identity import global_step_of as checkpoint_global_step
 
     checked = 0
     for path in sorted(each_run["root"].iterdir()):

@@ -527,6 +527,8 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
     """Consolidate as ``args`` say (on rank 0 of ``group`` when launched on several nodes); returns the exit code."""
     import torch
 
+    from nemo_patch.engine.save_identity import global_step_of
+
     # The progress bar's stream: still the terminal under the hold-back.
     terminal = os.fdopen(os.dup(2), "w", buffering=1, errors=_ESCAPE_ERRORS)
     update, close_bar = _progress_bar(not args.quiet, terminal, args.progress_interval)
@@ -561,7 +563,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
             merge_adapters=args.merge_adapters,
             base_checkpoint=args.base_checkpoint,
             best=best.record() if best else None,
-            global_step=checkpoint_global_step(location.checkpoint_dir),
+            global_step=global_step_of(location.checkpoint_dir),
         )
         if args.max_shard_size is not None:
             options["max_shard_size"] = args.max_shard_size
@@ -628,17 +630,6 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
     if args.post_command is not None:
         return _post_command(args, location, result)
     return 0
-
-
-def checkpoint_global_step(checkpoint_dir: Path) -> Optional[int]:
-    """The global step of the checkpoint ``checkpoint_dir``, for ``metadata.json`` and ``{global_step}``: Lightning's
-    ``global_step`` in its ``weights/common.pt`` (what the training run records for the same checkpoint), else the one
-    NeMo's ``step=<N>`` in its name gives (``N + 1``: NeMo names a checkpoint after the step before Lightning counts
-    it), else ``None``."""
-    from nemo_patch.engine.save_identity import common_global_step, global_step_in_name
-
-    step = common_global_step(checkpoint_dir)
-    return global_step_in_name(checkpoint_dir.name) if step is None else step
 
 
 def _post_command(args: argparse.Namespace, location: "CheckpointLocation", result: "ConsolidationResult") -> int:

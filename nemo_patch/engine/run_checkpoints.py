@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
-from nemo_patch.engine.checkpoint_root import global_step_in_name, is_copy_name
+from nemo_patch.engine.checkpoint_root import is_copy_name
 from nemo_patch.engine.safe_files import read_regular_file
-from nemo_patch.engine.save_identity import common_global_step
+from nemo_patch.engine.save_identity import global_step_of
 
 __all__ = [
     "MEGATRON_LAYOUT",
@@ -145,8 +145,7 @@ def _nemo(root: Path, listing: RunListing) -> None:
         if is_marked_unfinished(path) or not weights_written(path / "weights"):
             listing.not_finished[path] = "unfinished"
             continue
-        step = global_step_in_name(entry.name)
-        step = common_global_step(path) if step is None else step
+        step = global_step_of(path)
         if step is None:
             listing.not_finished[path] = "no global step: no 'step=<N>' in its name or 'global_step' in common.pt"
             continue

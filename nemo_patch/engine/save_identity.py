@@ -75,6 +75,7 @@ __all__ = [
     "save_identity",
     "common_global_step",
     "global_step_in_name",
+    "global_step_of",
     "read_common_state",
 ]
 
@@ -317,8 +318,12 @@ def _run_of(checkpoint_dir: Path) -> Optional[str]:
     return None
 
 
-def _global_step(checkpoint_dir: Path, layout: str) -> Optional[int]:
-    if layout == MEGATRON_LM:
+def global_step_of(checkpoint_dir: Path, megatron_lm: bool = False) -> Optional[int]:
+    """The global step of the save in ``checkpoint_dir``, the one rule of the command line, the sidecar's listing and
+    a save's identity: ``N`` of a Megatron-LM ``iter_<N>`` directory (``megatron_lm``); else NeMo's ``step=<M>`` in
+    its name (``M + 1``: NeMo names a checkpoint after the step before Lightning counts it); else Lightning's
+    ``global_step`` in its ``weights/common.pt`` (a renamed checkpoint); else ``None``."""
+    if megatron_lm:
         return int(checkpoint_dir.name[len("iter_") :])
     step = global_step_in_name(checkpoint_dir.name)
     return common_global_step(checkpoint_dir) if step is None else step
@@ -366,7 +371,10 @@ def _read_identity(checkpoint_dir: Path, read_run: bool) -> Tuple[SaveIdentity, 
     text = json.dumps([layout, last.name, digest, files], separators=(",", ":"))
     fingerprint = hashlib.sha256(text.encode()).hexdigest()
     run = _run_of(checkpoint_dir) if read_run and layout != MEGATRON_LM else None
-    return SaveIdentity(layout, run, _global_step(checkpoint_dir, layout), fingerprint, finished), unfinished
+    return (
+        SaveIdentity(layout, run, global_step_of(checkpoint_dir, layout == MEGATRON_LM), fingerprint, finished),
+        unfinished,
+    )
 
 
 def in_progress(checkpoint_dir: Union[str, Path]) -> Optional[str]:
