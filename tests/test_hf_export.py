@@ -148,6 +148,25 @@ def test_local_and_te_layer_norm_names_map_to_the_same_export_names():
     assert te_layer_norm_names(moe) == moe
 
 
+def test_the_state_source_and_the_written_model_read_tensors_by_dotted_names():
+    """What NeMo's Llama embedding exporter reads (``source.module.embedding.word_embeddings.weight``) and what
+    importers' transforms read of the written model: the state's own tensors; a missing name fails naming it."""
+    from nemo_patch.export.hf import _StateSource
+    from nemo_patch.export.hf_verify import _MissingTensor, _WrittenModel
+
+    weight, bias = torch.randn(3, 2), torch.randn(3)
+    state = {"embedding.word_embeddings.weight": weight, "output_layer.bias": bias}
+    module = _StateSource(state, None, torch.float32).module
+    assert module.embedding.word_embeddings.weight is weight and module.output_layer.bias is bias
+    with pytest.raises(AttributeError, match=r"no tensor embedding\.position_embeddings or"):
+        module.embedding.position_embeddings
+    assert not hasattr(module, "__len__")
+    written = _WrittenModel(None, {"model.embed_tokens.weight": weight})
+    assert written.model.embed_tokens.weight is weight
+    with pytest.raises(_MissingTensor, match=r"^model\.norm$"):
+        written.model.norm.weight
+
+
 @pytest.fixture(scope="module")
 def tied_padded_llama(tmp_path_factory):
     """A tied-embedding tiny Llama whose tokenizer has 50 tokens and whose model has 64 vocabulary rows, as NeMo's

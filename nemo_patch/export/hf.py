@@ -88,7 +88,7 @@ from nemo_patch.engine.vocabulary import vocabulary_sizes
 from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.errors import AdapterCheckpointError, ExportError
 from nemo_patch.export.hf_stream import LazyCheckpointState, StreamedConversion, saved_names
-from nemo_patch.export.hf_verify import ImporterUnavailable, check_through_importer
+from nemo_patch.export.hf_verify import ImporterUnavailable, TensorView, check_through_importer
 from nemo_patch.export.layer_norms import te_layer_norm_names
 
 __all__ = ["HF_DIRNAME", "cast_floating", "checkpoint_dtype", "export_hf_checkpoint", "te_layer_norm_names"]
@@ -167,23 +167,10 @@ class _StateSource:
         return self
 
     @property
-    def module(self) -> "_StateView":
-        return _StateView(self._state_dict, "")
-
-
-class _StateView:
-    """Attribute access to a state dict's tensors by their dotted names: ``view.embedding.word_embeddings.weight``."""
-
-    def __init__(self, state_dict: Dict[str, torch.Tensor], prefix: str) -> None:
-        self._state_dict, self._prefix = state_dict, prefix
-
-    def __getattr__(self, name: str) -> Any:
-        key = f"{self._prefix}{name}"
-        if key in self._state_dict:
-            return self._state_dict[key]
-        if any(other.startswith(f"{key}.") for other in self._state_dict):
-            return _StateView(self._state_dict, f"{key}.")
-        raise AttributeError(f"The checkpoint has no tensor {key} or {key}.*")
+    def module(self) -> TensorView:
+        return TensorView(
+            self._state_dict, missing=lambda key: AttributeError(f"The checkpoint has no tensor {key} or {key}.*")
+        )
 
 
 class _TokenizerSaving:

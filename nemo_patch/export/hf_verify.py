@@ -83,6 +83,7 @@ from nemo_patch.export.layer_norms import te_layer_norm_names
 
 __all__ = [
     "ImporterUnavailable",
+    "TensorView",
     "VOCABULARY_TENSORS",
     "check_through_importer",
     "checkpoint_names",
@@ -174,12 +175,15 @@ class _WrittenTensors(Mapping[str, torch.Tensor]):
         self._handles.clear()
 
 
-class _TensorView:
+class TensorView:
     """Attribute access to a state's tensors by their dotted names (``source.model.embed_tokens.weight``), as some
-    importers' transforms read the Hugging Face model."""
+    exporters' ``apply`` and importers' transforms read a model; a name that is neither a tensor nor a prefix of one
+    raises ``missing(name)``."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], prefix: str) -> None:
-        self._state, self._prefix = state, prefix
+    def __init__(
+        self, state: Mapping[str, torch.Tensor], prefix: str = "", missing: Callable[[str], Exception] = _MissingTensor
+    ) -> None:
+        self._state, self._prefix, self._missing = state, prefix, missing
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -188,8 +192,8 @@ class _TensorView:
         if key in self._state:
             return self._state[key]
         if any(other.startswith(f"{key}.") for other in self._state):
-            return _TensorView(self._state, f"{key}.")
-        raise _MissingTensor(key)
+            return TensorView(self._state, f"{key}.", self._missing)
+        raise self._missing(key)
 
 
 class _WrittenModel:
@@ -206,7 +210,7 @@ class _WrittenModel:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(_TensorView(self._tensors, ""), name)
+        return getattr(TensorView(self._tensors), name)
 
 
 class _Imported(MutableMapping[str, torch.Tensor]):
