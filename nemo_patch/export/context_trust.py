@@ -15,59 +15,24 @@
 
 """Decide whether a checkpoint's NeMo ``context/`` may be loaded: what it names must come from NeMo's own world.
 
-NeMo's ``io.load_context`` rebuilds the objects of ``context/io.json`` with fiddle: every ``{"module": M, "name": N}``
-in the file (fiddle's ``"pyref"`` nodes, and the ``"type"`` of every object NeMo's own loader locates) is imported
-(``import M``, then ``getattr`` along the dots of ``N``) and may be called while the objects are built. A checkpoint
-from elsewhere can name any importable callable there (``subprocess.getoutput`` with a command as its argument, or
-``torch`` + ``os.popen``), so loading the context of a checkpoint one did not write runs the writer's choice of code.
+NeMo's ``io.load_context`` rebuilds the objects of ``context/io.json`` with fiddle, importing and calling every
+``{"module": M, "name": N}`` the file holds, so a checkpoint from elsewhere could run any importable callable
+(``subprocess.getoutput``, ``torch.utils.collect_env.run``, ...). :func:`check_context_trusted` reads ``io.json`` as
+plain JSON before NeMo sees it and checks every reference against allowlists (a denylist could never be complete):
+the module in :data:`TRUSTED_PACKAGES` and outside :data:`DENIED_MODULES` (or a :data:`TRUSTED_BUILTINS` type), the
+name one attribute and not in :data:`DENIED_NAMES`, and what it resolves to defined (its ``__module__``, so that a
+re-export does not pass) under :data:`TRUSTED_CLASS_MODULES` for a class, :data:`TRUSTED_FUNCTION_MODULES` for
+another callable, or listed in :data:`TRUSTED_OBJECTS` / :data:`TRUSTED_SETTINGS_CLASSES`; the file must not ask for
+``trust_remote_code``. Anything else raises :class:`~nemo_patch.engine.errors.UntrustedContextError` unless the user
+passes ``nemo-consolidate --trust-context``. The training path does not call this: the context it reads is the one
+the run itself just wrote.
 
-:func:`check_context_trusted` reads ``io.json`` as plain JSON (bounded, a regular file) before NeMo sees it and checks
-every reference, whatever node holds it, against allowlists (a list of what may not be named could never be complete:
-``torch.utils.collect_env.run``, for one, runs its argument in a shell):
+:func:`context_loading` also proves every file NeMo would open a directory or a bounded regular file (a FIFO would
+block it for ever; :func:`check_context_files`), refuses hub artifacts (NeMo's ``AutoTokenizer`` would fetch them),
+and keeps the process off the network while NeMo loads the context (:func:`offline`).
 
-* its module lies in a package a NeMo model legitimately comes from (:data:`TRUSTED_PACKAGES`: NeMo, megatron-core,
-  torch, transformers, Lightning, fiddle), outside the parts of them that load or run code by design
-  (:data:`DENIED_MODULES`), or in ``builtins`` it names a plain container or scalar type (:data:`TRUSTED_BUILTINS`);
-* its name is one attribute (no dots: fiddle follows them with ``getattr``, out of the module) and not one of
-  :data:`DENIED_NAMES` (``load``, ``save``, ``compile``, ...);
-* what it resolves to (the module is imported: it is trusted) is never a module object, and where it is defined (its
-  ``__module__``, so that a trusted module's ``from subprocess import ...`` does not pass) fits what it is:
-
-  - a class (built, i.e. called, with the file's arguments): defined under :data:`TRUSTED_CLASS_MODULES` (model
-    configs and models, tokenizers, NeMo's trainer, strategy, plugins and callbacks, megatron-core's configs, fiddle's
-    own types, Hugging Face configs and tokenizers) or one of :data:`TRUSTED_OBJECTS`;
-  - a function or other callable (called with the file's arguments, or later by the model): defined under
-    :data:`TRUSTED_FUNCTION_MODULES` (activations, initialisers, layer specs, tokenizer factories) or one of
-    :data:`TRUSTED_OBJECTS` (torch's elementwise activations);
-  - anything else (a dtype, an enum member, a constant): defined in a trusted package;
-* and the file never asks for ``trust_remote_code`` (Hugging Face code shipped with the checkpoint would run).
-
-This package's own settings values, which a context records when the run gave ``MegatronStrategy`` a
-``ckpt_consolidation`` (or a ``MegatronCheckpointIO`` its ``consolidation_settings``), are trusted by name
-(:data:`TRUSTED_SETTINGS_CLASSES`): frozen dataclasses whose construction only checks their values.
-
-Anything else is refused (:class:`~nemo_patch.engine.errors.UntrustedContextError`) unless the user opts in, as with
-Hugging Face's ``trust_remote_code``: ``nemo-consolidate --trust-context``. The training path does not call this: the
-context it reads is the one the run itself just wrote.
-
-Loading a context that passed, without ``--trust-context``, goes through :func:`context_loading`, which
-besides:
-
-* proves every entry under ``context/`` a directory or a regular file of at most :data:`MAX_CONTEXT_FILE_BYTES`
-  (no symbolic link, FIFO, device or socket: NeMo opens the files with a plain ``open()``, and a FIFO would block it
-  for ever), and every string of ``io.json`` that names an existing path (NeMo joins artifact and pickle paths to the
-  directory, or takes them as they are when absolute) a directory or such a file (:func:`check_context_files`);
-* refuses hub artifacts: a ``DirOrStringArtifact`` holding a name rather than a directory of the context (NeMo's
-  ``AutoTokenizer`` would fetch that repository from the Hugging Face hub);
-* keeps the process off the network while NeMo loads it: ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` set (in the
-  environment and in ``huggingface_hub``'s and ``transformers``' module constants, read at their import), and any
-  socket connection or name lookup made through Python's ``socket`` module refused (an audit hook).
-
-This is a check of names, not a sandbox: a trusted package's own functions run with the arguments the file gives them
-(as they do whenever NeMo loads a checkpoint), and the list of parts that run code by design is best effort.
-
-Imports the standard library and the engine's errors and file access at module level; the trusted modules a context
-names only inside :func:`check_context_trusted`.
+This is a check of names, not a sandbox: a trusted package's own functions run with the arguments the file gives them.
+Imports the standard library and the engine at module level; the modules a context names only when checking them.
 """
 
 import contextlib
