@@ -14,43 +14,12 @@
 
 """Export a NeMo 2 ``torch_dist`` checkpoint as a Hugging Face model directory, with NeMo's own registered exporter.
 
-The model class is read from the checkpoint's ``context/`` (NeMo's ``io.load_context``); its exporter is the one NeMo
-registered for ``"hf"`` (``io.model_exporter(<class>, "hf")``, e.g. ``HFLlamaExporter`` for ``LlamaModel``;
-``"hf-peft"`` for an adapter checkpoint). The exporter's own ``apply`` runs, so whatever it sets on itself
-(``trust_remote_code``, ``peft_obj``, ...) and passes to its ``init``, ``convert_state`` and ``save_pretrained`` is
-NeMo's; only what needs a GPU or a trainer is replaced (:class:`_OfflineExport`): ``nemo_load``, which would load the
-checkpoint into a model, returns the weights from this package's consolidation engine instead (files only, CPU, no
-process group), and the model is saved as safetensors of ``max_shard_size``. The output is what NeMo's exporter would
-write: ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards plus
-``model.safetensors.index.json``), the tokenizer files when the context has a Hugging Face tokenizer, and this
-package's ``metadata.json``.
-
-Every tensor written is one the exporter assigned: a tied output embedding is re-tied to the converted input
-embedding before saving (so ``save_pretrained`` leaves it out, as for any tied model), and a tensor that still lies in
-storage the exporter's ``init`` allocated fails the export with :class:`ExportError` naming it. Two exports of one
-checkpoint are byte-identical. An exporter that fails raises :class:`ExportError` (exit code 10) with NeMo's message.
-
-``verify`` checks the written files against the checkpoint itself, not against the exporter's model: NeMo's importer
-for the class maps every written tensor back and each result must equal the checkpoint's tensor, read again by the
-engine (:mod:`nemo_patch.export.hf_verify`; only vocabulary padding rows and a tied ``lm_head`` may be absent). A
-class without a usable importer, and a PEFT adapter directory, are compared with the exporter's converted model
-instead (with a warning for the former; a streamed export is converted again, one layer at a time, and each tensor
-compared with the written one).
-
-Layer-norm names: NeMo's exporters map the Transformer Engine spec's fused names
-(``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight``, ``...mlp.linear_fc1.layer_norm_weight``). A
-model built with megatron-core's local (non-TE) spec, as on CPU, holds ``input_layernorm.weight`` and
-``pre_mlp_layernorm.weight`` in its ``state_dict`` -- which is why NeMo's stock ``export_ckpt`` fails on it -- but
-saves them in the distributed checkpoint under the TE names, so consolidated names are the TE names for both specs;
-:func:`te_layer_norm_names` (:mod:`nemo_patch.export.layer_norms`, the one place both namings are handled) also
-renames local names that reach it.
-
-Memory: the exporter's mapping and transforms are applied one layer at a time and each result is written at once
-(:mod:`nemo_patch.export.hf_stream`; the target model lives on the ``meta`` device), so peak memory is the imports'
-(about 0.7 GB of NeMo and ``transformers``) plus about two layers' tensors, whatever the model's size; the files are
-those of the whole-model conversion, byte for byte. An exporter whose transforms cannot be split, ``stream=False``,
-and a PEFT adapter directory convert the whole model in memory (about twice its weights); so does ``verify``'s
-re-read through NeMo's importer.
+The model class is read from the checkpoint's ``context/`` and its ``"hf"`` exporter (``"hf-peft"`` for an adapter
+checkpoint) runs its own ``apply``; only what needs a GPU or a trainer is replaced (:class:`_OfflineExport`):
+``nemo_load`` returns the weights read by this package's engine, and the model is saved as safetensors of
+``max_shard_size``, converted and written one layer at a time (:mod:`nemo_patch.export.hf_stream`). Every tensor
+written is one the exporter assigned; ``verify`` checks the files against the checkpoint through NeMo's importer
+(:mod:`nemo_patch.export.hf_verify`). The output, memory and verification are described in docs/outputs.md.
 
 Imports torch and the engine at module level; NeMo only inside the functions that need it (``import
 nemo_patch.export.hf`` imports no NeMo); never the training side, the overlay, the CLI or ``nemo_patch.testing``.

@@ -14,47 +14,22 @@
 
 """Check a Hugging Face export against its checkpoint, tensor by tensor, through NeMo's *importer* for the model class.
 
-The export is NeMo's exporter (Megatron names -> Hugging Face names); the check runs the other direction, written
-independently in NeMo: the ``"hf"`` importer registered for the checkpoint's model class (``HFLlamaImporter``,
-``HFQwen2Importer``, ...) maps the tensors read from the written safetensors files (through their index when sharded,
-:mod:`nemo_patch.engine.output_files`) back to Megatron names, and every result must equal, bit for bit, the tensor of
-that name read straight from the checkpoint by this package's engine (:func:`~nemo_patch.engine.consolidate.
-read_state_dict`; the checkpoint is the oracle). Nothing of the exporter's run is used, so a tensor misplaced, split
-wrongly, left at its initial value or from another layer shows.
+The check runs the export's other direction, written independently in NeMo: the ``"hf"`` importer registered for the
+checkpoint's model class maps the tensors of the written safetensors files back to Megatron names, and every result
+must equal, bit for bit, the tensor of that name read straight from the checkpoint by this package's engine (the
+checkpoint is the oracle; floating-point tensors cast to the written dtype first). Every written tensor must also be
+read for some checkpoint tensor. The only differences allowed are the vocabulary padding rows beyond the tokenizer's
+size, a tied ``lm_head`` and the importer's ``state_dict_ignored_entries`` (docs/outputs.md).
 
-The importer runs without a model: its ``convert_state`` is called with stand-ins (the written files as the Hugging
-Face model, with ``config.json`` as its config; the checkpoint's names and its context's config as the NeMo model),
-and the ``mapping`` and ``transforms`` it hands to ``io.apply_transforms`` are captured and run here on dicts, with
-NeMo's own ``StateDictTransform``. Only the tensors a transform reads are loaded from the files, one at a time.
+The importer runs without a model: its ``convert_state`` is called with stand-ins (the written files and
+``config.json`` as the Hugging Face model, the checkpoint's names and context config as the NeMo model), and the
+``mapping`` and ``transforms`` it hands to ``io.apply_transforms`` are captured and run here on dicts with NeMo's own
+``StateDictTransform``, loading only the tensors a transform reads, one at a time.
 
-Every tensor is accounted for in both directions:
-
-- each checkpoint tensor must be produced by the importer from the written tensors and equal the checkpoint's
-  (floating-point checkpoint tensors cast to the written dtype first, as the export casts them, so an export with
-  ``dtype`` compares exactly);
-- each written tensor must be read by the importer for some checkpoint tensor (a tensor in the files that no
-  checkpoint tensor explains fails the check).
-
-Documented differences, the only ones allowed:
-
-- vocabulary padding: the rows of ``embedding.word_embeddings.weight`` and ``output_layer.weight`` beyond the Hugging
-  Face config's ``vocab_size`` are not in the export (NeMo's exporters prune megatron-core's padding) when that size is
-  the checkpoint's tokenizer's (its ``context/nemo_tokenizer/tokenizer.json`` or the context's tokenizer) or its model
-  config's ``vocab_size``; the rows kept must equal the checkpoint's first rows;
-- tied output embedding: a model with ``tie_word_embeddings`` has no ``lm_head.weight`` in the files (NeMo's importers
-  then map none, and a tied checkpoint holds no ``output_layer.weight``);
-- the target names the importer's call lists as ``state_dict_ignored_entries``.
-
-A mismatch raises :class:`~nemo_patch.engine.errors.VerificationError` (exit code 9) naming the written tensor and
-its file (and the checkpoint tensor it gives). Where the importer builds one checkpoint tensor from several written
-ones (``q_proj``, ``k_proj`` and ``v_proj`` into ``linear_qkv``), the culprit is found by running the same transform
-on tensors whose elements are their own positions: the first differing element names the written tensor and the
-index it came from (a transform that computes rather than moves elements names all its inputs instead). When the
-check cannot run at all (no ``"hf"`` importer for the class, or an importer whose ``convert_state`` needs more of a
-model than names and a config), :class:`ImporterUnavailable` says why; :func:`verify_hf_output` turns that into a
-:class:`VerificationError` too.
-
-Memory: the checkpoint's tensors plus the importer's results, about twice the model's weights.
+A mismatch raises :class:`~nemo_patch.engine.errors.VerificationError` (exit code 9) naming the written tensor and its
+file. Where a transform builds one tensor from several (``q_proj``, ``k_proj``, ``v_proj`` into ``linear_qkv``), the
+culprit is found by running it on tensors whose elements are their own positions. When the check cannot run at all,
+:class:`ImporterUnavailable` says why. Memory: about twice the model's weights.
 
 Imports torch and the engine at module level; NeMo and ``transformers`` only inside the functions that need them.
 """
