@@ -15,47 +15,13 @@
 """``nemo-consolidate --watch ROOT``: a sidecar that consolidates a run's checkpoints as they finish.
 
 The watcher lists ``ROOT`` (a NeMo 2 checkpoint root, or a Megatron-LM / Megatron-Bridge save directory:
-:mod:`nemo_patch.engine.run_checkpoints`) every ``--poll-interval`` seconds and consolidates the finished checkpoints
-that ``--frequency`` picks, one at a time, oldest first:
-
-* ``each`` / ``every_n:<k>`` / phases (``"every_n:10; each@5000"``): as ``ckpt_consolidation_frequency`` picks them
-  during training, counting the finished checkpoints of the root by distinct global step, in step order (a ``-last``
-  copy counts with its step). A watcher counts what it finds when it starts, then what finishes;
-* ``latest``: the newest finished checkpoint, whenever it changes (older ones it supersedes are skipped);
-* ``best`` (NeMo roots): the best finished checkpoint by the monitored metric NeMo recorded
-  (:func:`nemo_patch.engine.best_checkpoint.find_best_checkpoint`), whenever it changes.
-
-A checkpoint is consolidated into ``<ckpt>/consolidated`` (``<ckpt>/hf`` with ``--format hf``); the output is written
-under a hidden temporary name in ``ROOT``, not in the checkpoint (a trainer removing the checkpoint meanwhile never
-finds a file it did not list), and renamed into the checkpoint once complete, after checking that the checkpoint is
-still finished (NeMo marks a checkpoint unfinished before it removes it). Another checkpoint of the same step gets
-the output's files as hard links only when it holds the same trainer state (:func:`same_state`: NeMo's ``-last``
-copy of that save, which records the same run and global step or, where no run is recorded (stock NeMo), holds
-byte-equal weights); another save of that step (a second run's ``-v1``, ``-last-v1``) is consolidated on its own.
-``ROOT/LATEST`` then names the newest consolidated save: it only moves forward, by the order of the saves the outputs
-record (:func:`nemo_patch.training.latest.moves_forward`: run order, fit, global step; a stock NeMo save by when it
-finished), reading the output ``LATEST`` names wherever it lies (a checkpoint, or ``retained/``). When NeMo's top-k
-retention removes the checkpoint ``LATEST`` names, the next poll moves ``LATEST`` to the newest output left (or
-removes it when none is): it never dangles. A watcher starting removes the staging directories a killed watcher left
-in ``ROOT`` (their lock is held by no process).
-
-Restarts and company: a checkpoint whose output exists and is complete (its ``metadata.json`` records this save of the
-checkpoint and lists files that are all there with their sizes: :func:`output_is_complete`) is not consolidated
-again; while one watcher consolidates a checkpoint it holds a ``flock`` on the checkpoint's directory, and a second
-watcher on the same root passes over it. A checkpoint removed while it is read publishes nothing (one log line) and
-the watcher goes on; so does one saved again under its name while it is read (the next poll takes the new save).
-Any failure of one checkpoint is one log line (names with newlines or escapes are escaped), and so is a root that
-cannot be listed for a while (``EACCES``, ``ESTALE``). An output is complete only as a directory of regular files,
-never through a symbolic link planted at its name. Each poll of a root of consolidated checkpoints costs ``stat``
-calls, not reads.
-
-``--until-idle SECONDS``: exit once no checkpoint has finished for that long and nothing is due; a checkpoint that
-never finishes (a crashed save) does not hold the exit. Without it, the watcher runs until SIGTERM or SIGINT, then
-abandons the output being written (nothing is published) and exits. Either way the last line is a summary (with the
-steps whose output was already complete when found: a restarted watcher's work); the exit code is 0, or the exit code
-of the last consolidation that failed (:mod:`nemo_patch.cli.exit_codes`), or 3 for a root that never appeared before
-``--until-idle`` ran out, or 14 for a ``best`` cadence on a run that records no monitored metric (at once) or ranked no
-checkpoint by ``--until-idle``.
+:mod:`nemo_patch.engine.run_checkpoints`) every ``--poll-interval`` seconds and consolidates, one at a time, oldest
+first, the finished checkpoints that ``--frequency`` picks (``ckpt_consolidation_frequency``'s values, counted by
+distinct global step). Each output is staged in ``ROOT`` and renamed into the checkpoint once complete, after checking
+that the checkpoint is still the finished save that was read; a ``-last`` copy holding the same trainer state
+(:func:`same_state`) gets hard links; ``ROOT/LATEST`` only moves forward and never dangles. A complete output
+(:func:`output_is_complete`) is not written again, a ``flock`` keeps two watchers off one checkpoint, and any failure
+of one checkpoint is one log line. ``--until-idle``, the summary line and the exit codes: docs/sidecar.md.
 """
 
 import argparse
@@ -976,7 +942,7 @@ def _post_command(args: argparse.Namespace) -> Optional[Callable[[RunCheckpoint,
 
 
 def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy) -> int:
-    """``nemo-consolidate --watch``: returns the exit code (module docstring)."""
+    """``nemo-consolidate --watch``: returns the exit code (docs/sidecar.md)."""
     from nemo_patch.engine.checkpoint_root import checkpoint_root
     from nemo_patch.engine.output_target import refuse_remote
 
