@@ -14,44 +14,28 @@
 
 """``nemo-consolidate`` launched on several nodes: ``torchrun`` or SLURM's ``srun`` split one consolidation's writes.
 
-Launched by ``torchrun --nnodes N --nproc-per-node 1 ... -m nemo_patch <ckpt> ...`` (or ``srun -N N
---ntasks-per-node 1 python -m nemo_patch <ckpt> ...`` with ``MASTER_ADDR``/``MASTER_PORT`` set), every process runs
-the same command line; each is one writer node with ``--workers`` writer processes of its own, on a filesystem all of
-them see. Rank 0 reads the checkpoint's metadata, lays out and creates the output files in the temporary output
-directory and cuts the tensors into ``world size x workers`` parts
-(:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`). A ``gloo`` process group of these processes alone
-(``env://`` rendezvous) carries five messages, in this order:
+Every process runs the same command line, as one writer node with ``--workers`` writer processes, on a filesystem all
+of them see (usage: docs/parallel.md). Rank 0 plans the output and cuts the tensors into ``world size x workers``
+parts (:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`). A ``gloo`` group of these processes alone
+(``env://``) carries five messages, in this order:
 
-1. every rank to every rank: the SHA-256 of its parsed arguments (:func:`arguments_digest`), before any work. A rank
-   whose digest differs from rank 0's (another path, ``--out``, ``--format``, ``--dtype``, ...) makes every rank
-   refuse with :class:`~nemo_patch.engine.errors.PeerError` (exit code 15), each naming the differing rank(s).
-2. rank 0 to each rank: its share of the part jobs (delivered before rank 0 starts its own share, so that the other
-   ranks know the temporary output directory); or that rank 0 failed before planning (every rank exits with
-   rank 0's code), or does the rest alone (a Hugging Face export, the ``--verify`` of an existing output: the other
-   ranks have no part in it and exit 0 at once).
-3. every rank to every rank, once its own share is written (or failed): "done".
-4. each rank to rank 0: its results (the tensors' digests) or its error.
-5. rank 0 to each rank that reported: the exit code (and the lost rank's line, should a rank be lost after 3).
-   Rank 0 publishes only when every part reported done; any failed part fails the whole consolidation (nothing is
-   published, the temporary output is removed, rank 0 prints the error once) and every rank exits with its code.
+1. every rank to every rank: the SHA-256 of its parsed arguments (:func:`arguments_digest`), before any work; any
+   difference makes every rank refuse with :class:`PeerError` (exit code 15) naming the rank(s);
+2. rank 0 to each rank: its share of the part jobs (before rank 0 starts its own, so that the others know the
+   temporary output directory), or that rank 0 failed before planning, or does the rest alone (a Hugging Face export,
+   ``--verify`` of an existing output: the other ranks exit 0);
+3. every rank to every rank, once its share is written (or failed): "done";
+4. each rank to rank 0: its results (the tensors' digests) or its error;
+5. rank 0 to each rank that reported: the exit code. Rank 0 publishes only when every part reported done.
 
-Every message is a tensor: fixed-size ones (a digest as 32 ``uint8``, "done" as one byte) and JSON text as ``uint8``
-after its length (jobs, results, errors, exit codes). Nothing a peer sends is unpickled (no ``*_object``
-collectives).
+Every message is a tensor (fixed-size, or JSON text as ``uint8`` after its length): nothing a peer sends is unpickled.
 
-A lost peer. Each wait for a peer is bounded by ``--timeout`` (:data:`DEFAULT_TIMEOUT`); a peer whose connection
-closed (killed, crashed, or it gave up itself) or that sent nothing within it (frozen by ``SIGSTOP``, hung, a dead
-node) ends the run on every other rank with :class:`~nemo_patch.engine.errors.PeerError` (exit code 15) and one line
-on stderr naming the lost rank(s), without a traceback. gloo closes every connection of a process once one of its
-waits times out, so a rank that gives up cannot tell the others why; hence each rank finds lost peers itself, in the
-two all-to-all messages (1 and 3) every rank waits on with its own deadline, rather than by
-``dist.monitored_barrier`` (which names the missing ranks on rank 0 only, the others merely timing out on rank 0).
-Rank 0 publishes nothing unless every rank's report (4) arrived; its temporary output is removed by rank 0 itself or,
-when rank 0 is the one lost before the reports, by the other ranks (the directory is named in their jobs). Only a rank
-0 lost after the reports, while it verifies and publishes, leaves the others unsure whether it published, and their
-line says so. A rank that finishes its share more than ``--timeout`` after another counts as lost to that one, so the
-timeout must cover how much longer a slower node takes over its share, rank 0's planning, and its ``--verify`` and
-publishing; the default, one hour, covers that for large models and bounds a hang to an hour.
+Each wait for a peer is bounded by ``--timeout`` (:data:`DEFAULT_TIMEOUT`); a peer that closed its connection or sent
+nothing in time ends the run on every other rank with :class:`PeerError` and one line naming it. gloo closes every
+connection of a process once one of its waits times out, so a rank that gives up cannot tell the others why: each
+rank finds lost peers itself, in the two all-to-all messages (1 and 3), rather than by ``dist.monitored_barrier``
+(which names the missing ranks on rank 0 only). Rank 0's temporary output is removed by rank 0, or by the others when
+rank 0 is lost before the reports; only a rank 0 lost while it publishes leaves the others unsure, and they say so.
 
 Imports torch and the engine; never NeMo, Lightning or megatron-core.
 """
@@ -91,7 +75,8 @@ class PeerError(ConsolidationError):
     )
 
 
-#: How long a rank waits for another rank's next message (``--timeout``), in seconds: see the module docstring.
+#: How long a rank waits for another rank's next message (``--timeout``), in seconds: it must cover how much longer
+#: a slower node takes over its share, and rank 0's planning, ``--verify`` and publishing.
 DEFAULT_TIMEOUT = 3600.0
 
 #: Arguments that change neither the output nor how the ranks wait: left out of :func:`arguments_digest`.
