@@ -40,6 +40,7 @@ from nemo_patch.training.retention import (
     output_run,
     prune_retained,
     repair_best,
+    repoint_best,
     repoint_latest,
     retain_output,
     retained_name,
@@ -415,3 +416,23 @@ def test_best_is_repaired_only_to_its_own_runs_retained_entry(tmp_path):
     assert repair_best(tmp_path, "consolidated", "B") == b_entry
     update_latest_pointer(b, tmp_path, name=BEST_NAME)
     assert repair_best(tmp_path, "consolidated", "C") is None and not os.path.lexists(tmp_path / BEST_NAME)
+
+
+def test_best_follows_its_checkpoints_output_to_retained_or_is_removed_saying_why(tmp_path, caplog):
+    kept, other = _checkpoint(tmp_path, 4, run="A"), _checkpoint(tmp_path, 6, run="A")
+    update_latest_pointer(kept, tmp_path, name=BEST_NAME)
+    assert repoint_best(tmp_path, "consolidated", other, "A") == kept  # not the one removed: BEST stays
+    _removing(kept)
+    entry = retain_output(kept, "consolidated")
+    with caplog.at_level("INFO", logger="nemo_patch.training.retention"):
+        assert repoint_best(tmp_path, "consolidated", kept, "A") == entry
+    assert os.path.realpath(tmp_path / BEST_NAME) == str(entry.resolve())
+    assert f"BEST moved from {kept.name} to retained/{kept.name} (checkpoint {kept.name} is being removed)" in (
+        caplog.messages
+    )
+    update_latest_pointer(other, tmp_path, name=BEST_NAME)  # an output that is not kept (keep=0): BEST goes
+    caplog.clear()
+    assert repoint_best(tmp_path, "consolidated", other, "A") is None and not os.path.lexists(tmp_path / BEST_NAME)
+    assert caplog.messages == [
+        f"BEST removed: checkpoint {other.name} is being removed and its consolidated output is not kept"
+    ]

@@ -14,32 +14,12 @@
 
 """Consolidated outputs outlive NeMo's top-k retention, and ``LATEST`` never names a removed checkpoint.
 
-NeMo's ``ModelCheckpoint(save_top_k=...)`` removes checkpoints (``MegatronStrategy.remove_checkpoint``), and with
-them any ``consolidated/`` (or ``hf/``) output inside. The milestones a user asked for are kept instead: before NeMo
-removes a checkpoint that holds a complete output, the output is given a second home,
-
-    <root>/retained/<checkpoint name>/consolidated/      model.safetensors (or shards + index), metadata.json
-
-with the same files (hard links where the filesystem allows, copies otherwise), published atomically, so that a
-retained entry looks like a checkpoint directory that holds only its consolidated output. Its ``metadata.json`` keeps
-the ``global_step`` and gains ``retained_from`` (the removed checkpoint's name). NeMo then removes the checkpoint as
-it decides. ``ConsolidationConfig.keep`` bounds what is retained: ``None`` keeps all; ``N`` keeps an output only while
-it is among the run's newest ``N`` consolidated outputs (counting those still inside checkpoints), removing older
-retained ones; ``0`` retains nothing (NeMo's removal deletes the output, as without this package). A ``-last`` copy's
-output is retained only when no other output holds the same files (the copy's output is hard links of its step's
-output, made from the same weights), under the name without ``-last``. Keeping is all or nothing: when it fails (disk
-full, a link limit), no entry is left behind and the pointers still move off the checkpoint.
-
-Every output records the training run that made it (``"run"`` in its ``metadata.json``, kept when it is retained;
-see ``ConsolidationCoordinator.run_id``): several runs may share a root. ``<root>/LATEST`` belongs to the run whose
-output it names, and is moved before the checkpoint it names is removed: to the retained entry, or else to that run's
-newest remaining consolidated output (a checkpoint's or a retained one), or removed when that run has none left, each
-atomically and logged; it never moves to another run's output. A reader following ``LATEST`` always finds a complete
-output. ``<root>/BEST`` (``"best"`` cadences) follows its checkpoint's output to ``retained/``, or is removed
-(logged) when that output is not kept; pruning (``keep``) counts and removes the pruning run's outputs only, and never
-the retained output ``BEST`` names. Outputs that record no run (made before runs were recorded, or offline) count as
-one run of their own. NeMo's resume ignores ``retained/`` (it lists
-the root's entries only one level deep and picks ``*-last``/``*-end`` checkpoints).
+Before NeMo's ``ModelCheckpoint(save_top_k=...)`` removes a checkpoint that holds a complete output, the output is
+given a second home, ``<root>/retained/<checkpoint name>/consolidated/`` (hard links, or copies; published atomically;
+all or nothing), bounded by ``ConsolidationConfig.keep``; ``<root>/LATEST`` moves off the checkpoint first, within the
+run whose output it names (the ``"run"`` each ``metadata.json`` records), and ``<root>/BEST`` follows its output or is
+removed. The rules are docs/retention.md's. NeMo's resume ignores ``retained/`` (it lists the root's entries one level
+deep and picks ``*-last``/``*-end`` checkpoints).
 
 :class:`Observer` does all this for a run (the coordinator calls it). Imports the standard library, the engine's
 layout and publishing helpers and the training side's schedule and ``LATEST`` only: never NeMo or Lightning.
@@ -256,10 +236,8 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     if same_output_files(source, same / output_name):  # kept already (a -last copy of a step whose output was kept)
         return None
     entry = _unique_entry(checkpoint_dir.parent / RETAINED_DIRNAME, retained_name(checkpoint_dir), output_name)
-    if is_copy_name(checkpoint_dir.name):
-        others = consolidated_outputs(checkpoint_dir.parent, output_name)
-        if any(other.entry != checkpoint_dir and same_output_files(source, other.output_dir) for other in others):
-            return None
+    if is_copy_name(checkpoint_dir.name) and _held_elsewhere(checkpoint_dir, output_name):
+        return None
     created = not entry.exists()
     entry.mkdir(parents=True, exist_ok=True)
     metadata["retained_from"] = checkpoint_dir.name
@@ -291,10 +269,6 @@ def _held_elsewhere(checkpoint_dir: Path, output_name: str) -> bool:
     return any(other.entry != checkpoint_dir and same_output_files(source, other.output_dir) for other in others)
 
 
-def _is_plain_file(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink()
-
-
 def _keep_post_command_log(log: Path, kept: Path) -> bool:
     """Give the post command's log of a retained output a second home beside it (a hard link, else a copy), made
     under a temporary name and renamed over whatever ``kept`` is (a file or link left there is not this output's:
@@ -304,7 +278,7 @@ def _keep_post_command_log(log: Path, kept: Path) -> bool:
     Returns:
         Whether ``kept`` is now the log.
     """
-    if not _is_plain_file(log):
+    if not log.is_file() or log.is_symlink():
         return False
     staging = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
     try:
@@ -384,14 +358,8 @@ def repoint_best(root: Path, output_name: str, removing: Path, run: Optional[str
     if target != removing:
         return target
     owner, _, _ = _owner(target, output_name, run)
-    entry = retained_entry_of(root, output_name, removing, owner)
-    if entry is not None and read_output_metadata(entry / output_name) is not None:
-        update_latest_pointer(entry, root, name=BEST_NAME)
-        logger.info("BEST moved from %s to %s (%s)", removing.name, _relative(entry, root), _why(removing))
-        return entry
-    remove_latest_pointer(root, BEST_NAME)
-    logger.warning("BEST removed: %s and its consolidated output is not kept", _why(removing))
-    return None
+    why = _why(removing)
+    return _best_to_retained(root, output_name, removing, owner, why, f"{why} and its consolidated output is not kept")
 
 
 def repair_best(root: Path, output_name: str, run: Optional[str] = None) -> Optional[Path]:
@@ -405,13 +373,22 @@ def repair_best(root: Path, output_name: str, run: Optional[str] = None) -> Opti
     target = _pointer_target(root, BEST_NAME)
     if target is None or read_output_metadata(target / output_name) is not None:
         return target
-    entry = retained_entry_of(root, output_name, target, run)
+    gone = f"it named {_relative(target, root)}, which holds no complete output any more"
+    return _best_to_retained(root, output_name, target, run, "its checkpoint is gone", gone)
+
+
+def _best_to_retained(
+    root: Path, output_name: str, gone: Path, run: Optional[str], moved: str, removed: str
+) -> Optional[Path]:
+    """Point ``BEST`` at ``gone``'s retained output of ``run`` (logged with why it ``moved``), else remove it (a
+    warning saying why it was ``removed``); returns what ``BEST`` names afterwards."""
+    entry = retained_entry_of(root, output_name, gone, run)
     if entry is not None and read_output_metadata(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
-        logger.info("BEST moved from %s to %s (its checkpoint is gone)", target.name, _relative(entry, root))
+        logger.info("BEST moved from %s to %s (%s)", gone.name, _relative(entry, root), moved)
         return entry
     remove_latest_pointer(root, BEST_NAME)
-    logger.warning("BEST removed: it named %s, which holds no complete output any more", _relative(target, root))
+    logger.warning("BEST removed: %s", removed)
     return None
 
 
