@@ -16,31 +16,18 @@
 
 A job killed (SIGKILL, a lost node) leaves it behind; the next run of the same root consolidates what it lists when
 training starts, or says once that it cannot. Each entry names a checkpoint of the root by its directory name, with
-the global step, the run that saved it (the coordinator's ``run_id``), the ``"best"`` record, its ``-last`` copies and
-the identity of its weights' files (:func:`~.schedule.weights_identity`): an entry is only resumed while its
-checkpoint is still those very files (inode, size, modification time; not the device number, which differs between
-the nodes that mount one file system), so a journal copied from another root, or a
-checkpoint saved again since (by another run of the root, or another tool), never has something consolidated or
-published under the entry's step or ``"best"`` record that is not the save it names. A journal of another run of the
-same root is resumed (that is what it is for: the next job after a killed one); the run is named in the log line.
+the global step, the run that saved it, the ``"best"`` record, its ``-last`` copies and the identity of its weights'
+files (:func:`~.schedule.weights_identity`): an entry is only resumed while its checkpoint is still those very files
+(inode, size, modification time; not the device number, which differs between nodes), so a journal copied from
+another root, or a checkpoint saved again since, never has another save consolidated under the entry's name.
 
-What the journal is never trusted with: it is read without following a symlink, only when it is a regular file of at
-most 4 MiB, of a version this package writes; each entry must name a plain directory inside the root (no ``/``, no
-``..``, not hidden, not a symlink). Anything else is one ``WARNING`` line, and the file is then replaced (or removed)
-by this run's journal. Training never fails because of the journal.
+The journal is never trusted: it is read without following a symlink, only as a regular file of at most 4 MiB of a
+version this package writes, and each entry must name a plain directory inside the root. Anything else is one
+``WARNING``, and the file is then replaced by this run's journal. Training never fails because of the journal.
 
-Writes happen off the training thread: the training thread only signals a change (a flag; it wakes no thread and
-computes nothing), and one writer thread looks every :data:`WRITE_INTERVAL` (0.05 s), takes the waiting and running
-consolidations under the coordinator's lock (the newest state wins: changes signalled between two looks collapse into
-one write) and, when they differ from what the journal lists, writes them to a new temporary file
-(``O_EXCL|O_NOFOLLOW``: never through a planted link) renamed over the journal. Guarantee: a change (a save queued
-for consolidation, in the training step after the one in which it finished) is on disk within :data:`WRITE_INTERVAL`
-plus one write (milliseconds on a local disk), and a job SIGKILLed at any moment leaves the previous complete journal
-or the new one, never a half-written one (at worst a hidden ``.consolidation-due.json.tmp-*`` file, removed by the
-next run). A job killed within that window leaves the previous state: its newest due checkpoint is not resumed (it is
-consolidated with ``nemo-consolidate``). When the coordinator closes (the end of ``fit``, the teardown), the journal
-is brought up to date before it returns. A journal that cannot be written (disk full, read-only root) is one
-``WARNING`` and retried at the next change; the run goes on.
+Writes happen off the training thread (:class:`_Writer`), into a new temporary file renamed over the journal: a change
+is on disk within :data:`WRITE_INTERVAL` plus one write, and a job SIGKILLed at any moment leaves the previous
+complete journal or the new one. A journal that cannot be written is one ``WARNING`` and retried at the next change.
 
 Standard library and the training side's schedule only.
 """
@@ -339,7 +326,7 @@ class Observer(ConsolidationObserver):
             entry: Dict[str, Any] = {
                 "checkpoint": save.path.name,
                 "global_step": save.global_step,
-                "run": getattr(save, "run", None) or run,
+                "run": save.run or run,
                 "identity": list(identity),
             }
             if save.best is not None:
@@ -496,8 +483,7 @@ class Observer(ConsolidationObserver):
             run = entry.get("run") if _RUN.fullmatch(str(entry.get("run"))) else journal_run
             if run is not None:
                 runs.add(run)
-                if "run" in getattr(CheckpointSave, "__dataclass_fields__", {}):
-                    setattr(save, "run", run)  # the output belongs to the run that saved the checkpoint
+                save.run = run  # the output belongs to the run that saved the checkpoint
             self._resume_copies(root, entry, save)
             resumed.append(save)
         if refused:
