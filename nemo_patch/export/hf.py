@@ -43,7 +43,7 @@ from nemo_patch.engine.adapter_merge import lora_scale
 from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.casting import checked_cast
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
-from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback, read_state_dict
+from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback
 from nemo_patch.engine.digests import source_fingerprint
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, OutputExistsError
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
@@ -57,7 +57,12 @@ from nemo_patch.engine.vocabulary import vocabulary_sizes
 from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.errors import AdapterCheckpointError, ExportError
 from nemo_patch.export.hf_stream import LazyCheckpointState, StreamedConversion, saved_names
-from nemo_patch.export.hf_verify import ImporterUnavailable, TensorView, check_through_importer
+from nemo_patch.export.hf_verify import (
+    ImporterUnavailable,
+    TensorView,
+    check_through_importer,
+    read_checkpoint_tensors,
+)
 from nemo_patch.export.layer_norms import te_layer_norm_names
 
 __all__ = ["HF_DIRNAME", "cast_floating", "checkpoint_dtype", "export_hf_checkpoint", "te_layer_norm_names"]
@@ -658,13 +663,8 @@ def export_hf_checkpoint(
 
     def read() -> Dict[str, torch.Tensor]:
         nonlocal metadata
-        try:
-            state, metadata = read_state_dict(location, merge_adapters, progress, base_checkpoint)
-            return te_layer_norm_names(state)
-        except ConsolidationError:
-            raise
-        except (Exception, CheckpointException) as error:
-            raise CorruptShardError(f"Cannot read the weights of {weights_dir}: {error}") from error
+        state, metadata = read_checkpoint_tensors(location, merge_adapters, base_checkpoint, progress)
+        return state
 
     def open_lazy() -> LazyCheckpointState:
         nonlocal metadata

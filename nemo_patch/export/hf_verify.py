@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.casting import cast_overflow
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
-from nemo_patch.engine.consolidate import read_state_dict
+from nemo_patch.engine.consolidate import ProgressCallback, read_state_dict
 from nemo_patch.engine.errors import ConsolidationError, CorruptShardError
 from nemo_patch.engine.output_files import InvalidOutputError, output_weight_map
 from nemo_patch.engine.safe_files import read_json_file
@@ -489,7 +489,7 @@ def check_through_importer(
             before_reading()
 
         # 2. The checkpoint's tensors (the oracle) and the importer's results from the written tensors.
-        oracle = read_checkpoint_tensors(location, merge_adapters, base_checkpoint)
+        oracle, _ = read_checkpoint_tensors(location, merge_adapters, base_checkpoint)
         imported = target.state = _Imported(oracle, written, dtype)
         written.start()
         _replay(importer_name, output_dir, source, target, mapping, transforms, written)
@@ -719,18 +719,22 @@ def checkpoint_names(
 
 
 def read_checkpoint_tensors(
-    location: CheckpointLocation, merge_adapters: bool = False, base_checkpoint: Optional[Union[str, Path]] = None
-) -> Dict[str, torch.Tensor]:
+    location: CheckpointLocation,
+    merge_adapters: bool = False,
+    base_checkpoint: Optional[Union[str, Path]] = None,
+    progress: Optional[ProgressCallback] = None,
+) -> Tuple[Dict[str, torch.Tensor], Any]:
     """The checkpoint's tensors as NeMo's exporters and importers name them (the Transformer Engine spec's fused
-    layer-norm names, :func:`nemo_patch.export.layer_norms.te_layer_norm_names`).
+    layer-norm names, :func:`nemo_patch.export.layer_norms.te_layer_norm_names`), and its DCP metadata
+    (:func:`~nemo_patch.engine.consolidate.read_state_dict`'s, which ``progress`` reports on).
 
     Raises:
         ConsolidationError: or a subclass (:class:`CorruptShardError` for a shard that cannot be read).
     """
     try:
-        state, _ = read_state_dict(location, merge_adapters, None, base_checkpoint)
+        state, metadata = read_state_dict(location, merge_adapters, progress, base_checkpoint)
     except ConsolidationError:
         raise
     except (Exception, CheckpointException) as error:
         raise CorruptShardError(f"Cannot read the weights of {location.weights_dir}: {error}") from error
-    return te_layer_norm_names(state)
+    return te_layer_norm_names(state), metadata
