@@ -14,42 +14,16 @@
 
 """``nemo-consolidate``: consolidate one NeMo 2 distributed checkpoint offline, on CPU, without writing code.
 
-Usage (also ``python -m nemo_patch``)::
-
-    nemo-consolidate <path> [--out DIR] [--format safetensors|hf] [--dtype bf16|fp16|fp32]
-                     [--max-shard-size 5GB] [--merge-adapters [--base-checkpoint DIR]] [--verify] [--force]
-                     [--allow-unfinished] [--best [--monitor NAME] [--mode min|max]] [--workers N] [--quiet]
-    nemo-consolidate --version
-    torchrun --nnodes N --nproc-per-node 1 ... -m nemo_patch <path> ... [--timeout SECONDS]
-                     (or srun; see nemo_patch.cli.distributed)
-
-``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then ``LATEST``, or
-else the newest finished checkpoint; see :func:`nemo_patch.training.latest.locate_checkpoint`). With ``--best``,
-``<path>`` is a run's checkpoint root and its best finished checkpoint by the monitored metric is consolidated
-(:func:`nemo_patch.engine.best_checkpoint.find_best_checkpoint`). Checkpoints written by stock NeMo 2.x, without this
-package, work the same.
-
-Output goes to ``<ckpt>/consolidated`` (``--format safetensors``) or ``<ckpt>/hf`` (``--format hf``, a directory
-``transformers.AutoModelForCausalLM.from_pretrained`` loads), unless ``--out`` says otherwise. It is published
-atomically: on any failure nothing is left under the output name or in a temporary directory. ``--force`` replaces
-only a previous output of this command or an empty directory; an ``--out`` that is the checkpoint, its root or a
-directory above them, or on or inside its ``weights/`` or ``context/`` (symbolic links resolved), or that holds
-anything else, exits 7 before anything is written (:mod:`nemo_patch.engine.output_target`).
-
-Exit codes: 0 success; 2 bad command line (with usage); and one per cause, with a one-line reason on stderr: the
-error classes of :mod:`nemo_patch.engine.errors` carry them (``--help`` lists them). An adapter
-checkpoint gives ``adapter_model.safetensors`` (``safetensors``) or a Hugging Face PEFT directory (``hf``), or with
-``--merge-adapters`` the merged model.
-
-``--workers N`` writer processes fill the output files at once (default: this node's cores, at most 8;
-:mod:`nemo_patch.engine.parts`); launched by ``torchrun`` or ``srun`` on several nodes, each node runs its share
-(:mod:`nemo_patch.cli.distributed`). The output is the same, byte for byte, whatever the number of writers.
-
-``--verify`` re-reads the output and compares every tensor with the checkpoint, and checks the per-tensor digests
-``metadata.json`` records (:func:`nemo_patch.engine.digests.verify_digests`); for the ``safetensors`` format of a
-checkpoint with a NeMo ``context/`` it also checks that the output's names and shapes are those of the model the
-context describes, built on the meta device (:mod:`nemo_patch.export.context_model`; a warning says so when that
-model cannot be built here, e.g. without Transformer Engine). A mismatch exits 9 naming the first differing key.
+``nemo-consolidate <path> [options]`` (also ``python -m nemo_patch``; ``--help`` and docs/cli.md list the options and
+exit codes). ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then
+``LATEST``, else the newest finished checkpoint: :func:`nemo_patch.training.latest.locate_checkpoint`; with ``--best``
+the best one: :func:`nemo_patch.engine.best_checkpoint.find_best_checkpoint`). The output goes to
+``<ckpt>/consolidated`` or ``<ckpt>/hf`` unless ``--out`` says otherwise, published atomically; ``--force`` replaces
+only a previous output or an empty directory (:mod:`nemo_patch.engine.output_target`). Every failure is one line on
+stderr and the exit code its error class carries (:mod:`nemo_patch.engine.errors`). ``--workers`` writer processes
+fill the output at once (:mod:`nemo_patch.engine.parts`), and ``torchrun``/``srun`` split it between nodes
+(:mod:`nemo_patch.cli.distributed`); ``--watch`` and ``--list`` are :mod:`nemo_patch.cli.watch` and
+:mod:`nemo_patch.cli.listing`.
 
 Imports the engine, the export and the torch-free training modules (the settings' config, ``LATEST``); torch when
 run, NeMo only for ``--format hf`` and ``--verify`` with a context; never the overlay or ``nemo_patch.testing``.
@@ -70,7 +44,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 from nemo_patch.cli.listing import add_list_options, check_list_arguments, run_list
-from nemo_patch.cli.watch import add_watch_options, check_watch_arguments, human_size, positive_seconds, run_watch
+from nemo_patch.cli.watch import (
+    _one_line,
+    add_watch_options,
+    check_watch_arguments,
+    human_size,
+    positive_seconds,
+    run_watch,
+)
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
@@ -210,11 +191,6 @@ def _refuse_urls(args: argparse.Namespace) -> None:
         refuse_remote(args.base_checkpoint, "the base checkpoint")
     if args.out is not None:
         refuse_remote(args.out, "--out", _UPLOAD_ADVICE)
-
-
-def _one_line(error: BaseException) -> str:
-    """An error's message on one line (a message quoting another library's, e.g. torch's, may have several)."""
-    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 def _installed_version() -> str:
