@@ -16,22 +16,11 @@
 
 One row per checkpoint of ``ROOT`` (a NeMo 2 checkpoint root or its run directory, or a Megatron-LM / Megatron-Bridge
 save directory: :mod:`nemo_patch.engine.run_checkpoints`), in global-step order, then one per output kept under
-``retained/`` after its checkpoint was removed:
-
-* its name, global step and run (the training run's id: what the output's ``metadata.json`` records under ``"save"``,
-  else its older ``"run"`` key, else what the checkpoint's ``common.pt`` records; ``-`` when none does);
-* whether the save finished;
-* for each output (``consolidated/``, ``hf/``): whether it is complete for this save of the checkpoint
-  (:func:`nemo_patch.cli.watch.output_is_complete`: ``yes``; for NeMo's ``-last`` copy also its step's output linked
-  into it, as training links it; an output of another save or with files missing: ``outdated``), its format, the
-  dtypes of its tensors (from the safetensors headers), its size on disk, and its digests: ``recorded``
-  (``metadata.json`` holds per-tensor digests, not read), ``verified`` / ``FAILED`` with ``--verify``
-  (:func:`nemo_patch.engine.digests.verify_digests`), ``none`` (a Hugging Face output records none);
-* ``LATEST`` / ``BEST`` marks, and the post command's result recorded in ``metadata.json``.
-
-``--json`` prints the same as one JSON document (keys in :func:`list_root`). Reads only: nothing is written, no
-lock is taken. Exit codes: 0; 3 when ``ROOT`` does not exist; 4 when it holds no checkpoint and no retained output;
-9 with ``--verify`` when an output's digests do not verify (the table is printed first).
+``retained/``: its save, run and outputs (complete for this save as :func:`nemo_patch.cli.watch.output_is_complete`
+says, format, dtypes, size, digests), ``LATEST`` / ``BEST`` marks and the post command's result (docs/cli.md; the
+keys are :func:`list_root`'s). Reads only: nothing is written, no lock is taken. Exit codes: 0; 3 when ``ROOT`` does
+not exist; 4 when it holds no checkpoint and no retained output; 9 with ``--verify`` when an output's digests do not
+verify (the table is printed first).
 """
 
 import argparse
@@ -129,7 +118,7 @@ def _recorded_run(manifest: Dict[str, Any]) -> Optional[str]:
 
 
 def _output_row(checkpoint: Optional[Path], output: Path, verify: bool) -> Dict[str, Any]:
-    """What one output directory is (see the module docstring); ``checkpoint`` is ``None`` for a retained output."""
+    """What one output directory is (keys: :func:`list_root`); ``checkpoint`` is ``None`` for a retained output."""
     manifest = read_output_metadata(output) or {}
     files: Dict[str, Any] = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
     names = sorted(name for name in files if isinstance(name, str) and name.endswith(".safetensors"))
