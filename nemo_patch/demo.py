@@ -14,15 +14,11 @@
 
 """Train a tiny NeMo GPT on the CPU and show which checkpoints were consolidated.
 
-A real NeMo 2 run: ``llm.train`` with ``nl.Trainer``, ``nl.MegatronStrategy(ckpt_consolidation_frequency=...,
-ckpt_consolidation=ConsolidationConfig(...))`` (the overlay's, reached through NeMo's own name), NeMo's
-``ModelCheckpoint`` and ``NeMoLogger``, saving ``torch_dist`` distributed checkpoints. Only CUDA is stubbed out
-(``nemo_patch.testing.cpu_harness``). Running it again on the same ``--out`` resumes the run from its last checkpoint.
-
-Runs from a wheel in a NeMo environment (``nemo-patch-demo``, or ``python -m nemo_patch.demo``; the tiny models, the
-CPU harness and the fit runner are ``nemo_patch.testing``, which the wheel ships) and from a source checkout
-(``scripts/demo_consolidation_cadence.py``). Refuses to run when the overlay is not active (``nemo-consolidate
---check``): its summary would otherwise describe a run that consolidated nothing.
+A real NeMo 2 run (``llm.train``, ``nl.Trainer``, ``nl.MegatronStrategy(ckpt_consolidation_frequency=...)``, NeMo's
+``ModelCheckpoint`` and ``NeMoLogger``, ``torch_dist`` checkpoints); only CUDA is stubbed out
+(``nemo_patch.testing.cpu_harness``). Running it again on the same ``--out`` resumes the run. Runs as
+``nemo-patch-demo`` (or ``python -m nemo_patch.demo``) and from a source checkout
+(``scripts/demo_consolidation_cadence.py``); refuses to run when the overlay is not active.
 
 Examples:
     nemo-patch-demo --frequency every_n:2 --max-steps 10 --save-every 2 --out runs/demo

@@ -15,16 +15,10 @@
 """What the training process hears of each consolidation after it ended: its outcome, the post command's result
 and metrics, and the callbacks' hooks.
 
-For each consolidation that ended (global rank 0, reaped in the training loop's hooks or in the strategy's teardown),
-:class:`Observer` logs the post command's result (``ConsolidationConfig.post_command``), logs its metrics to the
-trainer's loggers at the checkpoint's global step and calls, on every callback of the trainer that defines it,
-
-* ``on_consolidation_end(trainer, pl_module, result)`` once per published output, and
-* ``on_consolidation_failed(trainer, pl_module, result)`` once per consolidation that ran and published nothing;
-
-``result`` is the :class:`ConsolidationOutcome`. A hook runs in the training loop: it is for quick work (evaluations
-and uploads belong in the post command, which runs in the consolidation process). An exception in a hook is logged
-(the first of each hook with its traceback, later ones at debug level) and never fails training.
+For each consolidation that ended (global rank 0, reaped in the training loop), :class:`Observer` logs the post
+command's result, logs its metrics to the trainer's loggers at the checkpoint's global step and calls the callbacks'
+``on_consolidation_end`` / ``on_consolidation_failed`` with a :class:`ConsolidationOutcome`
+(docs/after-consolidation.md). An exception in a hook is logged (:class:`HookCaller`) and never fails training.
 
 Standard library, the engine's post command and safe file reads only: never NeMo or Lightning (a duck-typed trainer).
 """
