@@ -167,6 +167,21 @@ def test_the_state_source_and_the_written_model_read_tensors_by_dotted_names():
         written.model.norm.weight
 
 
+def test_a_config_transformers_does_not_know_is_read_as_its_keys_and_a_fifo_is_refused(tmp_path):
+    import os
+
+    from nemo_patch.engine.verify import VerificationError
+    from nemo_patch.export.hf_verify import _hf_config
+
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model", "vocab_size": 50, "hidden_size": 8}')
+    config = _hf_config(tmp_path)
+    assert (config.vocab_size, config.hidden_size) == (50, 8)
+    os.unlink(tmp_path / "config.json")
+    os.mkfifo(tmp_path / "config.json")  # never opened for reading: it would block
+    with pytest.raises(VerificationError, match="Cannot read .*config.json"):
+        _hf_config(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def tied_padded_llama(tmp_path_factory):
     """A tied-embedding tiny Llama whose tokenizer has 50 tokens and whose model has 64 vocabulary rows, as NeMo's

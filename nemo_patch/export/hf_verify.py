@@ -260,17 +260,14 @@ def _hf_config(output_dir: Path) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     try:
-        read_json_file(output_dir / "config.json")  # a bounded regular file (no FIFO) before transformers opens it
+        keys = read_json_file(output_dir / "config.json")  # a bounded regular file (no FIFO) before transformers
     except (OSError, ValueError) as unreadable:
         raise VerificationError(f"Cannot read {output_dir / 'config.json'}: {unreadable}") from unreadable
     try:
         return AutoConfig.from_pretrained(str(output_dir), trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - any failure: fall back to the keys themselves
         logger.debug("AutoConfig cannot read %s (%s); reading its keys", output_dir, error)
-        try:
-            return PretrainedConfig.from_dict(read_json_file(output_dir / "config.json"))
-        except (OSError, ValueError) as unreadable:
-            raise VerificationError(f"Cannot read {output_dir / 'config.json'}: {unreadable}") from unreadable
+        return PretrainedConfig.from_dict(keys)
 
 
 @contextlib.contextmanager
