@@ -193,8 +193,7 @@ def _set_consolidation_settings(self: Any, settings: ConsolidationSettings) -> N
 def install(module: ModuleType) -> None:
     """Give the edited ``MegatronStrategy`` or ``MegatronCheckpointIO`` of NeMo's ``module`` the deprecated
     keywords and attributes (called once the overlay executed it)."""
-    common = {"save_consolidated": "save_consolidated", "ckpt_consolidation_frequency": "frequency"}
-    common["consolidation_policy"] = "policy"
+    common = {**_IO_SWITCHES, "consolidation_policy": "policy"}
     strategy = vars(module).get("MegatronStrategy")
     if module.__name__.endswith(".megatron_strategy") and isinstance(strategy, type):
         _accepting(strategy, _strategy_keywords)

@@ -14,20 +14,16 @@
 
 """The overlay's import hook: NeMo's modules are executed with the edits of ``nemo_edits/`` applied to their source.
 
-The edits are the unified diffs that go upstream (one per pull request, in the order ``nemo_edits/series`` lists).
-At interpreter start-up ``nemo_patch.pth`` loads this file through ``_nemo_patch_autoload`` (without importing the
-``nemo_patch`` package) and calls :func:`install`, which adds a meta-path finder and nothing else. When a program
-imports a NeMo module that a diff edits, the finder's loader reads NeMo's source, applies every hunk of the series to
-it (strict: each hunk's old lines must be found exactly once, wherever they are), compiles it under NeMo's file name
-and registers the edited text in :mod:`linecache`, so tracebacks and ``inspect`` show the lines that run. A series
-that does not apply to the installed NeMo (another release changed a context line) leaves every NeMo module unedited,
-with one warning naming the NeMo version, the file and the hunk. :func:`edit_loaded_modules` does the same for NeMo
-modules imported before the hook was installed, and rebinds the names other ``nemo`` modules hold.
+The edits are the unified diffs that go upstream, in the order ``nemo_edits/series`` lists. ``nemo_patch.pth`` calls
+:func:`install` at interpreter start-up (without importing the ``nemo_patch`` package), which adds a meta-path finder
+and nothing else. The finder's loader applies every hunk strictly (each hunk's old lines found exactly once) to the
+source of a NeMo module a diff edits, compiles it under NeMo's file name and registers the edited text in
+:mod:`linecache`; a series that does not apply leaves every NeMo module unedited, with one warning naming the NeMo
+version, the file and the hunk (docs/installation.md). :func:`edit_loaded_modules` does the same for NeMo modules
+imported before the hook was installed, and rebinds the names other ``nemo`` modules hold.
 
-On, or loudly off: whenever NeMo's ``MegatronStrategy`` module runs unedited while the hook or the package is loaded
-(the series does not apply, an unsupported NeMo, ``NEMO_PATCH_DISABLE``), its class refuses the consolidation
-arguments (:func:`guard_unedited`: :class:`OverlayNotAppliedError`, naming the file, the NeMo version and the reason),
-where NeMo would pass them on to Lightning's unused DDP keywords and consolidate nothing.
+On, or loudly off: an unedited ``MegatronStrategy`` refuses the consolidation arguments (:func:`guard_unedited`), where
+NeMo would pass them on to Lightning and consolidate nothing.
 
 Standard library only, and no other ``nemo_patch`` module: what runs before and after an edit is handed in. Set
 ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to leave NeMo unedited.
