@@ -418,6 +418,26 @@ def test_best_is_repaired_only_to_its_own_runs_retained_entry(tmp_path):
     assert repair_best(tmp_path, "consolidated", "C") is None and not os.path.lexists(tmp_path / BEST_NAME)
 
 
+def test_a_fifo_planted_as_a_retained_metadata_json_blocks_nothing(tmp_path):
+    """``retained/`` entries are read as bounded regular files (as consolidated_outputs reads them): a FIFO planted at
+    an entry's metadata.json is no output, and never blocks the training thread that looks for one."""
+    import threading
+
+    kept = _checkpoint(tmp_path, 4, run="A")
+    planted = tmp_path / RETAINED_DIRNAME / "planted" / "consolidated"
+    planted.mkdir(parents=True)
+    os.mkfifo(planted / "metadata.json")
+    _removing(kept)
+    entry = retain_output(kept, "consolidated")
+    update_latest_pointer(kept, tmp_path, name=BEST_NAME)
+    found = []
+    looking = threading.Thread(target=lambda: found.append(repoint_best(tmp_path, "consolidated", kept, "A")))
+    looking.daemon = True
+    looking.start()
+    looking.join(timeout=20)
+    assert not looking.is_alive() and found == [entry]
+
+
 def test_best_follows_its_checkpoints_output_to_retained_or_is_removed_saying_why(tmp_path, caplog):
     kept, other = _checkpoint(tmp_path, 4, run="A"), _checkpoint(tmp_path, 6, run="A")
     update_latest_pointer(kept, tmp_path, name=BEST_NAME)

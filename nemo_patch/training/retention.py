@@ -173,11 +173,8 @@ def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path, run: O
     except OSError:
         return None
     for entry in entries:
-        try:
-            metadata = json.loads((entry / output_name / METADATA_FILENAME).read_text())
-        except (OSError, ValueError):
-            continue
-        kept_from = metadata.get("retained_from") if isinstance(metadata, dict) else None
+        metadata = read_output_metadata(entry / output_name) or {}  # bounded, never a FIFO
+        kept_from = metadata.get("retained_from")
         if not isinstance(kept_from, str) or retained_name(Path(kept_from)) != name:
             continue
         if check_files and not same_output_files(source, entry / output_name):
@@ -227,10 +224,8 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
         OSError: the files cannot be linked or copied (nothing is left behind: no entry, no staging directory).
     """
     source = checkpoint_dir / output_name
-    metadata_path = source / METADATA_FILENAME
-    try:
-        metadata = json.loads(metadata_path.read_text())
-    except (OSError, ValueError):
+    metadata = read_output_metadata(source)
+    if metadata is None:
         return None
     same = checkpoint_dir.parent / RETAINED_DIRNAME / retained_name(checkpoint_dir)
     if same_output_files(source, same / output_name):  # kept already (a -last copy of a step whose output was kept)
