@@ -228,10 +228,6 @@ def _hf_config_or_tokenizer(module: str) -> bool:
     return parts[:2] == ["transformers", "models"] and parts[-1].startswith(("configuration_", "tokenization_"))
 
 
-def _denied(module: str) -> bool:
-    return _under(module, DENIED_MODULES)
-
-
 def _why_untrusted(module: str, name: str) -> Optional[str]:
     """Why a reference is not trusted, or ``None`` when it is (imports the trusted module it names)."""
     if module == "builtins":
@@ -242,7 +238,7 @@ def _why_untrusted(module: str, name: str) -> Optional[str]:
         return "outside NeMo, megatron-core, torch, transformers, Lightning and fiddle"
     if not name.isidentifier():
         return "a dotted name, reached through attributes out of its module"
-    if _denied(module) or name in DENIED_NAMES:
+    if _under(module, DENIED_MODULES) or name in DENIED_NAMES:
         return "a part of a trusted package that loads or runs code"
     try:
         value = getattr(importlib.import_module(module), name)
@@ -251,7 +247,7 @@ def _why_untrusted(module: str, name: str) -> Optional[str]:
     if isinstance(value, types.ModuleType):
         return "a module object"
     owner = getattr(value, "__module__", None) or type(value).__module__
-    if not isinstance(owner, str) or owner.split(".")[0] not in TRUSTED_PACKAGES or _denied(owner):
+    if not isinstance(owner, str) or owner.split(".")[0] not in TRUSTED_PACKAGES or _under(owner, DENIED_MODULES):
         return f"defined in {owner}, only re-exported by {module}"
     own_name = getattr(value, "__name__", name)
     if f"{owner}.{own_name}" in TRUSTED_OBJECTS:
