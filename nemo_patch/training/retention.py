@@ -368,7 +368,7 @@ def repair_best(root: Path, output_name: str, run: Optional[str] = None) -> Opti
     target = _pointer_target(root, BEST_NAME)
     if target is None or read_output_metadata(target / output_name) is not None:
         return target
-    gone = f"it named {_relative(target, root)}, which holds no complete output any more"
+    gone = f"it named {os.path.relpath(target, root)}, which holds no complete output any more"
     return _best_to_retained(root, output_name, target, run, "its checkpoint is gone", gone)
 
 
@@ -380,7 +380,7 @@ def _best_to_retained(
     entry = retained_entry_of(root, output_name, gone, run)
     if entry is not None and read_output_metadata(entry / output_name) is not None:
         update_latest_pointer(entry, root, name=BEST_NAME)
-        logger.info("BEST moved from %s to %s (%s)", gone.name, _relative(entry, root), moved)
+        logger.info("BEST moved from %s to %s (%s)", gone.name, os.path.relpath(entry, root), moved)
         return entry
     remove_latest_pointer(root, BEST_NAME)
     logger.warning("BEST removed: %s", removed)
@@ -423,7 +423,7 @@ def repoint_latest(
     if remaining:
         update_latest_pointer(remaining[0].entry, root)
         logger.info(
-            "LATEST moved from %s to %s (%s)", target.name, _relative(remaining[0].entry, root), _why(removing)
+            "LATEST moved from %s to %s (%s)", target.name, os.path.relpath(remaining[0].entry, root), _why(removing)
         )
         return remaining[0].entry
     remove_latest_pointer(root)
@@ -435,10 +435,6 @@ def repoint_latest(
         root,
     )
     return None
-
-
-def _relative(path: Path, root: Path) -> str:
-    return os.path.relpath(path, root)
 
 
 def _why(removing: Optional[Path]) -> str:
