@@ -425,11 +425,16 @@ class StreamedConversion:
                 ready[found[0]] = found[1]
             return ready.pop(spec.name)
 
+        ordered = [placements[name] for name in order if name in placements]
         create_files(self.output_dir, self.files)
-        write_part(self.output_dir, [placements[name] for name in order if name in placements],
-                   {spec.name: spec for spec in self.planned}, produce)  # fmt: skip
-        for _ in converted:  # the groups after the last saved tensor, and the converter's checks at the end
-            pass
+        write_part(self.output_dir, ordered, {spec.name: spec for spec in self.planned}, produce)
+        for name, tensor in converted:  # the groups after the last saved tensor, and the converter's checks at the end
+            ready[name] = tensor
+        unwritten = sorted(set(ready) | (set(placements) - {placement.name for placement in ordered}))
+        if unwritten:  # converted outside the group that holds its target: never left as zeros in a file
+            from nemo_patch.export.errors import ExportError
+
+            raise ExportError(f"NeMo's {self.exporter} converted tensors that were not written: {unwritten[:5]}")
 
     def _compare(self, converted: Iterator[Tuple[str, torch.Tensor]]) -> None:
         """Compare the converted tensors with the files of :attr:`compare_with`.
