@@ -20,7 +20,7 @@ command's result, logs its metrics to the trainer's loggers at the checkpoint's 
 ``on_consolidation_end`` / ``on_consolidation_failed`` with a :class:`ConsolidationOutcome`
 (docs/after-consolidation.md). An exception in a hook is logged (:class:`HookCaller`) and never fails training.
 
-Standard library, the engine's post command and safe file reads only: never NeMo or Lightning (a duck-typed trainer).
+Standard library, the engine's post command and ``latest``'s metadata reader only: never NeMo or Lightning.
 """
 
 import dataclasses
@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from nemo_patch.engine.post_command import PostCommandResult, post_command_log_path, record_result
 from nemo_patch.engine.post_command import run_post_command as run_command
-from nemo_patch.engine.safe_files import read_json_file
+from nemo_patch.training.latest import read_output_metadata
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "ConsolidationOutcome",
     "HookCaller",
     "Observer",
-    "read_metadata",
     "run_post_command",
 ]
 
@@ -50,7 +49,6 @@ logger = logging.getLogger(__name__)
 #: The hooks a callback may define.
 END_HOOK = "on_consolidation_end"
 FAILED_HOOK = "on_consolidation_failed"
-_METADATA_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -92,16 +90,6 @@ class ConsolidationOutcome:
     def metrics(self) -> Dict[str, float]:
         """The post command's metrics (``{}`` without any)."""
         return dict(self.post_command.metrics) if self.post_command is not None else {}
-
-
-def read_metadata(output_dir: Path) -> Dict[str, Any]:
-    """An output's ``metadata.json`` as a dict; ``{}`` when it is missing, too large, not a regular file or not a JSON
-    object."""
-    try:
-        value = read_json_file(Path(output_dir) / "metadata.json", _METADATA_MAX_BYTES)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class HookCaller:
@@ -201,7 +189,7 @@ class Observer(ConsolidationObserver):
                         global_step=save.global_step,
                         bytes=record.bytes if record is not None else 0,
                         seconds=record.seconds if record is not None else save.seconds or 0.0,
-                        metadata=read_metadata(output) if error is None else {},
+                        metadata=(read_output_metadata(output) or {}) if error is None else {},
                         post_command=post,
                         error=error,
                     )
