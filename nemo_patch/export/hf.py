@@ -462,15 +462,6 @@ def _written_names(output_dir: Path) -> List[str]:
     return names
 
 
-def _dcp_metadata(weights_dir: Path) -> Any:
-    """The distributed checkpoint's metadata (for the vocabulary sizes), ``None`` if it cannot be read."""
-    try:
-        return read_dcp_metadata(weights_dir)
-    except Exception as error:  # only metadata.json's vocab_size depends on it
-        logger.warning("Cannot read the metadata of %s: %s", weights_dir, error)
-        return None
-
-
 def _verify_against_checkpoint(
     location: CheckpointLocation,
     output_dir: Path,
@@ -707,8 +698,11 @@ def export_hf_checkpoint(
             except VerificationError as error:  # named by the output's own path (nothing is published)
                 raise VerificationError(str(error).replace(str(tmp_dir), str(output_dir))) from error
         saved.clear()
-        if metadata is None:  # the exporter read the checkpoint itself (ckpt_load)
-            metadata = _dcp_metadata(weights_dir)
+        if metadata is None:  # the exporter read the checkpoint itself (ckpt_load): only for the vocabulary sizes
+            try:
+                metadata = read_dcp_metadata(weights_dir)
+            except Exception as error:  # only metadata.json's vocab_size depends on it
+                logger.warning("Cannot read the metadata of %s: %s", weights_dir, error)
         manifest: Dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "format": "hf",
