@@ -131,6 +131,27 @@ def test_latest_replaced_by_a_directory_is_set_aside_when_it_is_next_moved(tmp_p
     assert caplog.text.count("not the symlink this package keeps there") == 1
 
 
+def test_a_pointer_that_cannot_be_written_is_one_error_after_at_most_one_set_aside(tmp_path, monkeypatch, caplog):
+    coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(True))
+    checkpoint = _checkpoint(tmp_path, 4)
+    calls = []
+
+    def unwritable(*args, **kwargs):
+        calls.append(args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(retention, "update_latest_pointer", unwritable)
+    (tmp_path / LATEST_NAME).mkdir()  # set aside once, then the second write fails too
+    with caplog.at_level("WARNING"):
+        coordinator.observer(retention.Observer).point(checkpoint)
+    assert len(calls) == 2 and caplog.text.count("Could not point LATEST at") == 1
+    caplog.clear()
+    calls.clear()
+    with caplog.at_level("WARNING"):  # nothing in the pointer's place: one attempt
+        coordinator.observer(retention.Observer).point(checkpoint)
+    assert len(calls) == 1 and caplog.text.count("Could not point LATEST at") == 1
+
+
 def test_keeping_that_fails_leaves_no_entry_and_still_moves_the_pointers(tmp_path, monkeypatch, caplog):
     coordinator = ConsolidationCoordinator(ConsolidationSettings.from_arguments(True))
     older, removed = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)

@@ -624,17 +624,14 @@ class Observer(ConsolidationObserver):
         with self.coordinator.lock:
             if checkpoint_dir in self.coordinator.deleting or files_gone(checkpoint_dir):
                 return
-            try:
-                update_latest_pointer(checkpoint_dir, name=pointer)
-                return
-            except OSError:
-                if not self._set_aside(checkpoint_dir.parent, pointer):
-                    logger.exception("Could not point %s at %s", pointer, checkpoint_dir)
+            for attempt in (1, 2):  # the second after moving aside what took the pointer's place
+                try:
+                    update_latest_pointer(checkpoint_dir, name=pointer)
                     return
-            try:
-                update_latest_pointer(checkpoint_dir, name=pointer)
-            except OSError:
-                logger.exception("Could not point %s at %s", pointer, checkpoint_dir)
+                except OSError:
+                    if attempt == 2 or not self._set_aside(checkpoint_dir.parent, pointer):
+                        logger.exception("Could not point %s at %s", pointer, checkpoint_dir)
+                        return
 
     def _set_aside(self, root: Path, pointer: str) -> bool:
         """Move aside what took ``<root>/<pointer>``'s place (not a symlink); ``True`` if something was moved."""
