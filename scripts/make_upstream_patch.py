@@ -74,9 +74,19 @@ ISORT_SETTINGS = dict(
     known_third_party=["nemo_text_processing", "examples", "scripts"],
     default_section="THIRDPARTY",
 )
-#: Modules the series does not add, imported inside functions only for a ``ConsolidationConfig`` value whose
-#: ``feature`` (the module that ships with them) the config refuses where it is missing: later pull requests add them.
+#: Modules the series does not add, imported inside functions of files the series does add: later pull requests add
+#: them (each import is of a later addition's ``ConsolidationConfig`` field's validator, left out with the field).
 GATED = (f"{PACKAGE}.export.", f"{PACKAGE}.post_command")
+#: ``ConsolidationConfig`` fields of the later additions -> the product module that uses them: a series without that
+#: module leaves the field out (:func:`without_later_fields`), with its ``Attributes:`` entry and what only it used.
+LATER_FIELDS = {
+    "format": "nemo_patch.export.hf",
+    "keep": "nemo_patch.training.retention",
+    "merge_adapters": "nemo_patch.engine.adapter_merge",
+    "post_command": "nemo_patch.training.hooks",
+    "post_command_timeout": "nemo_patch.training.hooks",
+}
+CONFIG = "nemo_patch/training/config.py"
 #: Modules the series does not add that the engine still imports in an optional-import block (to become
 #: registrations, as the training side's extensions are): the only such imports :func:`check_file` lets through.
 PENDING = tuple(f"{PACKAGE}.{name}" for name in ("zarr_reader", "adapter_settings", "adapter_merge"))
@@ -201,6 +211,94 @@ def _optional_imports(tree: ast.Module) -> set:
     return found
 
 
+def _top_level_names(node: ast.stmt) -> List[str]:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return [target.id for target in targets if isinstance(target, ast.Name)]
+    return []
+
+
+def _cut(lines: List[str], spans: Iterable[Tuple[int, int]]) -> List[str]:
+    """``lines`` without the 1-based inclusive ``spans``."""
+    dropped = {n for start, end in spans for n in range(start, end + 1)}
+    return [line for n, line in enumerate(lines, 1) if n not in dropped]
+
+
+def without_later_fields(text: str, fields: Iterable[str], kept_elsewhere: str = "") -> str:
+    """The product's ``config.py`` (``text``) without the ``ConsolidationConfig`` ``fields``: their declarations, their
+    ``Attributes:`` entries, then every top-level name of the file that only they used (their validators, defaults,
+    option parsers; with the ``#:`` comment above each and its ``__all__`` entry), until none is left. A name that
+    ``kept_elsewhere`` (the series' other files) mentions is kept.
+
+    Raises:
+        ValueError: a field is not declared in ``ConsolidationConfig``.
+    """
+    fields = set(fields)
+    lines = text.splitlines(keepends=True)
+    tree = ast.parse(text)
+    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ConsolidationConfig")
+    declared = {n.target.id: n for n in config.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    if fields - set(declared):
+        raise ValueError(f"ConsolidationConfig declares no field {sorted(fields - set(declared))}")
+    used = {n.id for field in fields for n in ast.walk(declared[field]) if isinstance(n, ast.Name)}
+    spans = [(declared[field].lineno, declared[field].end_lineno or declared[field].lineno) for field in fields]
+    entry = re.compile(r" {8}(\w+): ")
+    inside = None
+    for n, line in enumerate(lines, 1):
+        match = entry.match(line)
+        if match or not line.startswith(" " * 12):
+            inside = match.group(1) if match else None
+        if inside in fields:
+            spans.append((n, n))
+    text = "".join(_cut(lines, spans))
+    while True:
+        tree = ast.parse(text)
+        lines = text.splitlines(keepends=True)
+        unused = []
+        for node in tree.body:
+            for name in _top_level_names(node):
+                mentions = len(re.findall(rf"\b{re.escape(name)}\b", text)) - len(re.findall(rf'"{name}"', text))
+                if name in used and mentions <= 1 and not re.search(rf"\b{re.escape(name)}\b", kept_elsewhere):
+                    start = node.lineno - len(getattr(node, "decorator_list", []))
+                    while start > 1 and lines[start - 2].startswith("#:"):
+                        start -= 1
+                    unused.append((name, (start, node.end_lineno or node.lineno)))
+        if not unused:
+            return _without_unused_imports(text)
+        text = "".join(_cut(lines, [span for _, span in unused]))
+        for name, _ in unused:
+            text = re.sub(rf'"{name}", ?|, "{name}"(?=\])', "", text)
+
+
+def _without_unused_imports(text: str) -> str:
+    """``text`` without the names of its top-level ``from ... import`` statements that it no longer uses."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    for node in reversed(tree.body):
+        if not isinstance(node, ast.ImportFrom) or node.end_lineno is None:
+            continue
+        kept = [a for a in node.names if len(re.findall(rf"\b{re.escape(a.asname or a.name)}\b", text)) > 1]
+        if len(kept) == len(node.names):
+            continue
+        names = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in kept)
+        replacement = [f"from {node.module} import {names}\n"] if kept else []
+        lines[node.lineno - 1 : node.end_lineno] = replacement
+    return "".join(lines)
+
+
+def later_fields() -> List[str]:
+    """The :data:`LATER_FIELDS` whose module the series does not add."""
+    added = {path[: -len(".py")].replace("/", ".") for pr in SERIES for path in pr.files}
+    return [field for field, module in LATER_FIELDS.items() if module not in added]
+
+
+def _other_series_text(but: str) -> str:
+    """The series' product files but ``but``, concatenated."""
+    return "".join((REPO / path).read_text() for pr in SERIES for path in pr.files if path != but)
+
+
 def series_modules() -> set:
     """The dotted names of the modules the whole series adds (in NeMo's tree)."""
     paths = [nemo_path(path) for pr in SERIES for path in pr.files if path.endswith(".py")]
@@ -287,6 +385,8 @@ def build(nemo_src: Path, work: Path) -> List[str]:
         written: Dict[str, str] = {}
         for source in pr.files:
             text = (REPO / source).read_text()
+            if source == CONFIG:
+                text = without_later_fields(text, later_fields(), _other_series_text(CONFIG))
             written[nemo_path(source)] = formatted(text) if source.endswith(".py") else renamed(text)
         written[NEMO_DOCS_PAGE] = docs_section(pr.key)
         for path, text in written.items():

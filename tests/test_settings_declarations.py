@@ -36,7 +36,6 @@ import pytest
 from conftest import REPO
 
 from nemo_patch.cli.nemo_consolidate import build_parser
-from nemo_patch.training import config as config_module
 from nemo_patch.training.config import SETTINGS, ConsolidationConfig, documented_attributes
 from nemo_patch.training.integration import ARGUMENTS
 
@@ -178,19 +177,25 @@ def test_each_field_is_annotated_with_the_type_it_stores():
         assert allowed - {type(None)} == {type(value)}, (field.name, hint, value)
 
 
-def test_a_feature_names_its_module_in_the_product_and_in_nemo_s_tree(monkeypatch):
-    """``feature`` is the module's dotted name, which the upstream packager renames like every import: it names the
-    same file in NeMo's layout (``engine.adapter_merge`` under the package root named none there)."""
+def test_each_later_field_is_a_field_and_names_the_product_module_that_uses_it():
+    """The upstream packager leaves out of the series' ``config.py`` the fields of :data:`LATER_FIELDS` whose module
+    the series lacks: each is a ``ConsolidationConfig`` field, its module is a product file that reads it, and the
+    config without them still builds (what only they used goes with them)."""
     sys.path.insert(0, str(REPO / "scripts"))
     import make_upstream_patch as packager
 
-    features = {spec.feature for spec in SETTINGS if spec.feature is not None}
-    assert features
-    for feature in features:
-        source = feature.replace(".", "/") + ".py"
-        assert (REPO / source).is_file(), feature
-        assert packager.nemo_path(source)[: -len(".py")].replace("/", ".") == packager.renamed(feature), feature
-    spec = next(spec for spec in SETTINGS if spec.field == "merge_adapters")
-    monkeypatch.setattr(config_module, "feature_installed", lambda feature: False)  # as in a tree without it
-    with pytest.raises(ValueError, match=f"merge_adapters=True needs {spec.feature}, which is not installed"):
-        ConsolidationConfig(merge_adapters=True)
+    declared = {field.name for field in dataclasses.fields(ConsolidationConfig)}
+    for field, module in packager.LATER_FIELDS.items():
+        assert field in declared, field
+        source = REPO / (module.replace(".", "/") + ".py")
+        assert source.is_file(), module
+    text = packager.without_later_fields((REPO / packager.CONFIG).read_text(), list(packager.LATER_FIELDS))
+    namespace: dict = {}
+    exec(compile(text, "config_without_later_fields.py", "exec"), namespace)
+    kept = [field.name for field in dataclasses.fields(namespace["ConsolidationConfig"])]
+    assert kept == [
+        name for name in (f.name for f in dataclasses.fields(ConsolidationConfig)) if name not in packager.LATER_FIELDS
+    ]
+    assert namespace["ConsolidationConfig"](dtype="bf16", max_shard_size="1GB").max_shard_size == 10**9
+    with pytest.raises(TypeError):
+        namespace["ConsolidationConfig"](keep=3)

@@ -20,6 +20,7 @@ tests and docs included; every other at most 2,000), and its files follow NeMo's
 """
 
 import ast
+import dataclasses
 import os
 import re
 import shutil
@@ -33,6 +34,8 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import make_upstream_patch  # noqa: E402
+
+from nemo_patch.training.config import ConsolidationConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SERIES = make_upstream_patch.SERIES
@@ -105,12 +108,32 @@ def _created_texts(patch: Path) -> Dict[str, str]:
 
 def test_the_series_is_the_products_files_renamed(series):
     """Every file a pull request adds is, byte for byte, a product file with its import paths renamed and formatted
-    as NeMo formats its code (nothing else edited on the way)."""
+    as NeMo formats its code (nothing else edited on the way), but for ``config.py``, which leaves out the fields of
+    later additions (each accepts only its default without its module) and what only they used."""
+    later = make_upstream_patch.later_fields()
+    assert set(later) == {"format", "keep", "merge_adapters", "post_command", "post_command_timeout"}
     for patch, pr in zip(series, SERIES):
         created = _created_texts(patch)
         for source in pr.files:
             text = (REPO / source).read_text()
             in_patch = created[make_upstream_patch.nemo_path(source)]
+            if source == make_upstream_patch.CONFIG:
+                tree = ast.parse(in_patch)
+                config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ConsolidationConfig")
+                fields = [n.target.id for n in config.body if isinstance(n, ast.AnnAssign)]
+                assert fields == [
+                    field.name for field in dataclasses.fields(ConsolidationConfig) if field.name not in later
+                ]
+                names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                names |= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+                for name in ("validate_format", "validate_keep", "validate_post_command", "DEFAULT_FORMAT", "_number"):
+                    assert name not in names and f'"{name}"' not in in_patch, name
+                attributes = (ast.get_docstring(config, clean=False) or "").split("Attributes:")[1].split("Raises:")[0]
+                documented = re.findall(r"^ {8}(\w+): ", attributes, re.MULTILINE)
+                assert documented == fields
+                text = make_upstream_patch.without_later_fields(
+                    text, later, make_upstream_patch._other_series_text(source)
+                )
             expected = (
                 make_upstream_patch.formatted(text) if source.endswith(".py") else make_upstream_patch.renamed(text)
             )

@@ -16,9 +16,8 @@
 
 ``MegatronStrategy(ckpt_consolidation=ConsolidationConfig(...))`` takes it, as NeMo's ``ddp=`` takes a
 ``DistributedDataParallelConfig``. Each field's metadata (:func:`setting`) is the setting's only declaration: its
-validator, its help text (the class's ``Attributes:`` and the documentation's reference are made from it), the later
-addition it needs (``feature``: a value other than the default is refused where that module is not installed), and
-its command-line option (:class:`CliOption`). A config is validated once, when it is made, and stores values
+validator, its help text (the class's ``Attributes:`` and the documentation's reference are made from it) and its
+command-line option (:class:`CliOption`). A config is validated once, when it is made, and stores values
 in one normal form, so that configs compare and serialise by value (NeMo's ``context/io.json``, fiddle, NeMo-Run).
 Standard library only (plus the engine's torch-free output names).
 """
@@ -29,14 +28,13 @@ import re
 import typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
-from importlib.util import find_spec
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union, cast
 
 from nemo_patch.engine.output_layout import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, OUTPUT_DIRNAMES, dtype_name
 
 __all__ = ["CliOption", "ConsolidationConfig", "SETTINGS", "Setting", "annotation_text", "documented_attributes"]
 __all__ += ["ACCEPTED_FORMATS", "DEFAULT_FORMAT", "DEFAULT_MAX_PENDING", "DEFAULT_POST_COMMAND_TIMEOUT"]
-__all__ += ["DEFAULT_TIMEOUT", "feature_installed", "setting", "validate_dtype", "validate_fields", "validate_flag"]
+__all__ += ["DEFAULT_TIMEOUT", "setting", "validate_dtype", "validate_fields", "validate_flag"]
 __all__ += ["validate_format", "validate_keep", "validate_max_pending", "validate_max_shard_size"]
 __all__ += ["validate_post_command", "validate_timeout", "validate_workers", "consolidation_config"]
 
@@ -69,8 +67,7 @@ class CliOption:
 @dataclass(frozen=True)
 class Setting:
     """One setting: a field of :class:`ConsolidationConfig` with its default, annotation, validator (``(value,
-    name) -> value`` in its stored form, or ``ValueError`` naming ``name``), help text, command-line option,
-    and the module (``feature``, its dotted name) a value other than the default needs."""
+    name) -> value`` in its stored form, or ``ValueError`` naming ``name``), help text and command-line option."""
 
     field: str
     default: Any
@@ -78,7 +75,6 @@ class Setting:
     validate: Callable[[Any, str], Any]
     help: str
     cli: Optional[CliOption] = None
-    feature: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -91,23 +87,10 @@ def setting(
     *,
     validate: Callable[[Any, str], Any],
     cli: Optional[CliOption] = None,
-    feature: Optional[str] = None,
 ) -> Any:
     """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting`; its help text is the field's
     entry in the class's ``Attributes:``)."""
-    return field(default=default, metadata={"setting": dict(validate=validate, cli=cli, feature=feature)})
-
-
-def feature_installed(feature: str) -> bool:
-    """Whether the module ``feature`` is installed (looked up, not imported).
-
-    Args:
-        feature: a dotted module name, e.g. ``"nemo_patch.training.retention"``.
-    """
-    try:
-        return find_spec(feature) is not None
-    except ModuleNotFoundError:
-        return False
+    return field(default=default, metadata={"setting": dict(validate=validate, cli=cli)})
 
 
 def _invalid(name: str, value: object, accepted: str) -> ValueError:
@@ -290,7 +273,6 @@ class ConsolidationConfig:
     format: str = setting(
         DEFAULT_FORMAT,
         validate=validate_format,
-        feature="nemo_patch.export.hf",
         cli=CliOption(
             "--format",
             "output format: safetensors (default) or hf (a Hugging Face directory)",
@@ -325,7 +307,6 @@ class ConsolidationConfig:
     keep: Optional[int] = setting(
         None,
         validate=validate_keep,
-        feature="nemo_patch.training.retention",
     )
     max_pending: int = setting(
         DEFAULT_MAX_PENDING,
@@ -338,7 +319,6 @@ class ConsolidationConfig:
     merge_adapters: bool = setting(
         False,
         validate=validate_flag,
-        feature="nemo_patch.engine.adapter_merge",
         cli=CliOption(
             "--merge-adapters",
             "for a PEFT (LoRA) adapter checkpoint: write its base model with the "
@@ -349,7 +329,6 @@ class ConsolidationConfig:
     post_command: Optional[str] = setting(
         None,
         validate=validate_post_command,
-        feature="nemo_patch.training.hooks",
         cli=CliOption(
             "--post-command",
             "run CMD (with /bin/sh) after the output is published: {output}, {format}, "
@@ -363,7 +342,6 @@ class ConsolidationConfig:
     post_command_timeout: float = setting(
         DEFAULT_POST_COMMAND_TIMEOUT,
         validate=validate_timeout,
-        feature="nemo_patch.training.hooks",
         cli=CliOption(
             "--post-command-timeout",
             "stop the post command after this many seconds (default 3600)",
@@ -388,13 +366,10 @@ def validate_fields(config: ConsolidationConfig, names: Mapping[str, str]) -> No
     another name in messages (default: ``ConsolidationConfig.<field>``).
 
     Raises:
-        ValueError: one other than the default whose ``feature`` module is not installed (checked first: a validator
-            may import that feature's modules), or an invalid value.
+        ValueError: an invalid value.
     """
     for spec in SETTINGS:
         name, value = names.get(spec.field) or spec.name, getattr(config, spec.field)
-        if spec.feature is not None and value != spec.default and not feature_installed(spec.feature):
-            raise ValueError(f"{name}={value!r} needs {spec.feature}, which is not installed.")
         object.__setattr__(config, spec.field, spec.validate(value, name))
 
 
@@ -443,8 +418,8 @@ def annotation_text(annotation: Any) -> str:
 def consolidation_config(**fields: Any) -> Any:
     """``run.Config(ConsolidationConfig, **fields)``, a NeMo-Run configuration of a :class:`ConsolidationConfig`: the
     factory that NeMo-Run's command line (``nemo llm pretrain/finetune``) and recipe overrides call by its dotted name
-    (this module's, or the package's export), e.g. ``trainer.strategy.ckpt_consolidation=<name>(format=hf)``; later
-    overrides reach its fields (``trainer.strategy.ckpt_consolidation.keep=3``). Its signature is
+    (this module's, or the package's export), e.g. ``trainer.strategy.ckpt_consolidation=<name>(dtype=bf16)``; later
+    overrides reach its fields (``trainer.strategy.ckpt_consolidation.max_pending=3``). Its signature is
     ``ConsolidationConfig``'s, so NeMo-Run parses each value as that field's type.
 
     Args:

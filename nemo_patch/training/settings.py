@@ -18,16 +18,19 @@ only (plus the cadence and the config)."""
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES
 from nemo_patch.training.config import SETTINGS, ConsolidationConfig
 from nemo_patch.training.policy import ConsolidationPolicy, resolve_policy
 
-__all__ = ["WORKER_NICENESS", "ConsolidationSettings"]
+__all__ = ["OUTPUT_DIRNAME_OF", "WORKER_NICENESS", "ConsolidationSettings"]
 
 #: How much lower a consolidation process's CPU priority is than training's (``os.nice`` increment).
 WORKER_NICENESS = 10
+#: Extensions' ``output_dirname(config)``: the output directory's name for a config of theirs (another output format),
+#: or ``None`` (the first answer counts; none here: ``consolidated``).
+OUTPUT_DIRNAME_OF: List[Callable[[ConsolidationConfig], Optional[str]]] = []
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,10 @@ class ConsolidationSettings:
 
     @property
     def output_dirname(self) -> str:
-        """The output directory's name inside a checkpoint directory, ``consolidated`` or ``hf``."""
-        return OUTPUT_DIRNAMES[self.config.format]
+        """The output directory's name inside a checkpoint directory: ``consolidated``, or an extension's
+        (:data:`OUTPUT_DIRNAME_OF`)."""
+        found = (name for name in (of(self.config) for of in OUTPUT_DIRNAME_OF) if name is not None)
+        return next(found, OUTPUT_DIRNAMES["safetensors"])
 
     def to_json(self) -> str:
         """The settings as one JSON object."""

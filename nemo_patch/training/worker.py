@@ -20,8 +20,9 @@ imports what a consolidation needs, says it is ready and serves requests until i
 result lines only (fd 1 goes to fd 2 before anything is imported). A request that fails with a ``ConsolidationError``
 is answered with its reason; any other exception is answered, then ends the process (the queue starts a new one). It
 reads only files and uses no process group. ``python -m <package>.worker <ckpt> --global-step N`` consolidates one
-checkpoint (exit 1 with the reason on stderr). It imports neither NeMo, Lightning nor megatron-core (the ``hf`` format
-excepted: it imports NeMo to find the model's exporter).
+checkpoint (exit 1 with the reason on stderr). It imports neither NeMo, Lightning nor megatron-core. An ``--extension``
+module's ``extend_worker(parent)`` runs first, before torch is imported; it may add what consolidates
+(:data:`CONSOLIDATORS`) and what runs after publishing (:data:`AFTER_PUBLISH`).
 """
 
 import argparse
@@ -35,12 +36,21 @@ from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from nemo_patch.training.settings import WORKER_NICENESS, ConsolidationSettings
 
-__all__ = ["NICENESS_VARIABLE", "PROCESS_LAUNCHERS", "WORKER_NICENESS", "build_parser", "main"]
+__all__ = ["AFTER_PUBLISH", "CONSOLIDATORS", "NICENESS_VARIABLE", "PROCESS_LAUNCHERS", "WORKER_NICENESS"]
+__all__ += ["build_parser", "main"]
 
 #: The environment variable that sets the process's niceness (NeMo's tree: ``NEMO_CONSOLIDATION_WORKER_NICENESS``).
 NICENESS_VARIABLE = "NEMO_PATCH_WORKER_NICENESS"
 #: Extensions' ``launch(args, environ) -> (args, environ)``, applied before the queue starts the process; none here.
 PROCESS_LAUNCHERS: List[Callable[[List[str], Mapping[str, str]], Tuple[List[str], Mapping[str, str]]]] = []
+#: Extensions' ``consolidator(settings, preload) -> (run, options)``, or ``None`` where they leave ``settings`` to the
+#: engine: ``run(checkpoint, dtype=..., global_step=..., max_shard_size=..., **options)`` consolidates (the first
+#: answer counts; none here: the engine's ``consolidate_checkpoint`` with ``workers``).
+CONSOLIDATORS: List[Callable[[ConsolidationSettings, bool], Optional[Tuple[Callable[..., Any], Dict[str, Any]]]]] = []
+#: Extensions' ``after_publish(settings) -> runner``, or ``None``: ``runner(settings, checkpoint, global_step) ->
+#: (result, stop)`` runs after each published output (``result.to_json()`` goes into the reply, ``result.describe()``
+#: to stderr; ``stop``: end the process once answered); none here.
+AFTER_PUBLISH: List[Callable[[ConsolidationSettings], Optional[Callable[..., Tuple[Any, bool]]]]] = []
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,24 +84,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if (args.checkpoint is None) != args.serve:
         parser.error("give either a checkpoint or --serve")
-    after_publish: Optional[Callable[[ConsolidationSettings, Path, Optional[int]], Tuple[Any, bool]]] = None
-    for extension in args.extension:  # set up before torch is imported; returns what runs after publishing, or None
-        after_publish = importlib.import_module(extension).extend_worker(args.parent) or after_publish
+    for extension in args.extension:  # set up before torch is imported
+        importlib.import_module(extension).extend_worker(args.parent)
     results: Optional[IO[str]] = None
     if args.serve:  # fd 1 carries result lines only: a private copy of it for them, stderr for everything else
         sys.stdout.flush()
         results = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)
     settings: ConsolidationSettings = args.settings
+    # Run with ``python -m``, this file is ``__main__`` and extensions registered in the module as they import it.
+    registry = importlib.import_module(__spec__.name) if __spec__ is not None else sys.modules[__name__]
+    after_publish = next((run for run in (after(settings) for after in registry.AFTER_PUBLISH) if run), None)
     # torch's own import warns about an old NVML binding on some machines; keep the process's output to its reason.
     warnings.filterwarnings("ignore", message=r"The pynvml package is deprecated", category=FutureWarning)
     _lower_priority(_niceness())  # the consolidations yield to the training job's threads
-    consolidate = _consolidator(settings, preload=args.serve)
+    consolidate = _consolidator(settings, args.serve, registry.CONSOLIDATORS)
     if results is None:
         error = consolidate(args.checkpoint, args.global_step, args.best, args.run)
         if error is not None:
             print(error, file=sys.stderr, flush=True)
-        elif after_publish is not None and settings.config.post_command is not None:
+        elif after_publish is not None:
             done, _ = after_publish(settings, args.checkpoint, args.global_step)
             print(done.describe(), file=sys.stderr, flush=True)
         return 0 if error is None else 1
@@ -112,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         reply: Dict[str, Any] = {"error": error}
         stopped = False
-        if error is None and after_publish is not None and settings.config.post_command is not None:
+        if error is None and after_publish is not None:
             results.write(json.dumps({"published": True}) + "\n")  # a death from here on leaves the output published
             done, stopped = after_publish(settings, Path(request["checkpoint"]), request.get("global_step"))
             reply["post_command"] = done.to_json()
@@ -122,35 +134,33 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _consolidator(
-    settings: ConsolidationSettings, preload: bool
+    settings: ConsolidationSettings, preload: bool, consolidators: List[Any]
 ) -> Callable[[Path, Optional[int], Optional[Dict[str, Any]], Optional[str]], Optional[str]]:
-    """Import what consolidating with ``settings`` needs; return ``consolidate(checkpoint, global_step, best,
-    run_id)``, which returns ``None`` or the one-line reason of a ``ConsolidationError``."""
+    """Import what consolidating with ``settings`` needs (the first of ``consolidators``, :data:`CONSOLIDATORS`, that
+    answers, else the engine); return ``consolidate(checkpoint, global_step, best, run_id)``, which returns ``None`` or
+    the one-line reason of a ``ConsolidationError``."""
     import torch
 
     from nemo_patch.engine.errors import ConsolidationError
     from nemo_patch.engine.output_layout import DTYPE_NAMES
 
-    run: Callable[..., Any]
-    if settings.config.format == "hf":
-        from nemo_patch.export.hf import export_hf_checkpoint as run
+    chosen = next((found for found in (each(settings, preload) for each in consolidators) if found), None)
+    if chosen is None:
+        from nemo_patch.engine.consolidate import consolidate_checkpoint
+        from nemo_patch.engine.parts import default_workers
 
-        if preload:
-            _import_quietly("nemo.collections.llm")  # what finding the model's exporter imports; the slow part
-    else:
-        from nemo_patch.engine.consolidate import consolidate_checkpoint as run
+        chosen = consolidate_checkpoint, {"workers": settings.config.workers or default_workers(share=4)}
+    run, more = chosen
     dtype = None if settings.config.dtype is None else getattr(torch, DTYPE_NAMES[settings.config.dtype])
 
     def consolidate(
         checkpoint: Path, global_step: Optional[int], best: Optional[Dict[str, Any]], run_id: Optional[str]
     ) -> Optional[str]:
-        options: Dict[str, Any] = {"global_step": global_step, "max_shard_size": settings.config.max_shard_size}
-        if settings.config.format != "hf":  # the Hugging Face export writes through transformers, in this process
-            from nemo_patch.engine.parts import default_workers
-
-            options["workers"] = settings.config.workers or default_workers(share=4)
-        if settings.config.merge_adapters:  # a later addition's option: given only when set
-            options["merge_adapters"] = True
+        options: Dict[str, Any] = {
+            "global_step": global_step,
+            "max_shard_size": settings.config.max_shard_size,
+            **more,
+        }
         if best is not None:
             options["best"] = best
         if run_id is not None:
@@ -183,14 +193,6 @@ def _niceness() -> int:
     except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
         niceness = -1
     return niceness if 0 <= niceness <= 19 else WORKER_NICENESS
-
-
-def _import_quietly(module: str) -> None:
-    """Import ``module`` ahead of the request; a failure is left for the request itself to report."""
-    try:
-        importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - reported by the consolidation that needs it
-        pass
 
 
 if __name__ == "__main__":
