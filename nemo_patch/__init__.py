@@ -65,7 +65,7 @@ _LAZY = {
     "MegatronStrategy": "nemo.lightning.pytorch.strategies.megatron_strategy",
     "MegatronCheckpointIO": "nemo.lightning.io.pl",
     "ConsolidationOutcome": "nemo_patch.training.hooks",
-    "find_best_checkpoint": "nemo_patch.engine.best_checkpoint",
+    "find_best_checkpoint": "nemo_patch.runs.best_checkpoint",
     "consolidation_config": "nemo_patch.training.config",
 }
 

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 def fit(out: Path, max_steps: int, save_every: int, watch: bool) -> Tuple[float, Optional[float], int]:
     """One stock fit into ``out``: (fit seconds, seconds from the fit's end to the last output, outputs)."""
     from nemo_patch.cli.watch import output_is_complete
-    from nemo_patch.engine.run_checkpoints import list_run_checkpoints
+    from nemo_patch.runs.run_checkpoints import list_run_checkpoints
 
     root = out / "tiny_gpt" / "checkpoints"
     env = {**os.environ, "NEMO_PATCH_DISABLE": "1"}

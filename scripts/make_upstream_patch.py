@@ -31,8 +31,9 @@ installed one). The series is built in a temporary git repository holding that t
 written with ``git format-patch``; ``OUTDIR/series`` lists the patches in order. Checks before anything is written:
 no ``nemo_patch`` name left, no line over 119 columns, every module a file imports present in the tree by then (in an
 optional-import block: added by a later pull request of the series), and no import of a module the series never adds
-(:data:`GATED` and :data:`PENDING` aside). ``tests/test_upstream_patch.py`` applies the
-series to the installed NeMo and runs each pull request's tests there: the same test files the product's suite runs
+(:data:`PENDING` aside). The series' ``config.py`` leaves out the ``ConsolidationConfig`` fields of later additions
+(:data:`LATER_FIELDS`, :func:`without_later_fields`). ``tests/test_upstream_patch.py`` applies the series to the
+installed NeMo and runs each pull request's tests there: the same test files the product's suite runs
 against the overlay.
 """
 
@@ -54,6 +55,7 @@ RENAMES = (
     ("nemo_patch.engine", PACKAGE),
     ("nemo_patch.training", f"{PACKAGE}.training"),
     ("nemo_patch.export", f"{PACKAGE}.export"),
+    ("nemo_patch.runs", f"{PACKAGE}.runs"),
     ("NEMO_PATCH_WORKER_NICENESS", "NEMO_CONSOLIDATION_WORKER_NICENESS"),  # an environment variable's name
 )
 #: Product path prefix -> NeMo path prefix.
@@ -61,6 +63,7 @@ PLACES = (
     ("nemo_patch/engine/", "nemo/lightning/io/consolidation/"),
     ("nemo_patch/training/", "nemo/lightning/io/consolidation/training/"),
     ("nemo_patch/export/", "nemo/lightning/io/consolidation/export/"),
+    ("nemo_patch/runs/", "nemo/lightning/io/consolidation/runs/"),
     ("tests/nemo/", "tests/"),
 )
 DOCS_PAGE, NEMO_DOCS_PAGE = "docs/upstream/consolidation.rst", "docs/source/checkpoints/consolidation.rst"
@@ -74,9 +77,6 @@ ISORT_SETTINGS = dict(
     known_third_party=["nemo_text_processing", "examples", "scripts"],
     default_section="THIRDPARTY",
 )
-#: Modules the series does not add, imported inside functions of files the series does add: later pull requests add
-#: them (each import is of a later addition's ``ConsolidationConfig`` field's validator, left out with the field).
-GATED = (f"{PACKAGE}.export.", f"{PACKAGE}.post_command")
 #: ``ConsolidationConfig`` fields of the later additions -> the product module that uses them: a series without that
 #: module leaves the field out (:func:`without_later_fields`), with its ``Attributes:`` entry and what only it used.
 LATER_FIELDS = {
@@ -158,7 +158,8 @@ SERIES = (
             for name in ("callback", "background", "coordinator", "fit_end", "integration")
         )
         + (
-            "nemo_patch/engine/checkpoint_root.py",
+            "nemo_patch/runs/__init__.py",
+            "nemo_patch/runs/checkpoint_root.py",
             "tests/nemo/lightning/pytorch/strategies/test_megatron_strategy_consolidation.py",
         ),
     ),
@@ -194,16 +195,9 @@ def formatted(text: str) -> str:
 
 
 def _optional_imports(tree: ast.Module) -> set:
-    """The ``import`` nodes inside ``try: ... except ModuleNotFoundError`` blocks, and those of :data:`GATED` modules
-    inside functions."""
+    """The ``import`` nodes inside ``try: ... except ModuleNotFoundError`` blocks."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            found.update(
-                id(child)
-                for child in ast.walk(node)
-                if isinstance(child, ast.ImportFrom) and (child.module or "").startswith(GATED)
-            )
         if isinstance(node, ast.Try) and any(
             isinstance(h.type, ast.Name) and h.type.id == "ModuleNotFoundError" for h in node.handlers
         ):
@@ -310,7 +304,7 @@ def check_file(path: str, text: str, tree_root: Path) -> List[str]:
 
     An import of a module of :data:`PACKAGE` must find it in the tree by then; in an optional-import block it may
     name a module a later pull request of the series adds. An import of a module the series never adds is refused,
-    optional or not, but for :data:`GATED` imports in functions and the :data:`PENDING` ones.
+    optional or not, but for the :data:`PENDING` ones.
     """
     problems = [
         f"{path}:{n}: {line.strip()[:80]}" for n, line in enumerate(text.splitlines(), 1) if LEFTOVERS.search(line)
@@ -336,7 +330,7 @@ def check_file(path: str, text: str, tree_root: Path) -> List[str]:
             names = [target.with_suffix(".py"), target / "__init__.py"]
             names += [tree_root / f"{module.replace('.', '/')}.py" for module in modules[1:]]
             if not any(name.exists() for name in names):
-                if id(node) in optional and (modules[0].startswith(GATED) or modules[0] in PENDING):
+                if id(node) in optional and modules[0] in PENDING:
                     continue
                 if id(node) in optional and any(module in later for module in modules):
                     continue

@@ -26,7 +26,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from nemo_patch.engine.post_command import parse_metrics_line
+from nemo_patch.runs.post_command import parse_metrics_line
 from nemo_patch.training.config import validate_post_command
 
 PAGE = REPO / "docs" / "after-consolidation.md"

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
-from nemo_patch.engine.best_checkpoint import NoMonitoredMetricError, find_best_checkpoint
 from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
+from nemo_patch.runs.best_checkpoint import NoMonitoredMetricError, find_best_checkpoint
 from nemo_patch.training.best import check_best_has_a_metric, consolidate_best
 from nemo_patch.training.policy import parse_consolidation_frequency
 

@@ -35,9 +35,9 @@ from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import build_parser
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
-from nemo_patch.engine.post_command import PLACEHOLDERS, check_placeholders, run_post_command
 from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.export.errors import UntrustedContextError
+from nemo_patch.runs.post_command import PLACEHOLDERS, check_placeholders, run_post_command
 from nemo_patch.training.config import validate_max_shard_size
 from nemo_patch.training.worker import WORKER_NICENESS
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_patch.engine.post_command import PostCommandResult, check_placeholders, parse_metrics_line, run_post_command
+from nemo_patch.runs.post_command import PostCommandResult, check_placeholders, parse_metrics_line, run_post_command
 
 
 @pytest.fixture()

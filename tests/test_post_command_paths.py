@@ -31,7 +31,7 @@ from conftest import REPO
 from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import main
-from nemo_patch.engine.post_command import run_post_command
+from nemo_patch.runs.post_command import run_post_command
 
 #: A script a new user would write beside the job: it checks what it is given and prints one metrics line.
 POST_SH = """set -e
@@ -81,7 +81,7 @@ def test_the_command_and_its_children_end_when_the_process_running_it_is_sigkill
         f"mv {pids}.tmp {pids}; wait"
     )
     code = (
-        "import sys; from nemo_patch.engine.post_command import run_post_command as r; "
+        "import sys; from nemo_patch.runs.post_command import run_post_command as r; "
         f"r(sys.argv[1], {str(output)!r}, 'safetensors', 2, {str(output.parent)!r}, timeout=600)"
     )
     runner = subprocess.Popen([sys.executable, "-c", code, command], cwd=REPO)

@@ -325,7 +325,7 @@ def test_a_megatron_iteration_rewritten_in_place_is_unfinished_until_its_metadat
     oracle: PyTorch's ``dcp_to_torch_save`` of that save)."""
     from test_watch import expected_tensors
 
-    from nemo_patch.engine.run_checkpoints import TRACKER_FILENAME, list_run_checkpoints
+    from nemo_patch.runs.run_checkpoints import TRACKER_FILENAME, list_run_checkpoints
 
     root = tmp_path / "checkpoints"
     checkpoint, new = root / "iter_0000005", megatron_saves / "iter_0000005"

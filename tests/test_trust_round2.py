@@ -51,8 +51,8 @@ from nemo_patch.engine.errors import CorruptShardError, UnknownLayoutError
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 from nemo_patch.engine.output_target import RemoteStorageError
 from nemo_patch.engine.part_writer import OffsetWritesRefusedError
-from nemo_patch.engine.post_command import run_post_command
 from nemo_patch.engine.record_checks import open_record
+from nemo_patch.runs.post_command import run_post_command
 
 EMBEDDING, NORM, OUTPUT = (
     "module.embedding.word_embeddings.weight",
@@ -382,7 +382,7 @@ def test_an_output_tensor_is_compared_by_its_headers_shape_before_it_is_read(pub
 
 
 def test_common_pt_with_aliased_members_is_not_unpickled(tmp_path):
-    from nemo_patch.engine.best_checkpoint import read_checkpoint_callback_state
+    from nemo_patch.runs.best_checkpoint import read_checkpoint_callback_state
 
     state = {"callbacks": {"ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min'}": {"best_model_score": 1.0}}}
     buffer = io.BytesIO()

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.cli.watch import Watcher, output_is_complete
 from nemo_patch.engine.consolidate import consolidate_checkpoint
-from nemo_patch.engine.run_checkpoints import TRACKER_FILENAME, list_run_checkpoints
+from nemo_patch.runs.run_checkpoints import TRACKER_FILENAME, list_run_checkpoints
 from nemo_patch.training.policy import parse_consolidation_frequency
 
 REPO = Path(__file__).resolve().parents[1]
@@ -409,7 +409,7 @@ def test_best_for_a_run_without_a_monitored_metric_exits_14_as_best_does(nemo_ch
 def test_best_that_never_ranks_a_checkpoint_waits_then_exits_14(nemo_checkpoint, tmp_path, monkeypatch):
     """A run that monitors a metric but has ranked no checkpoint yet (``best_model_path`` empty in its state; stubbed:
     NeMo writes it only after validation): the watcher waits; at --until-idle it exits 14."""
-    import nemo_patch.engine.best_checkpoint as best_checkpoint
+    import nemo_patch.runs.best_checkpoint as best_checkpoint
 
     def not_yet(*args, **kwargs):
         error = best_checkpoint.NoMonitoredMetricError(

@@ -37,7 +37,7 @@ from nemo_patch.cli.watch import Watcher, output_is_complete
 from nemo_patch.engine import digests
 from nemo_patch.engine.consolidate import consolidate_checkpoint
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.run_checkpoints import TRACKER_FILENAME, list_run_checkpoints, read_tracker
+from nemo_patch.runs.run_checkpoints import TRACKER_FILENAME, list_run_checkpoints, read_tracker
 from nemo_patch.training.policy import parse_consolidation_frequency
 
 REPO = Path(__file__).resolve().parents[1]

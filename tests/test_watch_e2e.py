@@ -26,7 +26,7 @@ import pytest
 from conftest import REPO, run_fit_process
 
 from nemo_patch.cli.watch import output_is_complete
-from nemo_patch.engine.run_checkpoints import list_run_checkpoints
+from nemo_patch.runs.run_checkpoints import list_run_checkpoints
 from nemo_patch.testing.mcore_compare import compare
 
 pytestmark = pytest.mark.slow

@@ -43,7 +43,7 @@ from nemo_patch.engine.consolidate import consolidate_checkpoint
 from nemo_patch.engine.digests import source_fingerprint
 from nemo_patch.engine.output_layout import RETAINED_DIRNAME
 from nemo_patch.engine.publish import TMP_PREFIX
-from nemo_patch.engine.run_checkpoints import list_run_checkpoints
+from nemo_patch.runs.run_checkpoints import list_run_checkpoints
 from nemo_patch.testing.mcore_compare import compare
 from nemo_patch.training.journal import JOURNAL_NAME
 from nemo_patch.training.latest import LATEST_NAME, update_latest_pointer

@@ -36,8 +36,8 @@ ERROR_MODULES = (
     "nemo_patch.engine.part_writer",
     "nemo_patch.engine.verify",
     "nemo_patch.engine.adapter_merge",
-    "nemo_patch.engine.best_checkpoint",
-    "nemo_patch.engine.post_command",
+    "nemo_patch.runs.best_checkpoint",
+    "nemo_patch.runs.post_command",
     "nemo_patch.export.errors",
     "nemo_patch.cli.distributed",
 )

@@ -15,7 +15,7 @@
 """``nemo-consolidate ROOT --list [--json] [--verify]``: what was done with each checkpoint of a run.
 
 One row per checkpoint of ``ROOT`` (a NeMo 2 checkpoint root or its run directory, or a Megatron-LM / Megatron-Bridge
-save directory: :mod:`nemo_patch.engine.run_checkpoints`), in global-step order, then one per output kept under
+save directory: :mod:`nemo_patch.runs.run_checkpoints`), in global-step order, then one per output kept under
 ``retained/``: its save, run and outputs (complete for this save as :func:`nemo_patch.cli.watch.output_is_complete`
 says, format, dtypes, size, digests), ``LATEST`` / ``BEST`` marks and the post command's result (docs/cli.md; the
 keys are :func:`list_root`'s). Reads only: nothing is written, no lock is taken. Exit codes: 0; 3 when ``ROOT`` does
@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional
 from nemo_patch.cli.watch import ONE_CHECKPOINT_OPTIONS, given_options, human_size, output_is_complete
 from nemo_patch.engine.errors import CheckpointNotFoundError, ConsolidationError, NotACheckpointError
 from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
-from nemo_patch.engine.run_checkpoints import list_run_checkpoints
+from nemo_patch.runs.run_checkpoints import list_run_checkpoints
 from nemo_patch.training.latest import read_output_metadata
 
 __all__ = ["add_list_options", "check_list_arguments", "format_listing", "list_root", "run_list"]
@@ -197,7 +197,7 @@ def list_root(path: Path, verify: bool = False) -> Dict[str, Any]:
         NotACheckpointError: it holds no checkpoint and no retained output.
         OSError: it cannot be listed.
     """
-    from nemo_patch.engine.checkpoint_root import checkpoint_root, global_step_in_name, is_copy_name
+    from nemo_patch.runs.checkpoint_root import checkpoint_root, global_step_in_name, is_copy_name
 
     if not os.path.lexists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")

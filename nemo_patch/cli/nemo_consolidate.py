@@ -17,7 +17,7 @@
 ``nemo-consolidate <path> [options]`` (also ``python -m nemo_patch``; ``--help`` and docs/cli.md list the options and
 exit codes). ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then
 ``LATEST``, else the newest finished checkpoint: :func:`nemo_patch.training.latest.locate_checkpoint`; with ``--best``
-the best one: :func:`nemo_patch.engine.best_checkpoint.find_best_checkpoint`). The output goes to
+the best one: :func:`nemo_patch.runs.best_checkpoint.find_best_checkpoint`). The output goes to
 ``<ckpt>/consolidated`` or ``<ckpt>/hf`` unless ``--out`` says otherwise, published atomically; ``--force`` replaces
 only a previous output or an empty directory (:mod:`nemo_patch.engine.output_target`). Every failure is one line on
 stderr and the exit code its error class carries (:mod:`nemo_patch.engine.errors`). ``--workers`` writer processes
@@ -518,7 +518,7 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
         _refuse_urls(args)
         best = None
         if args.best:
-            from nemo_patch.engine.best_checkpoint import find_best_checkpoint
+            from nemo_patch.runs.best_checkpoint import find_best_checkpoint
 
             best = find_best_checkpoint(args.path, args.monitor, args.mode)
             if not args.quiet:
@@ -609,9 +609,9 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
 
 
 def _post_command(args: argparse.Namespace, location: "CheckpointLocation", result: "ConsolidationResult") -> int:
-    """``--post-command``: run it on the published output (:mod:`nemo_patch.engine.post_command`); exit code 17 with
+    """``--post-command``: run it on the published output (:mod:`nemo_patch.runs.post_command`); exit code 17 with
     one line when it fails or times out (the output stays published: it is complete)."""
-    from nemo_patch.engine.post_command import PostCommandError, run_post_command
+    from nemo_patch.runs.post_command import PostCommandError, run_post_command
 
     done = run_post_command(
         args.post_command, result.output_dir, args.format, result.global_step, location.checkpoint_dir,

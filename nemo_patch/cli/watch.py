@@ -15,7 +15,7 @@
 """``nemo-consolidate --watch ROOT``: a sidecar that consolidates a run's checkpoints as they finish.
 
 The watcher lists ``ROOT`` (a NeMo 2 checkpoint root, or a Megatron-LM / Megatron-Bridge save directory:
-:mod:`nemo_patch.engine.run_checkpoints`) every ``--poll-interval`` seconds and consolidates, one at a time, oldest
+:mod:`nemo_patch.runs.run_checkpoints`) every ``--poll-interval`` seconds and consolidates, one at a time, oldest
 first, the finished checkpoints that ``--frequency`` picks (``ckpt_consolidation_frequency``'s values, counted by
 distinct global step). Each output is staged in ``ROOT`` and renamed into the checkpoint once complete, after checking
 that the checkpoint is still the finished save that was read; a ``-last`` copy holding the same trainer state
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, TextIO, Tuple
 
 from nemo_patch.engine.errors import ConsolidationError, UnfinishedCheckpointError, UnsupportedFormatError
-from nemo_patch.engine.run_checkpoints import (
+from nemo_patch.runs.run_checkpoints import (
     MEGATRON_LAYOUT,
     NEMO_LAYOUT,
     RunCheckpoint,
@@ -382,7 +382,7 @@ class Watcher:
     def _best_step(self, listing: RunListing) -> Optional[int]:
         if self.layout != NEMO_LAYOUT or not listing.finished:
             return None
-        from nemo_patch.engine.best_checkpoint import NoMonitoredMetricError, find_best_checkpoint
+        from nemo_patch.runs.best_checkpoint import NoMonitoredMetricError, find_best_checkpoint
 
         try:
             best = find_best_checkpoint(self.root, *self.best)
@@ -767,8 +767,8 @@ class Watcher:
 
     def run(self) -> int:
         """Watch until idle or stopped; returns the exit code (0, or the last failed consolidation's)."""
-        from nemo_patch.engine.best_checkpoint import NoMonitoredMetricError
         from nemo_patch.engine.errors import CheckpointNotFoundError
+        from nemo_patch.runs.best_checkpoint import NoMonitoredMetricError
 
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         appeared = self.root.is_dir()
@@ -930,7 +930,7 @@ def _consolidator(args: argparse.Namespace) -> Consolidate:
 def _post_command(args: argparse.Namespace) -> Optional[Callable[[RunCheckpoint, Path], Optional[int]]]:
     if args.post_command is None:
         return None
-    from nemo_patch.engine.post_command import PostCommandError, run_post_command
+    from nemo_patch.runs.post_command import PostCommandError, run_post_command
 
     def run(checkpoint: RunCheckpoint, output: Path) -> Optional[int]:
         done = run_post_command(args.post_command, output, args.format, checkpoint.global_step, checkpoint.path,
@@ -943,8 +943,8 @@ def _post_command(args: argparse.Namespace) -> Optional[Callable[[RunCheckpoint,
 
 def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy) -> int:
     """``nemo-consolidate --watch``: returns the exit code (docs/sidecar.md)."""
-    from nemo_patch.engine.checkpoint_root import checkpoint_root
     from nemo_patch.engine.output_target import refuse_remote
+    from nemo_patch.runs.checkpoint_root import checkpoint_root
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

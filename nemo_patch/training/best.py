@@ -25,9 +25,9 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from nemo_patch.engine.best_checkpoint import NOT_A_METRIC
-from nemo_patch.engine.checkpoint_root import global_step_in_name
 from nemo_patch.engine.output_layout import METADATA_FILENAME
+from nemo_patch.runs.best_checkpoint import NOT_A_METRIC
+from nemo_patch.runs.checkpoint_root import global_step_in_name
 from nemo_patch.training.callback import consolidation_of
 from nemo_patch.training.latest import BEST_NAME
 from nemo_patch.training.retention import Observer as Retention
@@ -54,7 +54,7 @@ def check_best_has_a_metric(checkpoint_callback: Any, policy: Any) -> None:
 
     Raises:
         ValueError: ``policy`` uses ``"best"`` and there is no ``ModelCheckpoint``, or its ``monitor`` is one of
-            :data:`nemo_patch.engine.best_checkpoint.NOT_A_METRIC`; the message says what to pass.
+            :data:`nemo_patch.runs.best_checkpoint.NOT_A_METRIC`; the message says what to pass.
     """
     monitor = getattr(checkpoint_callback, "monitor", None)
     if not policy.uses_best or (checkpoint_callback is not None and monitor not in NOT_A_METRIC):

@@ -206,7 +206,7 @@ def validate_post_command(value: object, name: str) -> Optional[str]:
     if not isinstance(value, str) or not value.strip():
         accepted = "a shell command such as 'python eval.py {output}'"
         raise _invalid(name, value, accepted if _is_option(name) else f"None or {accepted}")
-    from nemo_patch.engine.post_command import check_placeholders
+    from nemo_patch.runs.post_command import check_placeholders
 
     try:
         check_placeholders(value)

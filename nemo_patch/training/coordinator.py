@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished
-from nemo_patch.engine.checkpoint_root import is_copy_name
 from nemo_patch.engine.output_layout import METADATA_FILENAME
 from nemo_patch.engine.publish import link_output
+from nemo_patch.runs.checkpoint_root import is_copy_name
 from nemo_patch.training.background import PollingWorker
 from nemo_patch.training.policy import ConsolidationPolicy
 from nemo_patch.training.queue import ConsolidationQueue

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from nemo_patch.engine.post_command import PostCommandResult, post_command_log_path, record_result
-from nemo_patch.engine.post_command import run_post_command as run_command
+from nemo_patch.runs.post_command import PostCommandResult, post_command_log_path, record_result
+from nemo_patch.runs.post_command import run_post_command as run_command
 from nemo_patch.training.latest import read_output_metadata
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver
 
@@ -66,7 +66,7 @@ class ConsolidationOutcome:
         seconds: wall seconds the consolidation took in the consolidation process, its post command excluded.
         metadata: the output's ``metadata.json`` as it was when the result was reaped (its ``"post_command"`` entry
             included); ``{}`` for a failure.
-        post_command: what the post command did (:class:`nemo_patch.engine.post_command.PostCommandResult`), or
+        post_command: what the post command did (:class:`nemo_patch.runs.post_command.PostCommandResult`), or
             ``None`` without one (or for a failure: it runs only after a publish).
         error: ``None`` for a published output, else the one-line reason it failed.
     """

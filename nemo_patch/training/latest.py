@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint, looks_like_checkpoint
-from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first
 from nemo_patch.engine.errors import CheckpointNotFoundError, NotACheckpointError, UnfinishedCheckpointError
 from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
 from nemo_patch.engine.output_target import refuse_an_output_as_checkpoint
+from nemo_patch.runs.checkpoint_root import checkpoint_root, checkpoints_newest_first
 
 __all__ = [
     "BEST_NAME",

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
-from nemo_patch.engine.checkpoint_root import without_copy_suffix
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
-from nemo_patch.engine.post_command import post_command_log_path
 from nemo_patch.engine.publish import link_output, remove_stale_tmp_dirs
-from nemo_patch.engine.run_checkpoints import is_copy_name
+from nemo_patch.runs.checkpoint_root import without_copy_suffix
+from nemo_patch.runs.post_command import post_command_log_path
+from nemo_patch.runs.run_checkpoints import is_copy_name
 from nemo_patch.training.latest import (
     BEST_NAME,
     LATEST_NAME,

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
-from nemo_patch.engine.checkpoint_root import checkpoint_root, checkpoints_newest_first, is_copy_name
 from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
     ConsolidationError,
@@ -48,6 +47,7 @@ from nemo_patch.engine.errors import (
     UnfinishedCheckpointError,
 )
 from nemo_patch.engine.save_identity import read_common_state
+from nemo_patch.runs.checkpoint_root import checkpoint_root, checkpoints_newest_first, is_copy_name
 
 __all__ = [
     "NOT_A_METRIC",

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
-from nemo_patch.engine.checkpoint_root import is_copy_name
 from nemo_patch.engine.safe_files import read_regular_file
 from nemo_patch.engine.save_identity import global_step_of
+from nemo_patch.runs.checkpoint_root import is_copy_name
 
 __all__ = [
     "MEGATRON_LAYOUT",

@@ -1,0 +1,18 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""A run's checkpoint root, above the engine (which reads and writes one checkpoint): which checkpoint a root
+designates and how NeMo names its copies (:mod:`.checkpoint_root`), a root's finished checkpoints and their global
+steps (:mod:`.run_checkpoints`), the best one by NeMo's ``ModelCheckpoint`` record (:mod:`.best_checkpoint`), and the
+command run after an output is published (:mod:`.post_command`). Imports the engine, nothing else of this package."""
