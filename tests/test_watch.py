@@ -386,7 +386,10 @@ def test_a_root_that_appears_late_is_watched(nemo_checkpoint, tmp_path):
     root = tmp_path / "checkpoints"
     watcher = make_watcher(root)
     watcher.until_idle = 1.0
-    appear = threading.Timer(0.3, lambda: nemo_root(nemo_checkpoint, root, [nemo_checkpoint.name]))
+    # the root and its checkpoint appear at once, as a finished save does (DCP renames .metadata into place): a copy
+    # made in place could be seen half-written and fail its first read
+    staged = nemo_root(nemo_checkpoint, tmp_path / "staged", [nemo_checkpoint.name])
+    appear = threading.Timer(0.3, lambda: staged.rename(root))
     appear.start()
     try:
         assert watcher.run() == 0, watcher.out.getvalue()

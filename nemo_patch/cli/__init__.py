@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Command-line tools: ``nemo-consolidate`` / ``python -m nemo_patch`` (:mod:`.consolidate`).
+"""Command-line tools: ``nemo-consolidate`` / ``python -m nemo_patch`` (:mod:`.nemo_consolidate`).
 
 May import the engine, the export and the torch-free parts of the training side (the settings' config, ``LATEST``);
 never the overlay or ``nemo_patch.testing``. This ``__init__`` imports nothing.
