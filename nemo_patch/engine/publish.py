@@ -15,29 +15,14 @@
 """Publish a consolidation's output all at once, and clean up what a killed one left behind.
 
 Output is written into a hidden temporary directory next to its final place, ``<parent>/.consolidated.tmp-<pid>-<id>@
-<host>``, and renamed to its final name when complete (a rename of a directory is atomic on POSIX filesystems), so a
-reader sees either no output directory or a complete one (:func:`staged_output` wraps a whole consolidation in that).
-An existing output is replaced only when :func:`.output_target.is_replaceable_output` allows it (a
-previous output of this package or an empty directory), by exchanging the two names atomically where the filesystem
-can (:func:`publish_dir`).
+<host>``, and renamed to its final name when complete, so a reader sees either no output directory or a complete one
+(:func:`staged_output`); an existing output is replaced as :func:`publish_dir` says. The creator of a temporary
+directory holds a ``flock`` on its lock file for the directory's whole life (:func:`make_tmp_dir`), so what a killed
+process left is the temporary directory whose lock nobody holds (:func:`remove_stale_tmp_dirs`).
 
-Liveness: the process that creates a temporary directory (:func:`make_tmp_dir`) creates ``.consolidation.lock``
-(:data:`TMP_LOCK_NAME`) in it and holds an exclusive ``flock`` on it for the directory's whole life (writer processes
-forked later share it); the file is unlinked just before the directory is published, the lock released just after.
-A process killed half-way (SIGKILL, node failure) leaves its temporary directory with a lock nobody holds;
-:func:`remove_stale_tmp_dirs` removes exactly those -- whose lock it can take -- which the strategy does when a fit
-starts and the CLI does before it consolidates a checkpoint. No process id or host name decides that a run is dead
-(they mislead across PID namespaces; they only ever keep an entry: one named for another host or for ``keep_pid``),
-except for a directory without a lock file (written by an older version, or by a process killed before it made the
-file): that one is removed only when it is older than :data:`LOCKLESS_STALE_SECONDS` (15 minutes, by its modification
-time) and, as before, its name names this host and a process that does not run here.
-
-Imports the standard library, torch (for DCP's exception type) and the engine's errors, names and output rules
-(:mod:`.output_target`) only; never NeMo, Lightning or megatron-core, and nothing outside the engine.
-
-Platform: ``flock`` (:mod:`fcntl`, POSIX) and ``renameat2`` (:mod:`ctypes`, Linux) are imported only where they are
-used and only on a platform that has them; elsewhere (Windows, macOS) a temporary directory has no lock file and is
-protected by its age, and an output is replaced by two renames (:func:`publish_dir`).
+Imports the standard library, torch (for DCP's exception type) and the engine's errors and output rules only.
+``fcntl`` (POSIX) and ``ctypes`` (Linux) are imported only where used, on a platform that has them; elsewhere a
+temporary directory is protected by its age, and an output is replaced by two renames.
 """
 
 import contextlib
@@ -107,15 +92,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def tmp_name(kind: str = "") -> str:
-    """A unique temporary name, ``.consolidated.tmp-<kind><pid>-<id>@<host>``, naming this process and host."""
-    return f"{TMP_PREFIX}{kind}{os.getpid()}-{uuid.uuid4().hex[:12]}@{_host()}"
-
-
 def _lock_now(fd: int) -> None:
-    """Take an exclusive ``flock`` on ``fd`` without waiting.
-
-    ``fcntl`` is POSIX-only, so it is imported here, not at module import (Windows has none).
+    """Take an exclusive ``flock`` on ``fd`` without waiting (``fcntl`` imported here: Windows has none).
 
     Raises:
         OSError: the lock is held by another process, the filesystem has no ``flock``, or this platform has no
@@ -133,15 +111,14 @@ def _lock_now(fd: int) -> None:
 def make_tmp_dir(parent: Path, kind: str = "") -> Path:
     """Create a hidden, uniquely named directory in ``parent`` (permissions follow the umask), holding its lock.
 
-    The lock (``flock(LOCK_EX)`` on :data:`TMP_LOCK_NAME` in it) is held by this process until the directory is
-    published (:func:`publish_dir`) or removed (:func:`remove_tmp_dir`); while it is held, no
-    :func:`remove_stale_tmp_dirs` removes the directory. Where the filesystem has no ``flock`` the lock file is not
-    kept, and the directory is protected as one without a lock file is.
+    The lock (``flock(LOCK_EX)`` on :data:`TMP_LOCK_NAME` in it; forked writers share it) is held until the directory
+    is published (:func:`publish_dir`) or removed (:func:`remove_tmp_dir`). Where the filesystem has no ``flock`` no
+    lock file is kept, and the directory is protected by its age.
 
     Raises:
         OSError: if ``parent`` cannot be written.
     """
-    path = Path(parent) / tmp_name(kind)
+    path = Path(parent) / f"{TMP_PREFIX}{kind}{os.getpid()}-{uuid.uuid4().hex[:12]}@{_host()}"
     path.mkdir()
     lock = path / TMP_LOCK_NAME
     try:
@@ -177,10 +154,7 @@ def remove_tmp_dir(path: Path) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _libc_renameat2() -> Any:
-    """libc's ``renameat2`` (glibc 2.28 and later), or ``None`` (off Linux, or an older libc).
-
-    ``ctypes`` is imported here, on Linux only, never at module import.
-    """
+    """libc's ``renameat2`` (glibc 2.28 and later), or ``None`` (off Linux, or an older libc); imports ``ctypes``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -218,14 +192,10 @@ def publish_dir(tmp_dir: Path, output_dir: Path, overwrite: bool = True) -> None
     """Rename ``tmp_dir`` to ``output_dir``, then release ``tmp_dir``'s lock.
 
     An existing ``output_dir`` is replaced only when it is a previous output of this package or an empty directory
-    (:func:`.output_target.is_replaceable_output`). Where ``renameat2`` with ``RENAME_EXCHANGE``
-    works (Linux 3.15 and later on ext4, XFS, Btrfs, tmpfs, ...), the two names are exchanged in one atomic step, so
-    ``output_dir`` always names a complete output, the old one until the exchange and the new one after; the old one,
-    now under ``tmp_dir``'s name, is then removed. Where it does not (no such libc symbol, or ``ENOSYS``, ``EINVAL``
-    or ``EOPNOTSUPP``: other kernels, NFS, some FUSE filesystems), the old output is first moved into a temporary
-    directory next to it and the new one renamed into place: between those two renames (microseconds) nothing is
-    under ``output_dir``'s name, and if the second rename fails the old output is moved back. A killed process leaves
-    the old output in that temporary directory, which :func:`remove_stale_tmp_dirs` removes later.
+    (:func:`.output_target.is_replaceable_output`): where ``renameat2(RENAME_EXCHANGE)`` works (Linux 3.15+ on ext4,
+    XFS, Btrfs, tmpfs, ...) the two names are exchanged atomically and the old output removed; elsewhere (NFS, some
+    FUSE filesystems) the old output is moved into a temporary directory first (moved back if the second rename
+    fails), so for microseconds nothing is under ``output_dir``'s name.
 
     Args:
         tmp_dir: the complete output, on ``output_dir``'s filesystem (from :func:`make_tmp_dir`).
@@ -358,12 +328,11 @@ def _remove_if_stale(path: Path, pid: int) -> Optional[str]:
 def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[Path]:
     """Remove temporary output in ``parent`` that no running process uses.
 
-    A temporary directory is removed when its lock (:data:`TMP_LOCK_NAME`) can be taken at once, i.e. no process holds
-    it: its creator, or a writer process that inherited the lock, is gone. A directory without a lock file is removed
-    only when unchanged for :data:`LOCKLESS_STALE_SECONDS` and its name names a process that does not run here.
-    Entries made on another host are left alone (a filesystem's locks may not be seen across hosts), and so are the
-    entries of ``keep_pid`` (on NFS, ``flock`` is emulated with ``fcntl`` locks, which do not exclude the process
-    that holds them).
+    A temporary directory is removed when its lock (:data:`TMP_LOCK_NAME`) can be taken at once: its creator and the
+    writers that inherited the lock are gone (no process id decides that: they mislead across PID namespaces). One
+    without a lock file is removed only when unchanged for :data:`LOCKLESS_STALE_SECONDS` and its name names a
+    process that does not run here. Entries of another host (locks may not be seen across hosts) or of ``keep_pid``
+    (NFS emulates ``flock`` with ``fcntl`` locks, which do not exclude their holder) are left alone.
 
     Args:
         parent: a checkpoint directory (the parent of ``consolidated/``).
@@ -393,8 +362,7 @@ def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[
 
 
 def _make_output_parent(checkpoint_dir: Path, output_dir: Path) -> None:
-    """Create ``output_dir``'s parent, but never the checkpoint directory itself: an output inside a checkpoint whose
-    directory is gone (NeMo removed it meanwhile) fails instead of re-creating an empty checkpoint directory.
+    """Create ``output_dir``'s parent, never ``checkpoint_dir`` itself (gone: NeMo removed it meanwhile).
 
     Raises:
         FileNotFoundError: the output belongs inside ``checkpoint_dir`` and that directory is gone.
@@ -433,8 +401,7 @@ def staged_output(
         failure: how a failure message starts, e.g. ``"Consolidating <ckpt>"``.
         kind: a tag in the temporary name (``"hf-"``).
         staging_dir: where the temporary directory is made instead of ``output_dir``'s parent (on the same
-            filesystem: it is renamed into place). The sidecar stages in the run's root, so that a trainer removing
-            the checkpoint meanwhile never meets files it did not list.
+            filesystem); the sidecar stages in the run's root, where a trainer removing the checkpoint never looks.
         before_publish: called right before the rename; what it raises is raised, and nothing is published.
 
     Raises:
@@ -486,8 +453,7 @@ def link_output(
     """Publish ``output_dir`` with the same files as ``source_output``, without recomputing them.
 
     Files are hard-linked where the filesystem allows and copied otherwise (never through a symbolic link), into a
-    staging directory that is then renamed into place (an existing ``output_dir`` is replaced as :func:`publish_dir`
-    does: only a previous output or an empty directory).
+    staging directory then published with :func:`publish_dir`.
 
     Args:
         source_output: an existing output directory (regular files only).
@@ -500,9 +466,8 @@ def link_output(
         ``output_dir``.
 
     Raises:
-        OSError: if the files cannot be linked, copied or written, or ``source_output`` holds something else than a
-            regular file (nothing is left behind); ``FileExistsError`` if ``output_dir`` is something else than a
-            previous output or an empty directory.
+        OSError: the files cannot be linked, copied or written, or ``source_output`` holds something else than a
+            regular file (nothing is left behind); ``FileExistsError``: as :func:`publish_dir`.
     """
     source_output, output_dir = Path(source_output), Path(output_dir)
     replace_files = dict(replace_files or {})

@@ -16,32 +16,14 @@
 """Run a user's command after a consolidated output is published: evaluate it, upload it, smoke-test it.
 
 :func:`run_post_command` runs in the process that published the output (the run's consolidation process, or
-``nemo-consolidate``), never in a training process. The command is the user's own (from ``--post-command`` or the
-strategy's ``ckpt_consolidation_post_command``) and runs through ``/bin/sh -c`` with:
-
-* placeholders ``{output}``, ``{format}``, ``{global_step}`` and ``{checkpoint}`` replaced by the shell-quoted values,
-  and the same in the environment: ``NEMO_CONSOLIDATED_OUTPUT``, ``NEMO_CONSOLIDATED_FORMAT``,
-  ``NEMO_CONSOLIDATED_GLOBAL_STEP`` (empty when unknown) and ``NEMO_CONSOLIDATED_CHECKPOINT``; the two paths absolute
-  (made so against this process's working directory, symbolic links not followed);
-* the working directory of the process that runs it (the training job's, which the consolidation process inherits, or
-  ``nemo-consolidate``'s): a relative path in the command means what it means where the job was started;
-* its process group ended with the process that runs it: a guard in the group (a ``/bin/sh`` subshell blocked reading
-  a pipe whose only writer is this process) sends the group SIGTERM, and SIGKILL 2 s later, once this process is gone,
-  also when it was SIGKILLed;
-* its stdout and stderr kept in ``<output>.post-command.log`` beside the output (not inside it: the output's files
-  stay exactly those its ``metadata.json`` records), replaced at each run: the log is created as a new file under a
-  random name (``O_CREAT | O_EXCL | O_NOFOLLOW``) and renamed over that name, so whatever was there (a symbolic link
-  to a file of the user's, a FIFO, in a checkpoint this process did not write) is replaced, never written through or
-  opened;
-* a timeout of its own: at the deadline its whole process group gets SIGTERM, and SIGKILL 5 s later; the same
-  when the caller asks it to stop (``should_stop``: the consolidation process is being ended), with a shorter grace;
-* metrics: each line of its stdout that is one JSON object of numbers (``{"eval/perplexity": 12.3}``) is a set of
-  metrics for the checkpoint's global step (later lines win for a repeated name).
-
-The result is recorded in the output's ``metadata.json`` under ``"post_command"`` (command, exit code, seconds,
-whether it timed out, the log's name, metrics), rewritten atomically (a new file, created as the log is, renamed over
-it); a command that fails or times out is recorded
-as such, never as success, and the output itself stays published (it is complete and correct either way).
+``nemo-consolidate``), never in a training process, through ``/bin/sh -c`` in that process's working directory, with
+the placeholders replaced by shell-quoted values (also in the environment as ``NEMO_CONSOLIDATED_<NAME>``). Its
+process group is ended with this process (a guard in the group reads a pipe whose only writer is this process), at
+its timeout, or when the caller asks (``should_stop``). Its stdout and stderr go to ``<output>.post-command.log``
+beside the output, a new file renamed over that name (whatever was there is replaced, never written through); stdout
+lines that are JSON objects of numbers are metrics. The result is recorded in the output's ``metadata.json``
+(:func:`record_result`); the output itself stays published either way. ``docs/after-consolidation.md`` has the
+whole contract.
 
 Standard library only; never torch, NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
@@ -57,7 +39,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.safe_files import MAX_JSON_BYTES, read_json_file
@@ -359,11 +341,9 @@ def run_post_command(
                 os.close(guard_write)
     except OSError as error:
         result = PostCommandResult(command, None, time.monotonic() - started, False, str(log_path), error=str(error))
-        record_result(output_dir, result)
-        return result
-    result = PostCommandResult(
-        command, process.returncode, time.monotonic() - started, timed_out, str(log_path), metrics, stopped=stopped
-    )
+    else:
+        seconds, code = time.monotonic() - started, process.returncode
+        result = PostCommandResult(command, code, seconds, timed_out, str(log_path), metrics, stopped=stopped)
     record_result(output_dir, result)
     return result
 
@@ -384,6 +364,11 @@ def _collect(
     asked = should_stop or (lambda: False)
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
+
+    def take(lines: List[bytes]) -> None:
+        for line in lines:
+            metrics.update(parse_metrics_line(line.decode("utf-8", errors="replace")) or {})
+
     pending = b""
     timed_out = stopped = False
     while True:
@@ -402,16 +387,10 @@ def _collect(
         log.write(chunk)
         pending += chunk
         *lines, pending = pending.split(b"\n")
-        for line in lines:
-            found = parse_metrics_line(line.decode("utf-8", errors="replace"))
-            if found:
-                metrics.update(found)
+        take(lines)
         if len(pending) > 1 << 20:  # a line longer than 1 MiB is no metrics line
             pending = b""
-    if pending:
-        found = parse_metrics_line(pending.decode("utf-8", errors="replace"))
-        if found:
-            metrics.update(found)
+    take([pending])
     selector.close()
     process.stdout.close()
     while not (timed_out or stopped):  # it may have closed its stdout and run on
