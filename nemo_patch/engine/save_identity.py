@@ -15,39 +15,20 @@
 """Which save a checkpoint holds: one identity for every layout the engine reads, owned here.
 
 A checkpoint's name and global step do not say which save it holds: NeMo saves again under one name (a second
-``fit``, a new run in the same log directory, ``-last`` copies), megatron-core rewrites ``iter_<N>`` in place (a
-rollback with ``--ckpt-step``; it only warns "Overwriting") and writes ``.metadata`` last, and every zarr save writes a
-byte-identical ``metadata.json``. :func:`save_identity` gives a :class:`SaveIdentity` whose ``fingerprint`` differs
-between any two saves:
+``fit``, ``-last`` copies), megatron-core rewrites ``iter_<N>`` in place (a rollback) and writes ``.metadata`` last,
+and every zarr save writes a byte-identical ``metadata.json``. A :class:`SaveIdentity`'s ``fingerprint`` differs
+between any two saves: it hashes the digest of the file the format writes last (``.metadata``, or ``metadata.json``
+for ``zarr``) with the name, size, inode, ``st_mtime_ns`` and ``st_ctime_ns`` of every file of the weights (a
+rewritten file gets new times, a replaced one a new inode, and no writer can set ``st_ctime_ns``; the device number
+is left out: it differs between mounts). A save is visibly in progress when a shard or chunk file is newer than the
+last-written file (as is a copy made without keeping times: ``cp -r``).
 
-* the digest (sha256) of the file the format writes last: DCP's ``.metadata`` for ``torch_dist`` and Megatron-LM /
-  Megatron-Bridge ``iter_<N>`` (it records a new ``save_id`` at each save), megatron-core's ``metadata.json`` for
-  ``zarr``;
-* and the name, size, inode, ``st_mtime_ns`` and ``st_ctime_ns`` of every file of the weights: the ``*.distcp``
-  shards, ``common.pt``, ``metadata.json`` and ``.metadata`` (DCP), or every file of every array directory
-  (``.zarray`` and the chunk files), ``common.pt`` and ``metadata.json`` (zarr). Nothing else of the directory
-  (``context/``, the ``consolidated/`` output inside it) counts. A file rewritten in place gets a new modification
-  and change time; a file replaced gets a new inode; and the change time (``st_ctime_ns``) cannot be set by a
-  writer, so a save that restores the old times is still another save. The device number is left out: it differs
-  between mounts of one file system.
+The identity is read before and after a consolidation reads the checkpoint (:func:`check_unchanged`) and recorded in
+every output's ``metadata.json`` as ``"save"``. ``run`` is the run id the consolidation callback stored in
+``weights/common.pt`` (:func:`read_common_state`), else ``None``.
 
-A save is visibly in progress when a shard or chunk file is newer (``st_mtime_ns``) than the file the format writes
-last: a save that rewrites a checkpoint in place (Megatron-LM's tracker already names ``N``, so nothing else says so)
-is refused as unfinished (:class:`~.errors.UnfinishedCheckpointError`) until it writes that file again. A copy that did
-not keep modification times (``cp -r``; ``cp -a`` keeps them) looks the same; ``allow_unfinished`` reads it anyway.
-
-The identity is read before and after a consolidation reads the checkpoint; any difference publishes nothing
-(:func:`check_unchanged`). Every output's ``metadata.json`` records it as ``"save"`` (:meth:`SaveIdentity.as_json`;
-:func:`recorded_identity` reads it back); verifying an output compares it with the checkpoint's current one. A copy
-of a checkpoint (other inodes) is another save: its outputs are made again.
-
-``run`` is the training run's id where the checkpoint records one (the consolidation callback stores ``"run_id"`` in
-its state, which Lightning saves in ``weights/common.pt``, read with :func:`read_common_state`, never
-a plain ``torch.load``), else ``None`` (stock NeMo, Megatron-LM). :func:`order_key` is the order ``LATEST`` and
-``BEST`` move in.
-
-Imports the standard library and the engine's errors, layout and safe-file helpers; ``best_checkpoint`` (torch) only
-when a run id is read.
+Imports the standard library and the engine's errors, layout and safe-file helpers; torch only when ``common.pt`` is
+read.
 """
 
 import hashlib
@@ -57,7 +38,7 @@ import os
 import pathlib
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Tuple, Union, cast
 
@@ -73,7 +54,6 @@ __all__ = [
     "order_key",
     "recorded_identity",
     "save_identity",
-    "common_global_step",
     "global_step_in_name",
     "global_step_of",
     "read_common_state",
@@ -103,9 +83,8 @@ logger = logging.getLogger(__name__)
 
 
 def saved_again_error(message: str) -> CorruptShardError:
-    """The error for a checkpoint saved again (or rewritten in place) while it was read: a
-    :class:`~.errors.CorruptShardError` (exit code 8; not a class of its own: one class per exit code) marked
-    ``save_changed`` (:func:`is_save_changed`)."""
+    """A :class:`~.errors.CorruptShardError` (one class per exit code) for a checkpoint saved again while it was read,
+    marked ``save_changed`` (:func:`is_save_changed`)."""
     error = CorruptShardError(message)
     error.save_changed = True  # type: ignore[attr-defined]
     return error
@@ -139,13 +118,7 @@ class SaveIdentity:
 
     def as_json(self) -> Dict[str, Any]:
         """The identity as ``metadata.json`` records it under ``"save"``."""
-        return {
-            "layout": self.layout,
-            "run": self.run,
-            "global_step": self.global_step,
-            "fingerprint": self.fingerprint,
-            "finished_ns": self.finished_ns,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, data: Any) -> "SaveIdentity":
@@ -268,12 +241,9 @@ def global_step_in_name(name: str) -> Optional[int]:
 
 
 def read_common_state(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
-    """The state Lightning stored beside the weights of a NeMo 2 checkpoint (``weights/common.pt``: ``global_step``,
-    ``epoch``, ``callbacks``, ...), or ``None`` when there is none or it cannot be read safely (logged at debug level).
-
-    ``common.pt`` is read with ``torch.load(weights_only=True)`` allowing ``pathlib`` paths only, and only when it is a
-    regular file of at most :data:`MAX_COMMON_BYTES` bytes.
-    """
+    """The state Lightning stored in a NeMo 2 checkpoint's ``weights/common.pt`` (``global_step``, ``callbacks``, ...),
+    or ``None`` when there is none or it cannot be read safely: ``torch.load(weights_only=True)`` allowing ``pathlib``
+    paths only, of a regular file of at most :data:`MAX_COMMON_BYTES` bytes whose zip members are checked first."""
     import torch
 
     from nemo_patch.engine.record_checks import open_record
@@ -299,13 +269,6 @@ def read_common_state(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
     return payload if isinstance(payload, dict) else None
 
 
-def common_global_step(checkpoint_dir: Path) -> Optional[int]:
-    """``global_step`` in a NeMo checkpoint's ``weights/common.pt`` (Lightning's checkpoint state), or ``None``."""
-    state = read_common_state(checkpoint_dir)
-    step = state.get("global_step") if state is not None else None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-
-
 def _run_of(checkpoint_dir: Path) -> Optional[str]:
     """The run id the consolidation callback stored in ``weights/common.pt``, or ``None``."""
     payload = read_common_state(checkpoint_dir)
@@ -319,14 +282,16 @@ def _run_of(checkpoint_dir: Path) -> Optional[str]:
 
 
 def global_step_of(checkpoint_dir: Path, megatron_lm: bool = False) -> Optional[int]:
-    """The global step of the save in ``checkpoint_dir``, the one rule of the command line, the sidecar's listing and
-    a save's identity: ``N`` of a Megatron-LM ``iter_<N>`` directory (``megatron_lm``); else NeMo's ``step=<M>`` in
-    its name (``M + 1``: NeMo names a checkpoint after the step before Lightning counts it); else Lightning's
-    ``global_step`` in its ``weights/common.pt`` (a renamed checkpoint); else ``None``."""
+    """The global step of the save in ``checkpoint_dir`` (the one rule of every caller): ``N`` of a Megatron-LM
+    ``iter_<N>`` (``megatron_lm``); else ``M + 1`` for NeMo's ``step=<M>`` in its name; else ``global_step`` in its
+    ``weights/common.pt`` (a renamed checkpoint); else ``None``."""
     if megatron_lm:
         return int(checkpoint_dir.name[len("iter_") :])
     step = global_step_in_name(checkpoint_dir.name)
-    return common_global_step(checkpoint_dir) if step is None else step
+    if step is None:
+        step = (read_common_state(checkpoint_dir) or {}).get("global_step")
+        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+    return step
 
 
 def _read_identity(checkpoint_dir: Path, read_run: bool) -> Tuple[SaveIdentity, Optional[str]]:
@@ -379,9 +344,7 @@ def _read_identity(checkpoint_dir: Path, read_run: bool) -> Tuple[SaveIdentity, 
 
 def in_progress(checkpoint_dir: Union[str, Path]) -> Optional[str]:
     """Why the save ``checkpoint_dir`` holds is visibly unfinished (no last-written file, or a shard or chunk file
-    newer than it), or ``None``; a checkpoint that cannot be read is not "in progress" (``None``: its reader says
-    more). For listings: a Megatron-LM ``iter_<N>`` rewritten in place is not finished until ``.metadata`` is
-    written again, whatever the tracker says."""
+    newer than it), or ``None`` (also when it cannot be read: its reader says more)."""
     try:
         return _read_identity(Path(checkpoint_dir), read_run=False)[1]
     except CorruptShardError:
@@ -450,9 +413,7 @@ def saved_again_instead(
     checkpoint_dir: Union[str, Path], before: SaveIdentity, error: BaseException
 ) -> Optional[CorruptShardError]:
     """What to raise instead of ``error``, a failure while reading the save ``before``: a :func:`saved_again_error`
-    when the checkpoint holds another save now (a file of the old save vanished or changed under the reader because
-    it was saved again: the cause to report, which a sidecar retries), else ``None`` (``error`` stands; also when
-    which save it holds cannot be told).
+    when the checkpoint holds another save now (the cause to report, which a sidecar retries), else ``None``.
 
     Args:
         checkpoint_dir: the checkpoint that was being read.
@@ -483,12 +444,8 @@ def recorded_identity(output_dir: Union[str, Path]) -> Optional[SaveIdentity]:
 
 
 def order_key(identity: SaveIdentity, fit: int = 0) -> Tuple[Any, ...]:
-    """The order ``LATEST`` and ``BEST`` move in: (run order, fit, global step).
-
-    Run ids start with when the run started (UTC, ``20261202T162711Z-3f9a1c0d``), so they sort as strings; a save
-    whose run is unknown sorts before every known run, and among unknown runs by when it finished (``finished_ns``),
-    then by global step. Two keys compare as tuples.
-    """
+    """The order ``LATEST`` and ``BEST`` move in: (run, fit, global step); run ids start with the run's UTC start time
+    (``20261202T162711Z-3f9a1c0d``). A save of an unknown run sorts before every known run, by ``finished_ns``."""
     step = -1 if identity.global_step is None else identity.global_step
     if identity.run is None:
         return ("", fit, identity.finished_ns, step)
