@@ -14,9 +14,11 @@
 
 """The errors of a Hugging Face export (each with its ``nemo-consolidate`` exit code). Standard library only."""
 
+from typing import Sequence
+
 from nemo_patch.engine.errors import ConsolidationError
 
-__all__ = ["AdapterCheckpointError", "ExportError", "UntrustedContextError"]
+__all__ = ["AdapterCheckpointError", "ExportError", "UntrustedContextError", "unassigned_error"]
 
 
 class ExportError(ConsolidationError):
@@ -37,3 +39,12 @@ class AdapterCheckpointError(ConsolidationError):
     """A PEFT (LoRA) adapter checkpoint, adapter weights only, cannot be consolidated as asked."""
 
     exit_code, summary = 12, "an adapter checkpoint that cannot be consolidated as asked"
+
+
+def unassigned_error(exporter: str, names: Sequence[str]) -> ExportError:
+    """The error for ``names``, tensors of the Hugging Face model that NeMo's ``exporter`` assigned nothing to."""
+    listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return ExportError(
+        f"NeMo's {exporter} left {len(names)} tensor(s) of the Hugging Face model unassigned (no source tensor maps "
+        f"to them): {listed}"
+    )

@@ -14,15 +14,10 @@
 
 """Export a NeMo 2 ``torch_dist`` checkpoint as a Hugging Face model directory, with NeMo's own registered exporter.
 
-The model class is read from the checkpoint's ``context/`` and its ``"hf"`` exporter (``"hf-peft"`` for an adapter
-checkpoint) runs its own ``apply``; only what needs a GPU or a trainer is replaced (:class:`_OfflineExport`):
-``nemo_load`` returns the weights read by this package's engine, and the model is saved as safetensors of
-``max_shard_size``, converted and written one layer at a time (:mod:`nemo_patch.export.hf_stream`). Every tensor
-written is one the exporter assigned; ``verify`` checks the files against the checkpoint through NeMo's importer
-(:mod:`nemo_patch.export.hf_verify`). The output, memory and verification are described in docs/outputs.md.
+The exporter registered for the context's model class runs its own ``apply``; only what needs a GPU or a trainer is
+replaced (:class:`_OfflineExport`). The output, streaming, memory and verification are described in docs/outputs.md.
 
-Imports torch and the engine at module level; NeMo only inside the functions that need it (``import
-nemo_patch.export.hf`` imports no NeMo); never the training side, the overlay, the CLI or ``nemo_patch.testing``.
+Imports torch and the engine at module level; NeMo only inside the functions that need it.
 """
 
 import copy
@@ -55,8 +50,8 @@ from nemo_patch.engine.tensor_sources import open_sources
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import vocabulary_sizes
 from nemo_patch.export.context_trust import context_loading
-from nemo_patch.export.errors import AdapterCheckpointError, ExportError
-from nemo_patch.export.hf_stream import LazyCheckpointState, StreamedConversion, saved_names
+from nemo_patch.export.errors import AdapterCheckpointError, ExportError, unassigned_error
+from nemo_patch.export.hf_stream import LazyCheckpointState, StreamedConversion, floating_dtype, saved_names
 from nemo_patch.export.hf_verify import (
     ImporterUnavailable,
     TensorView,
@@ -76,13 +71,7 @@ def checkpoint_dtype(state_dict: Dict[str, torch.Tensor]) -> torch.dtype:
     Raises:
         ConsolidationError: ``state_dict`` has no floating-point tensor.
     """
-    sizes: Dict[torch.dtype, int] = {}
-    for tensor in state_dict.values():
-        if tensor.is_floating_point():
-            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
-    if not sizes:
-        raise ConsolidationError("The checkpoint holds no floating-point model tensors to export")
-    return max(sizes, key=lambda dtype: sizes[dtype])
+    return floating_dtype((tensor.dtype, tensor.numel() * tensor.element_size()) for tensor in state_dict.values())
 
 
 def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
@@ -171,20 +160,15 @@ class _TokenizerSaving:
 
 
 class _OfflineExport:
-    """Mixed in before NeMo's registered exporter class so that the exporter's own ``apply`` runs offline: whatever
-    ``apply`` sets on the exporter (``trust_remote_code``, ``peft_obj``, ...) and whatever it passes to ``init``,
-    ``convert_state`` and ``save_pretrained`` is NeMo's, and only these are replaced:
+    """Mixed in before NeMo's registered exporter class so that the exporter's own ``apply`` runs offline, with only
+    these replaced:
 
-    - ``nemo_load`` returns a :class:`_StateSource` of the consolidated checkpoint (read by this package's engine on
-      the first call, in the export's dtype) instead of building the model with a trainer;
-    - ``init`` builds NeMo's target model in the export's dtype and records its parameters' storages: a tensor that
-      still lies in one of them after ``convert_state`` was never assigned;
-    - the model ``convert_state`` returns saves through :meth:`_save_checked`: safetensors files of
-      ``max_shard_size``, a tied output embedding re-tied first (``tie_weights``) so that ``save_pretrained`` leaves it
-      out, and :class:`ExportError` naming any tensor to be written that was never assigned;
-    - ``tokenizer`` saves as :class:`_TokenizerSaving` does;
-    - ``ckpt_load`` (the DeepSeek and Llama 4 exporters read the distributed checkpoint themselves) is NeMo's, refused
-      for merged adapters (the checkpoint's own weights are not the merged model).
+    - ``nemo_load`` returns a :class:`_StateSource` of the checkpoint read by the engine, in the export's dtype;
+    - ``init`` builds the target model in that dtype and records its parameters' storages (still there after
+      ``convert_state``: never assigned);
+    - ``convert_state`` is streamed (:mod:`.hf_stream`) unless ``stream=False``; its model saves through
+      :meth:`_save_checked` (``max_shard_size``; a tied output embedding re-tied first; a tensor never assigned fails);
+    - ``tokenizer`` saves as :class:`_TokenizerSaving` does; ``ckpt_load`` is refused for merged adapters.
 
     The per-export settings are attributes set by :func:`_exporter_for` and :func:`export_hf_checkpoint`.
     """
@@ -211,7 +195,7 @@ class _OfflineExport:
     def _np_source_state(self) -> Dict[str, torch.Tensor]:
         if self._np_state is None and self._np_stream:
             lazy = self._np_open()
-            self._np_dtype = self._np_dtype or lazy.floating_dtype()
+            self._np_dtype = self._np_dtype or floating_dtype((s.dtype, s.nbytes) for s in lazy.specs.values())
             self._np_state = lazy.cast_to(self._np_dtype)
         if self._np_state is None:
             state = self._np_read()
@@ -220,8 +204,7 @@ class _OfflineExport:
         return self._np_state
 
     def _np_config(self) -> Any:
-        """The model's config, copied, with its precision flags saying the export's dtype (``apply`` reads the target
-        dtype from them: ``torch_dtype_from_mcore_config``)."""
+        """The model's config, copied, with its precision flags saying the export's dtype (``apply`` reads them)."""
         config = copy.copy(self._np_model_config)
         flags = {"fp16": self._np_dtype == torch.float16, "bf16": self._np_dtype == torch.bfloat16}
         for name, value in {**flags, "params_dtype": self._np_dtype}.items():
@@ -277,8 +260,7 @@ class _OfflineExport:
         return converted
 
     def _np_streamed_convert(self, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        """NeMo's ``convert_state`` with its ``io.apply_transforms`` streamed (:mod:`nemo_patch.export.hf_stream`):
-        the converted tensors are written to the directory ``apply`` saves to, one layer at a time."""
+        """NeMo's ``convert_state`` with its ``io.apply_transforms`` streamed into the directory ``apply`` saves to."""
         from nemo.lightning import io
 
         assert self._np_apply_path is not None
@@ -301,10 +283,8 @@ class _OfflineExport:
     def _np_save_streamed(
         self, target: Any, save: Callable[..., Any], output_path: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        """The streamed conversion's ``save_pretrained``: the weights are written already; checks that they are the
-        tensors ``save_pretrained`` would write, writes the index, and lets ``save_pretrained`` write the rest
-        (``config.json``, ``generation_config.json``) with no weights, in a directory of its own whose weight files
-        are dropped.
+        """The streamed conversion's ``save_pretrained``: checks that the tensors written are those it would write,
+        writes the index, and lets it write the other files (``config.json``, ...) with no weights.
 
         Raises:
             ExportError: the tensors to be saved are not those written (names the first differences).
@@ -369,21 +349,15 @@ class _OfflineExport:
             kwargs.update(max_shard_size=self._np_max_shard_size, safe_serialization=True)
         unassigned = sorted(name for name, tensor in state.items() if self._unassigned(tensor))
         if unassigned:
-            raise ExportError(
-                f"NeMo's {self._np_exporter_class.__qualname__} left {len(unassigned)} tensor(s) of the Hugging Face "
-                f"model unassigned (no source tensor maps to them): {', '.join(unassigned[:5])}"
-                + (", ..." if len(unassigned) > 5 else "")
-            )
+            raise unassigned_error(self._np_exporter_class.__qualname__, unassigned)
         result = save(output_path, *args, **kwargs)
         self._np_saved = dict(state)
         return result
 
 
 def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Tuple[Any, Any]:
-    """The model from ``<checkpoint_dir>/context`` and NeMo's registered ``"hf"`` exporter (``"hf-peft"`` with
-    ``peft``) for its class, as an instance of that exporter class with :class:`_OfflineExport` mixed in. With
-    ``peft`` the context's PEFT method is read here already (NeMo's ``apply`` reads it again), so that an unreadable
-    one is an :class:`AdapterCheckpointError`.
+    """The model from ``<checkpoint_dir>/context`` and NeMo's ``"hf"`` exporter (``"hf-peft"`` with ``peft``, whose
+    PEFT method is read here already) for its class, with :class:`_OfflineExport` mixed in.
 
     Raises:
         ExportError: NeMo is not importable, the context cannot be read, or the class has no ``"hf"`` exporter.
@@ -428,8 +402,7 @@ def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Tuple[Any, Any]:
 
 
 def _run_exporter(exporter: Any, output_dir: Path) -> Dict[str, torch.Tensor]:
-    """Run NeMo's ``exporter.apply(output_dir)`` (an :class:`_OfflineExport` instance) and return the state dict it
-    saved.
+    """Run NeMo's ``exporter.apply(output_dir)`` (an :class:`_OfflineExport`) and return the state dict it saved.
 
     Raises:
         ExportError: the exporter failed (NeMo's message, with the exception's type), or saved nothing through the
@@ -471,10 +444,8 @@ def _verify_against_checkpoint(
     peft: bool,
     base_checkpoint: Optional[Union[str, Path]],
 ) -> None:
-    """``verify``: the written files against the checkpoint through NeMo's importer
-    (:func:`nemo_patch.export.hf_verify.check_through_importer`; ``saved``, the exporter's converted model, is dropped
-    before the checkpoint is read again). A PEFT adapter directory, or a class whose importer cannot run here (a
-    warning says why), is compared with ``saved`` instead (:func:`_verify_hf`).
+    """``verify``: the written files against the checkpoint through NeMo's importer (:mod:`.hf_verify`; ``saved`` is
+    dropped first), or, for a PEFT directory or where the importer cannot run (a warning says why), against ``saved``.
 
     Raises:
         VerificationError: a mismatch, naming the written tensor and its file.
@@ -510,10 +481,8 @@ def _verify_against_checkpoint(
 
 
 def _convert_again_comparing(exporter: Any, output_dir: Path) -> Dict[str, torch.Tensor]:
-    """Run the exporter again, streamed, comparing each converted tensor with the one written in ``output_dir``
-    instead of writing it (:class:`StreamedConversion`'s ``compare_with``); its other files go to a scratch
-    directory, removed. Returns what the exporter saved (meta tensors, or the converted model where its transforms
-    were not split this time).
+    """Run the exporter again, streamed, comparing each converted tensor with the one in ``output_dir`` instead of
+    writing it (its other files go to a scratch directory); returns what it saved (meta tensors unless not streamed).
 
     Raises:
         VerificationError: a written tensor or file header differs from the converted model's, or a file is missing
@@ -551,10 +520,8 @@ def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
 
 
 def _give_files_the_default_mode(directory: Path) -> None:
-    """Give every regular file under ``directory`` the mode a new file gets here (``0o666`` less the umask, found by
-    creating one, which unlike reading ``os.umask`` changes nothing for other threads). ``transformers`` writes its
-    safetensors files through a temporary file (mode ``0o600``): other users and a serving process could not read the
-    weights of an output whose other files they can read."""
+    """Give every regular file under ``directory`` the mode a new file gets here (found by creating one, which unlike
+    ``os.umask`` changes nothing for other threads): ``transformers`` writes its safetensors files with mode 0o600."""
     probe = directory / ".mode-probe"
     os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
@@ -595,30 +562,26 @@ def export_hf_checkpoint(
         dtype: floating-point dtype of the exported weights; default: the checkpoint's (:func:`checkpoint_dtype`).
             Integer and bool tensors keep theirs.
         overwrite: replace an existing output; if ``False`` it raises :class:`OutputExistsError` before any work.
-        verify: re-read the written files and compare every tensor with the checkpoint's, through NeMo's importer for
-            the class (:mod:`nemo_patch.export.hf_verify`; a PEFT directory, or a class without a usable importer,
-            with the exporter's converted model). The importer's re-read needs about twice the model's weights.
+        verify: compare every written tensor with the checkpoint's through NeMo's importer for the class
+            (:mod:`nemo_patch.export.hf_verify`; a PEFT directory, or a class without one that runs, with the
+            converted model).
         allow_unfinished: export even if NeMo's unfinished marker is present.
         progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
-        merge_adapters: for a LoRA adapter checkpoint, export the base model with the adapters merged (a full
-            ``transformers`` directory; :mod:`nemo_patch.engine.adapter_merge`). Without it, an adapter checkpoint
-            gives a Hugging Face PEFT directory (``adapter_model.safetensors`` + ``adapter_config.json``) through
-            NeMo's ``"hf-peft"`` exporter, which ``peft.PeftModel.from_pretrained`` loads onto the base model.
+        merge_adapters: for a LoRA adapter checkpoint, export the base model with the adapters merged; without it,
+            an adapter checkpoint gives a Hugging Face PEFT directory through NeMo's ``"hf-peft"`` exporter.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
-        best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
-            monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
-            ``ModelCheckpoint``'s).
+        best: recorded as ``"best"`` in ``metadata.json``: ``{"monitor": name, "value": float, "mode": "min" |
+            "max"}`` when the checkpoint was consolidated as the best by NeMo's ``ModelCheckpoint`` metric.
         run: recorded as ``"run"`` in ``metadata.json``: the training run the checkpoint belongs to.
         staging_dir: where the output is written before it is renamed into place (default: its parent).
         before_publish: called right before the output is renamed into place; what it raises is raised, and
             nothing is published.
-        trust_context: ``False`` for a checkpoint from elsewhere (``nemo-consolidate`` without ``--trust-context``):
-            its ``context/`` is checked before NeMo loads it, and loaded off the network
-            (:func:`nemo_patch.export.context_trust.context_loading`); ``True`` (``--trust-context``) or ``None``
-            (the training run's own checkpoint) load it as NeMo does.
+        trust_context: ``False`` for a checkpoint from elsewhere: its ``context/`` is checked before NeMo loads it,
+            off the network (:func:`nemo_patch.export.context_trust.context_loading`); ``True`` or ``None`` load
+            it as NeMo does.
         stream: convert and write one layer at a time (:mod:`nemo_patch.export.hf_stream`); ``False`` converts the
-            whole model in memory, as NeMo's ``export_ckpt`` does (the same files). An adapter directory (without
-            ``merge_adapters``) is always converted in memory (adapters are small).
+            whole model in memory, as NeMo's ``export_ckpt`` does (the same files). A PEFT directory is always
+            converted in memory.
 
     Returns:
         A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
@@ -628,9 +591,8 @@ def export_hf_checkpoint(
         AdapterCheckpointError: a PEFT adapter checkpoint (without ``merge_adapters``) whose model class has no
             ``"hf-peft"`` exporter, or whose PEFT method cannot be read (exit code 12; the class is named).
         AdapterMergeError: the adapters cannot be merged (exit code 13; e.g. the base checkpoint is missing).
-        ExportError: NeMo is not importable, the context cannot be read, the model class has no ``"hf"`` exporter
-            (the message names the class), NeMo's exporter fails (its message and exception type), or it leaves a
-            tensor to be written unassigned (the message names it); exit code 10.
+        ExportError: NeMo is not importable, the context cannot be read, the class has no ``"hf"`` exporter, NeMo's
+            exporter fails, or it leaves a tensor to be written unassigned (the message names it); exit code 10.
         VerificationError: with ``verify``, a written tensor differs from the checkpoint's, is missing or comes from no
             checkpoint tensor (the message names the tensor and its file); exit code 9.
         ConsolidationError: or another subclass from :mod:`nemo_patch.engine.errors`, as for

@@ -14,35 +14,16 @@
 
 """The streamed Hugging Face export: NeMo's exporter's own mapping and transforms, applied one layer at a time.
 
-NeMo's exporters convert with ``io.apply_transforms(source, target, mapping, transforms)`` on a whole model: every
-source tensor and every converted tensor in memory at once (about twice the weights). Here the exporter's own
-``apply`` and ``convert_state`` run unchanged; while ``convert_state`` runs, ``io.apply_transforms`` is
-:meth:`StreamedConversion.apply_transforms`, which takes the same mapping and transforms and applies them per group of
-tensors:
-
-- the source is a :class:`LazyCheckpointState`: the names of the checkpoint's tensors, each read through the engine
-  (and cast to the export's dtype) only when a group needs it;
-- the target is NeMo's Hugging Face model built on the ``meta`` device (no weights allocated);
-- a group is one layer (every name whose first all-digit dotted component is ``<i>``: ``decoder.layers.<i>.*`` in the
-  source, ``model.layers.<i>.*`` in the target; a layer's fused QKV, gate/up and experts are in it), then everything
-  else (embeddings, final norm, output layer). Each of NeMo's ``StateDictTransform`` objects (the mapping's too) runs
-  on a ``TransformCTX`` holding that group's source tensors and target entries, so NeMo's wildcard matching binds
-  ``*`` within the layer exactly as on the whole model;
-- every converted tensor is checked as ``apply_transforms`` checks it (shape against the target's parameter, dtype
-  unchanged unless ``cast_dtype``) and written at once at its place in the safetensors files, then freed.
-
-The files are laid out before the first group runs, as ``transformers``' ``save_pretrained`` lays them out: the
-tensors it would save (tied duplicates removed by its rule), sharded by ``huggingface_hub`` at ``max_shard_size`` in
-the state dict's order, each file's header in the ``safetensors`` library's order (dtype, then name), with
-``{"format": "pt"}`` metadata, and ``model.safetensors.index.json`` with ``total_parameters`` and ``total_size``;
-so the files are byte-identical to the in-memory path's. The engine writes them (:func:`.part_writer.create_files`:
-header written and size allocated; then :func:`.part_writer.write_part`, the writer of the ``safetensors`` format: each
-tensor written at its offset from a thread while the next is converted, durable as it goes, fsynced at the end).
-
-When the transforms cannot be split (a transform that is not a ``StateDictTransform``, one whose source keys span
-groups or whose target keys are not in the same group, or a source that is not the engine's checkpoint),
-:meth:`StreamedConversion.apply_transforms` logs one line naming the exporter and why, and runs NeMo's own
-``apply_transforms`` on the whole model instead.
+While the exporter's ``convert_state`` runs, ``io.apply_transforms`` is :meth:`StreamedConversion.apply_transforms`:
+the same mapping and transforms, each of NeMo's ``StateDictTransform`` objects run on a ``TransformCTX`` of one group
+of tensors (a layer: every name whose first all-digit dotted component is ``<i>``; then everything else), so NeMo's
+wildcards bind ``*`` within the layer as on the whole model. The source is a :class:`LazyCheckpointState` (each tensor
+read through the engine when its group runs), the target NeMo's Hugging Face model on the ``meta`` device. Each
+converted tensor is checked as ``apply_transforms`` checks it and written at once at its place in files laid out
+beforehand as ``save_pretrained`` lays them out (:func:`saved_names`, :func:`plan_hf_files`), by the engine's writer
+(:func:`.part_writer.write_part`): the files are byte-identical to the in-memory path's. Transforms that cannot be
+split run as NeMo's own ``apply_transforms`` on the whole model, with one log line naming the exporter and why
+(docs/outputs.md).
 
 Imports torch and the engine at module level; NeMo inside the functions that need it.
 """
@@ -52,16 +33,19 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
 from nemo_patch.engine.casting import checked_cast
+from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.part_writer import create_files, placements_of, write_part
 from nemo_patch.engine.plan import TensorSpec, plan_shards
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header
+from nemo_patch.engine.verify import VerificationError
+from nemo_patch.export.errors import ExportError, unassigned_error
 
-__all__ = ["LazyCheckpointState", "StreamedConversion", "layer_of", "saved_names"]
+__all__ = ["LazyCheckpointState", "StreamedConversion", "floating_dtype", "layer_of", "saved_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +66,21 @@ _DTYPE_RANK = {
     torch.float64: 16,
     torch.int64: 17,
 }
+
+
+def floating_dtype(sizes: Iterable[Tuple[torch.dtype, int]]) -> torch.dtype:
+    """The floating-point dtype that holds the most bytes of ``(dtype, bytes)`` pairs (the checkpoint's dtype).
+
+    Raises:
+        ConsolidationError: no floating-point dtype.
+    """
+    totals: Dict[torch.dtype, int] = defaultdict(int)
+    for dtype, nbytes in sizes:
+        if dtype.is_floating_point:
+            totals[dtype] += nbytes
+    if not totals:
+        raise ConsolidationError("The checkpoint holds no floating-point model tensors to export")
+    return max(totals, key=lambda dtype: totals[dtype])
 
 
 def layer_of(name: str) -> Optional[int]:
@@ -112,23 +111,6 @@ class LazyCheckpointState(Mapping[str, torch.Tensor]):
         self.specs, self._read, self.dtype, self._progress = dict(specs), read, dtype, progress
         self._total = sum(spec.nbytes for spec in self.specs.values())
         self._done = [0]
-
-    def floating_dtype(self) -> torch.dtype:
-        """The floating-point dtype that holds most of the checkpoint's floating-point bytes (as
-        :func:`nemo_patch.export.hf.checkpoint_dtype`).
-
-        Raises:
-            ConsolidationError: no floating-point tensor.
-        """
-        from nemo_patch.engine.errors import ConsolidationError
-
-        sizes: Dict[torch.dtype, int] = defaultdict(int)
-        for spec in self.specs.values():
-            if spec.dtype.is_floating_point:
-                sizes[spec.dtype] += spec.nbytes
-        if not sizes:
-            raise ConsolidationError("The checkpoint holds no floating-point model tensors to export")
-        return max(sizes, key=lambda dtype: sizes[dtype])
 
     def cast_to(self, dtype: torch.dtype) -> "LazyCheckpointState":
         """The same state whose floating-point tensors come in ``dtype``."""
@@ -403,12 +385,7 @@ class StreamedConversion:
                 raise ValueError(f"No matches found for source key: {transform.source_key}")
         missing = [spec.name for spec in self.planned if spec.name not in written]
         if missing:
-            from nemo_patch.export.errors import ExportError
-
-            raise ExportError(
-                f"NeMo's {self.exporter} left {len(missing)} tensor(s) of the Hugging Face model unassigned "
-                f"(no source tensor maps to them): {', '.join(missing[:5])}" + (", ..." if len(missing) > 5 else "")
-            )
+            raise unassigned_error(self.exporter, missing)
 
     def _write(self, converted: Iterator[Tuple[str, torch.Tensor]], order: List[str]) -> None:
         """Write the converted tensors with the engine's writer (:func:`.part_writer.write_part`: each tensor written
@@ -432,8 +409,6 @@ class StreamedConversion:
             ready[name] = tensor
         unwritten = sorted(set(ready) | (set(placements) - {placement.name for placement in ordered}))
         if unwritten:  # converted outside the group that holds its target: never left as zeros in a file
-            from nemo_patch.export.errors import ExportError
-
             raise ExportError(f"NeMo's {self.exporter} converted tensors that were not written: {unwritten[:5]}")
 
     def _compare(self, converted: Iterator[Tuple[str, torch.Tensor]]) -> None:
@@ -442,8 +417,6 @@ class StreamedConversion:
         Raises:
             VerificationError: a file's header or a tensor differs.
         """
-        from nemo_patch.engine.verify import VerificationError
-
         assert self.compare_with is not None
         self._check_headers(self.compare_with)
         where = {spec.name: (file.name, offset) for file in self.files for spec, offset in file.offsets()}
@@ -466,8 +439,6 @@ class StreamedConversion:
         Raises:
             VerificationError: a file is missing, extra, or its header differs (names the file).
         """
-        from nemo_patch.engine.verify import VerificationError
-
         found = sorted(path.name for path in directory.glob("*.safetensors"))
         planned = sorted(file.name for file in self.files)
         if found != planned:

@@ -14,22 +14,14 @@
 
 """Check a Hugging Face export against its checkpoint, tensor by tensor, through NeMo's *importer* for the model class.
 
-The check runs the export's other direction, written independently in NeMo: the ``"hf"`` importer registered for the
-checkpoint's model class maps the tensors of the written safetensors files back to Megatron names, and every result
-must equal, bit for bit, the tensor of that name read straight from the checkpoint by this package's engine (the
-checkpoint is the oracle; floating-point tensors cast to the written dtype first). Every written tensor must also be
-read for some checkpoint tensor. The only differences allowed are the vocabulary padding rows beyond the tokenizer's
-size, a tied ``lm_head`` and the importer's ``state_dict_ignored_entries`` (docs/outputs.md).
-
-The importer runs without a model: its ``convert_state`` is called with stand-ins (the written files and
-``config.json`` as the Hugging Face model, the checkpoint's names and context config as the NeMo model), and the
-``mapping`` and ``transforms`` it hands to ``io.apply_transforms`` are captured and run here on dicts with NeMo's own
-``StateDictTransform``, loading only the tensors a transform reads, one at a time.
-
-A mismatch raises :class:`~nemo_patch.engine.errors.VerificationError` (exit code 9) naming the written tensor and its
-file. Where a transform builds one tensor from several (``q_proj``, ``k_proj``, ``v_proj`` into ``linear_qkv``), the
-culprit is found by running it on tensors whose elements are their own positions. When the check cannot run at all,
-:class:`ImporterUnavailable` says why. Memory: about twice the model's weights.
+The ``"hf"`` importer registered for the checkpoint's model class maps the written tensors back to Megatron names, and
+every result must equal, bit for bit, the tensor of that name read straight from the checkpoint by the engine (cast to
+the written dtype); every written tensor must be read for some checkpoint tensor (docs/outputs.md says what may
+differ). The importer runs without a model: its ``convert_state`` gets stand-ins, and the ``mapping`` and
+``transforms`` it hands to ``io.apply_transforms`` are captured and replayed here with NeMo's ``StateDictTransform``.
+A mismatch raises :class:`~nemo_patch.engine.errors.VerificationError` naming the written tensor and its file (and
+the element, traced through the transform, :func:`_trace`); :class:`ImporterUnavailable` says why the check cannot
+run. Memory: about twice the model's weights.
 
 Imports torch and the engine at module level; NeMo and ``transformers`` only inside the functions that need them.
 """
@@ -436,17 +428,14 @@ def check_through_importer(
     trust_remote_code: Optional[bool] = None,
     before_reading: Optional[Callable[[], None]] = None,
 ) -> int:
-    """Compare every tensor of the Hugging Face directory ``output_dir`` with the checkpoint through NeMo's importer
-    (see the module docstring).
+    """Compare every tensor of the Hugging Face directory ``output_dir`` with the checkpoint through NeMo's importer.
 
     Args:
         location: the checkpoint (:func:`~nemo_patch.engine.checkpoint_layout.inspect_checkpoint`).
-        output_dir: the written Hugging Face directory (``config.json`` and ``model.safetensors`` or shards with
-            ``model.safetensors.index.json``).
-        model: the checkpoint's model from its context (``io.load_context(..., subpath="model")``): its class selects
-            the importer, its ``config`` is the NeMo config the importer's transforms read.
-        merge_adapters: the checkpoint is an adapter checkpoint exported with its adapters merged: the oracle is the
-            merged model.
+        output_dir: the written Hugging Face directory.
+        model: the checkpoint's model from its context: its class selects the importer, its ``config`` is the one
+            the importer's transforms read.
+        merge_adapters: the output has the adapters merged: the oracle is the merged model.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
         trust_remote_code: set on the importer as its ``apply`` would (some importers' ``config`` reads it).
         before_reading: called once the check is known to be possible, before the checkpoint's tensors are read (the
@@ -568,8 +557,7 @@ def _importer_mapping(
     trust_remote_code: Optional[bool],
 ) -> Tuple[Any, Dict[str, Any], List[Any], List[str]]:
     """``(source, mapping, transforms, state_dict_ignored_entries)`` as NeMo's importer's ``convert_state`` hands
-    them to ``io.apply_transforms`` for the stand-ins (the written files as the Hugging Face model, ``target`` as the
-    NeMo model).
+    them to ``io.apply_transforms`` for the stand-ins (the written files, ``target``).
 
     Raises:
         ImporterUnavailable: ``convert_state`` needs more than the stand-ins have, or does not call
@@ -657,21 +645,17 @@ def verify_hf_output(
     allow_unfinished: bool = False,
     trust_context: bool = False,
 ) -> int:
-    """Check a Hugging Face directory written for a checkpoint (by ``nemo-consolidate --format hf`` or
-    ``ckpt_consolidation=ConsolidationConfig(format="hf")``) against the checkpoint, through NeMo's importer (module
-    docstring).
-
-    Loads the checkpoint's ``context/`` (NeMo's ``io.load_context``, which imports the classes it names): unless
-    ``trust_context``, it is checked first and loaded off the network (:mod:`nemo_patch.export.context_trust`).
+    """Check a Hugging Face directory written for a checkpoint against the checkpoint, through NeMo's importer.
 
     Args:
         checkpoint_dir: the checkpoint directory (with ``context/`` and ``weights/``).
         output_dir: the Hugging Face directory.
         merge_adapters: the output is of an adapter checkpoint with its adapters merged (the oracle is the merged
-            model, as :func:`~nemo_patch.engine.consolidate.read_state_dict` merges it).
+            model).
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
         allow_unfinished: check an unfinished checkpoint's output too.
-        trust_context: load the context whatever it names (as ``nemo-consolidate --trust-context``).
+        trust_context: load the context whatever it names; else it is checked first and loaded off the network
+            (:mod:`nemo_patch.export.context_trust`).
 
     Returns:
         The number of written tensors checked.
@@ -704,7 +688,7 @@ def verify_hf_output(
 def checkpoint_names(
     location: CheckpointLocation, merge_adapters: bool = False, base_checkpoint: Optional[Union[str, Path]] = None
 ) -> Dict[str, torch.Tensor]:
-    """The names of :func:`read_checkpoint_tensors`, each with a meta tensor of its shape and dtype (nothing read).
+    """The names of :func:`read_checkpoint_tensors`, each with a meta tensor of its shape and dtype.
 
     Raises:
         ConsolidationError: or a subclass, from reading the checkpoint's metadata.
@@ -721,9 +705,8 @@ def read_checkpoint_tensors(
     base_checkpoint: Optional[Union[str, Path]] = None,
     progress: Optional[ProgressCallback] = None,
 ) -> Tuple[Dict[str, torch.Tensor], Any]:
-    """The checkpoint's tensors as NeMo's exporters and importers name them (the Transformer Engine spec's fused
-    layer-norm names, :func:`nemo_patch.export.layer_norms.te_layer_norm_names`), and its DCP metadata
-    (:func:`~nemo_patch.engine.consolidate.read_state_dict`'s, which ``progress`` reports on).
+    """The checkpoint's tensors as NeMo's exporters and importers name them (:func:`.layer_norms.te_layer_norm_names`)
+    and its DCP metadata (:func:`~nemo_patch.engine.consolidate.read_state_dict`'s, which ``progress`` reports on).
 
     Raises:
         ConsolidationError: or a subclass (:class:`CorruptShardError` for a shard that cannot be read).
