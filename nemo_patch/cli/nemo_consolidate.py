@@ -14,19 +14,10 @@
 
 """``nemo-consolidate``: consolidate one NeMo 2 distributed checkpoint offline, on CPU, without writing code.
 
-``nemo-consolidate <path> [options]`` (also ``python -m nemo_patch``; ``--help`` and docs/cli.md list the options and
-exit codes). ``<path>`` is a checkpoint directory, its ``weights/`` directory, or a run's checkpoint root (then
-``LATEST``, else the newest finished checkpoint: :func:`nemo_patch.training.latest.locate_checkpoint`; with ``--best``
-the best one: :func:`nemo_patch.runs.best_checkpoint.find_best_checkpoint`). The output goes to
-``<ckpt>/consolidated`` or ``<ckpt>/hf`` unless ``--out`` says otherwise, published atomically; ``--force`` replaces
-only a previous output or an empty directory (:mod:`nemo_patch.engine.output_target`). Every failure is one line on
-stderr and the exit code its error class carries (:mod:`nemo_patch.engine.errors`). ``--workers`` writer processes
-fill the output at once (:mod:`nemo_patch.engine.parts`), and ``torchrun``/``srun`` split it between nodes
-(:mod:`nemo_patch.cli.distributed`); ``--watch`` and ``--list`` are :mod:`nemo_patch.cli.watch` and
-:mod:`nemo_patch.cli.listing`.
-
-Imports the engine, the export and the torch-free training modules (the settings' config, ``LATEST``); torch when
-run, NeMo only for ``--format hf`` and ``--verify`` with a context; never the overlay or ``nemo_patch.testing``.
+``nemo-consolidate <path> [options]`` (also ``python -m nemo_patch``); ``--help`` and docs/cli.md list the options and
+exit codes. ``--watch`` and ``--list`` are :mod:`nemo_patch.cli.watch` and :mod:`nemo_patch.cli.listing`; ``torchrun``
+or ``srun`` launches are :mod:`nemo_patch.cli.distributed`. Imports NeMo only for ``--format hf`` and ``--verify``
+with a context; never the overlay or ``nemo_patch.testing``.
 """
 
 import argparse
@@ -41,17 +32,11 @@ import time
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from nemo_patch.cli.listing import add_list_options, check_list_arguments, run_list
-from nemo_patch.cli.watch import (
-    _one_line,
-    add_watch_options,
-    check_watch_arguments,
-    human_size,
-    positive_seconds,
-    run_watch,
-)
+from nemo_patch.cli.progress import human_size, progress_bar
+from nemo_patch.cli.watch import _one_line, add_watch_options, check_watch_arguments, positive_seconds, run_watch
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation
 from nemo_patch.engine.errors import ConsolidationError
 from nemo_patch.engine.huge_pages import prefer_huge_pages
@@ -208,39 +193,31 @@ def _installed_version() -> str:
     return f"{package}, version unknown (no installed metadata)"
 
 
-class _VersionAction(argparse.Action):
-    """``--version``: print ``<prog> (<distribution> <version>)`` and exit; looked up only when asked."""
+class _RunAndExit(argparse.Action):
+    """An option that runs ``const(parser)`` (which exits) as soon as it is parsed: ``--version``, ``--check``."""
 
-    def __init__(self, option_strings: List[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        print(f"{parser.prog} ({_installed_version()})")  # on stdout, as argparse's own version action
-        parser.exit()
-
-
-class _CheckAction(argparse.Action):
-    """``--check``: whether the overlay would be active in a new interpreter (:mod:`nemo_patch.cli.check`); one line,
-    then exit 0, or 21 with the reason."""
-
-    def __init__(self, option_strings: List[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
-        super().__init__(
-            option_strings,
-            dest,
-            nargs=0,
-            default=argparse.SUPPRESS,
-            help="job-start guard: exit 0 with one line if NeMo's MegatronStrategy would be edited by the overlay in "
-            "a new interpreter of this environment, else exit 21 with the reason",
-        )
+    def __init__(self, option_strings: List[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        from nemo_patch.cli.check import OVERLAY_OFF_EXIT_CODE, check_overlay
+        self.const(parser)
 
-        active, line = check_overlay()
-        if active:
-            print(line)
-            parser.exit(0)
-        parser.exit(OVERLAY_OFF_EXIT_CODE, f"{parser.prog}: error: nemo_patch overlay not active: {line}\n")
+
+def _print_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: ``<prog> (<distribution> <version>)`` on stdout, as argparse's own version action."""
+    print(f"{parser.prog} ({_installed_version()})")
+    parser.exit()
+
+
+def _check(parser: argparse.ArgumentParser) -> None:
+    """``--check`` (:mod:`nemo_patch.cli.check`): one line, then exit 0, or 21 with the reason."""
+    from nemo_patch.cli.check import OVERLAY_OFF_EXIT_CODE, check_overlay
+
+    active, line = check_overlay()
+    if active:
+        print(line)
+        parser.exit(0)
+    parser.exit(OVERLAY_OFF_EXIT_CODE, f"{parser.prog}: error: nemo_patch overlay not active: {line}\n")
 
 
 def _exit_codes_epilog() -> str:
@@ -333,35 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress-interval", type=positive_seconds, default=None, metavar="SECONDS",
                         help="when stderr is not a terminal (a job log): seconds between progress lines (bytes done "
                         "and in all, MB/s, time left; default 30; also with --watch)")  # fmt: skip
-    parser.add_argument("--version", action=_VersionAction)
-    parser.add_argument("--check", action=_CheckAction)
+    parser.add_argument("--version", action=_RunAndExit, const=_print_version, help="print the version and exit")
+    parser.add_argument("--check", action=_RunAndExit, const=_check, help="job-start guard: exit 0 with one line if "
+                        "NeMo's MegatronStrategy would be edited by the overlay in a new interpreter of this "
+                        "environment, else exit 21 with the reason")  # fmt: skip
     return parser
-
-
-def _progress_bar(
-    enabled: bool, stream: TextIO, interval: Optional[float] = None
-) -> "tuple[Callable[[int, int], None], Callable[[], None]]":
-    """A bytes progress bar (done / total, rate) on ``stream`` when it is a terminal; when it is not (a job log), a
-    progress line every ``interval`` seconds (:class:`nemo_patch.cli.progress.LogProgress`); no-ops when not
-    ``enabled``."""
-    if not enabled:
-        return (lambda done, total: None), (lambda: None)
-    if not stream.isatty():
-        from nemo_patch.cli.progress import DEFAULT_INTERVAL, LogProgress
-
-        return LogProgress(stream, human_size, interval or DEFAULT_INTERVAL), (lambda: None)
-    from tqdm import tqdm
-
-    bar: List[tqdm] = []
-
-    def update(done: int, total: int) -> None:
-        if not bar:
-            bar.append(
-                tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", file=stream)
-            )
-        bar[0].update(done - bar[0].n)
-
-    return update, (lambda: bar[0].close() if bar else None)
 
 
 @contextlib.contextmanager
@@ -424,22 +377,13 @@ def _context_shapes(location: "CheckpointLocation", trust: bool) -> Optional[Dic
         return None
 
 
-def _records_tensor_digests(output_dir: Path) -> bool:
-    """Whether an output's ``metadata.json`` has per-tensor digests (format version 2 and later)."""
-    from nemo_patch.engine.safe_files import read_json_file
-
-    try:
-        return int(read_json_file(output_dir / "metadata.json").get("format_version", 0)) >= 2
-    except (OSError, ValueError, TypeError, AttributeError):
-        return False
-
-
 def _verify_existing(
     location: "CheckpointLocation", output_dir: Path, quiet: bool, started: float, trust: bool
 ) -> int:
     """``--verify`` on an output that exists: compare it with the checkpoint (and its context's model), write
     nothing."""
     from nemo_patch.engine.digests import verify_digests
+    from nemo_patch.engine.safe_files import read_json_file
     from nemo_patch.engine.verify import verify_consolidated, verify_identity, verify_names_and_shapes
 
     expected = _context_shapes(location, trust)
@@ -447,7 +391,11 @@ def _verify_existing(
     count = verify_consolidated(location.weights_dir, output_dir)
     if expected is not None:
         verify_names_and_shapes(output_dir, expected, "the model in the checkpoint's context")
-    if _records_tensor_digests(output_dir):
+    try:  # per-tensor digests: format version 2 and later
+        digests = int(read_json_file(output_dir / "metadata.json").get("format_version", 0)) >= 2
+    except (OSError, ValueError, TypeError, AttributeError):
+        digests = False
+    if digests:
         verify_digests(output_dir)
     if not quiet:
         print(f"Verified {output_dir} against {location.checkpoint_dir}: {count} tensors match "
@@ -480,7 +428,7 @@ def _main(argv: Optional[List[str]]) -> int:
         return run_list(args)
     prefer_huge_pages()  # before torch is imported: this process exists to consolidate
     if policy is not None:
-        return run_watch(args, policy)
+        return run_watch(args, policy, write_output)
     from nemo_patch.cli.distributed import LaunchedGroup
 
     try:
@@ -492,107 +440,119 @@ def _main(argv: Optional[List[str]]) -> int:
     except ConsolidationError as error:
         print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
         return error.exit_code
-    if group is None:
-        return _consolidate(args, None)
     code = _consolidate(args, group)
-    group.finish(code)
+    if group is not None:
+        group.finish(code)
     return code
+
+
+def write_output(
+    args: argparse.Namespace, checkpoint_dir: Path, out: Optional[Path], hold_nemo_output: bool = False, **options: Any
+) -> "ConsolidationResult":
+    """Write one checkpoint's output with the command line's output options (also ``--watch``'s).
+
+    Args:
+        args: the parsed command line (``--format``, ``--dtype``, ``--verify``, ``--max-shard-size``, ``--workers``,
+            ``--trust-context``).
+        checkpoint_dir: the checkpoint.
+        out: the output directory (``None``: the default one in the checkpoint).
+        hold_nemo_output: hold back what importing NeMo prints (:func:`_nemo_output_held_back`).
+        options: more arguments of the engine's ``consolidate_checkpoint`` / ``export_hf_checkpoint``.
+
+    Returns:
+        The engine's result.
+
+    Raises:
+        ConsolidationError: the output could not be written (nothing was published).
+    """
+    import torch
+
+    options.update(dtype=None if args.dtype is None else getattr(torch, DTYPE_NAMES[args.dtype]), verify=args.verify)
+    if args.max_shard_size is not None:
+        options["max_shard_size"] = args.max_shard_size
+    if args.format == "hf":
+        from nemo_patch.export.context_trust import check_context_trusted
+        from nemo_patch.export.hf import export_hf_checkpoint
+
+        with contextlib.ExitStack() as held:
+            if hold_nemo_output:  # resolving the context's names imports NeMo, which logs on stdout
+                held.enter_context(_nemo_output_held_back())
+                held.enter_context(_stdout_dropped())
+            check_context_trusted(checkpoint_dir / "context", args.trust_context)
+        with _nemo_output_held_back() if hold_nemo_output else contextlib.nullcontext():
+            return export_hf_checkpoint(checkpoint_dir, out, trust_context=args.trust_context, **options)
+    from nemo_patch.engine.consolidate import consolidate_checkpoint
+    from nemo_patch.engine.parts import default_workers
+
+    options.setdefault("workers", args.workers or default_workers())
+    return consolidate_checkpoint(checkpoint_dir, out, **options)
 
 
 def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> int:
     """Consolidate as ``args`` say (on rank 0 of ``group`` when launched on several nodes); returns the exit code."""
-    import torch
-
     from nemo_patch.engine.save_identity import global_step_of
 
     # The progress bar's stream: still the terminal under the hold-back.
     terminal = os.fdopen(os.dup(2), "w", buffering=1, errors=_ESCAPE_ERRORS)
-    update, close_bar = _progress_bar(not args.quiet, terminal, args.progress_interval)
-
-    def close() -> None:
-        close_bar()
-        terminal.close()
-
+    update, close_bar = progress_bar(not args.quiet, terminal, args.progress_interval)
     started = time.perf_counter()
     try:
-        _refuse_urls(args)
-        best = None
-        if args.best:
-            from nemo_patch.runs.best_checkpoint import find_best_checkpoint
+        try:
+            _refuse_urls(args)
+            best = None
+            if args.best:
+                from nemo_patch.runs.best_checkpoint import find_best_checkpoint
 
-            best = find_best_checkpoint(args.path, args.monitor, args.mode)
-            if not args.quiet:
-                print(f"Best checkpoint by {best.monitor} ({best.mode}): {best.checkpoint_dir.name}, "
-                      f"{best.monitor}={best.value:.6g} (from the {best.source})", file=sys.stderr)  # fmt: skip
-        location = locate_checkpoint(
-            best.checkpoint_dir if best else args.path, allow_unfinished=args.allow_unfinished
-        )
-        if not location.finished:
-            print(f"{PROG}: warning: {location.checkpoint_dir} is unfinished; consolidating it anyway "
-                  "(--allow-unfinished): the output may be incomplete or wrong", file=sys.stderr)  # fmt: skip
-        options = dict(
-            dtype=None if args.dtype is None else getattr(torch, DTYPE_NAMES[args.dtype]),
-            overwrite=args.force,
-            verify=args.verify,
-            allow_unfinished=args.allow_unfinished,
-            progress=update,
-            merge_adapters=args.merge_adapters,
-            base_checkpoint=args.base_checkpoint,
-            best=best.record() if best else None,
-            global_step=global_step_of(location.checkpoint_dir),
-        )
-        if args.max_shard_size is not None:
-            options["max_shard_size"] = args.max_shard_size
-        default_out = location.checkpoint_dir / OUTPUT_DIRNAMES[args.format]
-        verify_only = (
-            args.verify and not args.force and args.format == "safetensors" and (args.out or default_out).is_dir()
-        )
-        check_output_target(location.checkpoint_dir, args.out or default_out, args.force, read_only=verify_only)
-        if verify_only:
-            if group is not None:
-                group.release()  # rank 0 verifies alone: the other ranks exit 0
-            code = _verify_existing(location, args.out or default_out, args.quiet, started, args.trust_context)
-            close()
-            return code
-        if args.format == "hf":
-            if group is not None:
-                group.release()  # rank 0 exports alone: the other ranks exit 0
-            from nemo_patch.export.context_trust import check_context_trusted
-            from nemo_patch.export.hf import export_hf_checkpoint
+                best = find_best_checkpoint(args.path, args.monitor, args.mode)
+                if not args.quiet:
+                    print(f"Best checkpoint by {best.monitor} ({best.mode}): {best.checkpoint_dir.name}, "
+                          f"{best.monitor}={best.value:.6g} (from the {best.source})", file=sys.stderr)  # fmt: skip
+            location = locate_checkpoint(
+                best.checkpoint_dir if best else args.path, allow_unfinished=args.allow_unfinished
+            )
+            if not location.finished:
+                print(f"{PROG}: warning: {location.checkpoint_dir} is unfinished; consolidating it anyway "
+                      "(--allow-unfinished): the output may be incomplete or wrong", file=sys.stderr)  # fmt: skip
+            options: Dict[str, Any] = dict(
+                overwrite=args.force,
+                allow_unfinished=args.allow_unfinished,
+                progress=update,
+                merge_adapters=args.merge_adapters,
+                base_checkpoint=args.base_checkpoint,
+                best=best.record() if best else None,
+                global_step=global_step_of(location.checkpoint_dir),
+            )
+            out = args.out or location.checkpoint_dir / OUTPUT_DIRNAMES[args.format]
+            verify_only = args.verify and not args.force and args.format == "safetensors" and out.is_dir()
+            check_output_target(location.checkpoint_dir, out, args.force, read_only=verify_only)
+            if group is not None and (verify_only or args.format == "hf"):
+                group.release()  # rank 0 verifies or exports alone: the other ranks exit 0
+            if verify_only:
+                return _verify_existing(location, out, args.quiet, started, args.trust_context)
+            if args.format == "safetensors":
+                from nemo_patch.engine.parts import default_workers
 
-            with _nemo_output_held_back(), _stdout_dropped():  # resolving the context's names imports NeMo
-                check_context_trusted(location.checkpoint_dir / "context", args.trust_context)
-
-            with _nemo_output_held_back():
-                result = export_hf_checkpoint(
-                    location.checkpoint_dir, args.out, trust_context=args.trust_context, **options
-                )
-        else:
-            from nemo_patch.engine.consolidate import consolidate_checkpoint
-            from nemo_patch.engine.parts import default_workers
-
-            if args.verify:
-                options["expected_shapes"] = _context_shapes(location, args.trust_context)
-            options["workers"] = args.workers or default_workers()
-            if group is not None:
-                options.update(parts=group.parts(options["workers"]), parts_runner=group.run)
-            result = consolidate_checkpoint(location.checkpoint_dir, args.out, **options)
+                options["workers"] = args.workers or default_workers()
+                if args.verify:
+                    options["expected_shapes"] = _context_shapes(location, args.trust_context)
+                if group is not None:
+                    options.update(parts=group.world_size * options["workers"], parts_runner=group.run)
+            result = write_output(args, location.checkpoint_dir, args.out, hold_nemo_output=True, **options)
+        finally:
+            close_bar()
+            terminal.close()
     except ConsolidationError as error:
-        close()
         ended = str(error).endswith("its save never ended")  # the engine's message names no option of this command
         hint = " (--allow-unfinished consolidates what it holds anyway)" if ended else ""
         print(f"{PROG}: error: {_one_line(error)}{hint}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
-        close()
         print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
         return 130  # CLI_EXIT_CODES
     except Exception as error:  # noqa: BLE001 - a bug, not bad input: still one line and the documented exit code 1
-        close()
         print(f"{PROG}: error: unexpected {type(error).__name__}: {_one_line(error)} (nothing was written; please "
               "report this with the command line)", file=sys.stderr)  # fmt: skip
         return 1
-    close()
     seconds = time.perf_counter() - started
     if not args.quiet:
         rate = result.total_bytes / seconds if seconds > 0 else 0.0

@@ -24,9 +24,9 @@ prints at most ``T / interval`` lines.
 """
 
 import time
-from typing import Callable, Optional, TextIO
+from typing import Callable, List, Optional, TextIO, Tuple
 
-__all__ = ["DEFAULT_INTERVAL", "LogProgress"]
+__all__ = ["DEFAULT_INTERVAL", "LogProgress", "human_size", "progress_bar"]
 
 #: Seconds between two progress lines in a log, by default.
 DEFAULT_INTERVAL = 30.0
@@ -38,7 +38,7 @@ class LogProgress:
 
     Args:
         stream: where the lines go (the command's stderr).
-        size: formats a number of bytes (``nemo_patch.cli.watch.human_size``: ``"305.2 KB"``).
+        size: formats a number of bytes (:func:`human_size`: ``"305.2 KB"``).
         interval: seconds between lines (> 0); also the delay before the first.
         label: what is consolidated (the checkpoint's name), or ``None``.
         clock: the monotonic clock (seconds), replaced in tests.
@@ -70,3 +70,36 @@ class LogProgress:
         self.stream.write(f"nemo-consolidate: progress{where}: {self.size(done)} of {self.size(total)}{percent}, "
                           f"{self.size(rate)}/s, {left}\n")  # fmt: skip
         self.stream.flush()
+
+
+def human_size(size: float) -> str:
+    """Bytes in decimal units for messages: ``"305.2 KB"``, ``"12 B"``."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1000
+    return f"{size:.1f} GB"
+
+
+def progress_bar(
+    enabled: bool, stream: TextIO, interval: Optional[float] = None, label: Optional[str] = None
+) -> Tuple[Callable[[int, int], None], Callable[[], None]]:
+    """A bytes progress bar (done / total, rate) on ``stream`` when it is a terminal; when it is not (a job log), a
+    progress line every ``interval`` seconds (:class:`nemo_patch.cli.progress.LogProgress`, naming ``label``); no-ops
+    when not ``enabled``."""
+    if not enabled:
+        return (lambda done, total: None), (lambda: None)
+    if not stream.isatty():
+        return LogProgress(stream, human_size, interval or DEFAULT_INTERVAL, label), (lambda: None)
+    from tqdm import tqdm
+
+    bar: List[tqdm] = []
+
+    def update(done: int, total: int) -> None:
+        if not bar:
+            bar.append(
+                tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating", file=stream)
+            )
+        bar[0].update(done - bar[0].n)
+
+    return update, (lambda: bar[0].close() if bar else None)

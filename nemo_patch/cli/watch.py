@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, TextIO, Tuple
 
+from nemo_patch.cli.progress import human_size
 from nemo_patch.engine.errors import ConsolidationError, UnfinishedCheckpointError, UnsupportedFormatError
 from nemo_patch.runs.run_checkpoints import (
     MEGATRON_LAYOUT,
@@ -816,15 +817,6 @@ class Watcher:
         self.tally.exit_code = error.exit_code
 
 
-def human_size(size: float) -> str:
-    """Bytes in decimal units for messages: ``"305.2 KB"``, ``"12 B"``."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
-        size /= 1000
-    return f"{size:.1f} GB"
-
-
 # -- the command line -------------------------------------------------------------------------------------------------
 
 #: Options (argparse's names) of a one-checkpoint run that mean nothing to the watcher.
@@ -884,44 +876,20 @@ def check_watch_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     return None  # not reached: parser.error exits
 
 
-def _consolidator(args: argparse.Namespace) -> Consolidate:
-    """The function that writes one checkpoint's output with the command line's output options."""
-    import torch
-
-    from nemo_patch.engine.output_layout import DTYPE_NAMES
-
-    options: Dict[str, Any] = dict(
-        dtype=None if args.dtype is None else getattr(torch, DTYPE_NAMES[args.dtype]), overwrite=True,
-        verify=args.verify,
-    )  # fmt: skip
-    if args.max_shard_size is not None:
-        options["max_shard_size"] = args.max_shard_size
+def _consolidator(args: argparse.Namespace, write_output: Callable[..., Any]) -> Consolidate:
+    """The function that writes one checkpoint's output with ``write_output``
+    (:func:`nemo_patch.cli.nemo_consolidate.write_output`: the command line's output options)."""
+    from nemo_patch.cli.progress import progress_bar
 
     def consolidate(
         checkpoint: RunCheckpoint, output: Path, staging: Path, before_publish: Callable[[], None]
     ) -> "tuple[int, int]":
-        common: Dict[str, Any] = dict(
-            global_step=checkpoint.global_step, staging_dir=staging, before_publish=before_publish
-        )
-        if not args.quiet and not sys.stderr.isatty():  # a job log: a progress line every --progress-interval
-            from nemo_patch.cli.progress import DEFAULT_INTERVAL, LogProgress
-
-            interval = args.progress_interval or DEFAULT_INTERVAL
-            common["progress"] = LogProgress(sys.stderr, human_size, interval, checkpoint.path.name)
-        if args.format == "hf":
-            from nemo_patch.export.context_trust import check_context_trusted
-            from nemo_patch.export.hf import export_hf_checkpoint
-
-            check_context_trusted(checkpoint.path / "context", args.trust_context)
-            result = export_hf_checkpoint(
-                checkpoint.path, output, trust_context=args.trust_context, **options, **common
-            )
-        else:
-            from nemo_patch.engine.consolidate import consolidate_checkpoint
-            from nemo_patch.engine.parts import default_workers
-
-            workers = args.workers or default_workers()
-            result = consolidate_checkpoint(checkpoint.path, output, workers=workers, **options, **common)
+        log = not args.quiet and not sys.stderr.isatty()  # a job log: a progress line every --progress-interval
+        progress, _ = progress_bar(log, sys.stderr, args.progress_interval, checkpoint.path.name)
+        result = write_output(
+            args, checkpoint.path, output, overwrite=True, global_step=checkpoint.global_step, staging_dir=staging,
+            before_publish=before_publish, progress=progress,
+        )  # fmt: skip
         return result.tensor_count, result.total_bytes
 
     return consolidate
@@ -941,7 +909,7 @@ def _post_command(args: argparse.Namespace) -> Optional[Callable[[RunCheckpoint,
     return run
 
 
-def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy) -> int:
+def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy, write_output: Callable[..., Any]) -> int:
     """``nemo-consolidate --watch``: returns the exit code (docs/sidecar.md)."""
     from nemo_patch.engine.output_target import refuse_remote
     from nemo_patch.runs.checkpoint_root import checkpoint_root
@@ -952,7 +920,7 @@ def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy) -> int:
         watcher = Watcher(
             root=Path(os.path.abspath(checkpoint_root(args.path) if Path(args.path).is_dir() else args.path)),
             policy=policy,
-            consolidate=_consolidator(args),
+            consolidate=_consolidator(args, write_output),
             output_name="hf" if args.format == "hf" else "consolidated",
             until_idle=args.until_idle,
             poll_interval=10.0 if args.poll_interval is None else args.poll_interval,
