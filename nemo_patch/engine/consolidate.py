@@ -15,20 +15,11 @@
 """A consolidation with what the engine adds to the converter: integrity, parallel writers, adapters, zarr.
 
 :func:`consolidate_checkpoint` runs the converter's :class:`~.converter.Consolidation` with the steps of a
-:class:`ConsolidationSteps`:
-
-* ``metadata.json`` beside the weights (layout version ``FORMAT_VERSION``): global step, source, tensor count, bytes,
-  dtype, vocabulary sizes and per-tensor digests (:mod:`.digests`), which every writer computes for
-  what it writes; optionally every tensor re-read and compared with the checkpoint before publishing (``verify``);
-* several writer processes on this node (:mod:`.parts`) or on several nodes (``parts_runner``:
-  a runner of several nodes) fill the laid-out files at once; the bytes do not depend on how many. One writer
-  writes each file front to back;
-* a PEFT adapter checkpoint gives ``adapter_model.safetensors`` (``"kind": "adapter"``, with the ``base_checkpoint``
-  NeMo recorded and the PEFT settings), or with ``merge_adapters`` the base model with the adapters merged
-  (:mod:`.adapter_merge`); a ``zarr`` checkpoint is read by :mod:`.zarr_reader`;
-* publishing with a lock on the temporary directory, an atomic exchange with a previous output, and the removal of
-  what killed consolidations left (:mod:`.publish`); outputs that would overwrite the checkpoint are
-  refused first (:mod:`.output_target`).
+:class:`ConsolidationSteps`: ``metadata.json`` with per-tensor digests (:mod:`.digests`) and an optional
+verification before publishing; several writer processes (:mod:`.parts`) or nodes (``parts_runner``), with the same
+bytes whatever their number; PEFT adapters, alone or merged (:mod:`.adapter_merge`); ``zarr`` checkpoints
+(:mod:`.zarr_reader`); publishing with a lock and an atomic exchange (:mod:`.publish`), after refusing an output
+that would overwrite the checkpoint (:mod:`.output_target`).
 """
 
 import contextlib
@@ -181,8 +172,8 @@ def read_state_dict(
 
 #: Called during a consolidation with ``(bytes done, bytes in all)`` of tensor data, after each tensor.
 ProgressCallback = Callable[[int, int], None]
-#: Runs a consolidation's part jobs (given this process's sources of it) and returns their results in order
-#: (:data:`.parts.PartsRunner`).
+#: Runs a consolidation's :class:`.parts.PartJob` list (given this process's sources of it) and returns their
+#: :class:`.parts.PartResult` in order; it raises when a part fails or does not report in time.
 PartsRunner = Callable[[List[Any], Sources], List[Any]]
 
 
@@ -381,11 +372,9 @@ def consolidate_checkpoint(
 ) -> ConsolidationResult:
     """Consolidate a finished NeMo 2 ``torch_dist`` or ``zarr`` checkpoint into ``consolidated/`` safetensors.
 
-    Reads only files: no process group is needed or used. Unpickles nothing but the DCP ``.metadata`` file, with an
-    allowlist of metadata types (:func:`.metadata_checks.read_dcp_metadata`; megatron-core is not
-    imported); stored tensors are read with ``torch.load(weights_only=True)``; ``_extra_state`` payloads and
-    ``common.pt`` are never loaded. Temporary output left in the checkpoint directory by a consolidation process that
-    was killed is removed first (:func:`.publish.remove_stale_tmp_dirs`).
+    Reads only files (no process group). Unpickles nothing but the DCP ``.metadata`` file, with an allowlist
+    (:func:`.metadata_checks.read_dcp_metadata`); stored tensors are read with ``torch.load(weights_only=True)``;
+    ``_extra_state`` payloads and ``common.pt`` are never loaded.
 
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``) or its ``weights/`` directory; ``torch_dist`` or
@@ -397,27 +386,23 @@ def consolidate_checkpoint(
         dtype: cast floating-point tensors to this dtype (``None`` keeps the stored dtypes); a cast that would turn a
             finite value into ``inf`` (e.g. above 65504 in ``torch.float16``) raises
             :class:`~.errors.DtypeOverflowError`.
-        overwrite: replace an existing output atomically (the strategy's behaviour); if ``False`` an existing output
-            raises :class:`OutputExistsError` before any work. Only a previous output or an empty directory is ever
-            replaced, and ``output_dir`` may not be the checkpoint, a directory above it, or in its ``weights/`` or
-            ``context/`` (:func:`.output_target.check_output_target`).
+        overwrite: replace an existing output atomically; if ``False`` an existing output raises
+            :class:`OutputExistsError` before any work (:func:`.output_target.check_output_target` says what may be
+            replaced, and where an output may not go).
         verify: re-read the written files and compare every tensor with the checkpoint before publishing
             (:func:`.verify.verify_consolidated`).
         allow_unfinished: consolidate even if NeMo's unfinished marker is present (the CLI's explicit override).
         progress: called with ``(bytes done, bytes in all)`` after each tensor is read.
         expected_shapes: with ``verify``, the names and shapes the output must have besides (e.g. the model in the
-            checkpoint's context), checked before
-            publishing (:func:`.verify.verify_names_and_shapes`).
+            checkpoint's context; :func:`.verify.verify_names_and_shapes`).
         merge_adapters: for a LoRA adapter checkpoint, write the base model with the adapters merged
-            (``model.safetensors``, :mod:`.adapter_merge`) instead of ``adapter_model.safetensors``;
-            no effect on a model checkpoint.
+            (``model.safetensors``) instead of ``adapter_model.safetensors``; no effect on a model checkpoint.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
         best: recorded as ``"best"`` in ``metadata.json`` when the checkpoint was consolidated as the best by a
             monitored metric: ``{"monitor": name, "value": float, "mode": "min" | "max"}`` (NeMo's
             ``ModelCheckpoint``'s).
         run: recorded as ``"run"`` in ``metadata.json``: the training run the checkpoint belongs to.
-        workers: writer processes on this node (>= 1; :func:`.parts.default_workers` is the CLI's
-            default). The output is the same, byte for byte, whatever the number.
+        workers: writer processes on this node (>= 1); the output is the same, byte for byte, whatever the number.
         parts: how many parts the tensors are cut into (default: ``workers``); with ``parts_runner``.
         parts_runner: runs the parts instead of ``workers`` processes on this node (several nodes).
         staging_dir: where the output is written before it is renamed into place (on the output's filesystem;
@@ -429,13 +414,10 @@ def consolidate_checkpoint(
         A :class:`ConsolidationResult`.
 
     Raises:
-        ConsolidationError: or one of its subclasses in :mod:`.errors` naming the cause: not
-            a checkpoint, unfinished, unsupported format (``fsdp_dtensor``, a ``zarr`` array it cannot read safely),
-            a URL as the checkpoint or the output (:class:`~.output_target.RemoteStorageError`), output exists, a
-            shard file that cannot be read or metadata that leaves a layer out
-            (:class:`CorruptShardError`, naming the file or the layer), a ``dtype`` too narrow for the values
-            (:class:`DtypeOverflowError`), a verification mismatch, or an output that cannot be written. Nothing is
-            left under ``output_dir``'s name or in a temporary directory.
+        ConsolidationError: or one of its subclasses in :mod:`.errors` naming the cause (not a checkpoint,
+            unfinished, unsupported format, a URL, output exists, a shard file that cannot be read or metadata that
+            leaves a layer out, a ``dtype`` too narrow for the values, a verification mismatch, an output that cannot
+            be written). Nothing is left under ``output_dir``'s name or in a temporary directory.
         ValueError: if ``max_shard_size`` < 1, ``workers`` < 1 or ``dtype`` is not a floating-point dtype.
     """
     steps = ConsolidationSteps(

@@ -14,40 +14,21 @@
 
 """The integrity data ``metadata.json`` records for a consolidated output, and its check.
 
-A whole-file digest (what ``metadata.json`` recorded up to format version 1: a sha256) is one sequential pass over
-every byte of a file: with several writers filling one file it would have to wait for all of them and then read the
-file again, serialising the work it is meant to check. Instead each writer hashes the tensors it writes, while their
-bytes are in its cache, and ``metadata.json`` records, per safetensors file (format version 2)::
+A whole-file digest would serialise the writers that fill one file; instead each writer hashes the tensors it writes,
+while their bytes are in its cache, and ``metadata.json`` records, per safetensors file (format version 2)::
 
     "model-00001-of-00002.safetensors": {
         "size": 4999, "header_blake3": "<BLAKE3 of the first 8 + N bytes>",
         "tensors_blake3": {"<name>": "<BLAKE3 of its data bytes>", ...},
         "blake3_tree": "<BLAKE3 of the header's digest, then each tensor's digest, 32 raw bytes each, in file order>"}
 
-and ``{"size", "blake3"}`` for a JSON file (the index). Together these cover every byte of every file exactly once,
-so they detect what a whole-file digest detects (a hash over hashes is as collision-resistant as the hash), and they
-say which tensor changed. They are the same whatever the number of writers, and ``blake3_tree`` identifies a file
-as a whole. :func:`verify_digests` checks an output against them; verifying runs it besides comparing every
-tensor with the checkpoint bitwise (:func:`.verify.verify_consolidated`), which is what makes it as
-strong as before.
-
-Why BLAKE3 (the ``blake3`` package, its authors' Python binding) and not sha256: it is a cryptographic hash with the
-same 256-bit output and 128-bit collision resistance, and it hashes about 4.9 GB/s on one core against sha256's
-1.8 GB/s with the CPU's SHA extensions (AMD EPYC, 256 MiB buffer); with sha256, hashing took 29% of a writer's busy
-seconds. Every digest is 64 lowercase hex characters, the value ``b3sum`` gives for the same bytes.
-
-``blake3`` is optional: where it is not installed, outputs record sha256 digests (``hashlib``) under the same keys with
-``sha256`` in place of ``blake3`` (``header_sha256``, ``tensors_sha256``, ``sha256_tree``, ``sha256``), and
-:func:`verify_digests` checks whichever of the two an output records (:func:`digest_algorithm` names the one new
-outputs get).
-
-:func:`verify_digests` also checks that every weights file of the output (the single file, or the index and the
-shards it names, read through :func:`.output_files.output_weight_map`) is among the files
-``metadata.json`` records, so that nothing a loader reads goes unchecked.
+and ``{"size", "blake3"}`` for a JSON file (the index). Together these cover every byte of every file exactly once
+and say which tensor changed, whatever the number of writers. BLAKE3 hashes about 4.9 GB/s on one core against
+sha256's 1.8 GB/s (digests are what ``b3sum`` gives); where the ``blake3`` package is not installed, outputs record
+sha256 under the same keys with ``sha256`` in place of ``blake3``, and :func:`verify_digests` checks either.
 
 Imports the standard library, ``blake3`` (optional), and the engine's errors, output layout, output files and
-safetensors file
-layout only.
+safetensors file layout only.
 """
 
 import hashlib
@@ -163,10 +144,8 @@ def _blake3_of(handle: Any, offset: int, size: int, algorithm: str = "blake3") -
 
 
 def verify_digests(output_dir: Union[str, Path]) -> int:
-    """Check every file ``metadata.json`` lists against its recorded size and digests.
-
-    Each file is opened as a regular file without blocking (a FIFO or a device is refused) and read in blocks of
-    1 MiB, so the check's memory is one block whatever sizes the files have or ``metadata.json`` claims.
+    """Check every file ``metadata.json`` lists against its recorded size and digests, and that every weights file of
+    the output is among them. Files are opened as regular files (never a FIFO) and read in blocks of 1 MiB.
 
     Args:
         output_dir: a consolidated output directory (``safetensors`` format, format version 2).
@@ -266,10 +245,8 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
 
 
 def source_fingerprint(weights_dir: Union[str, Path]) -> Dict[str, Any]:
-    """Which save of a checkpoint an output was made from: the name, size and sha256 of the file the checkpoint's
-    format writes last (DCP's ``.metadata``; ``metadata.json`` for ``zarr``), recorded in the output's
-    ``metadata.json`` as ``"source_metadata"``. A checkpoint saved again under the same name has another one (DCP
-    records a new ``save_id`` at each save).
+    """The name, size and sha256 of the file the checkpoint's format writes last (DCP's ``.metadata``;
+    ``metadata.json`` for ``zarr``), recorded in the output's ``metadata.json`` as ``"source_metadata"``.
 
     Raises:
         CorruptShardError: the file cannot be read, or is not a regular file of at most 1 GiB.

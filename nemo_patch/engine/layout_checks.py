@@ -15,25 +15,13 @@
 
 """Prove, from a ``torch_dist`` checkpoint's metadata and file sizes alone, that reading it fills every output byte.
 
-Before any tensor is read or any output is allocated, :func:`check_dcp_layout` checks every model tensor entry
-(``module.*``) of the DCP metadata:
-
-* **dtype**: one a safetensors file can hold (:data:`SAFETENSORS_DTYPES`);
-* **tiling**: each chunk lies inside the tensor's declared size, no two chunks overlap, and no chunk repeats, proved
-  in O(n log n) steps for n chunks (:func:`check_chunk_tiling`); the coverage of each output tensor is then counted
-  exactly by :mod:`.plan` (a hole fails there, naming the tensor). With overlapping or out-of-bounds chunks, adding
-  up volumes would hide a hole, and the output would hold whatever memory the hole had;
-* **storage**: each chunk has its storage record (``storage_data[MetadataIndex(key, offsets)]``), and each stored
-  record of the key has its chunk (a chunk taken out of the metadata would otherwise silently drop a layer: a layer no
-  chunk covers has no output, as for the layers of another kind in a heterogeneous or MoE model); the record names a
-  plain file of ``weights/`` (one path component, no ``..``, not absolute), which resolves inside ``weights/``
-  (symlinks followed) and is a regular file; the record lies inside that file, holds at least the chunk's bytes
-  (``torch.save`` stores tensor data uncompressed), shares no byte with another record (files compared by device and
-  inode: a symbolic or hard link is the same file), and carries no storage transform (compression: megatron-core
-  never writes it, and its output size could not be bounded). So the bytes a plan allocates are bounded by the bytes
-  the checkpoint holds (a record's members must be uncompressed too: :mod:`.dcp_reader`).
-
-What each stored record actually holds (its dtype and shape) is checked when it is read
+Before any tensor is read or any output is allocated, :func:`check_dcp_layout` checks every model tensor entry of the
+DCP metadata: a dtype a safetensors file can hold; chunks inside the tensor that do not overlap, proved in
+O(n log n) steps (:func:`check_chunk_tiling`; :mod:`.plan` then counts each output's coverage exactly, so a hole
+fails there); and a storage record per chunk and a chunk per record (a chunk taken out of the metadata would
+silently drop a layer), each record in a plain, regular file of ``weights/``, inside it, holding at least the chunk's
+bytes, sharing no byte with another record and carrying no storage transform. So the bytes a plan allocates are
+bounded by the bytes the checkpoint holds. What a record holds (dtype, shape) is checked when it is read
 (:class:`.dcp_reader.DCPRegionReader`).
 
 Imports the standard library, torch and the engine's errors and safe file access only; never NeMo, Lightning or
@@ -131,14 +119,11 @@ def check_chunk_tiling(key: str, size: Sequence[int], chunks: Sequence[ChunkStor
     """Check that ``chunks`` lie inside a tensor of ``size`` and that no two of them overlap.
 
     Chunks of no element overlap nothing (two at one offset still share a storage record, and are refused). The others
-    are cut apart along any dimension in which a straight cut between them crosses no chunk (the grid that tensor,
-    pipeline and expert parallelism make is cut apart this way, dimension by dimension), and the cut groups are
-    checked each on its own; only chunks no such cut separates are compared pair by pair, along the dimension with
-    the most distinct offsets. The steps are counted, and a layout that would take more than about
-    ``8 * n * log2(n) * dims`` of them for ``n`` chunks (plus :data:`_SPARE_STEPS`, a few milliseconds, so that small
-    layouts of any shape are proved) is refused, so the proof takes O(n log n) time whatever the
-    metadata says (a staircase of chunks, each meeting all the others along one dimension, used to take quadratic
-    time).
+    are cut apart along any dimension in which a straight cut crosses no chunk (the grid that tensor, pipeline and
+    expert parallelism make), and the groups checked each on its own; only chunks no cut separates are compared pair
+    by pair, along the dimension with the most distinct offsets. A layout that would take more than about
+    ``8 * n * log2(n) * dims`` steps for ``n`` chunks (plus :data:`_SPARE_STEPS`) is refused, so the proof takes
+    O(n log n) time whatever the metadata says.
 
     Args:
         key: the tensor's key (for messages).
@@ -240,9 +225,7 @@ def shard_file(weights_dir: Path, name: str) -> Tuple[Path, os.stat_result]:
 def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str]) -> Dict[str, Tuple[Path, int]]:
     """Check the dtype, the tiling and the storage of every chunk of ``keys`` (see the module docstring).
 
-    Records are compared by the identity of their files (device and inode, after every symbolic link is resolved),
-    not by the names the metadata gives them: a symbolic or hard link in ``weights/`` is the same file, and two
-    records in it may not share a byte either.
+    Records are compared by the identity of their files (device and inode, links resolved), not by their names.
 
     Args:
         weights_dir: the DCP directory.

@@ -14,21 +14,11 @@
 
 """Find and read the weights files of a consolidated output: one file, or shards through their index.
 
-An output holds its weights as ``<stem>.safetensors`` or, when they exceed the shard size, as
-``<stem>-0000i-of-0000N.safetensors`` shards plus ``<stem>.safetensors.index.json`` (Hugging Face's layout,
-``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}``; see
-:mod:`.output_layout`). Every reader of outputs goes through :func:`output_weight_map`, which checks
-the index against the files before anything is read:
-
-* every file the index names is a plain file name (no ``/`` or ``\\``, not ``.`` or ``..``, so never a path outside
-  the output directory) of a file that exists;
-* every tensor name appears once in the index (a JSON object with a repeated tensor name is refused) and in exactly
-  the one file the index maps it to: a file holding a tensor the index does not map to it, or lacking one it does,
-  is an error naming the tensor and both files.
-
-Weights files are opened with ``safetensors``' ``safe_open`` (only headers are read for the checks); the index is read
-as a regular file of bounded size (:func:`.safe_files.read_regular_file`). A shard may be a symlink
-(as in a Hugging Face cache): only the name the index gives it must be plain.
+An output holds its weights as ``<stem>.safetensors`` or as shards plus ``<stem>.safetensors.index.json``
+(:mod:`.output_layout`). Every reader of outputs goes through :func:`output_weight_map`, which checks the index
+against the files' headers before anything is read: every file it names is a plain file name of a file that exists
+(a shard may be a symlink, as in a Hugging Face cache), and every tensor appears once in the index and in exactly
+the file the index maps it to. The index is read as a regular file of bounded size.
 
 Imports the standard library, torch, safetensors and the engine's output layout and safe files only; never NeMo,
 Lightning or megatron-core.

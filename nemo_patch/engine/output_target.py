@@ -14,23 +14,12 @@
 
 """Where a consolidation may publish its output, and what an overwrite may replace: nothing of the user's is lost.
 
-An output directory is published by renaming a complete temporary directory over its name
-(:mod:`.publish`); with ``overwrite`` (a command line's ``--force``, consolidations during training) whatever
-is under that name goes. :func:`check_output_target` says, before anything is read or written, whether that is safe:
-
-* Where: never the checkpoint directory itself, its root (the directory holding the checkpoints) or any directory
-  above it, nor ``weights/`` or ``context/`` of the checkpoint or anything inside them. Paths are compared resolved
-  (symbolic links followed), so an alias of the checkpoint (``LATEST``, a link of the user's) is refused too.
-  ``<ckpt>/consolidated`` and ``<ckpt>/hf`` (the defaults) and any other path inside the checkpoint are allowed.
-* What: an existing entry under the output name is replaced only when it is a previous output of this package (a
-  directory whose ``metadata.json`` records a ``format_version``, as both the ``safetensors`` format and the Hugging
-  Face export write it, and which holds no ``weights/``) or an empty directory. A file, a symbolic link, or a
-  directory holding anything else is refused, naming what is there.
-
-Both refusals raise :class:`.errors.OutputExistsError` (exit code 7). A URL (``s3://``, ``msc://``, ``gs://``,
-``https://``, any ``scheme://``) given as the checkpoint or the output is refused first (:func:`refuse_remote`,
-:class:`RemoteStorageError`): ``pathlib`` would read ``s3://bucket/out`` as the local directory ``s3:/bucket/out``,
-and write the output there.
+Publishing renames a complete temporary directory over the output's name (:mod:`.publish`), so with ``overwrite``
+whatever is there goes. :func:`check_output_target` says first whether that is safe: the output may not be the
+checkpoint, a directory above it, or on or inside its ``weights/`` or ``context/`` (paths resolved, so an alias such
+as ``LATEST`` is refused too); and an existing entry is replaced only when it is a previous output of this package
+or an empty directory. A URL as the checkpoint or the output is refused first (:func:`refuse_remote`): ``pathlib``
+would read ``s3://bucket/out`` as the local directory ``s3:/bucket/out``.
 
 Imports the standard library and the engine's checkpoint layout and errors only (no torch), so the CLI checks its
 ``--out`` before importing torch.

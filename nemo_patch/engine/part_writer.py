@@ -14,17 +14,12 @@
 
 """Fill byte ranges of laid-out safetensors files: the unit of work that writers share.
 
-The output files' layout (:class:`.safetensors_writer.OutputFile`, from :func:`.plan.plan_shards`) fixes every output
-tensor's file and byte range before any data is read, and :func:`create_files` creates the files at their final size.
-:func:`split_parts` cuts the tensors, in file order, into contiguous runs of about equal bytes (a *part*, a list of
-:class:`Placement`); :func:`write_part` fills one part's ranges with ``os.pwrite`` from any process or node that sees
-the files, hashes each tensor's bytes (BLAKE3, :mod:`.digests`) as it writes them, starts making
-them durable while the next tensors are produced, and fsyncs what it wrote. Parts are disjoint, so their writers need
-no locks, and the bytes of a file do not depend on how many parts filled it.
-
-A filesystem that refuses writes at offsets or reopening a file (write-once volumes: Databricks volumes, some FUSE
-mounts) fails here with :class:`OffsetWritesRefusedError`, which says what works there: one writer, which writes each
-file front to back (:func:`.safetensors_writer.write_file`), or a local output directory.
+The output files' layout (:class:`.safetensors_writer.OutputFile`) fixes every tensor's file and byte range before any
+data is read; :func:`create_files` creates the files at their final size, :func:`split_parts` cuts the tensors into
+contiguous runs of about equal bytes (*parts*), and :func:`write_part` fills one part's ranges with ``os.pwrite`` from
+any process or node that sees the files, hashing each tensor as it writes it. Parts are disjoint: their writers need
+no locks, and the bytes do not depend on how many parts filled a file. A filesystem that refuses writes at offsets
+(write-once volumes) fails with :class:`OffsetWritesRefusedError`, which says what works there.
 
 Imports the standard library, torch and the engine's digests, errors, layout and stage times only; never NeMo,
 Lightning or megatron-core.
@@ -44,16 +39,13 @@ import torch
 
 from nemo_patch.engine.digests import new_digest
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.safetensors_writer import OutputFile, TensorSpec
+from nemo_patch.engine.safetensors_writer import WRITE_BLOCK, WRITEBACK_BYTES, OutputFile, TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 
 __all__ = ["OffsetWritesRefusedError", "Placement", "create_files", "placements_of", "split_parts", "write_part"]
 
-#: Bytes per ``pwrite`` call. One call per tensor (tens to hundreds of MB) made a whole consolidation about 20% slower
-#: than cache-sized pieces (in-process A/B on a 2.55 GB checkpoint, 2 cores).
-_WRITE_BLOCK = 1 << 18
-#: Bytes written to a file after which its writeback is started (:class:`_Writeback`).
-_WRITEBACK_BYTES = 64 << 20
+#: Bytes per ``pwrite`` call, and bytes written to a file between two writebacks: :mod:`.safetensors_writer`'s.
+_WRITE_BLOCK, _WRITEBACK_BYTES = WRITE_BLOCK, WRITEBACK_BYTES
 #: What a filesystem that cannot write at offsets answers ``ftruncate``, ``pwrite`` or reopening a file with.
 _REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ESPIPE, errno.EINVAL, errno.EPERM)
 
@@ -148,8 +140,7 @@ def split_parts(files: Sequence[OutputFile], count: int) -> List[List[Placement]
 
 def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> str:
     """Write ``data`` at ``offset`` of ``fd`` in blocks of :data:`_WRITE_BLOCK`, each hashed just before it is written
-    (so the write copies it from the CPU's cache: the tensor's memory is read once for both); return its digest
-    (BLAKE3 where installed, else sha256)."""
+    (from the CPU's cache); return its digest (BLAKE3 where installed, else sha256)."""
     digest = new_digest()
     hashing = writing = 0.0
     with _offsets_refused(path, "writing at an offset (pwrite)"):
@@ -173,14 +164,9 @@ def _fdatasync(fd: int) -> None:
 
 
 class _Writeback:
-    """Makes written bytes durable in the background, so that the final fsync finds little left to do.
-
-    Once :data:`_WRITEBACK_BYTES` more bytes of a file were written, an ``fdatasync`` of it runs in a thread of its
-    own while the next tensors are read and written: the device's time overlaps the CPU's instead of following it
-    (one writer of the 2.55 GB benchmark checkpoint: the final fsync took 0.7 s of its 3 s wall time). Coalescing by
-    bytes keeps the number of ``fdatasync`` calls small when tensors are many and small (LoRA adapters, MoE experts),
-    which matters on filesystems where each call is a round trip to a server.
-    """
+    """Makes written bytes durable in the background, so that the final fsync finds little left to do: once
+    :data:`_WRITEBACK_BYTES` more bytes of a file were written (few calls for many small tensors), an ``fdatasync``
+    of it runs in a thread of its own while the next tensors are read and written."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="part-writeback")
@@ -217,14 +203,11 @@ def write_part(
 ) -> Dict[str, str]:
     """Fill ``part``'s byte ranges of the files in ``directory``, asking ``produce`` for each tensor in turn.
 
-    While one tensor's bytes are hashed and written (in one thread, block by block: :func:`_pwrite_all`; both
-    release the GIL), the next one is produced; at most two tensors are alive at a time. Written bytes are made
-    durable in the background as the part goes on (:class:`_Writeback`), and every file written to is fsynced before
-    returning.
+    While one tensor's bytes are hashed and written (:func:`_pwrite_all`), the next one is produced: at most two
+    tensors are alive at a time. Every file written to is fsynced before returning.
 
     Args:
-        directory: where the files are (created at full size by
-            :func:`create_files`).
+        directory: where the files are (created at full size by :func:`create_files`).
         part: the placements to fill (:func:`split_parts`).
         specs: tensor name -> spec (dtype and shape) for every placement.
         produce: returns the tensor for a spec.

@@ -14,20 +14,11 @@
 
 """One consolidation written by several processes: part jobs, and a pool of writer processes on this node.
 
-A consolidation's output files are laid out and created first (:mod:`.safetensors_writer`), then
-their tensors are cut into parts (:func:`.part_writer.split_parts`). A :class:`PartJob` is all a
-process needs to fill one part: the checkpoint, the temporary output directory and the part's placements, plus the
-options that change what is read (dtype, merged adapters). It is plain JSON (:meth:`PartJob.to_json`), so it can be
-handed to a process on this node (:func:`run_parts`) or to another node over a ``torch.distributed`` group
-(a runner the caller gives).
-Whoever runs it re-plans the outputs from the checkpoint's metadata and checks that the placements agree.
-
-Writer processes on this node are forked from the consolidating process when it can be forked safely (Linux; no CUDA,
-``torch.distributed`` group, NeMo or megatron-core in it, as in a training run's consolidation process or a plain
-command-line consolidation): they start in milliseconds, with torch imported and the checkpoint's metadata read.
-Otherwise they come from a ``forkserver`` (one fresh interpreter that imports this module once), or are spawned.
-Each runs one part with one torch thread; a failure in any part stops the others and fails the whole consolidation
-with the part's own error.
+A :class:`PartJob` is all a process needs to fill one part (:func:`.part_writer.split_parts`) of the created output
+files: plain JSON, handed to a writer process on this node (:func:`run_parts`) or to another node by a runner the
+caller gives; whoever runs it re-plans the outputs from the checkpoint and checks that the placements agree. Writers
+are forked where that is safe (:func:`_fork_is_safe`), else come from a ``forkserver`` or are spawned; each runs one
+part with one torch thread, and a failure in any part stops the others with the part's own error.
 
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
 """
@@ -55,7 +46,6 @@ from nemo_patch.engine.tensor_sources import Sources, open_sources
 
 __all__ = [
     "MAX_WORKERS",
-    "PartsRunner",
     "write_parts",
     "PartJob",
     "PartResult",
@@ -64,7 +54,6 @@ __all__ = [
     "run_part",
     "run_parts",
     "split_shares",
-    "validate_workers",
 ]
 
 #: Most writer processes per node by default: beyond about 8, one node's storage bandwidth, not CPU, is the limit.
@@ -91,17 +80,6 @@ def split_shares(jobs: Sequence["PartJob"], count: int) -> List[List["PartJob"]]
         raise ValueError(f"{len(jobs)} parts cannot be split into {count} equal shares")
     per_share = len(jobs) // count
     return [list(jobs[rank * per_share : (rank + 1) * per_share]) for rank in range(count)]
-
-
-def validate_workers(value: object, name: str = "workers") -> int:
-    """Return ``value`` if it is an ``int`` >= 1 (not ``bool``).
-
-    Raises:
-        ValueError: anything else; the message names ``name`` and the accepted values.
-    """
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    raise ValueError(f"Invalid {name} {value!r}: expected a whole number of writer processes >= 1.")
 
 
 @dataclass(frozen=True)
@@ -180,11 +158,8 @@ def open_job_sources(job: PartJob) -> Sources:
 def run_part(
     job: PartJob, sources: Optional[Sources] = None, progress: Callable[[int], None] = lambda nbytes: None
 ) -> PartResult:
-    """Fill one part in this process, with one torch thread (the previous number is restored after).
-
-    A writer's work is memory copies, which torch's intra-op threads only slow down: besides the writer's own read,
-    write, hash and writeback threads they spin for work and compete for the same cores (one writer of the 2.55 GB
-    benchmark checkpoint on 2 cores: 2.0 user CPU-seconds with torch's 2 threads, 1.2 with one, and 10% less wall).
+    """Fill one part in this process, with one torch thread (a writer's work is memory copies, which torch's intra-op
+    threads only slow down: 2.0 CPU-seconds against 1.2 for one writer of the 2.55 GB benchmark checkpoint).
 
     Args:
         job: the part.
@@ -357,12 +332,6 @@ def run_parts(
                 process.kill()
             process.join()
             receive.close()
-
-
-#: Runs a consolidation's part jobs (given this process's sources of it) and returns their results in order; the
-#: default is :func:`run_parts` on this node. A runner that spreads the parts over nodes must raise when any part fails
-#: or does not report in time.
-PartsRunner = Callable[[List[PartJob], Sources], List[PartResult]]
 
 
 def write_parts(

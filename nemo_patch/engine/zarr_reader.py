@@ -14,31 +14,17 @@
 
 """Read tensors, or layers of them, from a megatron-core ``zarr`` distributed checkpoint, checking every chunk file.
 
-megatron-core's ``zarr`` save strategy (deprecated by megatron-core, still written by NeMo's
-``save_ckpt_format='zarr'``) writes one Zarr v2 array per tensor into the checkpoint's ``weights/`` directory:
-``<key>/.zarray`` (JSON: ``shape``, ``chunks`` = the TP/PP shard's shape, ``dtype``, ``compressor: null``,
-``order: "C"``) and one file per chunk, ``<key>/<i>.<j>...``, holding that chunk's raw bytes in C order. bf16 is stored
-as dtype ``"bfloat16"`` (numpy's bfloat16 from ``ml_dtypes``). ``common.pt``, ``metadata.json`` and objects that
-are not tensors (``_extra_state``) are not arrays and are never read.
+megatron-core's ``zarr`` save strategy (NeMo's ``save_ckpt_format='zarr'``) writes one Zarr v2 array per tensor into
+``weights/``: ``<key>/.zarray`` (JSON: ``shape``, ``chunks``, ``dtype``, no compressor, C order) and one file of raw
+bytes per chunk, ``<key>/<i>.<j>...``. Zarr stores no checksum, so what is checked is the layout: a ``.zarray`` must
+describe what this reader understands (else :class:`~.errors.UnsupportedFormatError` names the key and the field), and
+every chunk file a read needs must exist with exactly its size (else :class:`~.errors.CorruptShardError` names it;
+zarr itself would return the fill value for a missing chunk). Chunk files that are hard links to one file are
+refused, and every path component under ``weights/`` is opened without following a symbolic link (``O_NOFOLLOW``
+per component, through ``dir_fd``); a chunk is read with ``pread`` from the descriptor so opened.
 
-What is checked, since Zarr stores no checksum: before a tensor is read, its ``.zarray`` must describe what this reader
-understands (Zarr format 2, no compressor, no filters, C order, a known little-endian dtype, ``.`` or ``/`` as the
-dimension separator), else :class:`~.errors.UnsupportedFormatError` names the key and the field;
-and every chunk file the read needs must exist with exactly its size in bytes, else
-:class:`~.errors.CorruptShardError` names the file (zarr itself silently returns the fill value for a
-missing chunk, which would be wrong weights that look fine). A flipped bit inside a chunk of the right size cannot be
-detected: the format has nothing to check it against.
-
-Read as strictly as a ``torch_dist`` checkpoint: chunk files that are hard links to one file are refused (1 MiB on
-disk must not become an output of many), and every path component under ``weights/`` (the array's directory, each
-level of a ``/``-separated chunk path, the chunk file) is opened without following a symbolic link (``openat`` with
-``O_NOFOLLOW`` per component, through ``os.open(..., dir_fd=...)``), so nothing outside the checkpoint is read. A chunk
-is read with ``pread`` from the file descriptor so opened (the rows a read needs only: megatron-core's chunks are raw
-bytes in C order, no compressor), never by name again.
-
-:func:`read_zarr_metadata` describes the arrays as ``torch.distributed.checkpoint`` ``Metadata`` (global shape, dtype
-and chunks per key), so output planning is the same for both formats; :class:`ZarrRegionReader` has the interface of
-:class:`.dcp_reader.DCPRegionReader`.
+:func:`read_zarr_metadata` describes the arrays as DCP ``Metadata``, so output planning is the same for both formats;
+:class:`ZarrRegionReader` has the interface of :class:`.dcp_reader.DCPRegionReader`.
 
 Imports the standard library and torch; never ``zarr``, NeMo, Lightning or megatron-core, and nothing outside the
 engine.
