@@ -17,14 +17,8 @@
 A real NeMo 2 run (``llm.train``, ``nl.Trainer``, ``nl.MegatronStrategy(ckpt_consolidation_frequency=...)``, NeMo's
 ``ModelCheckpoint`` and ``NeMoLogger``, ``torch_dist`` checkpoints); only CUDA is stubbed out
 (``nemo_patch.testing.cpu_harness``). Running it again on the same ``--out`` resumes the run. Runs as
-``nemo-patch-demo`` (or ``python -m nemo_patch.demo``) and from a source checkout
-(``scripts/demo_consolidation_cadence.py``); refuses to run when the overlay is not active.
-
-Examples:
-    nemo-patch-demo --frequency every_n:2 --max-steps 10 --save-every 2 --out runs/demo
-    nemo-patch-demo --best --out runs/best          # validation, "best", BEST
-    nemo-patch-demo --hf --out runs/hf              # a tiny Llama, transformers loads it
-    nemo-patch-demo --post-command --out runs/post  # a command after each output
+``nemo-patch-demo`` and ``scripts/demo_consolidation_cadence.py`` (docs/cadences.md); refuses to run when the overlay
+is not active.
 """
 
 import argparse
@@ -216,9 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.evaluate is not None:
         print(json.dumps(evaluate(args.evaluate, args.format)))
         return 0
-    # nemo_patch's INFO lines (a consolidation started, one published) are NeMo's, in NeMo's format: the training
-    # side logs through NeMo's logger (nemo_patch.training.integration.use_nemo_logging).
-    logging.getLogger("nemo_patch").setLevel(logging.INFO)
+    logging.getLogger("nemo_patch").setLevel(logging.INFO)  # a consolidation started, one published (NeMo's format)
 
     reason = overlay_off_reason()
     if reason is not None:

@@ -14,12 +14,10 @@
 
 """The names and shapes a consolidated output must have, from the model a checkpoint's NeMo ``context/`` describes.
 
-NeMo saves the model's class and config in ``<ckpt>/context`` (``io.load_context``). :func:`context_model_shapes`
-builds that model's megatron-core module with TP = PP = EP = CP = 1 on the ``meta`` device (no weights allocated,
-nothing initialised), and maps its ``state_dict`` to consolidated names with
-:func:`nemo_patch.engine.load.canonical_key_map`: exactly what the ``safetensors`` format must hold (the rule in
-docs/outputs.md). megatron-core 0.15 builds modules only with its process groups initialised, so a one-process
-``gloo`` group on an in-memory ``HashStore`` (no port, no network) is made for the build and destroyed after it.
+:func:`context_model_shapes` builds that model with TP = PP = EP = CP = 1 on the ``meta`` device (nothing allocated or
+initialised), inside a one-process ``gloo`` group on an in-memory ``HashStore`` (megatron-core builds modules only with
+its process groups initialised), and names its ``state_dict`` as the ``safetensors`` format does
+(:func:`nemo_patch.engine.load.canonical_key_map`).
 
 Imports torch and the engine at module level; NeMo and megatron-core only inside :func:`context_model_shapes`.
 """

@@ -12,24 +12,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-
 """Decide whether a checkpoint's NeMo ``context/`` may be loaded: what it names must come from NeMo's own world.
 
-NeMo's ``io.load_context`` rebuilds the objects of ``context/io.json`` with fiddle, importing and calling every
-``{"module": M, "name": N}`` the file holds, so a checkpoint from elsewhere could run any importable callable
-(``subprocess.getoutput``, ``torch.utils.collect_env.run``, ...). :func:`check_context_trusted` reads ``io.json`` as
-plain JSON before NeMo sees it and checks every reference against allowlists (a denylist could never be complete):
-the module in :data:`TRUSTED_PACKAGES` and outside :data:`DENIED_MODULES` (or a :data:`TRUSTED_BUILTINS` type), the
-name one attribute and not in :data:`DENIED_NAMES`, and what it resolves to defined (its ``__module__``, so that a
-re-export does not pass) under :data:`TRUSTED_CLASS_MODULES` for a class, :data:`TRUSTED_FUNCTION_MODULES` for
-another callable, or listed in :data:`TRUSTED_OBJECTS` / :data:`TRUSTED_SETTINGS_CLASSES`; the file must not ask for
-``trust_remote_code``. Anything else raises :class:`~nemo_patch.engine.errors.UntrustedContextError` unless the user
-passes ``nemo-consolidate --trust-context``. The training path does not call this: the context it reads is the one
-the run itself just wrote.
-
-:func:`context_loading` also proves every file NeMo would open a directory or a bounded regular file (a FIFO would
-block it for ever; :func:`check_context_files`), refuses hub artifacts (NeMo's ``AutoTokenizer`` would fetch them),
-and keeps the process off the network while NeMo loads the context (:func:`offline`).
+NeMo's ``io.load_context`` imports and calls every ``{"module": M, "name": N}`` of ``context/io.json`` (fiddle), so a
+checkpoint from elsewhere could run any importable callable (``subprocess.getoutput``, ...).
+:func:`check_context_trusted` reads ``io.json`` as plain JSON first and checks every reference against the allowlists
+below (a denylist could never be complete): the module, the name, and where what it resolves to is defined (its
+``__module__``, so that a re-export does not pass); the file must not ask for ``trust_remote_code``.
+:func:`check_context_files` proves every file NeMo would open a directory or a bounded regular file (a FIFO would block
+it for ever) and refuses hub artifacts; :func:`offline` keeps the process off the network while NeMo loads the context.
+Anything else raises :class:`~nemo_patch.export.errors.UntrustedContextError` unless the user passes
+``nemo-consolidate --trust-context`` (docs/security.md). The training path does not call this: the context it reads is
+the one the run itself just wrote.
 
 This is a check of names, not a sandbox: a trusted package's own functions run with the arguments the file gives them.
 Imports the standard library and the engine at module level; the modules a context names only when checking them.

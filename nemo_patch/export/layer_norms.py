@@ -14,14 +14,9 @@
 
 """Layer-norm names: the Transformer Engine spec's fused names, which NeMo's Hugging Face exporters and importers use.
 
-NeMo's Llama exporter maps ``decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight`` and
-``decoder.layers.<i>.mlp.linear_fc1.layer_norm_weight``. A model built with megatron-core's local (non-TE) spec, as on
-CPU, holds ``input_layernorm.weight`` and ``pre_mlp_layernorm.weight`` in its ``state_dict`` but saves them in the
-distributed checkpoint under the TE names (its ``sharded_state_dict_keys_map``), so consolidated names are the TE names
-for both specs; :func:`te_layer_norm_names` also renames local names that reach it (from a layer without that keys
-map). Used by :mod:`nemo_patch.export.hf` (the export) and :mod:`nemo_patch.export.hf_verify` (its check).
-
-Imports torch and the engine's plan only.
+A model of megatron-core's local (non-TE) spec saves its layer norms under the TE names too (its
+``sharded_state_dict_keys_map``), so consolidated names are the TE names for both specs; :func:`te_layer_norm_names`
+renames local names that reach it anyway. Imports torch and the engine's MoE names only.
 """
 
 import re
