@@ -30,8 +30,8 @@ starts with a ``.. pull-request: <key>`` line) and each pull request's descripti
 installed one). The series is built in a temporary git repository holding that tree, one commit per pull request, and
 written with ``git format-patch``; ``OUTDIR/series`` lists the patches in order. Checks before anything is written:
 no ``nemo_patch`` name left, no line over 119 columns, every module a file imports present in the tree by then (in an
-optional-import block: added by a later pull request of the series), and no import of a module the series never adds
-(:data:`PENDING` aside). The series' ``config.py`` leaves out the ``ConsolidationConfig`` fields of later additions
+optional-import block: added by a later pull request of the series), and no import of a module the series never adds.
+The series' ``config.py`` leaves out the ``ConsolidationConfig`` fields of later additions
 (:data:`LATER_FIELDS`, :func:`without_later_fields`). ``tests/test_upstream_patch.py`` applies the series to the
 installed NeMo and runs each pull request's tests there: the same test files the product's suite runs
 against the overlay.
@@ -83,13 +83,10 @@ LATER_FIELDS = {
     "format": "nemo_patch.export.hf",
     "keep": "nemo_patch.training.retention",
     "merge_adapters": "nemo_patch.engine.adapter_merge",
-    "post_command": "nemo_patch.training.hooks",
-    "post_command_timeout": "nemo_patch.training.hooks",
+    "post_command": "nemo_patch.training.post_results",
+    "post_command_timeout": "nemo_patch.training.post_results",
 }
 CONFIG = "nemo_patch/training/config.py"
-#: Modules the series does not add that the engine still imports in an optional-import block (to become
-#: registrations, as the training side's extensions are): the only such imports :func:`check_file` lets through.
-PENDING = tuple(f"{PACKAGE}.{name}" for name in ("zarr_reader", "adapter_settings", "adapter_merge"))
 LEFTOVERS = re.compile(r"nemo_patch|nemo-patch|NEMO_PATCH|nemo-consolidate")
 
 
@@ -151,17 +148,23 @@ SERIES = (
         + ("tests/nemo/lightning/_io/test_consolidation_process.py",),
     ),
     PullRequest(
+        "latest",
+        "Checkpoint consolidation: LATEST, outputs kept past top-k removal, and on_consolidation_end",
+        tuple(f"nemo_patch/training/{name}.py" for name in ("latest", "retention", "hooks"))
+        + (
+            "nemo_patch/runs/__init__.py",
+            "nemo_patch/runs/checkpoint_root.py",
+            "tests/nemo/lightning/_io/test_consolidation_latest.py",
+        ),
+    ),
+    PullRequest(
         "knob",
         "MegatronStrategy(ckpt_consolidation_frequency=...): consolidate checkpoints as training saves them",
         tuple(
             f"nemo_patch/training/{name}.py"
             for name in ("callback", "background", "coordinator", "fit_end", "integration")
         )
-        + (
-            "nemo_patch/runs/__init__.py",
-            "nemo_patch/runs/checkpoint_root.py",
-            "tests/nemo/lightning/pytorch/strategies/test_megatron_strategy_consolidation.py",
-        ),
+        + ("tests/nemo/lightning/pytorch/strategies/test_megatron_strategy_consolidation.py",),
     ),
 )
 
@@ -304,7 +307,7 @@ def check_file(path: str, text: str, tree_root: Path) -> List[str]:
 
     An import of a module of :data:`PACKAGE` must find it in the tree by then; in an optional-import block it may
     name a module a later pull request of the series adds. An import of a module the series never adds is refused,
-    optional or not, but for the :data:`PENDING` ones.
+    optional or not.
     """
     problems = [
         f"{path}:{n}: {line.strip()[:80]}" for n, line in enumerate(text.splitlines(), 1) if LEFTOVERS.search(line)
@@ -330,8 +333,6 @@ def check_file(path: str, text: str, tree_root: Path) -> List[str]:
             names = [target.with_suffix(".py"), target / "__init__.py"]
             names += [tree_root / f"{module.replace('.', '/')}.py" for module in modules[1:]]
             if not any(name.exists() for name in names):
-                if id(node) in optional and modules[0] in PENDING:
-                    continue
                 if id(node) in optional and any(module in later for module in modules):
                     continue
                 what = "a module the series never adds" if id(node) in optional else "not in the tree yet"

@@ -93,7 +93,7 @@ def test_an_outcome_names_the_output_where_it_is_when_the_hooks_run(tmp_path, ca
     save = _published(tmp_path, 2)
     save.post_command = {"command": "x", "returncode": 0, "seconds": 10.0, "timed_out": False, "log": "l",
                          "metrics": {"eval/loss": 1.5}, "error": None, "stopped": False}  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="nemo_patch.training.hooks"):
+    with caplog.at_level(logging.INFO, logger="nemo_patch.training.post_results"):
         coordinator._on_consolidated(save, None)
     assert "post command exited 0 after 10.0 s (log: l); metrics {'eval/loss': 1.5}" in caplog.text
     # NeMo's removal of the checkpoint waited for the consolidation and runs before the hooks: the output is kept

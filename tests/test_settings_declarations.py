@@ -198,4 +198,4 @@ def test_each_later_field_is_a_field_and_names_the_product_module_that_uses_it()
     ]
     assert namespace["ConsolidationConfig"](dtype="bf16", max_shard_size="1GB").max_shard_size == 10**9
     with pytest.raises(TypeError):
-        namespace["ConsolidationConfig"](keep=3)
+        namespace["ConsolidationConfig"](format="hf")

@@ -14,17 +14,17 @@
 
 """Open a checkpoint's weights for reading, whatever distributed-checkpoint format wrote them.
 
-Two formats are read: ``torch_dist`` (``torch.distributed.checkpoint``: ``.metadata`` + ``*.distcp`` shard files;
-:mod:`.dcp_metadata`, :mod:`.dcp_reader`) and megatron-core's ``zarr``
-(:mod:`.zarr_reader`). Both are described by ``torch.distributed.checkpoint`` ``Metadata`` (global
-shape, dtype and chunks of each key), so naming and planning the output (:mod:`.plan`) is one code
-path, and both readers read a key, or one index of it along dimension 0, into a given tensor.
+``torch_dist`` (``torch.distributed.checkpoint``: ``.metadata`` + ``*.distcp`` shard files; :mod:`.dcp_metadata`,
+:mod:`.dcp_reader`) is read, and megatron-core's ``zarr`` where a reader is registered (:data:`zarr_reader`). Both
+are described by ``torch.distributed.checkpoint`` ``Metadata`` (global shape, dtype and chunks of each key), so
+naming and planning the output (:mod:`.plan`) is one code path, and both readers read a key, or one index of it
+along dimension 0, into a given tensor.
 
 Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
 """
 
 from pathlib import Path
-from typing import List, Optional, Protocol, Tuple, Union
+from typing import Any, List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -36,12 +36,9 @@ from nemo_patch.engine.errors import CorruptShardError, UnsupportedFormatError
 from nemo_patch.engine.layout_checks import check_dcp_layout, check_no_missing_layer
 from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
-try:  # a later addition: megatron-core's deprecated zarr format
-    import nemo_patch.engine.zarr_reader as zarr_reader
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    zarr_reader = None  # type: ignore[assignment]
+#: The reader of megatron-core's deprecated ``zarr`` format (``read_zarr_metadata``, ``ZarrRegionReader``), where an
+#: extension registers one; ``None``: ``torch_dist`` only.
+zarr_reader: Any = None
 
 __all__ = ["RegionReader", "open_weights"]
 plan.moe_names = moe_names  # mixture-of-experts entries: one output tensor per expert

@@ -76,12 +76,9 @@ except ModuleNotFoundError as missing:  # pragma: no cover
     if not str(missing.name).startswith(__package__):
         raise
     part_writer = parts = publish = None  # type: ignore[assignment]
-try:  # a later addition: PEFT adapter checkpoints
-    import nemo_patch.engine.adapter_settings as adapter_settings
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    adapter_settings = None  # type: ignore[assignment]
+#: What tells a PEFT adapter checkpoint's settings (``peft_settings(checkpoint_dir)``), where an extension registers
+#: it; ``None``: a checkpoint is consolidated as it is.
+adapter_settings: Any = None
 
 __all__ = [
     "ConsolidationResult",

@@ -22,7 +22,8 @@ exceed the shard size (``transformers``' ``save_pretrained`` naming), and this p
 it.
 """
 
-from typing import Dict
+from pathlib import Path
+from typing import Dict, Union
 
 __all__ = [
     "ADAPTER_STEM",
@@ -39,6 +40,7 @@ __all__ = [
     "SINGLE_FILENAME",
     "dtype_name",
     "index_filename",
+    "post_command_log_path",
     "single_filename",
 ]
 
@@ -97,3 +99,10 @@ def single_filename(stem: str = MODEL_STEM) -> str:
 def index_filename(stem: str = MODEL_STEM) -> str:
     """``model.safetensors.index.json`` (or ``adapter_model.safetensors.index.json``) when there are several shards."""
     return f"{stem}.safetensors.index.json"
+
+
+def post_command_log_path(output_dir: Union[str, Path]) -> Path:
+    """Where the post command of the output ``output_dir`` writes its stdout and stderr: ``<output>.post-command.log``
+    beside it (kept beside the output when the output is retained)."""
+    output_dir = Path(output_dir)
+    return output_dir.parent / f"{output_dir.name}.post-command.log"

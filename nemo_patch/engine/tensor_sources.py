@@ -41,12 +41,9 @@ from nemo_patch.engine.stage_times import stage_times
 #: The module casting outputs to another dtype (``checked_cast``, ``cast_outputs``), which registers itself here.
 casting: Any = None
 
-try:  # a later addition: LoRA adapter checkpoints merged into their base model
-    import nemo_patch.engine.adapter_merge as adapter_merge
-except ModuleNotFoundError as missing:  # pragma: no cover
-    if not str(missing.name).startswith(__package__):
-        raise
-    adapter_merge = None  # type: ignore[assignment]
+#: What merges LoRA adapter checkpoints into their base model (``open_lora_merge``, ``merged_producer``), where an
+#: extension registers it; ``None``: merging adapters is refused.
+adapter_merge: Any = None
 
 __all__ = ["Sources", "merged_reader", "open_sources", "root_cause", "tensor_producer"]
 
@@ -201,7 +198,7 @@ def open_sources(
     merge = None
     if merge_adapters and location.adapter:
         if adapter_merge is None:
-            raise ConsolidationError(f"{location.checkpoint_dir}: merging adapters needs {__package__}.adapter_merge")
+            raise ConsolidationError(f"{location.checkpoint_dir}: merging adapters needs a module that merges them")
         merge = adapter_merge.open_lora_merge(location, metadata, base_checkpoint)
     planned = merge.base_outputs if merge is not None else plan_outputs(metadata)
     if dtype is not None and casting is None:

@@ -13,27 +13,30 @@
 # limitations under the License.
 
 """The later additions of the training side, which NeMo's tree does not have yet, registered where the core takes
-extensions: each one's ``Observer`` with :func:`~nemo_patch.training.schedule.register_observer` (retention and
-``LATEST``, ``BEST``, the journal, metrics, the post command's result and the callbacks' ``on_consolidation_end``
-hooks); the ``"best"`` cadence and cadence phases (:func:`~nemo_patch.training.policy.extend_cadences`); the
-consolidation process's isolation and post command, through its launcher (:func:`launch`, in
+extensions: each one's ``Observer`` with :func:`~nemo_patch.training.schedule.register_observer` (``BEST``, the
+journal, metrics; retention and the hooks, which every coordinator has, registered in between to keep that order)
+and the post command's result for the hooks (:data:`~nemo_patch.training.hooks.POST_COMMAND_READERS`); the
+``"best"`` cadence and cadence phases (:func:`~nemo_patch.training.policy.extend_cadences`); the consolidation
+process's isolation and post command, through its launcher (:func:`launch`, in
 :data:`~nemo_patch.training.worker.PROCESS_LAUNCHERS`) and entry point (:func:`extend_worker`). The package root calls
 :func:`register_extensions` when it is imported; a module that needs torch or Lightning is imported when it is first
 needed, so that ``import nemo_patch`` stays free of both.
 """
 
 import importlib
-from dataclasses import dataclass
+import sys
+from importlib.machinery import ModuleSpec
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from nemo_patch.training import phases
+from nemo_patch.training import hooks, phases, post_results
 from nemo_patch.training.policy import _MORE_CADENCES, extend_cadences
-from nemo_patch.training.schedule import ConsolidationObserver, register_observer
+from nemo_patch.training.schedule import ObserverOf, register_observer
 from nemo_patch.training.worker import PROCESS_LAUNCHERS
 
-__all__ = ["OBSERVER_MODULES", "after_publish", "consolidator", "extend_worker", "launch", "output_dirname"]
-__all__ += ["register_extensions"]
+__all__ = ["ENGINE_EXTENSIONS", "OBSERVER_MODULES", "after_publish", "consolidator", "extend_worker", "launch"]
+__all__ += ["output_dirname", "register_extensions"]
 
 #: The modules whose ``Observer`` every coordinator gets, in the order it calls them (``BEST`` moves before retention
 #: prunes).
@@ -42,15 +45,54 @@ OBSERVER_MODULES = tuple(
 )
 
 
-@dataclass(frozen=True)
-class _ObserverOf:
-    """``<module>.Observer(coordinator)``, the module imported on the first call."""
+#: The engine's later additions: engine module -> the modules it takes as attributes of the same name (``None`` in
+#: NeMo's tree until they land), set as soon as it is executed: the ``zarr`` reader, PEFT adapters' settings and merge.
+ENGINE_EXTENSIONS = {
+    "nemo_patch.engine.checkpoint_reader": ("zarr_reader",),
+    "nemo_patch.engine.consolidate": ("adapter_settings",),
+    "nemo_patch.engine.tensor_sources": ("adapter_merge",),
+}
 
-    module: str
 
-    def __call__(self, coordinator: Any) -> ConsolidationObserver:
-        observer: ConsolidationObserver = importlib.import_module(self.module).Observer(coordinator)
-        return observer
+def _extend_engine_module(module: ModuleType) -> None:
+    for name in ENGINE_EXTENSIONS.get(module.__name__, ()):
+        setattr(module, name, importlib.import_module(f"nemo_patch.engine.{name}"))
+
+
+class _ExtendingLoader:
+    """Executes an engine module with its own loader, then gives it its extensions."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
+        module: Optional[ModuleType] = self._loader.create_module(spec)
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _extend_engine_module(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _EngineFinder:
+    """Meta-path finder that wraps the loaders of the engine modules of :data:`ENGINE_EXTENSIONS`, and no other."""
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+    ) -> Optional[ModuleSpec]:
+        if fullname not in ENGINE_EXTENSIONS:
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec: Optional[ModuleSpec] = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and not isinstance(spec.loader, _ExtendingLoader):
+                        spec.loader = _ExtendingLoader(spec.loader)  # type: ignore[assignment]
+                    return spec
+        return None
 
 
 def launch(args: List[str], environ: Mapping[str, str]) -> Tuple[List[str], Mapping[str, str]]:
@@ -100,12 +142,13 @@ def consolidator(settings: Any, preload: bool) -> Optional[Tuple[Callable[..., A
 
 
 def after_publish(settings: Any) -> Optional[Callable[[Any, Path, Optional[int]], Tuple[Any, bool]]]:
-    """The post command's runner (:func:`nemo_patch.training.hooks.run_post_command`) where ``settings`` have one."""
+    """The post command's runner (:func:`nemo_patch.training.post_results.run_post_command`) where ``settings`` have
+    one."""
     if settings.config.post_command is None:
         return None
-    from nemo_patch.training import hooks
+    from nemo_patch.training import post_results
 
-    return hooks.run_post_command
+    return post_results.run_post_command
 
 
 def output_dirname(config: Any) -> str:
@@ -126,8 +169,12 @@ def register_extensions() -> None:
     """Register the later additions (once; calling again changes nothing)."""
     _register_output_dirname()
     for module in OBSERVER_MODULES:
-        register_observer(_ObserverOf(module))
+        register_observer(ObserverOf(module))
+    if post_results.read_post_command not in hooks.POST_COMMAND_READERS:
+        hooks.POST_COMMAND_READERS.append(post_results.read_post_command)
     if "best" not in _MORE_CADENCES:
         extend_cadences(("best",), phases.parse_phases, phases.ACCEPTED)
     if launch not in PROCESS_LAUNCHERS:
         PROCESS_LAUNCHERS.append(launch)
+    if not any(isinstance(finder, _EngineFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _EngineFinder())

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.output_layout import post_command_log_path
 from nemo_patch.engine.safe_files import MAX_JSON_BYTES, read_json_file
 
 __all__ = [
@@ -216,13 +217,6 @@ def _placeholder_error(command: str, what: str) -> ValueError:
         f"post command {command!r}: {what}; use {{output}}, {{format}}, {{global_step}} or {{checkpoint}}, each "
         "bare (no !conversion, :format, [index] or .attribute; double the braces for literal ones)"
     )
-
-
-def post_command_log_path(output_dir: Union[str, Path]) -> Path:
-    """Where the post command of the output ``output_dir`` writes its stdout and stderr: ``<output>.post-command.log``
-    beside it."""
-    output_dir = Path(output_dir)
-    return output_dir.parent / f"{output_dir.name}.post-command.log"
 
 
 def _create_in_place_of(path: Path) -> BinaryIO:

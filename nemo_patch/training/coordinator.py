@@ -51,13 +51,18 @@ from nemo_patch.training.schedule import (
     CheckpointSave,
     ConsolidationObserver,
     ConsolidationSchedule,
+    ObserverOf,
     RequestState,
     files_gone,
     weights_identity,
 )
 from nemo_patch.training.settings import ConsolidationSettings
 
-__all__ = ["ConsolidationCoordinator", "ConsolidationRecord", "new_run_id", "weights_identity"]
+__all__ = ["CORE_OBSERVERS", "ConsolidationCoordinator", "ConsolidationRecord", "new_run_id", "weights_identity"]
+
+#: The observers every coordinator has after those registered (:func:`~.schedule.register_observer`), unless
+#: registered among them: retention and ``LATEST`` (:mod:`.retention`), then the callbacks' hooks (:mod:`.hooks`).
+CORE_OBSERVERS = (ObserverOf("nemo_patch.training.retention"), ObserverOf("nemo_patch.training.hooks"))
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +134,8 @@ class ConsolidationCoordinator:
         self._step_handed = False
         #: Seconds the training thread waited in a save for the stepper's pass (:meth:`sync`).
         self.synced_seconds = 0.0
-        self.observers: List[ConsolidationObserver] = [make(self) for make in OBSERVER_FACTORIES]
+        factories = [*OBSERVER_FACTORIES, *(make for make in CORE_OBSERVERS if make not in OBSERVER_FACTORIES)]
+        self.observers: List[ConsolidationObserver] = [make(self) for make in factories]
         #: The observers that report in the training loop (those whose ``report`` does something).
         self.reporters: List[ConsolidationObserver] = [
             o for o in self.observers if type(o).report is not ConsolidationObserver.report

@@ -12,26 +12,22 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""What the training process hears of each consolidation after it ended: its outcome, the post command's result
-and metrics, and the callbacks' hooks.
+"""What the training process hears of each consolidation after it ended, and the callbacks' hooks.
 
-For each consolidation that ended (global rank 0, reaped in the training loop), :class:`Observer` logs the post
-command's result, logs its metrics to the trainer's loggers at the checkpoint's global step and calls the callbacks'
-``on_consolidation_end`` / ``on_consolidation_failed`` with a :class:`ConsolidationOutcome`
-(docs/after-consolidation.md). An exception in a hook is logged (:class:`HookCaller`) and never fails training.
-
-Standard library, the engine's post command and ``latest``'s metadata reader only: never NeMo or Lightning.
+For each consolidation that ended (global rank 0, reaped in the training loop), :class:`Observer` calls the
+callbacks' ``on_consolidation_end`` / ``on_consolidation_failed`` with a :class:`ConsolidationOutcome`
+(docs/after-consolidation.md) and logs a post command's metrics to the trainer's loggers at the checkpoint's global
+step (where an extension runs one: :data:`POST_COMMAND_READERS`). An exception in a hook is logged
+(:class:`HookCaller`) and never fails training. Standard library only: never NeMo or Lightning.
 """
 
 import dataclasses
 import logging
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from nemo_patch.runs.post_command import PostCommandResult, post_command_log_path, record_result
-from nemo_patch.runs.post_command import run_post_command as run_command
+from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, post_command_log_path
 from nemo_patch.training.latest import read_output_metadata
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver
 
@@ -41,7 +37,7 @@ __all__ = [
     "ConsolidationOutcome",
     "HookCaller",
     "Observer",
-    "run_post_command",
+    "POST_COMMAND_READERS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +45,10 @@ logger = logging.getLogger(__name__)
 #: The hooks a callback may define.
 END_HOOK = "on_consolidation_end"
 FAILED_HOOK = "on_consolidation_failed"
+#: What a post command did after a publish, for its outcome: ``read(settings, save, output_dir)`` of an extension that
+#: runs one (the last registered answers; each is called once per published output whose ``save.post_command`` the
+#: consolidation process reported, and logs it).
+POST_COMMAND_READERS: List[Callable[[Any, CheckpointSave, Path], Any]] = []
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ConsolidationOutcome:
         seconds: wall seconds the consolidation took in the consolidation process, its post command excluded.
         metadata: the output's ``metadata.json`` as it was when the result was reaped (its ``"post_command"`` entry
             included); ``{}`` for a failure.
-        post_command: what the post command did (:class:`nemo_patch.runs.post_command.PostCommandResult`), or
+        post_command: what the post command did (a ``PostCommandResult`` of :data:`POST_COMMAND_READERS`), or
             ``None`` without one (or for a failure: it runs only after a publish).
         error: ``None`` for a published output, else the one-line reason it failed.
     """
@@ -78,7 +78,7 @@ class ConsolidationOutcome:
     bytes: int = 0
     seconds: float = 0.0
     metadata: Dict[str, Any] = field(default_factory=dict)
-    post_command: Optional[PostCommandResult] = None
+    post_command: Optional[Any] = None
     error: Optional[str] = None
 
     @property
@@ -89,7 +89,7 @@ class ConsolidationOutcome:
     @property
     def metrics(self) -> Dict[str, float]:
         """The post command's metrics (``{}`` without any)."""
-        return dict(self.post_command.metrics) if self.post_command is not None else {}
+        return dict(getattr(self.post_command, "metrics", None) or {})
 
 
 class HookCaller:
@@ -131,39 +131,21 @@ class HookCaller:
 
 
 class Observer(ConsolidationObserver):
-    """A run's consolidations that ended: the post command's result logged (and recorded in ``metadata.json`` when
-    the consolidation process was lost with it), then reported in the training loop (:meth:`report`)."""
+    """A run's consolidations that ended, reported in the training loop (:meth:`report`)."""
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
-        self._ended: List[Tuple[CheckpointSave, Optional[Any], Optional[PostCommandResult], Optional[str]]] = []
+        self._ended: List[Tuple[CheckpointSave, Optional[Any], Optional[Any], Optional[str]]] = []
         self._reported = 0
         self._call_hooks = HookCaller()
 
     def on_ended(self, save: CheckpointSave, record: Optional[Any], error: Optional[str]) -> None:
-        """Keep a request that ended for :meth:`outcomes` and log its post command's result: one INFO line, or a
-        WARNING when it failed, timed out or was stopped (the output stays published either way)."""
-        settings = self.coordinator.settings
-        output = save.path / settings.output_dirname
-        post: Optional[PostCommandResult] = None
+        """Keep a request that ended for :meth:`outcomes`, with what its post command did."""
+        post = None
         if error is None and save.post_command is not None:
-            post = PostCommandResult.from_json(save.post_command)
-            if not post.command:  # lost with the consolidation process: record what is known
-                post = PostCommandResult.from_json(
-                    {**save.post_command, "command": settings.config.post_command or ""}
-                )
-                try:
-                    record_result(output, post)
-                except OSError:
-                    logger.debug("Could not record the post command's loss in %s", output, exc_info=True)
-            (logger.info if post.ok else logger.warning)(
-                "After publishing %s (global step %d): %s%s%s",
-                output,
-                save.global_step,
-                post.describe(),
-                f"; metrics {post.metrics}" if post.metrics else "",
-                "" if post.ok else "; the output stays published, training goes on",
-            )
+            output = save.path / self.coordinator.settings.output_dirname
+            for read in POST_COMMAND_READERS:
+                post = read(self.coordinator.settings, save, output)
         with self.coordinator.lock:
             self._ended.append((save, record, post, error))
 
@@ -172,6 +154,7 @@ class Observer(ConsolidationObserver):
         first), made now: an output is named where it is now (under ``retained/`` once NeMo removed its checkpoint)
         and its ``metadata.json`` read from there."""
         settings = self.coordinator.settings
+        output_format = {name: key for key, name in OUTPUT_DIRNAMES.items()}.get(settings.output_dirname, "")
         with self.coordinator.lock:
             outcomes = []
             for save, record, post, error in self._ended[start:]:
@@ -185,7 +168,7 @@ class Observer(ConsolidationObserver):
                     ConsolidationOutcome(
                         output_dir=output,
                         checkpoint_dir=save.path,
-                        format=settings.config.format,
+                        format=output_format,
                         global_step=save.global_step,
                         bytes=record.bytes if record is not None else 0,
                         seconds=record.seconds if record is not None else save.seconds or 0.0,
@@ -202,9 +185,7 @@ class Observer(ConsolidationObserver):
         ended = self._ended[self._reported :]  # appended by the coordinator's stepper thread: no lock to look
         if not ended:  # most steps
             return
-        if not self._call_hooks.wanted(trainer) and not any(
-            post is not None and post.metrics for _, _, post, _ in ended
-        ):
+        if not self._call_hooks.wanted(trainer) and not any(getattr(post, "metrics", None) for _, _, post, _ in ended):
             self._reported += len(ended)  # nothing to log or call: no outcome (and no metadata.json) to make
             return
         new = self.outcomes(self._reported)
@@ -219,28 +200,3 @@ class Observer(ConsolidationObserver):
                 except Exception:
                     logger.exception("Checkpoint consolidation: logging the post command's metrics failed")
             self._call_hooks(trainer, pl_module, outcome)
-
-
-def run_post_command(settings: Any, checkpoint: Path, global_step: Optional[int]) -> Tuple[PostCommandResult, bool]:
-    """Run the post command on ``checkpoint``'s published output; returns its result and whether a SIGTERM asked this
-    process to end meanwhile (the command was then stopped: this process answers before it ends, rather than dying
-    with the command's result unsaid). Never raises for anything the command does."""
-    asked: List[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
-    try:
-        result = run_command(
-            settings.config.post_command,
-            checkpoint / settings.output_dirname,
-            settings.config.format,
-            global_step if isinstance(global_step, int) and global_step >= 0 else None,
-            checkpoint,
-            timeout=settings.config.post_command_timeout,
-            should_stop=lambda: bool(asked),
-        )
-    except Exception as error:  # noqa: BLE001 - e.g. an unwritable log file: reported, the output stays published
-        result = PostCommandResult(
-            settings.config.post_command, None, 0.0, False, "", error=f"{type(error).__name__}: {error}"
-        )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return result, bool(asked)

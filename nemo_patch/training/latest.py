@@ -21,9 +21,9 @@ is kept the same way. :func:`locate_checkpoint` resolves a
 path a user gives (a checkpoint, or a run's root) to one checkpoint, following ``LATEST`` first.
 
 Both pointers move forward only, by one comparison (:func:`moves_forward`) of the saves the outputs came from: the
-identity each output's ``metadata.json`` records under ``"save"`` (:func:`~nemo_patch.engine.save_identity.order_key`:
-run order, fit, global step; runs that record no id by when their save finished), read wherever the output lies, a
-checkpoint or ``retained/``. Outputs that record no identity (written before identities were recorded) compare by
+identity each output's ``metadata.json`` records under ``"save"`` (``save_identity.order_key``: run order, fit,
+global step; runs that record no id by when their save finished), read wherever the output lies, a checkpoint or
+``retained/``. Outputs that record no identity (written before identities were recorded) compare by
 their recorded run, then global step. Standard library and the engine's torch-free checkpoint layout only.
 """
 
@@ -66,8 +66,8 @@ class OutputOrder:
     """Where an output's save stands in the order ``LATEST``/``BEST`` move in.
 
     Attributes:
-        key: :func:`~nemo_patch.engine.save_identity.order_key` of the save its ``metadata.json`` records under
-            ``"save"``; ``None`` when it records none (an output written before identities were recorded).
+        key: ``save_identity.order_key`` of the save its ``metadata.json`` records under ``"save"``; ``None`` when
+            it records none (an output written before identities were recorded).
         run: the run it records (``"run"``, else the save's), ``None`` when none.
         global_step: its ``global_step`` (``-1`` when it records none).
     """
@@ -111,8 +111,8 @@ def output_order(output_dir: Union[str, Path]) -> Optional[OutputOrder]:
 def moves_forward(candidate: Optional[OutputOrder], current: Optional[OutputOrder]) -> bool:
     """Whether a pointer that names an output of order ``current`` may move to one of order ``candidate``: never
     backwards. ``current`` ``None`` (no pointer, or it names nothing readable): yes. Both with a recorded save: by
-    :func:`~nemo_patch.engine.save_identity.order_key` (a newer run's output is newer whatever its step); else by
-    run (a run that records none first), then global step. ``candidate`` ``None``: no."""
+    ``save_identity.order_key`` (a newer run's output is newer whatever its step); else by run (a run that records
+    none first), then global step. ``candidate`` ``None``: no."""
     if current is None:
         return True
     if candidate is None:
@@ -145,7 +145,7 @@ def update_latest_pointer(
     """Point ``<root>/LATEST`` (or ``<root>/<name>``, e.g. :data:`BEST_NAME`) at ``checkpoint_dir``.
 
     The symlink is relative (``LATEST -> <checkpoint name>``, or ``LATEST -> retained/<name>`` for an output kept
-    after its checkpoint was removed; see :mod:`nemo_patch.training.retention`) so the run directory can be moved. It
+    after its checkpoint was removed; see :mod:`.retention`) so the run directory can be moved. It
     is replaced atomically: a new link is created under a temporary name and renamed over the old one, so a reader
     never finds ``LATEST`` missing or half-written.
 
@@ -177,7 +177,7 @@ def set_aside_non_link(checkpoint_root: Union[str, Path], name: str = LATEST_NAM
     """Make room for the ``<checkpoint_root>/LATEST`` (or ``<name>``) symlink when something else took its place: a
     directory (e.g. a copy made by a sync tool that follows symlinks) or a file is renamed to a hidden
     ``.<name>.replaced-<UTC time>`` beside it (kept, not deleted: it may be the only copy of something), which
-    neither NeMo's resume, nor the outputs' listing, nor ``nemo-consolidate <root>`` take for a checkpoint.
+    neither NeMo's resume, nor the outputs' listing, nor :func:`locate_checkpoint` take for a checkpoint.
 
     Returns:
         Where it was moved, or ``None`` when ``<name>`` is a symlink or absent (nothing to do).

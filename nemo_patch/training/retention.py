@@ -35,11 +35,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_patch.engine.checkpoint_layout import UNFINISHED_SUFFIX, is_marked_unfinished
-from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
+from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME, post_command_log_path
 from nemo_patch.engine.publish import link_output, remove_stale_tmp_dirs
-from nemo_patch.runs.checkpoint_root import without_copy_suffix
-from nemo_patch.runs.post_command import post_command_log_path
-from nemo_patch.runs.run_checkpoints import is_copy_name
+from nemo_patch.runs.checkpoint_root import is_copy_name, without_copy_suffix
 from nemo_patch.training.latest import (
     BEST_NAME,
     LATEST_NAME,
@@ -81,7 +79,7 @@ class ConsolidatedOutput:
         global_step: from its ``metadata.json`` (``-1`` if unknown).
         retained: whether it lives under ``retained/``.
         run: the id of the training run that made it (``"run"`` in its ``metadata.json``); ``None`` when it records
-            none (made before run ids were recorded, or offline by ``nemo-consolidate``).
+            none (made before run ids were recorded, or offline).
     """
 
     entry: Path
@@ -566,7 +564,7 @@ class Observer(ConsolidationObserver):
         output of an earlier run's save (a journal entry of a killed run, consolidated by this one: it is published
         in that run's order, never as this run's newest). Against an output of another run that ``LATEST`` names
         (written by another process: a sidecar, a run sharing the root), the outputs' recorded saves are compared
-        (:func:`~nemo_patch.training.latest.moves_forward`), read from that output's own ``metadata.json`` wherever it
+        (:func:`.latest.moves_forward`), read from that output's own ``metadata.json`` wherever it
         lies (a checkpoint, or ``retained/``), unless that save finished before this fit started (:meth:`_superseded`).
         """
         run = save.run if save.run is not None else getattr(self.coordinator, "run_id", None)

@@ -24,6 +24,7 @@ Standard library, the engine's checkpoint layout and the cadence only: never tor
 """
 
 import enum
+import importlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointSave",
     "ConsolidationObserver",
     "ConsolidationSchedule",
+    "ObserverOf",
     "RequestState",
     "files_gone",
     "register_observer",
@@ -310,6 +312,18 @@ class ConsolidationObserver:
 
     def report(self, trainer: Any) -> None:
         """What ended since the last call, reported in the training loop (never raises into it)."""
+
+
+@dataclass(frozen=True)
+class ObserverOf:
+    """``<module>.Observer(coordinator)``, the module (a dotted name) imported on the first call: a factory for
+    :func:`register_observer` that imports nothing until a coordinator is made."""
+
+    module: str
+
+    def __call__(self, coordinator: Any) -> ConsolidationObserver:
+        observer: ConsolidationObserver = importlib.import_module(self.module).Observer(coordinator)
+        return observer
 
 
 #: Every new coordinator's observers are ``factory(coordinator)`` of these, in order (:func:`register_observer`).
