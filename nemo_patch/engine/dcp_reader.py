@@ -15,22 +15,16 @@
 """Read tensors, or one layer of a layer-stacked tensor, from a ``torch_dist`` checkpoint without a process group.
 
 ``torch.distributed.checkpoint.load`` reads whole tensors (all layers of a stacked parameter); a consolidation reads
-one output tensor at a time. DCP's planner helper gives the stored chunks' overlaps with the region (from the chunks
-that hold its layer or expert, found through an index of the chunks by their leading offsets, so that reading every
-layer costs time linear in the chunks, not their square), and each chunk is loaded from its record in a ``.distcp``
-file, so memory is one region plus one chunk. The read loop is not ``FileSystemReader.read_data``, because a
-checkpoint is not trusted: a record must lie in a plain, regular file of ``weights/`` (never a path joined from the
-metadata) and hold exactly the dtype and shape its chunk declares (DCP would narrow or cast silently), and the chunks
-must cover the region: :mod:`.layout_checks` proves each key's layout first, :mod:`.record_checks` checks each
-record's members and CRC-32.
+one output tensor at a time, so memory is one region plus one chunk. DCP's planner helper gives the overlaps of the
+chunks that hold the region's layer or expert (an index by leading offsets keeps reading every layer linear in the
+chunks). The read loop is not ``FileSystemReader.read_data``, because a checkpoint is not trusted: a record must lie
+in a plain, regular file of ``weights/`` and hold exactly the dtype and shape its chunk declares (DCP would cast
+silently), and the chunks must cover the region (:mod:`.layout_checks`, :mod:`.record_checks`).
 
-A record is read in one pass over its bytes: ``torch.load(weights_only=True, map_location="meta")`` reads what the
-record says it holds (dtype, shape, where its data is) without its data, and the data is read straight into its place
-in the output when the chunk lands there whole and contiguous (into a reused buffer otherwise), its CRC-32 checked on
-the same bytes (row by row for a column block of its tensor: no buffer, no second copy). A record not laid out as
-``torch.save`` writes a contiguous tensor (a view of a larger storage,
-big-endian data) is loaded with ``torch.load`` as a whole instead. A record ``torch.load`` refuses (a global outside
-its allowlist) fails with one line naming what it refused.
+A record is read in one pass: ``torch.load(weights_only=True, map_location="meta")`` reads what it holds without its
+data, which is then read straight into its place in the output (row by row for a column block; into a reused buffer
+when the chunk does not land whole), its CRC-32 checked on the same bytes. A record not laid out as ``torch.save``
+writes a contiguous tensor is loaded whole with ``torch.load`` instead.
 """
 
 import itertools

@@ -14,20 +14,13 @@
 
 """Let torch back a consolidation's large tensors with transparent huge pages (THP).
 
-A consolidation allocates every output tensor, and ``torch.load`` every stored chunk, afresh: with 4 KiB pages each
-first touch of each page is a page fault, one per 4 KiB of the checkpoint, twice. torch's CPU allocator (c10) has a
-switch for that, the environment variable ``THP_MEM_ALLOC_ENABLE=1``: allocations of 2 MiB or more are then marked
-``madvise(MADV_HUGEPAGE)`` (``hg`` in the mapping's ``VmFlags``, proc(5)), so the kernel maps them 2 MiB at a time
-where THP is enabled (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``; with ``never``
-nothing changes). Measured with ``scripts/bench_consolidation.py``'s 2.55 GB checkpoint on 2 cores: page faults fell
-from about 520,000 to 42,000 per consolidation and one writer's wall time by about 20%.
-
-c10 reads the variable once, at the process's first CPU tensor allocation (seen with torch 2.13: ``import torch``
-makes none, but a library imported after it may), so :func:`prefer_huge_pages` runs before torch is imported. The
-entry points of the processes that exist only to consolidate call it (the run's consolidation process,
-``nemo-consolidate``); a training process never does, so its
-allocator stays exactly as its user set it up. Writer processes inherit it (fork, or the environment of
-the forkserver). A value the user set, ``0`` included, is kept.
+A consolidation allocates every output tensor, and ``torch.load`` every stored chunk, afresh: with 4 KiB pages that
+is a page fault per 4 KiB of the checkpoint, twice. With ``THP_MEM_ALLOC_ENABLE=1`` torch's CPU allocator (c10)
+marks allocations of 2 MiB or more ``madvise(MADV_HUGEPAGE)``, so where THP is enabled the kernel maps them 2 MiB at
+a time (``scripts/bench_consolidation.py``'s 2.55 GB checkpoint: page faults from about 520,000 to 42,000, one
+writer's wall time about 20% less). c10 reads the variable once, at the first CPU tensor allocation, so
+:func:`prefer_huge_pages` runs before torch is imported, in the processes that exist only to consolidate (never in a
+training process); writer processes inherit it. A value the user set, ``0`` included, is kept.
 
 Standard library only.
 """

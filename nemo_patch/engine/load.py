@@ -14,20 +14,12 @@
 
 """Load a consolidated output back into a megatron-core model with TP=1 and PP=1.
 
-The output's weights are ``model.safetensors`` or, above the shard size, ``model-0000i-of-0000N.safetensors`` shards
-plus ``model.safetensors.index.json``; both are read, the shards through their index, which is checked against the
-files first (:func:`.output_files.output_weight_map`).
-
-Consolidated names are the distributed checkpoint's canonical keys, which megatron-core derives from a module's
-``state_dict`` names by applying each ``TransformerLayer``'s ``submodules_config.sharded_state_dict_keys_map`` (the
-local, non-Transformer-Engine spec maps ``input_layernorm.`` to ``self_attention.linear_qkv.layer_norm_`` and
-``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``; the TE spec maps nothing). :func:`load_consolidated_into`
-applies the same map, read from the model itself, so a model of either spec loads the same file.
-
-Experts: the output names every expert as ``SequentialMLP`` does,
-``<...>.mlp.experts.local_experts.<e>.linear_fc1.weight``. A model built with Transformer Engine's grouped GEMM
-(``TEGroupedMLP``, whose ``GroupedLinear`` holds one parameter per expert, ``<...>.mlp.experts.linear_fc1.weight<e>``)
-is mapped to those names too, so it loads the same file.
+Consolidated names are the distributed checkpoint's canonical keys, which megatron-core derives from ``state_dict``
+names with each ``TransformerLayer``'s ``submodules_config.sharded_state_dict_keys_map`` (the local spec maps
+``input_layernorm.`` to ``self_attention.linear_qkv.layer_norm_``; the Transformer Engine spec maps nothing), and
+experts named as ``SequentialMLP`` names them (``<...>.mlp.experts.local_experts.<e>.linear_fc1.weight``).
+:func:`canonical_key_map` applies the same map, read from the model itself, and maps grouped-GEMM experts
+(``TEGroupedMLP``: ``<...>.mlp.experts.linear_fc1.weight<e>``) to those names, so a model of any spec loads one file.
 
 Imports torch, safetensors and the engine's output files and layout only; never NeMo, Lightning or megatron-core, and
 nothing outside the engine (a NeMo model is taken as any ``torch.nn.Module``).

@@ -15,20 +15,11 @@
 """Checks on the stored records of a checkpoint's shard files as they are read: the archive's members, and CRC-32.
 
 Each tensor chunk of a ``torch_dist`` checkpoint is one ``torch.save`` record (a zip archive) inside a ``.distcp``
-file. :func:`open_record` gives :class:`.dcp_reader.DCPRegionReader` a view of one record that
-
-* refuses a compressed member (``torch.save`` stores members uncompressed; a deflated one would make ``torch.load``
-  allocate far more than the record holds), a member whose data would end past the record, and members whose data
-  share bytes (a central directory naming one stored member many times would make ``torch.load`` allocate it as
-  often): what ``torch.load`` allocates is bounded by the record's bytes;
-* reads a member's data straight into the caller's memory with :meth:`RecordWindow.read_member` (the tensor's place
-  in the output, when the chunk lands there whole; row by row for a column block), checking its CRC-32 on the same
-  bytes block by block while they are in the CPU's cache: one pass over the bytes for reading and checking;
-* checks each member's CRC-32 on the bytes ``torch.load`` reads (one ``readinto`` of the member's size), so the data
-  is not read twice; a member read any other way is streamed through ``zipfile`` by the returned ``finish``.
-
-The CRC-32 is ``zlib-ng``'s where installed (the same values as ``zlib.crc32``, about 7 times faster).
-:mod:`.dcp_reader` uses this module where it is present.
+file. :func:`open_record` gives a view of one record that refuses a compressed member, a member past the record's
+end and members that share data (so what ``torch.load`` allocates is bounded by the record's bytes), and checks
+each member's CRC-32 on the bytes as they are read: straight into the caller's memory
+(:meth:`RecordWindow.read_member`), or by ``torch.load`` (one ``readinto`` of the member); a member read any other
+way is streamed through ``zipfile`` by the returned ``finish``. The CRC-32 is ``zlib-ng``'s where installed.
 """
 
 

@@ -96,9 +96,8 @@ class OutputFile:
 
 #: Bytes :func:`write_file` writes between two ``fdatasync`` calls it starts in the background.
 WRITEBACK_BYTES = 64 << 20
-#: Bytes per ``write`` call, each hashed just before it is written: small enough that the write copies them from the
-#: CPU's cache, where hashing left them (the tensor's memory is read once for both). One call per tensor made one
-#: writer of a 2.55 GB checkpoint about 20% slower (2 cores).
+#: Bytes per ``write`` call, each hashed just before it is written, so that the write copies them from the CPU's cache
+#: (one call per tensor made a writer of a 2.55 GB checkpoint about 20% slower).
 WRITE_BLOCK = 1 << 18
 
 
@@ -139,12 +138,10 @@ def write_file(
 ) -> Dict[str, str]:
     """Create ``directory/file.name`` (it must not exist) and write it front to back, then ``fsync`` it.
 
-    While one tensor's bytes are written, the next one is produced: at most two tensors are in memory. With
-    ``digest``, each tensor's bytes are hashed as they are written, in the same thread, each block of
-    :data:`WRITE_BLOCK` just before it is written (one read of the tensor's memory for both). Every
-    :data:`WRITEBACK_BYTES` written, an ``fdatasync`` starts in a thread of its own, so that the device's time overlaps
-    the reading instead of following it. The file is created with ``O_EXCL`` and ``O_NOFOLLOW``, written with
-    ``write`` only (no seek, no reopen, no truncate): a write-once filesystem takes it.
+    While one tensor's bytes are hashed (with ``digest``) and written, block by block, the next one is produced: at
+    most two tensors are in memory. Every :data:`WRITEBACK_BYTES` written, an ``fdatasync`` starts in a thread of its
+    own. The file is created with ``O_EXCL | O_NOFOLLOW`` and written with ``write`` only (a write-once filesystem
+    takes it).
 
     Args:
         directory: where to create the file.

@@ -54,12 +54,6 @@ def _where(output: OutputTensor) -> str:
     return output.key + (f"[{', '.join(map(str, output.index))}]" if output.index else "")
 
 
-def _weight_map(output_dir: Path) -> Dict[str, str]:
-    """Tensor name -> file of a model or adapter output (its index, else its single file), checked against the files
-    (:func:`.output_files.output_weight_map`)."""
-    return output_weight_map(output_dir, stems=(MODEL_STEM, ADAPTER_STEM))
-
-
 def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:
     """Name -> shape of every tensor in a consolidated output, from the safetensors headers (no tensor data read).
 
@@ -70,7 +64,7 @@ def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:
     output_dir = Path(output_dir)
     shapes: Dict[str, Tuple[int, ...]] = {}
     try:
-        for filename in sorted(set(_weight_map(output_dir).values())):
+        for filename in sorted(set(output_weight_map(output_dir, stems=(MODEL_STEM, ADAPTER_STEM)).values())):
             with safe_open(str(output_dir / filename), framework="pt") as handle:
                 shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
     except Exception as error:  # OSError, ValueError, safetensors' SafetensorError
@@ -79,8 +73,7 @@ def output_shapes(output_dir: Union[str, Path]) -> Dict[str, Tuple[int, ...]]:
 
 
 def verify_names_and_shapes(output_dir: Union[str, Path], expected: Mapping[str, Tuple[int, ...]], source: str) -> int:
-    """Check that a consolidated output holds exactly the names and shapes of ``expected`` (e.g. those of the model a
-    checkpoint's context describes).
+    """Check that a consolidated output holds exactly the names and shapes of ``expected``.
 
     Args:
         output_dir: a consolidated output directory.
@@ -117,11 +110,9 @@ def verify_consolidated(
 ) -> int:
     """Re-read every tensor of a consolidated output and compare it bitwise with its source in the checkpoint.
 
-    Floating-point sources are cast to the output's dtype first (for outputs written with a ``dtype`` cast); the
-    cast is the same one the consolidation used, so the comparison is exact. As a cast to a narrower dtype would turn
-    a finite value that overflows into the same ``inf`` on both sides, an output value that is not finite where its
-    source is fails first (:func:`.casting.cast_overflow`). Reads one tensor at a time, once its shape in the output's
-    header is its source's (a header claiming a larger tensor costs nothing).
+    Floating-point sources are cast to the output's dtype first, with the consolidation's cast, so the comparison is
+    exact; an output value that is not finite where its source is fails first (:func:`.casting.cast_overflow`). Reads
+    one tensor at a time, once its shape in the output's header is its source's.
 
     Args:
         weights_dir: the checkpoint's DCP directory (``<ckpt>/weights``).
@@ -141,7 +132,7 @@ def verify_consolidated(
     metadata, reader = open_weights(weights_dir, metadata=metadata)
     sources = {output.spec.name: output for output in plan_outputs(metadata)}
     try:
-        weight_map = _weight_map(output_dir)
+        weight_map = output_weight_map(output_dir, stems=(MODEL_STEM, ADAPTER_STEM))
     except Exception as error:  # OSError, ValueError, safetensors' SafetensorError
         raise VerificationError(f"Cannot read the consolidated output in {output_dir}: {error}") from error
     missing = sorted(set(sources) - set(weight_map))

@@ -15,16 +15,10 @@
 """The vocabulary sizes of a checkpoint, as ``metadata.json`` records them: padded (the model's) and the tokenizer's.
 
 megatron-core pads the vocabulary to a multiple of ``make_vocab_size_divisible_by`` (times the TP size), so the
-embedding and output layer have more rows than the tokenizer has tokens. The ``safetensors`` format keeps the model's
-rows (it holds the model's ``state_dict``); a Hugging Face export prunes them to the tokenizer's size. Both sizes are
-read from files only:
-
-* padded: the rows of ``embedding.word_embeddings.weight`` (else ``output_layer.weight``) in the distributed
-  checkpoint's metadata;
-* tokenizer: NeMo saves a Hugging Face tokenizer in ``<ckpt>/context/nemo_tokenizer/``; its ``tokenizer.json``
-  (the ``tokenizers`` library's format: ``model.vocab`` is a token -> id map for WordLevel, WordPiece and BPE models
-  or a list of ``[token, score]`` for Unigram, plus ``added_tokens`` with their ids) gives the number of distinct
-  token ids. Any other tokenizer (SentencePiece ``.model``, none at all) gives ``None``: unknown, never a guess.
+embedding and output layer have more rows than the tokenizer has tokens; the ``safetensors`` format keeps them, a
+Hugging Face export prunes them. Both sizes are read from files only: the padded one from the embedding's rows in the
+checkpoint's metadata, the tokenizer's from NeMo's ``context/nemo_tokenizer/tokenizer.json`` (any other tokenizer
+gives ``None``: unknown, never a guess).
 
 Standard library, the engine's metadata types and its bounded file reads only.
 """

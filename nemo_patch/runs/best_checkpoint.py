@@ -14,21 +14,11 @@
 
 """The best checkpoint of a run by its monitored metric, found offline from what NeMo recorded.
 
-Two records exist, read in this order:
-
-1. ``ModelCheckpoint``'s own state, which Lightning stores in every checkpoint (NeMo 2: in the distributed
-   checkpoint's ``weights/common.pt``, under ``callbacks["ModelCheckpoint{'monitor': ..., 'mode': ...}"]``):
-   ``monitor``, ``best_model_path``, ``best_model_score``. The newest finished checkpoint's state is the run's latest
-   word. ``common.pt`` is read with ``torch.load(weights_only=True)``, allowing ``pathlib`` paths only, once its zip
-   members are checked as a shard's records are (:mod:`.record_checks`: uncompressed, inside the file, sharing no
-   data, so that what it allocates is bounded by the file's size); a file that needs anything else is not unpickled,
-   and the names are used instead.
-2. The metric in the checkpoint names, when ``ModelCheckpoint(filename=...)`` includes it (NeMo's default
-   ``"{model_name}--{val_loss:.2f}-{step}-{consumed_samples}"`` does: ``...--val_loss=1.23-step=9-...``), as NeMo's
-   own ``nemo_topk_check_previous_run`` reads it on resume. ``-last`` copies are left out, as NeMo does.
-
-The best checkpoint is never replaced by another one: when the one NeMo recorded is missing or unfinished, the error
-names it.
+Two records are read, in this order: ``ModelCheckpoint``'s own state in the newest finished checkpoint's
+``weights/common.pt`` (``monitor``, ``best_model_path``, ``best_model_score``; read safely by
+:func:`.save_identity.read_common_state`), else the metric in the checkpoint names (``...--val_loss=1.23-step=9-...``),
+as NeMo's ``nemo_topk_check_previous_run`` reads it on resume, ``-last`` copies left out. The best checkpoint is never
+replaced by another one: when the one NeMo recorded is missing or unfinished, the error names it.
 
 Imports the standard library, and torch when reading ``common.pt``; never NeMo or Lightning.
 """
@@ -105,12 +95,6 @@ class BestCheckpoint:
         return {"monitor": self.monitor, "value": self.value, "mode": self.mode}
 
 
-def _checkpoint_root(path: Path) -> Path:
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} does not exist or is not a directory")
-    return checkpoint_root(path)
-
-
 def _finished(checkpoint_dir: Path) -> bool:
     try:
         return inspect_checkpoint(checkpoint_dir, allow_unfinished=True).finished
@@ -181,7 +165,10 @@ def find_best_checkpoint(
     """
     if mode not in (None, "min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    root = _checkpoint_root(Path(path))
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path} does not exist or is not a directory")
+    root = checkpoint_root(path)
     candidates = checkpoints_newest_first(root)
     if not candidates:
         raise NotACheckpointError(f"{root} holds no NeMo 2 checkpoint ('<name>/weights/' directories)")

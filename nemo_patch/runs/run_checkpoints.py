@@ -16,18 +16,14 @@
 
 Two layouts are recognised from what the directory holds:
 
-* **NeMo 2** (``<log_dir>/<name>/checkpoints``): a directory per checkpoint with ``weights/``. A checkpoint is finished
-  when the file its format writes last is there and NeMo's ``<name>-unfinished`` marker is not
-  (:func:`.checkpoint_layout.inspect_checkpoint`; NeMo also sets the marker before it removes a checkpoint). Its
-  global step is NeMo's ``step=<N>`` in the name plus one or, for a name without it, ``global_step`` in
-  ``weights/common.pt`` (read with ``torch.load(weights_only=True)``). A name ending in ``-last`` or
-  ``-last-v<k>`` (Lightning's version counter) is NeMo's copy of its step's save.
-* **Megatron-LM and Megatron-Bridge** (their ``--save`` / ``CheckpointConfig.save`` directory): ``iter_<N>/``
-  directories, named as they name them (``iter_0000100``: seven digits at least, no other zero-padding, ASCII digits
-  only), that hold the distributed checkpoint itself, and ``latest_checkpointed_iteration.txt`` (the tracker),
-  which the trainer rewrites once a save is finalized (after the background write of an async save). ``iter_<N>`` is
-  finished when the tracker names ``N`` or a later iteration and its ``.metadata`` is there; with no tracker nothing
-  is finished. Its global step is ``N``. ``common.pt`` (``args`` as an ``argparse.Namespace``) is never unpickled.
+* **NeMo 2** (``<log_dir>/<name>/checkpoints``): a directory per checkpoint with ``weights/``, finished when the file
+  its format writes last is there and NeMo's ``<name>-unfinished`` marker is not; its global step is
+  :func:`.save_identity.global_step_of`'s. A name ending in ``-last`` or ``-last-v<k>`` is NeMo's copy of its step's
+  save.
+* **Megatron-LM and Megatron-Bridge** (their ``--save`` directory): ``iter_<N>/`` directories (``iter_0000100``:
+  seven digits at least, no other zero-padding) and ``latest_checkpointed_iteration.txt`` (the tracker), rewritten
+  once a save is finalized. ``iter_<N>`` is finished when the tracker names ``N`` or a later iteration and its
+  ``.metadata`` is there; its global step is ``N``. Its ``common.pt`` is never unpickled.
 
 Hidden entries, ``LATEST``/``BEST`` and outputs kept under ``retained/`` are never checkpoints. Reads only: nothing
 here writes. Standard library, and torch for ``common.pt``.
