@@ -102,13 +102,10 @@ def read_index_weight_map(index_path: Union[str, Path]) -> Dict[str, str]:
         Tensor name -> weights file name (a plain name in the index's directory), in the index's order.
 
     Raises:
-        OSError: the index cannot be read; ``FileNotFoundError`` if it or a file it names does not exist, and
-            :class:`~.safe_files.UnsafeFileError` if it is not a regular file or is larger than
-            :data:`~.safe_files.MAX_JSON_BYTES`.
+        OSError: the index cannot be read (not a regular file, too large), or it or a file it names does not exist.
         InvalidOutputError: the index is not JSON, has no ``weight_map`` object, names a tensor twice or none, or maps
-            a tensor to something other than a plain file name (a path, ``..``, not a string); or a file holds a
-            tensor the index does not map to it, or lacks one it does. The message names the index, the tensor and
-            the files.
+            a tensor to something other than a plain file name; or a file holds a tensor the index does not map to it,
+            or lacks one it does. The message names the index, the tensor and the files.
     """
     index_path = Path(index_path)
     data = read_regular_file(index_path, MAX_JSON_BYTES)
@@ -134,13 +131,10 @@ def read_index_weight_map(index_path: Union[str, Path]) -> Dict[str, str]:
 def output_weight_map(output_dir: Union[str, Path], stems: Sequence[str] = (MODEL_STEM,)) -> Dict[str, str]:
     """Tensor name -> weights file name of a consolidated output, checked against the files' headers.
 
-    For each stem in turn (``"model"``, ``"adapter_model"``; :data:`~.output_layout.MODEL_STEM`,
-    :data:`~.output_layout.ADAPTER_STEM`), the output's weights are ``<stem>.safetensors`` or the
-    shards ``<stem>.safetensors.index.json`` names; the first stem with either is used. Only headers are read.
-
     Args:
         output_dir: a consolidated output directory (``consolidated/``, ``hf/``, ``retained/<name>/consolidated``).
-        stems: the weights file stems to look for, in order.
+        stems: the weights file stems to look for, in order (``"model"``, ``"adapter_model"``): the first with
+            ``<stem>.safetensors`` or ``<stem>.safetensors.index.json`` is used.
 
     Returns:
         Tensor name -> file name in ``output_dir`` (every file name plain; each tensor in exactly that file).

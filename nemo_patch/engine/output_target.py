@@ -147,10 +147,8 @@ def describe_entry(path: Union[str, Path], limit: int = 3) -> str:
 def check_output_target(
     checkpoint_dir: Union[str, Path], output_dir: Union[str, Path], overwrite: bool, read_only: bool = False
 ) -> None:
-    """Refuse an output directory whose publication would destroy the checkpoint or anything of the user's.
-
-    Called before anything is read or written: by :func:`.consolidate.consolidate_checkpoint`, the
-    Hugging Face export and the command line.
+    """Refuse an output directory whose publication would destroy the checkpoint or anything of the user's (called
+    before anything is read or written).
 
     Args:
         checkpoint_dir: the checkpoint directory (``<ckpt>``, holding ``weights/``; for a bare DCP directory, the

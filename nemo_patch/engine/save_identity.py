@@ -367,11 +367,9 @@ def save_identity(
         A :class:`SaveIdentity`.
 
     Raises:
-        UnfinishedCheckpointError: the file the format writes last is missing, or a shard or chunk file is newer
-            than it (a save in progress, e.g. an ``iter_<N>`` rewritten in place).
+        UnfinishedCheckpointError: the file the format writes last is missing, or a shard or chunk file is newer.
         CorruptShardError: the last-written file cannot be read (not a regular file, over 1 GiB), or the weights
-            directory cannot be listed or holds a link where a shard or array lies; a :func:`saved_again_error` when
-            the last-written file changed while it was read.
+            directory cannot be listed; a :func:`saved_again_error` when the last-written file changed while read.
     """
     identity, unfinished = _read_identity(Path(checkpoint_dir), read_run)
     if unfinished is not None and not allow_unfinished:
@@ -387,8 +385,8 @@ def check_unchanged(
 
     Args:
         checkpoint_dir: the checkpoint ``before`` was read from.
-        before: :func:`save_identity` (with ``allow_unfinished=True``, so that a damaged shard is reported by the
-            reader, naming it, before a save in progress is) taken before the checkpoint was read.
+        before: :func:`save_identity` (``allow_unfinished=True``: the reader names a damaged shard first) taken
+            before the checkpoint was read.
         allow_unfinished: accept a save that is visibly in progress, if it did not change.
 
     Returns:

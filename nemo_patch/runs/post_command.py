@@ -185,9 +185,8 @@ def check_placeholders(command: str) -> str:
 
     Raises:
         ValueError: ``command`` names another placeholder, or one of the four with a conversion, a format spec, an
-            index or an attribute (``{output!r}``, ``{output:>9}``, ``{output[0]}``, ``{output.__class__}``: each
-            would replace the shell-quoted value with another text, unquoted), or has a lone brace; the message lists
-            the four.
+            index or an attribute (``{output!r}``, ``{output[0]}``: each would put another text, unquoted, in place
+            of the shell-quoted value), or has a lone brace; the message lists the four.
     """
     return _expand(command, {name: "" for name in PLACEHOLDERS})
 
@@ -221,8 +220,7 @@ def _placeholder_error(command: str, what: str) -> ValueError:
 
 def _create_in_place_of(path: Path) -> BinaryIO:
     """A new, empty file opened for writing that is now ``path``: created under a random name beside it with
-    ``O_CREAT | O_EXCL | O_NOFOLLOW`` (nothing planted there is opened) and renamed over ``path`` (whatever was there,
-    a symbolic link or a FIFO included, is replaced, never followed).
+    ``O_CREAT | O_EXCL | O_NOFOLLOW`` and renamed over ``path`` (whatever was there is replaced, never opened).
 
     Raises:
         OSError: it cannot be created, or ``path`` is a directory (nothing is left behind).
@@ -241,8 +239,7 @@ def _create_in_place_of(path: Path) -> BinaryIO:
 
 def record_result(output_dir: Union[str, Path], result: PostCommandResult) -> None:
     """Add ``result`` to the output's ``metadata.json`` under ``"post_command"``, atomically (a new file, created with
-    ``O_EXCL | O_NOFOLLOW`` under a random name, written, synced and renamed over it); nothing when there is no
-    readable ``metadata.json`` (a bounded regular file holding a JSON object)."""
+    ``O_EXCL | O_NOFOLLOW``, synced and renamed over it); nothing when there is no readable ``metadata.json``."""
     output_dir = Path(output_dir)
     path = output_dir / _METADATA
     try:
