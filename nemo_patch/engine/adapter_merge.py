@@ -61,8 +61,7 @@ class AdapterMergeError(ConsolidationError):
     exit_code, summary = 13, "adapters that cannot be merged (e.g. base checkpoint missing)"
 
 
-_LINEAR_IN = re.compile(r"^(?P<layer>.+)\.adapter\.linear_in\.weight$")
-_LINEAR_OUT = re.compile(r"^(?P<layer>.+)\.adapter\.linear_out\.weight$")
+_LORA_HALF = re.compile(r"^(?P<layer>.+)\.adapter\.linear_(?P<half>in|out)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -86,15 +85,13 @@ def lora_pairs(adapter_outputs: List[OutputTensor], base_names: AbstractSet[str]
     """
     halves: Dict[str, Dict[str, OutputTensor]] = {}
     for output in adapter_outputs:
-        match_in, match_out = _LINEAR_IN.match(output.spec.name), _LINEAR_OUT.match(output.spec.name)
-        if match_in is None and match_out is None:
+        match = _LORA_HALF.match(output.spec.name)
+        if match is None:
             raise AdapterMergeError(
                 f"Cannot merge adapter tensor {output.spec.name}: only LoRA's <layer>.adapter.linear_in.weight and "
                 "<layer>.adapter.linear_out.weight pairs can be merged"
             )
-        match = match_in or match_out
-        assert match is not None
-        halves.setdefault(match["layer"], {})["in" if match_in else "out"] = output
+        halves.setdefault(match["layer"], {})[match["half"]] = output
     pairs = {}
     for layer, half in sorted(halves.items()):
         if set(half) != {"in", "out"}:
