@@ -13,13 +13,8 @@
 # limitations under the License.
 
 
-"""``nemo-consolidate --check``: whether the overlay would be active in a new interpreter of this environment.
-
-A job-start guard for launchers: a fresh interpreter (this one's executable, this environment) imports NeMo's
-``MegatronStrategy`` module the way a training script does, *without* importing ``nemo_patch`` first, and reports
-whether the start-up hook (``nemo_patch.pth``) ran and edited it. Standard library only here: the check itself runs
-in the child.
-"""
+"""``nemo-consolidate --check``: whether the overlay would be active in a new interpreter of this environment (one
+that imports NeMo's ``MegatronStrategy`` without importing ``nemo_patch`` first). Standard library only."""
 
 import json
 import os

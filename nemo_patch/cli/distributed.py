@@ -14,10 +14,9 @@
 
 """``nemo-consolidate`` launched on several nodes: ``torchrun`` or SLURM's ``srun`` split one consolidation's writes.
 
-Every process runs the same command line, as one writer node with ``--workers`` writer processes, on a filesystem all
-of them see (usage: docs/parallel.md). Rank 0 plans the output and cuts the tensors into ``world size x workers``
-parts (:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`). A ``gloo`` group of these processes alone
-(``env://``) carries five messages, in this order:
+Every process runs the same command line with ``--workers`` writer processes, on a filesystem all of them see (usage:
+docs/parallel.md); rank 0 plans the output and cuts it into ``world size x workers`` parts. A ``gloo`` group of these
+processes alone (``env://``) carries five messages, in this order:
 
 1. every rank to every rank: the SHA-256 of its parsed arguments (:func:`arguments_digest`), before any work; any
    difference makes every rank refuse with :class:`PeerError` (exit code 15) naming the rank(s);
@@ -30,14 +29,11 @@ parts (:func:`nemo_patch.engine.consolidate.consolidate_checkpoint`). A ``gloo``
 
 Every message is a tensor (fixed-size, or JSON text as ``uint8`` after its length): nothing a peer sends is unpickled.
 
-Each wait for a peer is bounded by ``--timeout`` (:data:`DEFAULT_TIMEOUT`); a peer that closed its connection or sent
-nothing in time ends the run on every other rank with :class:`PeerError` and one line naming it. gloo closes every
-connection of a process once one of its waits times out, so a rank that gives up cannot tell the others why: each
-rank finds lost peers itself, in the two all-to-all messages (1 and 3), rather than by ``dist.monitored_barrier``
-(which names the missing ranks on rank 0 only). Rank 0's temporary output is removed by rank 0, or by the others when
-rank 0 is lost before the reports; only a rank 0 lost while it publishes leaves the others unsure, and they say so.
-
-Imports torch and the engine; never NeMo, Lightning or megatron-core.
+Each wait for a peer is bounded by ``--timeout``; a peer that closed its connection or sent nothing in time ends the
+run on every other rank with :class:`PeerError` naming it. gloo closes every connection of a process once one of its
+waits times out, so each rank finds lost peers itself, in the all-to-all messages 1 and 3 (``monitored_barrier``
+names them on rank 0 only). Rank 0's temporary output is removed by rank 0, or by the others when rank 0 is lost
+before the reports.
 """
 
 import contextlib
@@ -193,11 +189,13 @@ class LaunchedGroup:
 
     # --- joining and leaving ---
 
-    def init(self) -> None:
-        """Join the ``gloo`` group (``env://`` rendezvous at ``MASTER_ADDR:MASTER_PORT``).
+    def join(self, arguments: Mapping[str, Any]) -> None:
+        """Join the ``gloo`` group (``env://`` at ``MASTER_ADDR:MASTER_PORT``) and compare every rank's ``arguments``
+        (``vars(args)``) with rank 0's, by :func:`arguments_digest`, before any work; leaves the group on failure.
 
         Raises:
-            PeerError: not every rank joined within the timeout.
+            PeerError: not every rank joined within the timeout, a rank was launched with different arguments (every
+                rank raises it, naming the same ranks), or a rank was lost.
         """
         os.environ.setdefault("RANK", str(self.rank))
         os.environ.setdefault("WORLD_SIZE", str(self.world_size))
@@ -217,16 +215,6 @@ class LaunchedGroup:
                 f"{_first_line(error)}); nothing was written"
             ) from None
         self._joined = True
-
-    def join(self, arguments: Mapping[str, Any]) -> None:
-        """Join the group (:meth:`init`) and compare every rank's ``arguments`` (``vars(args)``) with rank 0's, by
-        :func:`arguments_digest`, before any work; leaves the group on failure.
-
-        Raises:
-            PeerError: a rank was launched with different arguments (every rank raises it, naming the same ranks),
-                or a rank was lost.
-        """
-        self.init()
         try:
             digest = torch.frombuffer(
                 bytearray(arguments_digest(dict(arguments, timeout=self.timeout))), dtype=torch.uint8
@@ -361,10 +349,6 @@ class LaunchedGroup:
 
     # --- rank 0 ---
 
-    def parts(self, workers: int) -> int:
-        """How many parts the consolidation is cut into: ``workers`` per rank."""
-        return self.world_size * workers
-
     def release(self) -> None:
         """Rank 0: tell the other ranks that it does the rest alone (they have no part in it and exit 0)."""
         if not self._planned and not self._released:
@@ -448,14 +432,11 @@ class LaunchedGroup:
             results = run_parts(jobs, open_job_sources(jobs[0]), len(jobs)) if jobs else []
             report = {"results": [result.to_json() for result in results]}
         except Exception as error:  # noqa: BLE001 - reported by rank 0, once
-            consolidation_error = isinstance(error, ConsolidationError)
-            report = {
-                "error": {
-                    "type": type(error).__name__ if consolidation_error else "ConsolidationError",
-                    "exit_code": error.exit_code if isinstance(error, ConsolidationError) else 1,
-                    "message": str(error) if consolidation_error else f"{type(error).__name__}: {error}",
-                }
-            }
+            if isinstance(error, ConsolidationError):
+                failure = {"type": type(error).__name__, "exit_code": error.exit_code, "message": str(error)}
+            else:
+                failure = {"type": "ConsolidationError", "exit_code": 1, "message": f"{type(error).__name__}: {error}"}
+            report = {"error": failure}
         try:
             self._exchange(torch.ones(1, dtype=torch.uint8), _DONE, "finish writing its part")
         except PeerError:

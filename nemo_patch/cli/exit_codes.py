@@ -12,14 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The errors ``nemo-consolidate`` can end with, collected from the modules of the features that raise them.
-
-Each :class:`~nemo_patch.engine.errors.ConsolidationError` subclass declares its exit code and a short summary; the
-engine's errors live in :mod:`nemo_patch.engine.errors`, the others with their features. :func:`error_classes` imports
-those modules (by name: the CLI's error list must not make them its import-time dependencies) and returns every class,
-so that the CLI's epilog, the documentation's table and the mapping of a peer's reported error back to its class use
-one list.
-"""
+"""The errors ``nemo-consolidate`` can end with (each :class:`~nemo_patch.engine.errors.ConsolidationError` subclass
+declares its exit code and summary), for the CLI's epilog, the documentation's table and a peer's reported error."""
 
 import importlib
 from typing import Dict, List, Type

@@ -12,15 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""``nemo-consolidate ROOT --list [--json] [--verify]``: what was done with each checkpoint of a run.
+"""``nemo-consolidate ROOT --list [--json] [--verify]``: what was done with each checkpoint of a run (docs/cli.md).
 
-One row per checkpoint of ``ROOT`` (a NeMo 2 checkpoint root or its run directory, or a Megatron-LM / Megatron-Bridge
-save directory: :mod:`nemo_patch.runs.run_checkpoints`), in global-step order, then one per output kept under
-``retained/``: its save, run and outputs (complete for this save as :func:`nemo_patch.cli.watch.output_is_complete`
-says, format, dtypes, size, digests), ``LATEST`` / ``BEST`` marks and the post command's result (docs/cli.md; the
-keys are :func:`list_root`'s). Reads only: nothing is written, no lock is taken. Exit codes: 0; 3 when ``ROOT`` does
-not exist; 4 when it holds no checkpoint and no retained output; 9 with ``--verify`` when an output's digests do not
-verify (the table is printed first).
+Reads only: nothing is written, no lock is taken. Exit codes: 0; 3 when ``ROOT`` does not exist; 4 when it holds no
+checkpoint and no retained output; 9 with ``--verify`` when an output's digests do not verify (the table is printed
+first).
 """
 
 import argparse
@@ -60,8 +56,8 @@ def add_list_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_list_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
-    """Whether the command line asks for ``--list``; a usage error (exit 2) for ``--json`` without it, or options that
-    write an output with it."""
+    """Whether the command line asks for ``--list``; a usage error (exit 2) for ``--json`` without it, or for options
+    that write an output with it."""
     if not args.list:
         if args.json:
             parser.error("--json only with --list")
@@ -256,9 +252,8 @@ def list_root(path: Path, verify: bool = False) -> Dict[str, Any]:
 
 
 def format_listing(listing: Dict[str, Any], extra: Optional[Dict[str, Dict[str, str]]] = None) -> str:
-    """The table :func:`list_root`'s result prints as: one row per checkpoint and output (a second output of one
-    checkpoint gets a row of its own, its first cell ``+``). ``extra``: more columns, ``{header: {name: cell}}``
-    (the demo's ``val_loss``), placed after the global step."""
+    """The table of :func:`list_root`'s result: one row per checkpoint and output (a second output's first cell:
+    ``+``). ``extra``: more columns after the global step, ``{header: {name: cell}}`` (the demo's ``val_loss``)."""
     extra = extra or {}
     header = ["checkpoint", "global step", *extra, "run", "finished", "consolidated", "format", "dtype", "size",
               "digests", "post command"]  # fmt: skip

@@ -75,9 +75,8 @@ _ESCAPE_ERRORS = "nemo_patch.escape"
 
 
 def _escape_unencodable(error: UnicodeError) -> Tuple[str, int]:
-    """Encoding error handler: a byte of a file name that is not valid in the file system's encoding (decoded by Python
-    as a lone surrogate, ``\\udcff`` for ``\\xff``) as ``\\xff``, any other character the stream cannot encode as
-    ``backslashreplace`` writes it. Printing a path never fails, whatever its bytes and the stream's encoding."""
+    """Encoding error handler: a file name's undecodable byte (a lone surrogate, ``\\udcff``) as ``\\xff``, any other
+    character as ``backslashreplace`` writes it; printing a path never fails."""
     if not isinstance(error, UnicodeEncodeError):
         raise error
 
@@ -94,11 +93,9 @@ codecs.register_error(_ESCAPE_ERRORS, _escape_unencodable)
 
 @contextlib.contextmanager
 def _printable_paths() -> Iterator[None]:
-    """While the command runs, stdout and stderr escape what they cannot encode (:func:`_escape_unencodable`) instead
-    of raising (stdout's default under a UTF-8 locale or ``PYTHONIOENCODING=utf-8:strict``): a checkpoint or output
-    path with bytes that are not UTF-8 (``ckpt-\\xff``) must not end the command with a traceback after it published
-    its output. stderr's ``backslashreplace`` is replaced too (it would show ``\\udcff``); a stream with another
-    handler is left as it is (``surrogateescape``, Python's choice in the C locale, writes a name's own bytes)."""
+    """While the command runs, stdout and stderr (if ``strict`` or ``backslashreplace``) escape what they cannot
+    encode (:func:`_escape_unencodable`): a path that is not UTF-8 (``ckpt-\\xff``) must not end the command with a
+    traceback after it published its output."""
     changed = []
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and stream.errors in ("strict", "backslashreplace"):
@@ -112,12 +109,9 @@ def _printable_paths() -> Iterator[None]:
                 stream.reconfigure(errors=errors)
 
 
-def _setting_type(spec: Setting) -> Callable[[str], Any]:
-    """argparse's ``type=`` for a setting's option: the declared parse, then the setting's own validation (its
+def _setting_type(spec: Setting, flag: str, parse: Optional[Callable[[str], Any]]) -> Callable[[str], Any]:
+    """argparse's ``type=`` for a setting's option ``flag``: ``parse``, then the setting's own validation (its
     message, naming the option, is argparse's error)."""
-    if spec.cli is None:
-        raise ValueError(f"setting {spec.field!r} has no command-line option")
-    flag, parse = spec.cli.flag, spec.cli.parse
 
     def convert(text: str) -> Any:
         try:
@@ -130,9 +124,8 @@ def _setting_type(spec: Setting) -> Callable[[str], Any]:
 
 
 def _add_setting_options(groups: Dict[str, Any]) -> None:
-    """One option per consolidation setting that declares one (a :class:`~nemo_patch.ConsolidationConfig` field with
-    a :class:`~nemo_patch.training.config.CliOption`; :data:`nemo_patch.training.config.SETTINGS`), in the group it
-    names, with the field's default; its value is validated as the field is, the message naming the option."""
+    """One option per setting of :data:`nemo_patch.training.config.SETTINGS` that declares one, in the group it names,
+    with the field's default; its value is validated as the field is."""
     for spec in SETTINGS:
         if spec.cli is None:
             continue
@@ -142,7 +135,8 @@ def _add_setting_options(groups: Dict[str, Any]) -> None:
             continue
         group.add_argument(
             spec.cli.flag,
-            type=None if spec.cli.choices else _setting_type(spec),  # argparse checks choices after the type
+            # with choices, no type: argparse checks choices after the type
+            type=None if spec.cli.choices else _setting_type(spec, spec.cli.flag, spec.cli.parse),
             default=spec.default,
             choices=spec.cli.choices,
             metavar=spec.cli.metavar,
@@ -152,9 +146,7 @@ def _add_setting_options(groups: Dict[str, Any]) -> None:
 
 def _path_argument(text: str) -> Any:
     """argparse's ``type=`` for a path: a :class:`~pathlib.Path`, but a URL (``s3://b/out``) as given, for
-    :func:`_refuse_urls` to name it (``Path`` would make it ``s3:/b/out``). A local directory named like a scheme is
-    given as a relative path (``./s3:/out``): ``Path`` drops the ``./`` and would make that a URL too, so it is made
-    absolute (``<cwd>/s3:/out``), which no URL is."""
+    :func:`_refuse_urls` to name it; a local ``./s3:/out`` is made absolute (``Path`` drops the ``./``)."""
     if is_url(text):
         return text
     path = Path(text)

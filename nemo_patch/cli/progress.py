@@ -12,16 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Progress of a consolidation in a job log: when stderr is not a terminal (a SLURM log file, a pipe),
-``nemo-consolidate`` and ``--watch`` print a line at most every ``--progress-interval`` seconds (default
-:data:`DEFAULT_INTERVAL`)::
-
-    nemo-consolidate: progress tiny_gpt--step=9: 1.2 GB of 4.8 GB (25%), 310.5 MB/s, about 12 s left
-
-fed by the same ``(bytes done, bytes in all)`` counters as the terminal's progress bar. The first line comes one
-interval after the consolidation started, so a consolidation shorter than that prints none; a run of ``T`` seconds
-prints at most ``T / interval`` lines.
-"""
+"""Progress of a consolidation: a bar on a terminal, else (a job log) a line at most every ``--progress-interval``
+seconds (docs/cli.md)."""
 
 import time
 from typing import Callable, List, Optional, TextIO, Tuple
@@ -34,7 +26,7 @@ DEFAULT_INTERVAL = 30.0
 
 class LogProgress:
     """A progress callback ``(done, total)`` (bytes) that writes one line to ``stream`` at most every ``interval``
-    seconds: bytes done and in all, the rate since the start (MB/s, decimal units), and the time left at that rate.
+    seconds (none before the first interval): bytes done and in all, the rate since the start, the time left.
 
     Args:
         stream: where the lines go (the command's stderr).

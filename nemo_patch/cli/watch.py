@@ -14,14 +14,7 @@
 
 """``nemo-consolidate --watch ROOT``: a sidecar that consolidates a run's checkpoints as they finish.
 
-The watcher lists ``ROOT`` (a NeMo 2 checkpoint root, or a Megatron-LM / Megatron-Bridge save directory:
-:mod:`nemo_patch.runs.run_checkpoints`) every ``--poll-interval`` seconds and consolidates, one at a time, oldest
-first, the finished checkpoints that ``--frequency`` picks (``ckpt_consolidation_frequency``'s values, counted by
-distinct global step). Each output is staged in ``ROOT`` and renamed into the checkpoint once complete, after checking
-that the checkpoint is still the finished save that was read; a ``-last`` copy holding the same trainer state
-(:func:`same_state`) gets hard links; ``ROOT/LATEST`` only moves forward and never dangles. A complete output
-(:func:`output_is_complete`) is not written again, a ``flock`` keeps two watchers off one checkpoint, and any failure
-of one checkpoint is one log line. ``--until-idle``, the summary line and the exit codes: docs/sidecar.md.
+What it consolidates, links and points ``LATEST`` at, its log lines and exit codes: docs/sidecar.md.
 """
 
 import argparse
@@ -96,12 +89,9 @@ def _weights(checkpoint: Path) -> Path:
 
 def output_is_complete(checkpoint: Path, output_dir: Path) -> bool:
     """Whether ``output_dir`` is a complete output of ``checkpoint`` as saved now: its ``metadata.json`` records the
-    checkpoint's current ``.metadata`` (:func:`nemo_patch.engine.digests.source_fingerprint`; a checkpoint saved again
-    under the same name has another) and, where it records a save identity (``"save"``), the checkpoint's current one
-    (:func:`nemo_patch.engine.save_identity.save_identity`), and lists files that all exist with the recorded sizes (a
-    Hugging Face output: its ``config.json`` exists). An output linked from another checkpoint's is complete only when
-    it records that the two hold the same trainer state (``"linked"``, :func:`same_state`): a link made before that
-    was checked may hold another save's weights, and is made again."""
+    checkpoint's current ``.metadata`` fingerprint and save identity (where it records one), and lists files that all
+    exist with the recorded sizes (hf: its ``config.json`` exists). A linked output is complete only when it records
+    that the two checkpoints hold the same trainer state (``"linked"``, :func:`same_state`)."""
     from nemo_patch.engine.digests import source_fingerprint
     from nemo_patch.engine.safe_files import read_json_file
     from nemo_patch.engine.save_identity import SaveIdentity, save_identity
@@ -141,8 +131,7 @@ _COMPARE_CHUNK = 4 << 20
 
 
 def _same_bytes(one: Path, other: Path) -> bool:
-    """Whether two regular files (opened without following a link) hold the same bytes: sizes first, then the
-    contents ``_COMPARE_CHUNK`` bytes at a time, stopping at the first difference.
+    """Whether two regular files (opened without following a link) hold the same bytes.
 
     Raises:
         OSError: either cannot be opened or read (absent, a link).
@@ -163,11 +152,9 @@ def _same_bytes(one: Path, other: Path) -> bool:
 
 
 def _tensor_files(weights: Path, layout: str) -> Dict[str, Path]:
-    """The files of a save whose bytes are its tensors, by their path relative to ``weights``: DCP (``torch_dist``,
-    Megatron-LM): the ``*.distcp`` shards; zarr: every file under each array directory (``.zarray``, the chunks). The
-    consolidation never loads ``common.pt`` (it differs between a step's save and its ``-last`` copy: the trainer's
-    callback state), and DCP's ``.metadata`` is compared unpickled (:func:`_same_dcp_metadata`: its ``save_id``
-    differs between any two saves).
+    """The files of a save whose bytes are its tensors, by their path relative to ``weights``: the ``*.distcp``
+    shards, or every file of each zarr array directory (not ``common.pt``: the trainer's state differs between a save
+    and its ``-last`` copy; not ``.metadata``: its ``save_id`` differs, :func:`_same_dcp_metadata`).
 
     Raises:
         OSError: ``weights`` cannot be listed, or an entry of an array directory is a symbolic link.
@@ -193,9 +180,8 @@ def _tensor_files(weights: Path, layout: str) -> Dict[str, Path]:
 
 
 def _same_dcp_metadata(one: Path, other: Path) -> bool:
-    """Whether two DCP ``.metadata`` files describe the same tensors in the same places (everything but the
-    ``storage_meta`` that names the save: ``save_id``, ``checkpoint_id``), read as a consolidation reads them
-    (:func:`.metadata_checks.read_dcp_metadata`: opcodes bounded first, allowlisted, type-checked).
+    """Whether two DCP ``.metadata`` files describe the same tensors in the same places (all but ``storage_meta``,
+    which names the save), read as a consolidation reads them (:func:`.metadata_checks.read_dcp_metadata`).
 
     Raises:
         OSError: either cannot be read; ``pickle.UnpicklingError``: either is not DCP metadata.
@@ -216,10 +202,8 @@ def same_state(one: Path, other: Path) -> Optional[str]:
 
     Returns:
         ``"run"`` when both record the same training run (the overlay's run id) and global step and have the same
-        shard files by name and size; ``"bytes"`` when neither records a run (stock NeMo) and their tensors' files
-        are byte for byte equal (:func:`_tensor_files`, compared one by one, stopping at the first difference; for
-        DCP also ``.metadata`` but for the save's own id; ``metadata.json``); ``None`` otherwise: another save, whose
-        output is made on its own.
+        shard files by name and size; ``"bytes"`` when neither records a run (stock NeMo) and their tensors' files,
+        ``metadata.json`` and DCP ``.metadata`` (but for the save's id) are equal; ``None`` otherwise.
 
     Raises:
         ConsolidationError: either's identity cannot be read (:func:`nemo_patch.engine.save_identity.save_identity`:
@@ -326,7 +310,6 @@ class Watcher:
     _busy: bool = False
     layout: Optional[str] = None
     _complete: Dict[Path, Tuple[Any, ...]] = field(default_factory=dict)  # output -> what it was complete as
-    _saves: Dict[Path, Tuple[Any, str]] = field(default_factory=dict)  # checkpoint -> (.metadata's stat, sha256)
     _states: Dict[Tuple[Any, ...], Optional[str]] = field(default_factory=dict)  # two saves -> same_state's answer
     _orders: Dict[Path, Tuple[Any, Any]] = field(default_factory=dict)  # output -> (metadata.json's stat, its order)
     _swept: bool = False  # stale staging directories removed (at the first listing of the root)
@@ -353,13 +336,6 @@ class Watcher:
     def _output(self, checkpoint: RunCheckpoint) -> Path:
         return checkpoint.path / self.output_name
 
-    def _done(self, group: List[RunCheckpoint]) -> Optional[RunCheckpoint]:
-        """The checkpoint of a step whose output is complete, if one is."""
-        for checkpoint in group:
-            if self._is_complete(checkpoint.path, self._output(checkpoint)):
-                return checkpoint
-        return None
-
     @staticmethod
     def _metadata_file(checkpoint: Path) -> Path:
         weights = _weights(checkpoint)
@@ -367,9 +343,8 @@ class Watcher:
         return metadata if os.path.lexists(metadata) else weights / "metadata.json"
 
     def _is_complete(self, checkpoint: Path, output: Path) -> bool:
-        """:func:`output_is_complete`, read once per output: while the checkpoint's ``.metadata``, the output
-        directory and its ``metadata.json`` are the same files, unchanged (inode, size, times), it stays complete;
-        each poll of a root of thousands of consolidated checkpoints costs ``stat`` calls, not reads."""
+        """:func:`output_is_complete`, read again only when the checkpoint's ``.metadata``, the output directory or its
+        ``metadata.json`` changed (:func:`_stat_key`): a poll of thousands of outputs costs ``stat`` calls."""
         key = (_stat_key(self._metadata_file(checkpoint)), _stat_key(output), _stat_key(output / "metadata.json"))
         if None not in key and self._complete.get(output) == key:
             return True
@@ -422,7 +397,7 @@ class Watcher:
         due = []
         for step in sorted(set(wanted)):
             group = groups[step]
-            done = self._done(group)
+            done = next((c for c in group if self._is_complete(c.path, self._output(c))), None)
             if done is not None:
                 if step not in self._published:
                     self.tally.already_done.add(step)
@@ -444,8 +419,7 @@ class Watcher:
     # -- doing it ---------------------------------------------------------------------------------------------------
 
     def _save_of(self, checkpoint: Path) -> str:
-        """Which save of ``checkpoint`` this is (:func:`nemo_patch.engine.save_identity.save_identity`'s
-        fingerprint; ``""`` while it is unreadable or visibly being saved): a failure is retried if saved again."""
+        """Which save of ``checkpoint`` this is (its identity's fingerprint; ``""`` while unreadable or mid-save)."""
         from nemo_patch.engine.save_identity import save_identity
 
         try:
@@ -458,25 +432,20 @@ class Watcher:
             self._said.add((path, line))
             self.say(line)
 
-    def _list(self) -> RunListing:
-        return list_run_checkpoints(self.root, self.layout)
-
     def _still_finished(self, checkpoint: RunCheckpoint) -> bool:
         try:
-            listing = self._list()
+            listing = list_run_checkpoints(self.root, self.layout)
         except OSError:
             return False
         return any(found.path == checkpoint.path for found in listing.finished)
 
     def _check_still_finished(self, checkpoint: RunCheckpoint, save: str) -> Callable[[], None]:
         """The check before publishing: ``checkpoint`` is still listed as finished, and is still the save that was
-        read (``save``, its ``.metadata``'s sha256; a checkpoint saved again under its name meanwhile -- a rollback
-        -- may have been read half from each save)."""
+        read (``save``: a checkpoint saved again meanwhile may have been read half from each save)."""
 
         def check() -> None:
             if not self._still_finished(checkpoint):
                 raise ConsolidationError(f"{checkpoint.path} was removed or marked unfinished meanwhile")
-            self._saves.pop(checkpoint.path, None)  # read it again: its times may not have moved
             if self._save_of(checkpoint.path) != save:
                 raise _SavedAgain(f"{checkpoint.path} was saved again while it was consolidated")
 
@@ -557,8 +526,7 @@ class Watcher:
         return False
 
     def _same_state(self, one: RunCheckpoint, other: RunCheckpoint) -> Optional[str]:
-        """:func:`same_state`, asked once per pair of saves (again when either's ``.metadata`` changes); a checkpoint
-        whose identity cannot be read is another save (said once)."""
+        """:func:`same_state`, asked once per pair of saves (again when either's ``.metadata`` changes)."""
         key = (
             one.path,
             other.path,
@@ -578,11 +546,8 @@ class Watcher:
 
     def _link_copies(self, source: RunCheckpoint, group: List[RunCheckpoint]) -> None:
         """Give the other checkpoints of ``source``'s step that hold the same trainer state (NeMo's ``-last`` copies:
-        :func:`same_state`) the output of such a checkpoint as hard links, with a ``metadata.json`` of their own: it
-        records the copy's ``.metadata`` and save identity (so that :func:`output_is_complete` knows the copy's
-        output), ``"linked_from"``, the checkpoint whose output it is, and ``"linked"``: that checkpoint's save and
-        why the two are one state (``"run"`` or ``"bytes"``). A checkpoint of another save of the step is left to be
-        consolidated on its own."""
+        :func:`same_state`) that output as hard links, with a ``metadata.json`` of their own: the copy's ``.metadata``
+        and save identity, ``"linked_from"`` and ``"linked"`` (the origin's save, ``"run"`` or ``"bytes"``)."""
         from nemo_patch.engine.digests import source_fingerprint
         from nemo_patch.engine.publish import link_output
         from nemo_patch.engine.safe_files import read_json_file
@@ -623,8 +588,7 @@ class Watcher:
                      f"(the same state: {'same run and step' if how == 'run' else 'byte-equal weights'})")  # fmt: skip
 
     def _order(self, output: Path) -> Any:
-        """:func:`nemo_patch.training.latest.output_order` of an output, read again only when its ``metadata.json``
-        changed (inode, size, times)."""
+        """:func:`nemo_patch.training.latest.output_order`, read again when the output's ``metadata.json`` changed."""
         from nemo_patch.training.latest import output_order
 
         key = _stat_key(output / "metadata.json")
@@ -637,9 +601,8 @@ class Watcher:
         return order
 
     def _point_latest(self, checkpoint: RunCheckpoint) -> None:
-        """``ROOT/LATEST`` -> ``checkpoint`` unless the output it names is of a newer save
-        (:func:`nemo_patch.training.latest.moves_forward` on what the two outputs' ``metadata.json`` record, the
-        output ``LATEST`` names read wherever it lies: a checkpoint, or ``retained/``)."""
+        """``ROOT/LATEST`` -> ``checkpoint`` unless the output it names (in a checkpoint or ``retained/``) is of a
+        newer save (:func:`nemo_patch.training.latest.moves_forward`)."""
         from nemo_patch.training.latest import (
             LATEST_NAME,
             moves_forward,
@@ -666,10 +629,8 @@ class Watcher:
             self._once(link, f"{link} not updated: {error}")
 
     def _keep_latest_live(self, listing: RunListing) -> None:
-        """When the checkpoint ``ROOT/LATEST`` names was removed (NeMo's top-k retention; marked unfinished first) or
-        holds no output any more, move ``LATEST`` to the newest output left (a finished checkpoint's complete output,
-        or one kept under ``retained/``), or remove it when none is left: one log line either way, never a dangling
-        ``LATEST``."""
+        """When the checkpoint ``ROOT/LATEST`` names was removed or holds no output any more, move ``LATEST`` to the
+        newest output left (a checkpoint's or one under ``retained/``), or remove it when none is left."""
         from nemo_patch.engine.checkpoint_layout import is_marked_unfinished
         from nemo_patch.engine.output_layout import RETAINED_DIRNAME
         from nemo_patch.training.latest import LATEST_NAME, moves_forward, remove_latest_pointer, update_latest_pointer
@@ -727,7 +688,7 @@ class Watcher:
 
     def scan(self) -> bool:
         """List the root once and consolidate what is due; ``True`` when something was due."""
-        listing = self._list()
+        listing = list_run_checkpoints(self.root, self.layout)
         self._check_layout(listing)
         if not self._swept:
             self._swept = True
@@ -741,13 +702,12 @@ class Watcher:
                 break
             self._consolidate_group(group)
         if not self.stopping:
-            self._keep_latest_live(listing if not due else self._list())
+            self._keep_latest_live(listing if not due else list_run_checkpoints(self.root, self.layout))
         return bool(due)
 
     def _remove_stale_staging(self) -> None:
-        """Remove the staging directories in ``ROOT`` that no running process holds (a watcher killed while it wrote
-        an output, or a consolidation killed with it): :func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`, which
-        takes each one's lock first, so a live watcher's or consolidation's is never touched. One line per removal."""
+        """Remove the staging directories in ``ROOT`` that no running process holds
+        (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`); one line per removal."""
         from nemo_patch.engine.publish import remove_stale_tmp_dirs
 
         try:
@@ -873,7 +833,6 @@ def check_watch_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         return parse_consolidation_frequency("each" if args.frequency is None else args.frequency)
     except ValueError as error:
         parser.error(str(error).replace("ckpt_consolidation_frequency", "--frequency"))
-    return None  # not reached: parser.error exits
 
 
 def _consolidator(args: argparse.Namespace, write_output: Callable[..., Any]) -> Consolidate:
@@ -914,7 +873,6 @@ def run_watch(args: argparse.Namespace, policy: ConsolidationPolicy, write_outpu
     from nemo_patch.engine.output_target import refuse_remote
     from nemo_patch.runs.checkpoint_root import checkpoint_root
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         refuse_remote(args.path, "the checkpoint root")  # exit 19: a URL would be watched as a local directory
         watcher = Watcher(
