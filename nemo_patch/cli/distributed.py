@@ -71,8 +71,7 @@ class PeerError(ConsolidationError):
     )
 
 
-#: How long a rank waits for another rank's next message (``--timeout``), in seconds: it must cover how much longer
-#: a slower node takes over its share, and rank 0's planning, ``--verify`` and publishing.
+#: How long a rank waits for another rank's next message (``--timeout``), in seconds.
 DEFAULT_TIMEOUT = 3600.0
 
 #: Arguments that change neither the output nor how the ranks wait: left out of :func:`arguments_digest`.
@@ -117,9 +116,8 @@ def _first_line(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _stderr_held() -> Iterator[None]:
-    """Hold back what is written to stderr (file descriptor 2: c10d's C++ logging) in the block: dropped when it
-    raises (the caller reports the failure in one line; c10d logs every failed attempt to reach the store with a stack
-    trace), written out when it does not."""
+    """Hold back file descriptor 2 (c10d's C++ logging: a stack trace per failed attempt to reach the store) in the
+    block: dropped when it raises (the caller says why in one line), written out when it does not."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -275,11 +273,7 @@ class LaunchedGroup:
             self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, tag + 1)
 
     def _deliver(self, what: str) -> None:
-        """Wait until every message sent so far has reached its peer.
-
-        Raises:
-            PeerError: a peer was lost before it received them.
-        """
+        """Wait until every message sent so far has reached its peer (PeerError: a peer was lost before)."""
         deadline, lost = time.monotonic() + self.timeout, {}
         for peer, work, _ in self._sends:
             reason = None if peer in lost else self._wait(work, deadline)
@@ -317,11 +311,7 @@ class LaunchedGroup:
     def _exchange(
         self, tensor: torch.Tensor, tag: int, what: str, published: str = "nothing was published"
     ) -> List[torch.Tensor]:
-        """An all-gather of ``tensor`` (the same shape on every rank) that names the peers lost.
-
-        Raises:
-            PeerError: a peer was lost before its tensor arrived.
-        """
+        """An all-gather of ``tensor`` (the same shape on every rank); PeerError naming the peers lost before."""
         for peer in self.peers:
             self._send(tensor, peer, tag)
         theirs = {peer: torch.empty_like(tensor) for peer in self.peers}

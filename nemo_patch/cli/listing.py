@@ -202,9 +202,7 @@ def list_root(path: Path, verify: bool = False) -> Dict[str, Any]:
         raise NotACheckpointError(f"{root} is not a directory of checkpoints")
     listing = list_run_checkpoints(root)
     latest, best = _pointed(root, "LATEST"), _pointed(root, "BEST")
-    found: List[tuple] = []
-    for checkpoint in listing.finished:
-        found.append((checkpoint.global_step, checkpoint.copy, checkpoint.path.name, checkpoint.path, None))
+    found: List[tuple] = [(c.global_step, c.copy, c.path.name, c.path, None) for c in listing.finished]
     for unfinished, why in listing.not_finished.items():
         step = global_step_in_name(unfinished.name)
         if step is None and unfinished.name.startswith("iter_") and unfinished.name[5:].isdigit():

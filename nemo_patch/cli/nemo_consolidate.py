@@ -395,13 +395,9 @@ def _verify_existing(
     return 0
 
 
+@_printable_paths()
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the CLI; returns the exit code (see the module docstring)."""
-    with _printable_paths():
-        return _main(argv)
-
-
-def _main(argv: Optional[List[str]]) -> int:
+    """Run the CLI; returns the exit code (docs/cli.md)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.base_checkpoint is not None and not args.merge_adapters:

@@ -41,6 +41,7 @@ from nemo_patch.runs.run_checkpoints import (
     RunListing,
     list_run_checkpoints,
 )
+from nemo_patch.training import latest
 from nemo_patch.training.policy import ConsolidationPolicy
 
 __all__ = ["WatchStopped", "Watcher", "human_size", "output_is_complete", "positive_seconds", "same_state"]
@@ -131,11 +132,7 @@ _COMPARE_CHUNK = 4 << 20
 
 
 def _same_bytes(one: Path, other: Path) -> bool:
-    """Whether two regular files (opened without following a link) hold the same bytes.
-
-    Raises:
-        OSError: either cannot be opened or read (absent, a link).
-    """
+    """Whether two regular files hold the same bytes (opened without following a link; OSError if either cannot)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     with open(os.open(one, flags), "rb") as first, open(os.open(other, flags), "rb") as second:
         a, b = os.fstat(first.fileno()), os.fstat(second.fileno())
@@ -152,13 +149,9 @@ def _same_bytes(one: Path, other: Path) -> bool:
 
 
 def _tensor_files(weights: Path, layout: str) -> Dict[str, Path]:
-    """The files of a save whose bytes are its tensors, by their path relative to ``weights``: the ``*.distcp``
-    shards, or every file of each zarr array directory (not ``common.pt``: the trainer's state differs between a save
-    and its ``-last`` copy; not ``.metadata``: its ``save_id`` differs, :func:`_same_dcp_metadata`).
-
-    Raises:
-        OSError: ``weights`` cannot be listed, or an entry of an array directory is a symbolic link.
-    """
+    """The files of a save whose bytes are its tensors, by path relative to ``weights``: the ``*.distcp`` shards, or
+    every file of each zarr array (not ``common.pt``: it holds the trainer's state; not ``.metadata``: it names the
+    save). OSError if ``weights`` cannot be listed or an array holds a symbolic link."""
     found: Dict[str, Path] = {}
     with os.scandir(weights) as entries:
         for entry in entries:
@@ -180,12 +173,8 @@ def _tensor_files(weights: Path, layout: str) -> Dict[str, Path]:
 
 
 def _same_dcp_metadata(one: Path, other: Path) -> bool:
-    """Whether two DCP ``.metadata`` files describe the same tensors in the same places (all but ``storage_meta``,
-    which names the save), read as a consolidation reads them (:func:`.metadata_checks.read_dcp_metadata`).
-
-    Raises:
-        OSError: either cannot be read; ``pickle.UnpicklingError``: either is not DCP metadata.
-    """
+    """Whether two DCP ``.metadata`` files (read as a consolidation reads them) describe the same tensors in the same
+    places, ``storage_meta`` (it names the save) aside. OSError or ``pickle.UnpicklingError`` if either cannot."""
     from nemo_patch.engine.metadata_checks import read_dcp_metadata
 
     a, b = (read_dcp_metadata(path.parent) for path in (one, other))
@@ -589,13 +578,11 @@ class Watcher:
 
     def _order(self, output: Path) -> Any:
         """:func:`nemo_patch.training.latest.output_order`, read again when the output's ``metadata.json`` changed."""
-        from nemo_patch.training.latest import output_order
-
         key = _stat_key(output / "metadata.json")
         known = self._orders.get(output)
         if key is not None and known is not None and known[0] == key:
             return known[1]
-        order = output_order(output)
+        order = latest.output_order(output)
         if key is not None and len(self._orders) < _SEEN_REASONS_LIMIT:
             self._orders[output] = (key, order)
         return order
@@ -603,28 +590,23 @@ class Watcher:
     def _point_latest(self, checkpoint: RunCheckpoint) -> None:
         """``ROOT/LATEST`` -> ``checkpoint`` unless the output it names (in a checkpoint or ``retained/``) is of a
         newer save (:func:`nemo_patch.training.latest.moves_forward`)."""
-        from nemo_patch.training.latest import (
-            LATEST_NAME,
-            moves_forward,
-            pointed_output,
-            set_aside_non_link,
-            update_latest_pointer,
-        )
         from nemo_patch.training.retention import same_output_files
 
-        link = self.root / LATEST_NAME
+        link = self.root / latest.LATEST_NAME
         try:
             if link.is_symlink() and os.readlink(link) == checkpoint.path.name:
                 return
-            current = pointed_output(self.root, (self.output_name, "consolidated", "hf"))
-            if current is not None and not moves_forward(self._order(self._output(checkpoint)), self._order(current)):
+            current = latest.pointed_output(self.root, (self.output_name, "consolidated", "hf"))
+            if current is not None and not latest.moves_forward(
+                self._order(self._output(checkpoint)), self._order(current)
+            ):
                 return
             if current is not None and checkpoint.copy and same_output_files(current, self._output(checkpoint)):
                 return  # a -last copy holding the output LATEST names (its links): LATEST stays on the step's own
-            aside = set_aside_non_link(self.root)
+            aside = latest.set_aside_non_link(self.root)
             if aside is not None:
                 self.say(f"{link} was not a symbolic link; moved to {aside.name}")
-            update_latest_pointer(checkpoint.path, self.root)
+            latest.update_latest_pointer(checkpoint.path, self.root)
         except OSError as error:
             self._once(link, f"{link} not updated: {error}")
 
@@ -633,9 +615,8 @@ class Watcher:
         newest output left (a checkpoint's or one under ``retained/``), or remove it when none is left."""
         from nemo_patch.engine.checkpoint_layout import is_marked_unfinished
         from nemo_patch.engine.output_layout import RETAINED_DIRNAME
-        from nemo_patch.training.latest import LATEST_NAME, moves_forward, remove_latest_pointer, update_latest_pointer
 
-        link = self.root / LATEST_NAME
+        link = self.root / latest.LATEST_NAME
         try:
             if not link.is_symlink():
                 return
@@ -657,13 +638,13 @@ class Watcher:
                     left.append((order, entry))
             newest: Optional[Tuple[Any, Path]] = None
             for order, entry in left:
-                if newest is None or (order is not None and moves_forward(order, newest[0])):
+                if newest is None or (order is not None and latest.moves_forward(order, newest[0])):
                     newest = (order, entry)
             if newest is None:
-                remove_latest_pointer(self.root)
+                latest.remove_latest_pointer(self.root)
                 self.say(f"LATEST removed: {target.name} was removed and no other consolidated output is left")
                 return
-            update_latest_pointer(newest[1], self.root)
+            latest.update_latest_pointer(newest[1], self.root)
             self.say(f"LATEST moved from {target.name} to {os.path.relpath(newest[1], self.root)}: its checkpoint "
                      "was removed")  # fmt: skip
         except OSError as error:
