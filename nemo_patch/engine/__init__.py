@@ -12,7 +12,4 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Checkpoint consolidation: a NeMo 2 ``torch_dist`` distributed checkpoint in, unsharded safetensors out.
-
-Reads files only: no GPU, no process group, never NeMo, Lightning or megatron-core (:mod:`.converter` is the entry).
-"""
+"""Checkpoint consolidation: NeMo 2 distributed checkpoints in, unsharded safetensors out (:mod:`.converter`)."""

@@ -36,7 +36,7 @@ from typing import AbstractSet, Any, Callable, Dict, List, Mapping, Optional, Tu
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from nemo_patch.engine.adapter_settings import peft_settings
+from nemo_patch.engine.adapter_settings import adapter_base, peft_settings
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.checkpoint_reader import RegionReader, open_weights
 from nemo_patch.engine.errors import ConsolidationError
@@ -198,7 +198,7 @@ def open_lora_merge(
             message names the path), or the adapters cannot be merged (see :func:`lora_pairs`, :func:`lora_scale`).
     """
     scale, settings = lora_scale(peft_settings(location.checkpoint_dir))
-    base = str(base_checkpoint) if base_checkpoint is not None else location.adapter_base
+    base = str(base_checkpoint) if base_checkpoint is not None else adapter_base(location.weights_dir)
     if not base:
         raise AdapterMergeError(
             f"Cannot merge the adapters of {location.checkpoint_dir}: its weights/adapter_metadata.json names no base "

@@ -30,16 +30,28 @@ are unknown: ``None``). Only plain values are kept; NeMo's own objects (``_call_
 Standard library (and PyYAML when present) and the engine's bounded file reads only.
 """
 
+import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from nemo_patch.engine.safe_files import MAX_JSON_BYTES, read_regular_file
 
-__all__ = ["MODEL_YAML", "peft_settings"]
+__all__ = ["MODEL_YAML", "adapter_base", "peft_settings"]
 
 #: NeMo's human-readable dump of a checkpoint's model, relative to the checkpoint directory.
 MODEL_YAML = Path("context") / "model.yaml"
 _KEPT = (str, int, float, bool, type(None))
+
+
+def adapter_base(weights_dir: Path) -> Optional[str]:
+    """The base model checkpoint NeMo recorded for an adapter checkpoint (``model_ckpt_path`` in its
+    ``weights/adapter_metadata.json``), ``None`` when there is none or the file cannot be read (never raises)."""
+    try:
+        data = json.loads(read_regular_file(Path(weights_dir) / "adapter_metadata.json", MAX_JSON_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    base = data.get("model_ckpt_path") if isinstance(data, dict) else None
+    return base if isinstance(base, str) else None
 
 
 def peft_settings(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:

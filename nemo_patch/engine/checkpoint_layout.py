@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Union
 
 from nemo_patch.engine.errors import (
     CheckpointNotFoundError,
@@ -33,19 +33,19 @@ from nemo_patch.engine.errors import (
 CONSOLIDATED_DIRNAME = "consolidated"
 #: NeMo's ``ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX``.
 UNFINISHED_SUFFIX = "-unfinished"
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)  # the last two: POSIX only
 
 
 @dataclass(frozen=True)
 class CheckpointLocation:
     """A checkpoint: its directory and ``weights/``, whether its save finished, megatron-core's ``sharded_backend``,
-    and for a PEFT adapter checkpoint (adapter weights only) the base checkpoint NeMo recorded."""
+    and whether it holds PEFT adapter weights only."""
 
     checkpoint_dir: Path
     weights_dir: Path
     finished: bool
     backend: str = "torch_dist"
     adapter: bool = False
-    adapter_base: Optional[str] = None
 
 
 def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
@@ -56,7 +56,7 @@ def is_marked_unfinished(checkpoint_dir: Union[str, Path]) -> bool:
 def _json(path: Path) -> Dict[str, Any]:
     """The object in a JSON side file (``{}`` unless it is a regular file of at most 1 MB holding a JSON object)."""
     try:  # opened without blocking (a FIFO would block a plain open for ever); a device or FIFO has size 0: none read
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+        with open(os.open(path, _READ_FLAGS), "rb") as file:
             value = json.loads(file.read(min(os.fstat(file.fileno()).st_size, (1 << 20) + 1)))
     except (OSError, ValueError, RecursionError):
         return {}
@@ -104,12 +104,11 @@ def inspect_checkpoint(path: Union[str, Path], allow_unfinished: bool = False) -
             raise CorruptShardError(f"{part} is a symbolic link to {part.resolve()}, outside the checkpoint")
     backend = str(_json(weights_dir / "metadata.json").get("sharded_backend", "torch_dist"))
     if backend not in ("torch_dist", "zarr"):
-        raise UnsupportedFormatError(f"{checkpoint_dir} is a '{backend}' checkpoint, not 'torch_dist' or 'zarr'; "
-                                     f"{only}")  # fmt: skip
+        what = f"a '{backend}' checkpoint, not 'torch_dist' or 'zarr'"
+        raise UnsupportedFormatError(f"{checkpoint_dir} is {what}; {only}")
     adapter = (weights_dir / "adapter_metadata.json").is_file()
     finished = weights_written(weights_dir) and not is_marked_unfinished(checkpoint_dir)
     if not finished and not allow_unfinished:
         why = "NeMo's unfinished marker is present" if is_marked_unfinished(checkpoint_dir) else "no '.metadata'"
         raise UnfinishedCheckpointError(f"{checkpoint_dir} is an unfinished checkpoint ({why}): its save never ended")
-    base = _json(weights_dir / "adapter_metadata.json").get("model_ckpt_path") if adapter else None
-    return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend, adapter, base)
+    return CheckpointLocation(checkpoint_dir, weights_dir, finished, backend, adapter)

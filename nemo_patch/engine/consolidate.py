@@ -321,9 +321,9 @@ class ConsolidationSteps:
             "vocab_size": vocabulary_sizes(location.checkpoint_dir, sources.model_metadata),
             "files": self.entries,
         }
-        if location.adapter:
-            peft = None if adapter_settings is None else adapter_settings.peft_settings(location.checkpoint_dir)
-            manifest.update(base_checkpoint=location.adapter_base, peft=peft)
+        if location.adapter and adapter_settings is not None:
+            peft = adapter_settings.peft_settings(location.checkpoint_dir)
+            manifest.update(base_checkpoint=adapter_settings.adapter_base(location.weights_dir), peft=peft)
         if sources.merge is not None:
             manifest.update(merged_adapters=sources.merge.settings)
         if self.best is not None:

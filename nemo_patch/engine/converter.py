@@ -34,7 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from nemo_patch.engine.checkpoint_layout import CONSOLIDATED_DIRNAME, CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.dcp_metadata import load_dcp_metadata
@@ -42,6 +42,15 @@ from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, Outp
 from nemo_patch.engine.plan import OutputTensor, TensorSpec, plan_outputs, plan_shards
 
 Producer = Callable[[TensorSpec], torch.Tensor]  #: reads the output tensor of a spec
+
+
+class _AllowlistReader(dcp.FileSystemReader):
+    """DCP's file reader, with ``.metadata`` loaded by :func:`.load_dcp_metadata` (its own unpickles unrestricted)."""
+
+    loaded: Metadata
+
+    def read_metadata(self) -> Metadata:
+        return self.loaded
 
 
 class Consolidation:
@@ -115,9 +124,9 @@ class Consolidation:
         for info in (metadata.storage_data or {}).values():
             if Path(info.relative_path).name != info.relative_path or info.relative_path in ("", ".", ".."):
                 raise CorruptShardError(f"the metadata names {info.relative_path!r}: not a file of weights/")
-        reader, outputs = dcp.FileSystemReader(location.weights_dir), plan_outputs(metadata)
+        reader, outputs = _AllowlistReader(location.weights_dir), plan_outputs(metadata)
         entry: Dict[str, torch.Tensor] = {}
-        setattr(reader, "read_metadata", lambda: metadata)  # what it would unpickle unrestricted, loaded above
+        reader.loaded = metadata
 
         def produce(spec: TensorSpec) -> torch.Tensor:
             source = self.sources[spec.name]

@@ -23,7 +23,7 @@ class ConsolidationError(RuntimeError):
 
 
 class CheckpointNotFoundError(ConsolidationError):
-    """The given path does not exist (``--watch``: the root did not appear before ``--until-idle`` ran out)."""
+    """The given path does not exist."""
 
     exit_code, summary = 3, "path missing"
 
@@ -59,7 +59,6 @@ class CorruptShardError(ConsolidationError):
 
 
 class UnknownLayoutError(ConsolidationError):
-    """A checkpoint entry whose layout cannot be named safely (e.g. its chunks cover it only in part); the message
-    names the key."""
+    """A checkpoint entry whose layout cannot be named safely (e.g. chunks that cover it in part), naming the key."""
 
     exit_code, summary = 11, "a layout that cannot be named safely"

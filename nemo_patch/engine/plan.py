@@ -15,11 +15,10 @@
 """Which tensors a consolidation writes, under which names, read from which checkpoint entries, in which files.
 
 The output is the TP=1, PP=1 megatron-core model's ``state_dict()`` but ``_extra_state``, under the checkpoint's names
-whatever parallelism saved it: the ``module.*`` tensor entries, ``module.`` dropped (Megatron-LM's: all but
-``optimizer.*``), layer-stacked entries split per layer (``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
-``decoder.layers.<i>.mlp.linear_fc1.weight``, the indices from the stored chunks). A tensor the chunks cover in part
-is refused, naming the key (chunks are counted as not overlapping). Mixture-of-experts entries are refused unless
-a module naming their experts is registered (:data:`moe_names`).
+whatever parallelism saved it: ``module.*`` tensor entries less ``module.`` (Megatron-LM's: all but ``optimizer.*``),
+layer-stacked entries split per layer (``decoder.layers.mlp.linear_fc1.weight`` ``[L, ...]`` becomes
+``decoder.layers.<i>.mlp.linear_fc1.weight``). A tensor the chunks cover in part is refused, naming the key; so are
+mixture-of-experts entries unless a module naming their experts is registered (:data:`moe_names`).
 """
 
 import itertools
@@ -83,8 +82,8 @@ def consolidated_key(checkpoint_key: str, layer: Optional[int] = None) -> str:
 def model_tensor_keys(metadata: Metadata) -> List[str]:
     """The model weights of a DCP checkpoint, in metadata order, never ``_extra_state``: NeMo's ``module.*`` tensor
     entries or, where there are none (Megatron-LM, Megatron-Bridge), every tensor entry but the optimizer's."""
-    tensors = [k for k, v in metadata.state_dict_metadata.items() if "_extra_state" not in k and isinstance(
-        v, TensorStorageMetadata)]  # fmt: skip
+    entries = metadata.state_dict_metadata.items()
+    tensors = [k for k, v in entries if "_extra_state" not in k and isinstance(v, TensorStorageMetadata)]
     return [k for k in tensors if k.startswith(_MODEL_PREFIX)] or [k for k in tensors if not _OPTIMIZER.match(k)]
 
 
@@ -157,7 +156,6 @@ def plan_shards(
     ``model.safetensors`` when all fits in ``max_shard_size`` bytes (or a size string such as ``"5GB"``), else
     ``model-0000i-of-0000N.safetensors`` files, a tensor larger than that in a file of its own."""
     by_name = {spec.name: spec for spec in specs}
-    split = split_state_dict_into_shards_factory(
-        by_name, get_storage_size=lambda spec: spec.nbytes, filename_pattern=stem + "{suffix}.safetensors",
-        max_shard_size=max_shard_size)  # fmt: skip
+    naming: Dict[str, Any] = dict(filename_pattern=stem + "{suffix}.safetensors", max_shard_size=max_shard_size)
+    split = split_state_dict_into_shards_factory(by_name, get_storage_size=lambda spec: spec.nbytes, **naming)
     return {name: [by_name[tensor] for tensor in tensors] for name, tensors in split.filename_to_tensors.items()}

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.adapter_merge import lora_scale
-from nemo_patch.engine.adapter_settings import peft_settings
+from nemo_patch.engine.adapter_settings import adapter_base, peft_settings
 from nemo_patch.engine.casting import checked_cast
 from nemo_patch.engine.checkpoint_layout import CheckpointLocation, inspect_checkpoint
 from nemo_patch.engine.consolidate import ConsolidationResult, ProgressCallback
@@ -680,7 +680,7 @@ def export_hf_checkpoint(
             "vocab_size": None if metadata is None else vocabulary_sizes(ckpt_dir, metadata),
         }
         if location.adapter:
-            manifest.update(base_checkpoint=location.adapter_base, peft=peft_settings(ckpt_dir))
+            manifest.update(base_checkpoint=adapter_base(location.weights_dir), peft=peft_settings(ckpt_dir))
         if location.adapter and not peft:  # merged: as the safetensors format records it
             manifest.update(merged_adapters=lora_scale(manifest["peft"])[1])
         if best is not None:

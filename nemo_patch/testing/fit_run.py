@@ -468,9 +468,10 @@ def _probe_merged_logits(model: Any, checkpoint: Path, out: Path) -> Dict[str, f
 
     import nemo_patch
     from nemo_patch.cli.nemo_consolidate import main as nemo_consolidate
+    from nemo_patch.engine.adapter_settings import adapter_base
     from nemo_patch.engine.checkpoint_layout import inspect_checkpoint
 
-    base = inspect_checkpoint(checkpoint).adapter_base
+    base = adapter_base(inspect_checkpoint(checkpoint).weights_dir)
     for args in (
         [str(checkpoint), "--merge-adapters", "--out", str(out / "safetensors")],
         [str(checkpoint), "--merge-adapters", "--format", "hf", "--trust-context", "--out", str(out / "hf")],

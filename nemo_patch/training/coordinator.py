@@ -134,7 +134,8 @@ class ConsolidationCoordinator:
         self._step_handed = False
         #: Seconds the training thread waited in a save for the stepper's pass (:meth:`sync`).
         self.synced_seconds = 0.0
-        factories = [*OBSERVER_FACTORIES, *(make for make in CORE_OBSERVERS if make not in OBSERVER_FACTORIES)]
+        core = [make for make in CORE_OBSERVERS if make not in OBSERVER_FACTORIES]
+        factories: List[Callable[[Any], ConsolidationObserver]] = [*OBSERVER_FACTORIES, *core]
         self.observers: List[ConsolidationObserver] = [make(self) for make in factories]
         #: The observers that report in the training loop (those whose ``report`` does something).
         self.reporters: List[ConsolidationObserver] = [

@@ -68,9 +68,10 @@ def checkpoint(tmp_path_factory):
     expected = {}
     for key, tensor in torch.load(directory.parent / "reference.pt", weights_only=True).items():
         name = key.removeprefix("module.")
-        layers = range(tensor.shape[0]) if name.startswith("decoder.layers.") else [None]
-        expected.update({name.replace("layers.", f"layers.{i}.", 1) if i is not None else name: (
-            tensor[i] if i is not None else tensor) for i in layers})  # fmt: skip
+        if name.startswith("decoder.layers."):
+            expected.update({name.replace("layers.", f"layers.{i}.", 1): layer for i, layer in enumerate(tensor)})
+        else:
+            expected[name] = tensor
     return directory, expected
 
 
