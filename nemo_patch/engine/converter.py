@@ -187,7 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         job.run()
         print(job.output_dir)
     except (ConsolidationError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error ({getattr(error, 'summary', 'invalid argument')}): {error}", file=sys.stderr)
         return getattr(error, "exit_code", 2)
     return 0
 
