@@ -48,7 +48,7 @@ __all__ = [
 CONSOLIDATED_DIRNAME = "consolidated"
 #: Name of the Hugging Face output directory inside a checkpoint directory.
 HF_DIRNAME = "hf"
-#: Output format (``ckpt_consolidation_format``, the CLI's ``--format``) -> output directory name.
+#: Output format -> output directory name.
 OUTPUT_DIRNAMES: Dict[str, str] = {"safetensors": CONSOLIDATED_DIRNAME, "hf": HF_DIRNAME}
 #: Directory in a checkpoint root holding outputs kept after NeMo's top-k removed their checkpoints
 #: (``retained/<checkpoint name>/consolidated/``; see ``training.retention``).

@@ -167,7 +167,7 @@ def check_output_target(
     refuse_remote(output_dir, "the output")
     checkpoint, target = _resolved(checkpoint_dir), _resolved(output_dir)
     shown = f"{output_dir}" if str(output_dir) == str(target) else f"{output_dir} (resolved: {target})"
-    elsewhere = f"the default is {checkpoint / 'consolidated'}, or hf/ for --format hf"
+    elsewhere = f"the default is {checkpoint / 'consolidated'}"
     if checkpoint == target or checkpoint.is_relative_to(target):
         what = "the checkpoint itself" if checkpoint == target else "a directory holding the checkpoint"
         raise OutputExistsError(

@@ -331,7 +331,7 @@ def _read_identity(checkpoint_dir: Path, read_run: bool) -> Tuple[SaveIdentity, 
             unfinished = (
                 f"{checkpoint_dir} is being saved (a {'chunk' if zarr else 'shard'} file is newer than "
                 f"'{last.name}', which its format writes last): it is consolidated once the save finishes (a copy "
-                "made without keeping times looks the same: copy with 'cp -a', or pass --allow-unfinished)"
+                "made without keeping times looks the same: copy with 'cp -a')"
             )
     text = json.dumps([layout, last.name, digest, files], separators=(",", ":"))
     fingerprint = hashlib.sha256(text.encode()).hexdigest()
