@@ -53,8 +53,7 @@ def check_overlay(python: Optional[str] = None, timeout: float = 600.0) -> Tuple
 
     Returns:
         ``(True, "nemo_patch overlay active: ...")`` or ``(False, reason)``; the reason names the cause: the start-up
-        hook did not run (a ``PYTHONPATH`` install or ``python -S``: then only a process that imports ``nemo_patch``
-        has the overlay), ``NEMO_PATCH_DISABLE``, an unsupported NeMo or edits that do not apply to its files.
+        hook did not run, ``NEMO_PATCH_DISABLE``, an unsupported NeMo or edits that do not apply to its files.
     """
     command = [python or sys.executable, "-c", _PROBE]
     try:

@@ -216,7 +216,6 @@ def _exit_codes_epilog() -> str:
     """``Exit codes: 0 ok, 2 usage, 3 path missing, ..., 1 other.``: from the error classes' ``exit_code`` and
     ``summary`` (:mod:`nemo_patch.engine.errors`)."""
     from nemo_patch.cli.exit_codes import error_classes
-    from nemo_patch.engine.errors import ConsolidationError
 
     classes = error_classes().values()
     causes = [(cls.exit_code, cls.summary) for cls in classes if cls is not ConsolidationError]
@@ -310,16 +309,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _nemo_output_held_back() -> Iterator[None]:
+def _nemo_output_held_back(drop_stdout: bool = False) -> Iterator[None]:
     """Hold back what importing NeMo prints on stderr (its start-up warnings say nothing about this command), so a
-    failure is reported in one line. Shown after all if something unexpected goes wrong."""
+    failure is reported in one line; shown after all if something unexpected goes wrong. ``drop_stdout``: stdout
+    (file descriptor 1: NeMo's logging handler holds the stream) goes to ``/dev/null``."""
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in ((1, 2) if drop_stdout else (2,))}
     with (
         tempfile.TemporaryFile(mode="w+b") as held,
         open(held.fileno(), "w", errors=_ESCAPE_ERRORS, closefd=False) as held_text,
+        open(os.devnull, "w") as devnull,
     ):
         os.dup2(held.fileno(), 2)  # what C code and child processes write
+        if drop_stdout:
+            os.dup2(devnull.fileno(), 1)
         try:
             with contextlib.redirect_stderr(held_text):  # what Python code writes
                 yield
@@ -327,30 +331,16 @@ def _nemo_output_held_back() -> Iterator[None]:
             raise
         except BaseException:
             held_text.flush()
-            os.dup2(saved, 2)
+            os.dup2(saved[2], 2)
             held.seek(0)
             sys.stderr.write(held.read().decode(errors="replace")[-20000:])
             raise
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-@contextlib.contextmanager
-def _stdout_dropped() -> Iterator[None]:
-    """Send what is written to stdout (file descriptor 1: NeMo's logging handler holds the stream) to ``/dev/null``,
-    so that the command's output stays its one summary line."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 1)
-        try:
-            yield
-        finally:
             sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
+            sys.stderr.flush()
+            for fd, original in saved.items():
+                os.dup2(original, fd)
+                os.close(original)
 
 
 def _context_shapes(location: "CheckpointLocation", trust: bool) -> Optional[Dict[str, Tuple[int, ...]]]:
@@ -361,7 +351,7 @@ def _context_shapes(location: "CheckpointLocation", trust: bool) -> Optional[Dic
     from nemo_patch.export.context_model import context_model_shapes
 
     try:
-        with _nemo_output_held_back(), _stdout_dropped():  # NeMo logs its model building on stdout
+        with _nemo_output_held_back(drop_stdout=True):  # NeMo logs its model building on stdout
             return context_model_shapes(location.checkpoint_dir, trust_context=trust)
     except ConsolidationError as error:
         print(f"{PROG}: warning: names and shapes not compared with the checkpoint's context: {error}",
@@ -437,18 +427,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 def write_output(
     args: argparse.Namespace, checkpoint_dir: Path, out: Optional[Path], hold_nemo_output: bool = False, **options: Any
 ) -> "ConsolidationResult":
-    """Write one checkpoint's output with the command line's output options (also ``--watch``'s).
+    """Write one checkpoint's output (also ``--watch``'s) with the command line's ``--format``, ``--dtype``,
+    ``--verify``, ``--max-shard-size``, ``--workers`` and ``--trust-context``; returns the engine's result.
 
     Args:
-        args: the parsed command line (``--format``, ``--dtype``, ``--verify``, ``--max-shard-size``, ``--workers``,
-            ``--trust-context``).
-        checkpoint_dir: the checkpoint.
         out: the output directory (``None``: the default one in the checkpoint).
         hold_nemo_output: hold back what importing NeMo prints (:func:`_nemo_output_held_back`).
         options: more arguments of the engine's ``consolidate_checkpoint`` / ``export_hf_checkpoint``.
-
-    Returns:
-        The engine's result.
 
     Raises:
         ConsolidationError: the output could not be written (nothing was published).
@@ -462,11 +447,8 @@ def write_output(
         from nemo_patch.export.context_trust import check_context_trusted
         from nemo_patch.export.hf import export_hf_checkpoint
 
-        with contextlib.ExitStack() as held:
-            if hold_nemo_output:  # resolving the context's names imports NeMo, which logs on stdout
-                held.enter_context(_nemo_output_held_back())
-                held.enter_context(_stdout_dropped())
-            check_context_trusted(checkpoint_dir / "context", args.trust_context)
+        with _nemo_output_held_back(drop_stdout=True) if hold_nemo_output else contextlib.nullcontext():
+            check_context_trusted(checkpoint_dir / "context", args.trust_context)  # imports NeMo, which logs on stdout
         with _nemo_output_held_back() if hold_nemo_output else contextlib.nullcontext():
             return export_hf_checkpoint(checkpoint_dir, out, trust_context=args.trust_context, **options)
     from nemo_patch.engine.consolidate import consolidate_checkpoint

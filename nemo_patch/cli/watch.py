@@ -195,8 +195,7 @@ def same_state(one: Path, other: Path) -> Optional[str]:
         ``metadata.json`` and DCP ``.metadata`` (but for the save's id) are equal; ``None`` otherwise.
 
     Raises:
-        ConsolidationError: either's identity cannot be read (:func:`nemo_patch.engine.save_identity.save_identity`:
-            unfinished, unreadable).
+        ConsolidationError: either's save identity cannot be read (unfinished, unreadable).
     """
     import pickle
 
