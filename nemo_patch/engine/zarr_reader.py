@@ -77,7 +77,7 @@ _MAX_ZARRAY_BYTES = 1 << 20
 
 def _open_below(root: Path, parts: Tuple[str, ...]) -> int:
     """A file descriptor of ``root/parts[0]/.../parts[-1]``, each component opened relative to the one before it
-    without following a symbolic link (the last one without blocking: a FIFO is opened, then refused by ``fstat``).
+    without following a symbolic link (the last one without blocking: a FIFO is refused later by ``fstat``).
 
     Raises:
         CorruptShardError: a component is a symbolic link (or not a directory where one is needed).
@@ -263,8 +263,7 @@ def read_zarr_metadata(weights_dir: Path) -> Metadata:
 
 class ZarrRegionReader:
     """Reads tensors, or ``tensor[index]`` along the leading dimensions, from a zarr checkpoint (the interface of
-    :class:`.dcp_reader.DCPRegionReader`): each chunk file opened below ``weights/`` without following a link, checked
-    (a regular file of the chunk's size, not the same file as another chunk) and read with ``pread``.
+    :class:`.dcp_reader.DCPRegionReader`; see the module docstring for the checks).
 
     Args:
         path: the checkpoint's ``weights/`` directory.
