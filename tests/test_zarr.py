@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""megatron-core ``zarr`` checkpoints: the same output as ``torch_dist`` ones, and every unsafe input refused.
+"""megatron-core ``zarr`` checkpoints: the tensors megatron-core was given (and the same bytes as a ``torch_dist`` save
+of them), and every unsafe input refused.
 
 The checkpoints are written by megatron-core's own ``dist_checkpointing.save`` (``zarr`` and ``torch_dist`` save
 strategies) in a one-process gloo group, from the same tensors: fp32 and bf16, layer-stacked ones, one of them stored
@@ -28,7 +29,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO
+from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import main
 from nemo_patch.engine.consolidate import consolidate_checkpoint
@@ -66,6 +69,7 @@ SAVE = textwrap.dedent(
         os.makedirs(target)
         with megatron_on_cpu():
             dist_checkpointing.save(state(), target, sharded_strategy=(backend, 1))
+    torch.save({"stacked": stacked, "embedding": embedding, "qkv": qkv, "steps": steps}, sys.argv[3])  # the oracle
     print("saved")
     """
 )
@@ -77,7 +81,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("zarr")
     zarr_ckpt, dist_ckpt = root / "zarr-ckpt", root / "dist-ckpt"
     proc = subprocess.run(
-        [sys.executable, "-c", SAVE, str(zarr_ckpt / "weights"), str(dist_ckpt / "weights")],
+        [sys.executable, "-c", SAVE, str(zarr_ckpt / "weights"), str(dist_ckpt / "weights"), str(root / "source.pt")],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -108,6 +112,17 @@ def test_zarr_consolidates_to_the_same_bytes_as_torch_dist(saved, tmp_path):
         tmp_path / "from-dist/model.safetensors"
     ).read_bytes()
     assert a.files["model.safetensors"] == b.files["model.safetensors"]
+    # the oracle: the tensors megatron-core was given to save, layers split by hand
+    source = torch.load(zarr_ckpt.parent / "source.pt", weights_only=True)
+    expected = {
+        "embedding.word_embeddings.weight": source["embedding"],
+        "decoder.final_layernorm.steps": source["steps"],
+    }
+    expected.update({f"decoder.layers.{i}.mlp.linear_fc1.weight": t for i, t in enumerate(source["stacked"])})
+    expected.update({f"decoder.layers.{i}.self_attention.linear_qkv.weight": t for i, t in enumerate(source["qkv"])})
+    written = load_file(tmp_path / "from-zarr/model.safetensors")
+    assert written.keys() == expected.keys()
+    assert all(written[k].dtype == v.dtype and torch.equal(written[k], v) for k, v in expected.items())
 
 
 def test_cli_verifies_an_existing_zarr_output(zarr_copy, capsys):
