@@ -142,7 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--frequency",
-        default=None,
         help='ckpt_consolidation_frequency: "each", "latest", "every_n:<k>", "best", phases of those, or "off" '
         '(default: every_n:2; "best" with --best)',
     )
@@ -155,7 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-pending",
         type=int,
-        default=None,
         help="ConsolidationConfig.max_pending: consolidations that may wait behind the running one (default: 2)",
     )
     parser.add_argument(
@@ -167,7 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--keep",
         type=int,
-        default=None,
         help="ConsolidationConfig.keep: consolidated outputs kept when top-k removes their checkpoints (default: all)",
     )
     parser.add_argument(
@@ -186,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--post-command",
         nargs="?",
         const="",
-        default=None,
         metavar="COMMAND",
         help="ConsolidationConfig.post_command, run after each output is published ({output}, {format}, "
         "{global_step}, {checkpoint}); without COMMAND, this script's --evaluate, which loads the output and prints "
@@ -195,7 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--evaluate",
         type=Path,
-        default=None,
         metavar="OUTPUT",
         help="(what --post-command runs) load one output and print its metrics as a JSON line, then exit",
     )

@@ -14,7 +14,6 @@
 
 """Exports of a distributed checkpoint to other formats than this package's own: Hugging Face (:mod:`.hf`).
 
-Exports run NeMo's registered exporters (NeMo is imported inside their functions, never at module import) on top of
-the engine. May import the engine; never the training side, the overlay, the CLI or ``nemo_patch.testing``. This
-``__init__`` imports nothing.
+May import the engine; never the training side, the overlay, the CLI or ``nemo_patch.testing``; NeMo only inside
+functions. This ``__init__`` imports nothing.
 """

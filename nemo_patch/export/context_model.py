@@ -56,19 +56,16 @@ def context_model_shapes(checkpoint_dir: Path, trust_context: bool = False) -> D
 
     Args:
         checkpoint_dir: a NeMo 2 checkpoint directory holding ``context/``.
-        trust_context: build whatever ``context/io.json`` names; by default a context that names code outside NeMo's
-            packages, holds a file NeMo cannot open safely or names a hub artifact is refused before NeMo reads it,
-            and it is loaded off the network (:func:`nemo_patch.export.context_trust.context_loading`).
+        trust_context: build whatever ``context/io.json`` names; else the context is checked first and loaded off
+            the network (:func:`nemo_patch.export.context_trust.context_loading`).
 
     Returns:
         Name -> shape (a tuple of ints); ``_extra_state`` entries are not weights and are left out.
 
     Raises:
         ExportError: NeMo is not importable, the context cannot be read, a process group is already initialised in
-            this process, or the model cannot be built here (e.g. its layer spec needs Transformer Engine); the
-            message says which.
-        UntrustedContextError: the context names code outside NeMo's packages, or a file or a hub artifact that loading
-            it would open or fetch, and ``trust_context`` is ``False``.
+            this process, or the model cannot be built here (e.g. its spec needs Transformer Engine); says which.
+        UntrustedContextError: the context may not be loaded without ``trust_context``.
     """
     loading = context_loading(Path(checkpoint_dir) / "context", trust_context)  # checked now unless trusted
     try:

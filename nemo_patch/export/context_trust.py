@@ -324,10 +324,9 @@ def _referenced_callable(data: Any, metadata: Any) -> Optional[Tuple[Any, Any]]:
 
 
 def check_context_files(context_dir: Union[str, Path]) -> None:
-    """Prove what NeMo opens when it loads ``context_dir`` safe to open (module docstring): every entry under it a
-    directory or a regular file of at most :data:`MAX_CONTEXT_FILE_BYTES` (at most :data:`MAX_CONTEXT_ENTRIES` of
-    them, no symbolic link), every string of ``io.json`` naming an existing path (joined to ``context_dir``, or
-    absolute) a directory or such a file, and no hub artifact.
+    """Prove what NeMo opens when it loads ``context_dir`` safe to open: every entry under it (at most
+    :data:`MAX_CONTEXT_ENTRIES`, no symbolic link) and every existing path a string of ``io.json`` names a directory or
+    a regular file of at most :data:`MAX_CONTEXT_FILE_BYTES`, and no hub artifact.
 
     Raises:
         UntrustedContextError: naming the entry, the string or the artifact.
@@ -428,9 +427,8 @@ def offline() -> Iterator[None]:
 
 
 def context_loading(context_dir: Union[str, Path], trust: bool = False) -> Callable[[], ContextManager[None]]:
-    """What to run NeMo's loading of ``context_dir`` in: unless ``trust``, its names (:func:`check_context_trusted`)
-    and files (:func:`check_context_files`) are checked now, and :func:`offline` is returned; else a block that does
-    nothing. Each ``with context_loading(...)()`` block may load (a part of) the context.
+    """What to run NeMo's loading of ``context_dir`` in (each ``with context_loading(...)()`` block): unless ``trust``,
+    its names and files are checked now and :func:`offline` is returned; else a block that does nothing.
 
     Raises:
         UntrustedContextError: from the checks.

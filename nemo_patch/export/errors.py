@@ -28,9 +28,8 @@ class ExportError(ConsolidationError):
 
 
 class UntrustedContextError(ConsolidationError):
-    """The checkpoint's NeMo ``context/`` names code outside the packages a NeMo model comes from (NeMo, megatron-core,
-    torch, transformers, Lightning), which loading it would import and run; the message names it. Refused unless the
-    user trusts the checkpoint (``--trust-context``)."""
+    """The checkpoint's NeMo ``context/`` names code outside NeMo, megatron-core, torch, transformers and Lightning,
+    which loading it would import and run (the message names it); refused without ``--trust-context``."""
 
     exit_code, summary = 16, "a context/ naming code outside NeMo's packages (see --trust-context)"
 

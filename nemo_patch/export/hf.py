@@ -20,6 +20,7 @@ replaced (:class:`_OfflineExport`). The output, streaming, memory and verificati
 Imports torch and the engine at module level; NeMo only inside the functions that need it.
 """
 
+import contextlib
 import copy
 import functools
 import gc
@@ -27,11 +28,14 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.adapter_merge import lora_scale
@@ -75,14 +79,10 @@ def checkpoint_dtype(state_dict: Dict[str, torch.Tensor]) -> torch.dtype:
 
 
 def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """``state_dict`` with every floating-point tensor in ``dtype``; integer and bool tensors unchanged.
-
-    NeMo's state transforms assert that source and target dtypes agree (``dtype mismatch between source and target
-    state dicts``), and the exporter's target model is built in the requested dtype, so the source is cast first.
+    """``state_dict`` with every floating-point tensor in ``dtype`` (as NeMo's transforms expect); others unchanged.
 
     Raises:
-        DtypeOverflowError: a finite value would become ``inf`` in ``dtype`` (naming the tensor and its largest
-            magnitude), as for the ``safetensors`` format.
+        DtypeOverflowError: a finite value would become ``inf`` in ``dtype`` (naming the tensor).
     """
     return {
         name: (
@@ -108,10 +108,8 @@ def _is_peft_model(model: Any) -> bool:
 
 
 class _StateSource:
-    """What NeMo's exporters get from ``nemo_load`` here, in place of the loaded NeMo model: the consolidated state
-    dict and the model's config (as NeMo's ``_ModelState``), and what some exporters' ``apply`` read of a model
-    besides: ``dtype``, ``to(dtype)`` (which returns the source, as a module's does) and ``module.<path>`` (the
-    state's tensor ``<path>``)."""
+    """What NeMo's exporters get from ``nemo_load`` here: the state dict and config (as NeMo's ``_ModelState``), and
+    what some exporters' ``apply`` read of a model besides: ``dtype``, ``to(dtype)`` and ``module.<path>``."""
 
     def __init__(self, state_dict: Dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
         self._state_dict: Any = state_dict  # or a LazyCheckpointState (streamed)
@@ -137,10 +135,8 @@ class _StateSource:
 
 
 class _TokenizerSaving:
-    """An exporter's ``tokenizer`` whose ``save_pretrained`` logs a warning instead of raising (NeMo's Llama exporter
-    does so; here every exporter does): a model whose context has no Hugging Face tokenizer still exports. Anything
-    else is the tokenizer's own (a ``tokenizer`` attribute is wrapped the same way: NeMo's wrapper holds the Hugging
-    Face one there)."""
+    """An exporter's ``tokenizer`` (and its ``tokenizer``) whose ``save_pretrained`` logs a warning instead of raising,
+    as NeMo's Llama exporter does: a model whose context has no Hugging Face tokenizer still exports."""
 
     def __init__(self, get: Callable[[], Any], output_dir: Path) -> None:
         self._get, self._output_dir = get, output_dir
@@ -239,10 +235,7 @@ class _OfflineExport:
             bound = signature.bind_partial(*args, **kwargs)
             bound.arguments["dtype"] = self._np_dtype
             args, kwargs = bound.args, bound.kwargs
-        if self._np_stream:
-            with torch.device("meta"):  # the streamed conversion assigns nothing: each result is written at once
-                target = base_init(*args, **kwargs)
-        else:
+        with torch.device("meta") if self._np_stream else contextlib.nullcontext():  # streamed: nothing assigned
             target = base_init(*args, **kwargs)
         dtype = self._np_dtype
         if dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in target.parameters()):
@@ -252,36 +245,28 @@ class _OfflineExport:
         return target
 
     def convert_state(self, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._np_stream:
-            converted = self._np_streamed_convert(source, target, *args, **kwargs)
-        else:
-            converted = super().convert_state(source, target, *args, **kwargs)  # type: ignore[misc]
-        converted.save_pretrained = functools.partial(self._save_checked, converted, converted.save_pretrained)
-        return converted
-
-    def _np_streamed_convert(self, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        """NeMo's ``convert_state`` with its ``io.apply_transforms`` streamed into the directory ``apply`` saves to."""
+        """NeMo's ``convert_state``, its ``io.apply_transforms`` streamed (unless ``stream=False``) into the directory
+        ``apply`` saves to; the model it returns saves through :meth:`_save_checked`."""
         from nemo.lightning import io
 
-        assert self._np_apply_path is not None
-        name = self._np_exporter_class.__qualname__
-        conversion = StreamedConversion(name, self._np_apply_path, self._np_max_shard_size, self._np_compare_with)
-        nemo_apply = io.apply_transforms
-
-        def streamed(source: Any, target: Any, mapping: Dict[str, str], *rest: Any, **options: Any) -> Any:
-            return conversion.apply_transforms(nemo_apply, source, target, mapping, *rest, **options)
-
-        io.apply_transforms = streamed
+        nemo_apply, conversion = io.apply_transforms, None
+        if self._np_stream:
+            assert self._np_apply_path is not None
+            name = self._np_exporter_class.__qualname__
+            conversion = StreamedConversion(name, self._np_apply_path, self._np_max_shard_size, self._np_compare_with)
+            io.apply_transforms = functools.partial(conversion.apply_transforms, nemo_apply)
         try:
             converted = super().convert_state(source, target, *args, **kwargs)  # type: ignore[misc]
         finally:
-            io.apply_transforms = nemo_apply
-        if conversion.streamed:
+            if conversion is not None:
+                io.apply_transforms = nemo_apply
+        if conversion is not None and conversion.streamed:
             self._np_conversion = conversion
+        converted.save_pretrained = functools.partial(self._save_checked, converted, converted.save_pretrained)
         return converted
 
     def _np_save_streamed(
-        self, target: Any, save: Callable[..., Any], output_path: Any, *args: Any, **kwargs: Any
+        self, target: Any, state: Any, save: Callable[..., Any], output_path: Any, *args: Any, **kwargs: Any
     ) -> Any:
         """The streamed conversion's ``save_pretrained``: checks that the tensors written are those it would write,
         writes the index, and lets it write the other files (``config.json``, ...) with no weights.
@@ -289,15 +274,9 @@ class _OfflineExport:
         Raises:
             ExportError: the tensors to be saved are not those written (names the first differences).
         """
-        import shutil
-        import tempfile
-
         conversion = self._np_conversion
         assert conversion is not None
-        state = kwargs.get("state_dict")
-        if state is None and hasattr(target, "tie_weights"):
-            target.tie_weights()
-        names = saved_names(target, target.state_dict() if state is None else state)
+        names = saved_names(target, state)
         planned = [spec.name for spec in conversion.planned]
         if names != planned:
             extra, missing = sorted(set(names) - set(planned)), sorted(set(planned) - set(names))
@@ -334,9 +313,7 @@ class _OfflineExport:
         Raises:
             ExportError: a tensor to be written was never assigned by the exporter (the message names them).
         """
-        if self._np_conversion is not None:
-            return self._np_save_streamed(target, save, output_path, *args, **kwargs)
-        if _is_peft_model(target):  # only the adapters are written, as the PEFT exporters' apply saves them
+        if self._np_conversion is None and _is_peft_model(target):  # only the adapters, as PEFT exporters save them
             from peft import get_peft_model_state_dict
 
             embedding_layers = kwargs.get("save_embedding_layers", "auto")
@@ -346,6 +323,8 @@ class _OfflineExport:
                 target.tie_weights()  # an output embedding tied in the config shares the assigned input embedding
             state = kwargs.get("state_dict")
             state = target.state_dict() if state is None else state
+            if self._np_conversion is not None:
+                return self._np_save_streamed(target, state, save, output_path, *args, **kwargs)
             kwargs.update(max_shard_size=self._np_max_shard_size, safe_serialization=True)
         unassigned = sorted(name for name, tensor in state.items() if self._unassigned(tensor))
         if unassigned:
@@ -424,17 +403,6 @@ def _run_exporter(exporter: Any, output_dir: Path) -> Dict[str, torch.Tensor]:
     return exporter._np_saved
 
 
-def _written_names(output_dir: Path) -> List[str]:
-    """The tensor names in ``output_dir``'s safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    names: List[str] = []
-    for path in sorted(output_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            names.extend(handle.keys())
-    return names
-
-
 def _verify_against_checkpoint(
     location: CheckpointLocation,
     output_dir: Path,
@@ -473,38 +441,22 @@ def _verify_against_checkpoint(
         logger.warning(
             "Verifying %s against NeMo's exporter's converted model only (not the checkpoint): %s", output_dir, error
         )
-        if streamed:  # converted again, one layer at a time, each tensor compared with the written one
-            saved = _convert_again_comparing(exporter, output_dir)
-            if all(tensor.is_meta for tensor in saved.values()):
+        if streamed:  # converted again, streamed, each tensor compared with the written one (the rest to scratch)
+            scratch = Path(tempfile.mkdtemp(prefix=".np-verify-", dir=output_dir))
+            exporter._np_reset()
+            exporter._np_compare_with = output_dir
+            try:
+                saved = _run_exporter(exporter, scratch)
+            finally:
+                exporter._np_compare_with = None
+                shutil.rmtree(scratch, ignore_errors=True)
+            if all(tensor.is_meta for tensor in saved.values()):  # else its transforms were not split this time
                 return
         _verify_hf(output_dir, saved)
 
 
-def _convert_again_comparing(exporter: Any, output_dir: Path) -> Dict[str, torch.Tensor]:
-    """Run the exporter again, streamed, comparing each converted tensor with the one in ``output_dir`` instead of
-    writing it (its other files go to a scratch directory); returns what it saved (meta tensors unless not streamed).
-
-    Raises:
-        VerificationError: a written tensor or file header differs from the converted model's, or a file is missing
-            or extra (names it).
-    """
-    import shutil
-    import tempfile
-
-    scratch = Path(tempfile.mkdtemp(prefix=".np-verify-", dir=output_dir))
-    exporter._np_reset()
-    exporter._np_compare_with = output_dir
-    try:
-        return _run_exporter(exporter, scratch)
-    finally:
-        exporter._np_compare_with = None
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 def _verify_hf(output_dir: Path, expected: Dict[str, torch.Tensor]) -> None:
     """Every tensor in the written safetensors files equals the exporter's converted tensor (bitwise)."""
-    from safetensors import safe_open
-
     seen = set()
     for path in sorted(output_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
@@ -559,12 +511,10 @@ def export_hf_checkpoint(
         output_dir: where to publish; defaults to ``<ckpt>/hf``. Published atomically.
         global_step: recorded in ``metadata.json``.
         max_shard_size: bytes per safetensors file, passed to ``save_pretrained``.
-        dtype: floating-point dtype of the exported weights; default: the checkpoint's (:func:`checkpoint_dtype`).
-            Integer and bool tensors keep theirs.
+        dtype: floating-point dtype of the exported weights (default: the checkpoint's); integer tensors keep theirs.
         overwrite: replace an existing output; if ``False`` it raises :class:`OutputExistsError` before any work.
         verify: compare every written tensor with the checkpoint's through NeMo's importer for the class
-            (:mod:`nemo_patch.export.hf_verify`; a PEFT directory, or a class without one that runs, with the
-            converted model).
+            (:mod:`nemo_patch.export.hf_verify`), or, without one that runs, with the converted model.
         allow_unfinished: export even if NeMo's unfinished marker is present.
         progress: called with ``(bytes read, bytes in all)`` while the checkpoint's weights are read.
         merge_adapters: for a LoRA adapter checkpoint, export the base model with the adapters merged; without it,
@@ -574,18 +524,14 @@ def export_hf_checkpoint(
             "max"}`` when the checkpoint was consolidated as the best by NeMo's ``ModelCheckpoint`` metric.
         run: recorded as ``"run"`` in ``metadata.json``: the training run the checkpoint belongs to.
         staging_dir: where the output is written before it is renamed into place (default: its parent).
-        before_publish: called right before the output is renamed into place; what it raises is raised, and
-            nothing is published.
-        trust_context: ``False`` for a checkpoint from elsewhere: its ``context/`` is checked before NeMo loads it,
-            off the network (:func:`nemo_patch.export.context_trust.context_loading`); ``True`` or ``None`` load
-            it as NeMo does.
-        stream: convert and write one layer at a time (:mod:`nemo_patch.export.hf_stream`); ``False`` converts the
-            whole model in memory, as NeMo's ``export_ckpt`` does (the same files). A PEFT directory is always
-            converted in memory.
+        before_publish: called right before the output is renamed into place; if it raises, nothing is published.
+        trust_context: ``False`` for a checkpoint from elsewhere: its ``context/`` is checked first and loaded off
+            the network (:mod:`nemo_patch.export.context_trust`); ``True`` or ``None``: loaded as NeMo does.
+        stream: convert and write one layer at a time (:mod:`nemo_patch.export.hf_stream`); ``False``: the whole
+            model in memory, as NeMo's ``export_ckpt`` (the same files; a PEFT directory always).
 
     Returns:
-        A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (``tensor_count`` and ``total_bytes`` of the
-        exported model's ``state_dict``).
+        A :class:`nemo_patch.engine.consolidate.ConsolidationResult` (count and bytes of the tensors written).
 
     Raises:
         AdapterCheckpointError: a PEFT adapter checkpoint (without ``merge_adapters``) whose model class has no
@@ -640,7 +586,6 @@ def export_hf_checkpoint(
     exporter._np_read, exporter._np_dtype, exporter._np_merged = read, dtype, location.adapter and merge_adapters
     exporter._np_open, exporter._np_stream = open_lazy, stream and not peft
     exporter._np_max_shard_size, exporter._np_output_dir = max_shard_size, output_dir
-    requested_dtype = dtype
     failure = f"Exporting {ckpt_dir} to Hugging Face"
     with staged_output(ckpt_dir, output_dir, overwrite, failure, "hf-", staging_dir, before_publish) as tmp_dir:
         try:
@@ -651,7 +596,10 @@ def export_hf_checkpoint(
             if changed is not None:
                 raise changed from error
             raise
-        written = _written_names(tmp_dir)
+        written: List[str] = []  # the tensor names written (headers only)
+        for path in sorted(tmp_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                written.extend(handle.keys())
         total_bytes = sum(saved[n].numel() * saved[n].element_size() for n in written if n in saved)
         if verify:
             try:
@@ -676,7 +624,7 @@ def export_hf_checkpoint(
             "exporter": f"{exporter._np_exporter_class.__module__}.{exporter._np_exporter_class.__qualname__}",
             "tensor_count": len(written),
             "total_bytes": total_bytes,
-            "dtype": None if requested_dtype is None else str(requested_dtype).removeprefix("torch."),
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "vocab_size": None if metadata is None else vocabulary_sizes(ckpt_dir, metadata),
         }
         if location.adapter:
@@ -691,5 +639,4 @@ def export_hf_checkpoint(
         _give_files_the_default_mode(tmp_dir)
         check_unchanged(ckpt_dir, identity, allow_unfinished)  # the save that was read, finished: else none published
     logger.info("Exported %s -> %s with %s", ckpt_dir, output_dir, manifest["exporter"])
-    kind = manifest["kind"]
-    return ConsolidationResult(output_dir, manifest["tensor_count"], manifest["total_bytes"], global_step, {}, kind)
+    return ConsolidationResult(output_dir, len(written), total_bytes, global_step, {}, manifest["kind"])

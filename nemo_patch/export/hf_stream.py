@@ -39,6 +39,7 @@ import torch
 
 from nemo_patch.engine.casting import checked_cast
 from nemo_patch.engine.errors import ConsolidationError
+from nemo_patch.engine.layout_checks import SAFETENSORS_DTYPES
 from nemo_patch.engine.part_writer import create_files, placements_of, write_part
 from nemo_patch.engine.plan import TensorSpec, plan_shards
 from nemo_patch.engine.safetensors_writer import OutputFile, encode_header
@@ -52,20 +53,8 @@ logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 #: The ``safetensors`` library's ``Dtype`` order (its files sort tensors by dtype, descending, then by name).
-_DTYPE_RANK = {
-    torch.bool: 0,
-    torch.uint8: 4,
-    torch.int8: 5,
-    torch.float8_e5m2: 6,
-    torch.float8_e4m3fn: 7,
-    torch.int16: 9,
-    torch.float16: 11,
-    torch.bfloat16: 12,
-    torch.int32: 13,
-    torch.float32: 15,
-    torch.float64: 16,
-    torch.int64: 17,
-}
+_ORDER = "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 I16 U16 F16 BF16 I32 U32 F32 F64 I64 U64".split()
+_DTYPE_RANK = {dtype: _ORDER.index(name) for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def floating_dtype(sizes: Iterable[Tuple[torch.dtype, int]]) -> torch.dtype:
@@ -91,11 +80,10 @@ def layer_of(name: str) -> Optional[int]:
 
 class LazyCheckpointState(Mapping[str, torch.Tensor]):
     """The checkpoint's consolidated state dict without its tensors: each is read through the engine when asked for
-    (new memory each time, cast to :attr:`dtype` if floating-point; a cast that would overflow raises
-    :class:`~nemo_patch.engine.errors.DtypeOverflowError`).
+    (new memory each time, cast to :attr:`dtype` if floating-point, raising ``DtypeOverflowError`` on overflow).
 
     Args:
-        specs: name -> its spec as stored (the exporter's names: Transformer Engine layer-norm names).
+        specs: name -> its spec as stored (the exporter's names).
         read: reads a tensor by its name in ``specs``, in its stored dtype.
         dtype: floating-point dtype of the tensors returned (``None``: as stored).
         progress: called with ``(bytes read, bytes in all)`` after each read.
@@ -175,8 +163,7 @@ def _same_bytes(fd: int, offset: int, data: memoryview, chunk: int = 1 << 26) ->
 
 
 def _checked(name: str, tensor: torch.Tensor, meta: torch.Tensor, cast_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """A converted tensor checked as NeMo's ``apply_transforms`` checks it (its messages), cast to ``cast_dtype``
-    (floating point only) and contiguous.
+    """A converted tensor checked as NeMo's ``apply_transforms`` checks it, cast to ``cast_dtype`` and contiguous.
 
     Raises:
         ValueError: its shape differs from the target parameter's.
@@ -197,16 +184,12 @@ def _checked(name: str, tensor: torch.Tensor, meta: torch.Tensor, cast_dtype: Op
     return tensor.detach().contiguous()
 
 
-def _file_order(spec: TensorSpec) -> Tuple[int, str]:
-    return (-_DTYPE_RANK.get(spec.dtype, 99), spec.name)
-
-
 def plan_hf_files(specs: Sequence[TensorSpec], max_shard_size: int) -> List[OutputFile]:
     """The safetensors files ``save_pretrained`` writes for ``specs`` (in state dict order): ``huggingface_hub``'s
     shards, each file's tensors in the ``safetensors`` library's order, ``{"format": "pt"}`` metadata."""
     files = []
     for name, group in plan_shards(specs, max_shard_size).items():
-        ordered = tuple(sorted(group, key=_file_order))
+        ordered = tuple(sorted(group, key=lambda spec: (-_DTYPE_RANK.get(spec.dtype, 99), spec.name)))
         files.append(OutputFile(name, encode_header(ordered, {"format": "pt"}), ordered))
     return files
 
@@ -232,9 +215,8 @@ class StreamedConversion:
         exporter: the exporter's class name, for log lines and errors.
         output_dir: where ``save_pretrained`` will save (the files are created there).
         max_shard_size: bytes of tensor data per safetensors file.
-        compare_with: a directory this conversion wrote before: nothing is written, and each converted tensor is
-            compared (bitwise) with the one in that directory's files, whose headers must be the planned ones
-            (``verify`` of a streamed export where NeMo's importer cannot run).
+        compare_with: a directory this conversion wrote before: nothing is written, each converted tensor is compared
+            with that directory's files instead (``verify`` where NeMo's importer cannot run).
     """
 
     def __init__(
@@ -272,17 +254,14 @@ class StreamedConversion:
         state_dict_ignored_entries: Optional[List[str]] = None,
         cast_dtype: Optional[torch.dtype] = None,
     ) -> Any:
-        """NeMo's ``apply_transforms(source, target, mapping, transforms, ...)``, streamed: the converted tensors are
-        written to :attr:`output_dir` and ``target`` (on ``meta``) is returned unassigned; or, where the transforms
-        cannot be split, ``nemo_apply`` on the whole model (one log line says why).
+        """NeMo's ``apply_transforms``, streamed: the converted tensors are written to :attr:`output_dir` and
+        ``target`` (on ``meta``) is returned unassigned; or, where the transforms cannot be split, ``nemo_apply`` on
+        the whole model.
 
         Raises:
-            ValueError: a converted tensor's shape differs from the target parameter's, or a mapping's source key
-                matches nothing (NeMo's messages).
-            AssertionError: a converted tensor's dtype differs from the target's (NeMo's check).
+            ValueError, AssertionError: NeMo's checks (a converted tensor's shape or dtype, a source key unmatched).
             ExportError: a tensor of the Hugging Face model to be saved is assigned by no transform (names them).
-            VerificationError: with :attr:`compare_with`, a file's header or a tensor differs from the converted
-                model's (names the tensor and its file), or a file is missing or extra.
+            VerificationError: with :attr:`compare_with`, a file or a tensor differs (names it).
             OSError: the files cannot be written.
         """
         from nemo.lightning.io.state import StateDictTransform
@@ -388,9 +367,8 @@ class StreamedConversion:
             raise unassigned_error(self.exporter, missing)
 
     def _write(self, converted: Iterator[Tuple[str, torch.Tensor]], order: List[str]) -> None:
-        """Write the converted tensors with the engine's writer (:func:`.part_writer.write_part`: each tensor written
-        from a thread while the next is converted, written bytes made durable as it goes, fsynced at the end), asking
-        for them in the order the groups produce them."""
+        """Write the converted tensors with the engine's writer (:func:`.part_writer.write_part`), asking for them in
+        the order the groups produce them."""
         placements = {placement.name: placement for placement in placements_of(self.files)}
         ready: Dict[str, torch.Tensor] = {}
 
@@ -412,33 +390,13 @@ class StreamedConversion:
             raise ExportError(f"NeMo's {self.exporter} converted tensors that were not written: {unwritten[:5]}")
 
     def _compare(self, converted: Iterator[Tuple[str, torch.Tensor]]) -> None:
-        """Compare the converted tensors with the files of :attr:`compare_with`.
+        """Compare the converted tensors and the planned headers with the files of :attr:`compare_with`.
 
         Raises:
-            VerificationError: a file's header or a tensor differs.
+            VerificationError: a file is missing or extra, or its header or a tensor differs (names it).
         """
-        assert self.compare_with is not None
-        self._check_headers(self.compare_with)
-        where = {spec.name: (file.name, offset) for file in self.files for spec, offset in file.offsets()}
-        descriptors = {file.name: os.open(self.compare_with / file.name, os.O_RDONLY) for file in self.files}
-        try:
-            for name, tensor in converted:
-                file, offset = where[name]
-                if not _same_bytes(descriptors[file], offset, tensor.reshape(-1).view(torch.uint8).numpy().data):
-                    raise VerificationError(
-                        f"Tensor {name} in {self.compare_with / file} differs from the exported model's"
-                    )
-        finally:
-            for fd in descriptors.values():
-                os.close(fd)
-
-    def _check_headers(self, directory: Path) -> None:
-        """The safetensors files in ``directory`` are the planned ones, each starting with its planned header (so
-        each tensor's name, dtype, shape and offsets are the planned ones).
-
-        Raises:
-            VerificationError: a file is missing, extra, or its header differs (names the file).
-        """
+        directory = self.compare_with
+        assert directory is not None
         found = sorted(path.name for path in directory.glob("*.safetensors"))
         planned = sorted(file.name for file in self.files)
         if found != planned:
@@ -449,6 +407,18 @@ class StreamedConversion:
             with open(directory / file.name, "rb") as handle:
                 if handle.read(len(file.header)) != file.header:
                     raise VerificationError(f"The header of {directory / file.name} differs from the exported model's")
+        where = {spec.name: (file.name, offset) for file in self.files for spec, offset in file.offsets()}
+        descriptors = {file.name: os.open(directory / file.name, os.O_RDONLY) for file in self.files}
+        try:
+            for name, tensor in converted:
+                filename, offset = where[name]
+                if not _same_bytes(descriptors[filename], offset, tensor.reshape(-1).view(torch.uint8).numpy().data):
+                    raise VerificationError(
+                        f"Tensor {name} in {directory / filename} differs from the exported model's"
+                    )
+        finally:
+            for fd in descriptors.values():
+                os.close(fd)
 
     def write_index(self) -> None:
         """``model.safetensors.index.json`` as ``save_pretrained`` writes it, when there are several files."""

@@ -46,6 +46,7 @@ from nemo_patch.engine.tensor_sources import open_sources
 from nemo_patch.engine.verify import VerificationError, tensors_bitwise_equal
 from nemo_patch.engine.vocabulary import tokenizer_vocab_size
 from nemo_patch.export.context_trust import context_loading
+from nemo_patch.export.hf_stream import floating_dtype
 from nemo_patch.export.layer_norms import te_layer_norm_names
 
 __all__ = [
@@ -76,13 +77,12 @@ class ImporterUnavailable(Exception):
 
 
 class _MissingTensor(AttributeError):
-    """A tensor the importer asked for by attribute is not in the written files (an ``AttributeError``, so that
-    ``hasattr`` says no)."""
+    """A tensor the importer asked for by attribute is not in the written files (``hasattr`` says no)."""
 
 
 class _WrittenTensors(Mapping[str, torch.Tensor]):
-    """The written safetensors files as a read-only state dict: a tensor is loaded from its file each time it is
-    read (nothing is kept), and every read is recorded, grouped by the target it ends up in (:class:`_Imported`)."""
+    """The written safetensors files as a read-only state dict, loading a tensor each time it is read and recording
+    the reads, grouped by the target they end up in (:class:`_Imported`)."""
 
     def __init__(self, output_dir: Path, weight_map: Mapping[str, str]) -> None:
         self._output_dir, self._weight_map = output_dir, dict(weight_map)
@@ -116,23 +116,14 @@ class _WrittenTensors(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._weight_map)
 
-    def start(self) -> None:
-        """Forget the reads so far."""
-        self.read.clear()
-        self.group, self.group_closed = [], False
-
     def shape(self, name: str) -> Tuple[int, ...]:
         """The tensor's shape, from its file's header."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def dtype(self) -> Optional[torch.dtype]:
         """The floating-point dtype of most of the tensors (headers only), ``None`` if none is floating."""
-        counts: Dict[torch.dtype, int] = {}
-        for name in self._weight_map:
-            dtype = _SAFETENSORS_DTYPES.get(self._handle(name).get_slice(name).get_dtype())
-            if dtype is not None:
-                counts[dtype] = counts.get(dtype, 0) + 1
-        return max(counts, key=lambda dtype: counts[dtype]) if counts else None
+        dtypes = [_SAFETENSORS_DTYPES.get(self._handle(name).get_slice(name).get_dtype()) for name in self._weight_map]
+        return floating_dtype((dtype, 1) for dtype in dtypes if dtype is not None) if any(dtypes) else None
 
     def file(self, name: str) -> Path:
         return self._output_dir / self._weight_map[name]
@@ -181,11 +172,9 @@ class _WrittenModel:
 
 
 class _Imported(MutableMapping[str, torch.Tensor]):
-    """The NeMo model's state dict an importer's transforms fill: its names are the checkpoint's; what a transform
-    assigns is kept with the written tensors it was made from and the transform (``step``) that made it. A transform
-    that reads a target before assigning it (filling it in place, as NeMo's Mixtral importer does for the embedding)
-    gets a new tensor of the checkpoint's shape in ``dtype`` (for floating-point tensors), filled with NaN (so rows it
-    leaves unfilled never compare equal)."""
+    """The NeMo model's state dict an importer's transforms fill (the checkpoint's names), keeping what each transform
+    (``step``) assigns and the written tensors it was made from. A target read before it is assigned (filled in place,
+    as by NeMo's Mixtral importer) is a new tensor of the checkpoint's shape, NaN-filled if floating (in ``dtype``)."""
 
     def __init__(
         self, names: Mapping[str, torch.Tensor], sources: Optional[_WrittenTensors], dtype: torch.dtype
@@ -228,8 +217,7 @@ class _Imported(MutableMapping[str, torch.Tensor]):
 
 
 class _CheckpointModel:
-    """The NeMo model an importer's ``convert_state`` gets: the checkpoint context's ``config`` and the state to
-    fill."""
+    """The NeMo model an importer's ``convert_state`` gets: the context's ``config`` and the state to fill."""
 
     def __init__(self, config: Any, state: _Imported) -> None:
         self.config = config
@@ -240,15 +228,14 @@ class _CheckpointModel:
 
 
 def importer_class(model_class: type) -> Optional[type]:
-    """NeMo's ``"hf"`` importer registered for ``model_class`` (that class exactly, as NeMo looks it up), or
-    ``None``."""
+    """NeMo's ``"hf"`` importer registered for ``model_class`` exactly (as NeMo looks it up), or ``None``."""
     importers = getattr(model_class, "_IMPORTERS", None) or {}
     return importers.get(f"{model_class}hf")
 
 
 def _hf_config(output_dir: Path) -> Any:
-    """``output_dir``'s ``config.json`` as ``transformers`` reads it (``AutoConfig``, no remote code); for a model type
-    ``transformers`` does not know, a plain ``PretrainedConfig`` with the file's keys."""
+    """``output_dir``'s ``config.json`` as ``AutoConfig`` reads it (no remote code), else a ``PretrainedConfig`` of its
+    keys."""
     from transformers import AutoConfig, PretrainedConfig
 
     try:
@@ -266,9 +253,8 @@ def _hf_config(output_dir: Path) -> Any:
 def _captured_apply_transforms(
     stand_in: _CheckpointModel,
 ) -> Iterator[List[Tuple[Any, Dict[str, Any], List[Any], List[str]]]]:
-    """Replace ``nemo.lightning.io.apply_transforms`` while the block runs: a call for ``stand_in`` is recorded as
-    ``(source, mapping, transforms, state_dict_ignored_entries)`` and returns ``stand_in``; any other call is NeMo's
-    (so another thread's conversion is unaffected). One block at a time in a process."""
+    """While the block runs, ``io.apply_transforms`` records a call for ``stand_in`` as ``(source, mapping, transforms,
+    state_dict_ignored_entries)`` and returns ``stand_in``; any other call is NeMo's. One block at a time."""
     from nemo.lightning import io
 
     calls: List[Tuple[Any, Dict[str, Any], List[Any], List[str]]] = []
@@ -297,8 +283,7 @@ def _captured_apply_transforms(
 
 
 def _allowed_vocabulary_sizes(checkpoint_dir: Path, model: Any) -> Set[int]:
-    """The vocabulary sizes the checkpoint records besides its padded rows: its tokenizer's (``tokenizer.json`` in
-    the context, or the context's tokenizer object) and its model config's ``vocab_size``."""
+    """The vocabulary sizes the checkpoint records besides its padded rows: its tokenizer's and its config's."""
     sizes = {tokenizer_vocab_size(checkpoint_dir), getattr(getattr(model, "config", None), "vocab_size", None)}
     try:
         sizes.add(getattr(getattr(model, "tokenizer", None), "vocab_size", None))
@@ -319,20 +304,11 @@ def _tensors_text(names: List[str], written: _WrittenTensors) -> str:
 
 
 def _gives(made_from: List[str], written: _WrittenTensors, name: str, importer_name: str) -> str:
-    """``Tensor <a> in <file> gives <name> through NeMo's <importer>`` (``Tensors <a>, <b> ... give``), or ``NeMo's
-    <importer> makes <name> from no written tensor``."""
+    """``Tensor <a> in <file> gives <name> through NeMo's <importer>``, or ``... <name> from no written tensor``."""
     if not made_from:
         return f"NeMo's {importer_name} makes {name} from no written tensor"
     verb = "gives" if len(made_from) == 1 else "give"
     return f"{_tensors_text(made_from, written)} {verb} {name} through NeMo's {importer_name}"
-
-
-def _differs(expected: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Elementwise bitwise inequality of two tensors of one shape and dtype."""
-    if expected.is_floating_point() and expected.element_size() in _BITS:
-        bits = _BITS[expected.element_size()]
-        return expected.contiguous().view(bits) != value.contiguous().view(bits)
-    return expected != value
 
 
 def _trace(
@@ -395,9 +371,12 @@ def _mismatch(
     written: _WrittenTensors,
     importer_name: str,
 ) -> str:
-    """The message for a checkpoint tensor ``name`` that the importer makes unequal to ``expected``: the written
-    element it came from when ``trace`` says, else all the written tensors it was made from."""
-    differs = _differs(expected, value)
+    """The message for ``name`` made unequal to ``expected``: the written element it came from if ``trace`` says."""
+    if expected.is_floating_point() and expected.element_size() in _BITS:  # bitwise
+        bits = _BITS[expected.element_size()]
+        differs = expected.contiguous().view(bits) != value.contiguous().view(bits)
+    else:
+        differs = expected != value
     position = [int(i) for i in torch.nonzero(differs)[0].tolist()] if differs.any() else [0] * value.dim()
     where = tuple(position)
     held, got = expected[where].item(), value[where].item()
@@ -433,22 +412,19 @@ def check_through_importer(
     Args:
         location: the checkpoint (:func:`~nemo_patch.engine.checkpoint_layout.inspect_checkpoint`).
         output_dir: the written Hugging Face directory.
-        model: the checkpoint's model from its context: its class selects the importer, its ``config`` is the one
-            the importer's transforms read.
+        model: the checkpoint's model from its context: its class selects the importer, which reads its ``config``.
         merge_adapters: the output has the adapters merged: the oracle is the merged model.
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
         trust_remote_code: set on the importer as its ``apply`` would (some importers' ``config`` reads it).
-        before_reading: called once the check is known to be possible, before the checkpoint's tensors are read (the
-            export drops its converted model there).
+        before_reading: called once the check can run, before the checkpoint's tensors are read.
 
     Returns:
         The number of written tensors checked.
 
     Raises:
-        ImporterUnavailable: the class has no ``"hf"`` importer, or its ``convert_state`` cannot run on stand-ins
-            (raised before ``before_reading`` is called).
-        VerificationError: a tensor differs, is missing or is unexplained (the message names it and its file), or the
-            written files cannot be read.
+        ImporterUnavailable: the class has no ``"hf"`` importer, or its ``convert_state`` cannot run on stand-ins.
+        VerificationError: a tensor differs, is missing or is unexplained (names it and its file), or the written
+            files cannot be read.
         ConsolidationError: or a subclass, from reading the checkpoint.
     """
     model_class = type(model)
@@ -477,12 +453,17 @@ def check_through_importer(
         # 2. The checkpoint's tensors (the oracle) and the importer's results from the written tensors.
         oracle, _ = read_checkpoint_tensors(location, merge_adapters, base_checkpoint)
         imported = target.state = _Imported(oracle, written, dtype)
-        written.start()
+        written.read.clear()  # the reads of convert_state on stand-ins
+        written.group, written.group_closed = [], False
         _replay(importer_name, output_dir, source, target, mapping, transforms, written)
 
         # 3. Every checkpoint tensor made, and equal to the checkpoint's.
         vocabulary = _allowed_vocabulary_sizes(location.checkpoint_dir, model)
         hf_vocab = getattr(hf_config, "vocab_size", None)
+
+        def gives(name: str) -> str:
+            return _gives(imported.made_from.get(name) or [], written, name, importer_name)
+
         for name in list(oracle):
             expected = oracle.pop(name)
             value = imported.assigned.pop(name, None)
@@ -495,9 +476,7 @@ def check_through_importer(
                     "tensor there"
                 )
             if not isinstance(value, torch.Tensor):
-                raise VerificationError(
-                    f"{_gives(made_from, written, name, importer_name)} as a {type(value).__name__}, not a tensor"
-                )
+                raise VerificationError(f"{gives(name)} as a {type(value).__name__}, not a tensor")
             fresh = imported.fresh.pop(name, None)
             in_place = fresh is not None and value.data_ptr() == fresh.data_ptr()
             like = expected
@@ -510,17 +489,13 @@ def check_through_importer(
                     value = value[:rows]
             if tuple(value.shape) != tuple(expected.shape):
                 raise VerificationError(
-                    f"{_gives(made_from, written, name, importer_name)} with shape {tuple(value.shape)}; the "
-                    f"checkpoint's is {tuple(expected.shape)}"
+                    f"{gives(name)} with shape {tuple(value.shape)}; the checkpoint's is {tuple(expected.shape)}"
                     + (f" (its first {rows} rows: the vocabulary)" if rows is not None else "")
                 )
             if expected.is_floating_point() and value.is_floating_point():
                 overflow = cast_overflow(expected, value)
                 if overflow is not None:  # the cast below would turn the same values into the same inf
-                    raise VerificationError(
-                        f"{_gives(made_from, written, name, importer_name)} with inf where the checkpoint is finite: "
-                        f"{overflow}"
-                    )
+                    raise VerificationError(f"{gives(name)} with inf where the checkpoint is finite: {overflow}")
                 expected = expected.to(value.dtype)
             if not tensors_bitwise_equal(expected, value):
                 trace = None
@@ -531,10 +506,7 @@ def check_through_importer(
                 raise VerificationError(_mismatch(name, value, expected, made_from, trace, written, importer_name))
         extra = sorted(imported.assigned)
         if extra:
-            made_from = imported.made_from.get(extra[0]) or []
-            raise VerificationError(
-                f"{_gives(made_from, written, extra[0], importer_name)}, which the checkpoint does not hold"
-            )
+            raise VerificationError(f"{gives(extra[0])}, which the checkpoint does not hold")
 
         # 4. Every written tensor read for some checkpoint tensor.
         unread = [name for name in weight_map if name not in written.read]
@@ -650,8 +622,7 @@ def verify_hf_output(
     Args:
         checkpoint_dir: the checkpoint directory (with ``context/`` and ``weights/``).
         output_dir: the Hugging Face directory.
-        merge_adapters: the output is of an adapter checkpoint with its adapters merged (the oracle is the merged
-            model).
+        merge_adapters: the output is of an adapter checkpoint with its adapters merged (the oracle is too).
         base_checkpoint: with ``merge_adapters``, the base model's checkpoint, if not where NeMo recorded it.
         allow_unfinished: check an unfinished checkpoint's output too.
         trust_context: load the context whatever it names; else it is checked first and loaded off the network
