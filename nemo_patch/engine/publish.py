@@ -427,20 +427,16 @@ def staged_output(
         if before_publish is not None:
             before_publish()
         publish_dir(tmp_dir, output_dir, overwrite=overwrite)
-    except ConsolidationError:
+    except BaseException as error:  # Ctrl-C included
         remove_tmp_dir(tmp_dir)
-        raise
-    except FileExistsError as error:
-        remove_tmp_dir(tmp_dir)
-        if overwrite:  # something appeared there meanwhile that is not replaced
+        # unchanged: the engine's own errors, and BaseExceptions other than DCP's CheckpointException
+        if isinstance(error, ConsolidationError) or not isinstance(error, (Exception, CheckpointException)):
+            raise
+        if isinstance(error, FileExistsError) and overwrite:  # something appeared there that is not replaced
             raise OutputExistsError(f"Refusing to publish over {error}") from error
-        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
-    except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
-        remove_tmp_dir(tmp_dir)
+        if isinstance(error, FileExistsError):
+            raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)") from error
         raise ConsolidationError(f"{failure} failed: {type(error).__name__}: {error}") from error
-    except BaseException:
-        remove_tmp_dir(tmp_dir)
-        raise
 
 
 def link_output(

@@ -399,15 +399,13 @@ def _collect(
 
 def _stop(process: subprocess.Popen, grace: float = _KILL_GRACE) -> None:
     """SIGTERM to the command's process group, SIGKILL after ``grace`` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace)
+    except ProcessLookupError:  # the group is gone
+        pass
+    except subprocess.TimeoutExpired:
         try:
-            os.killpg(process.pid, sig)
+            os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        if wait is None:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            pass
