@@ -65,8 +65,8 @@ def _check_holds(tensor: Any, where: str, key: str, item: TensorStorageMetadata,
     """Refuse a record that does not hold a tensor of its chunk's dtype and shape."""
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != item.properties.dtype or tensor.shape != sizes:
         got = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ValueError(f"{where}: holds {got}; the metadata declares this chunk of {key} as "
-                         f"{item.properties.dtype} {list(sizes or [])}")  # fmt: skip
+        declared = f"{item.properties.dtype} {list(sizes or [])}"
+        raise ValueError(f"{where}: holds {got}; the metadata declares this chunk of {key} as {declared}")
 
 
 def _data_start(window: RecordWindow, meta: torch.Tensor) -> Optional[int]:
@@ -171,14 +171,13 @@ class DCPRegionReader:
         where = f"{info.relative_path}, record at byte {info.offset}"
         window, finish = open_record(stream, info.offset, info.length, where, self.verify_checksums)
         sizes = next((c.sizes for c in item.chunks if c.offsets == storage_index.offset), None)
-        meta = _refused_in_one_line(where, lambda: torch.load(cast(IO[bytes], window), map_location="meta",
-                                                              weights_only=True))  # fmt: skip
+        stored = cast(IO[bytes], window)
+        meta = _refused_in_one_line(where, lambda: torch.load(stored, map_location="meta", weights_only=True))
         _check_holds(meta, where, key, item, sizes)
         start = _data_start(window, meta)
         if start is None:  # not laid out as torch.save writes a contiguous tensor: load it whole
             window.seek(0)
-            tensor = _refused_in_one_line(where, lambda: torch.load(cast(IO[bytes], window), map_location="cpu",
-                                                                    weights_only=True))  # fmt: skip
+            tensor = _refused_in_one_line(where, lambda: torch.load(stored, map_location="cpu", weights_only=True))
             finish()
             _check_holds(tensor, where, key, item, sizes)
             place(tensor, None)

@@ -55,10 +55,12 @@ __all__ = [
 #: The dtypes a model weight may have (a safetensors file's name of each): any other (``qint8``, ``bits8``, ``uint1``,
 #: ``quint4x2``, complex, ...) has no safetensors encoding and is refused when the layout is checked.
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+    getattr(torch, name): code
+    for name, code in zip(
+        "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 bool float8_e4m3fn float8_e5m2".split(),
+        "F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2".split(),
+    )
+}
 
 
 def resolve_inside(directory: Union[str, Path], name: Union[str, Path]) -> Path:

@@ -60,8 +60,8 @@ def encode_header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> byte
     for spec in specs:
         if spec.dtype not in _DTYPES:
             raise UnknownLayoutError(f"{spec.name}: dtype {spec.dtype} has no safetensors encoding")
-        header[spec.name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape),
-                             "data_offsets": [offset, offset + spec.nbytes]}  # fmt: skip
+        offsets = [offset, offset + spec.nbytes]
+        header[spec.name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": offsets}
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)

@@ -570,8 +570,8 @@ class Observer(ConsolidationObserver):
         run = save.run if save.run is not None else getattr(self.coordinator, "run_id", None)
         order = (run or "", save.fit, save.global_step)
         if self._latest is not None and order < self._latest:
-            logger.debug("LATEST stays on global step %d: %s (global step %d) is older", self._latest[2], save.path,
-                         save.global_step)  # fmt: skip
+            why = f"{save.path} (global step {save.global_step}) is older"
+            logger.debug("LATEST stays on global step %d: %s", self._latest[2], why)
             return
         name = self.coordinator.settings.output_dirname
         current = pointed_output(save.path.parent, (name,))
@@ -584,8 +584,8 @@ class Observer(ConsolidationObserver):
                 and not moves_forward(mine, now)
                 and not self._superseded(own, current)
             ):
-                logger.info("LATEST stays on %s: it names a newer save (%s) than %s's", current.parent.name,
-                            _run_label(now.run), save.path.name)  # fmt: skip
+                newer = f"it names a newer save ({_run_label(now.run)}) than {save.path.name}'s"
+                logger.info("LATEST stays on %s: %s", current.parent.name, newer)
                 return
         self._latest = order
         self.point(save.path)
