@@ -29,9 +29,9 @@ starts with a ``.. pull-request: <key>`` line) and each pull request's descripti
 ``--nemo-src`` is the directory holding NeMo's ``nemo/`` package (a checkout or an unpacked wheel; default: the
 installed one). The series is built in a temporary git repository holding that tree, one commit per pull request, and
 written with ``git format-patch``; ``OUTDIR/series`` lists the patches in order. Checks before anything is written:
-no ``nemo_patch`` name left, no line over 119 columns, every module a file imports present in the tree by then (in an
-optional-import block: added by a later pull request of the series), and no import of a module the series never adds.
-The series' ``config.py`` leaves out the ``ConsolidationConfig`` fields of later additions
+no ``nemo_patch`` name left, no line over 119 columns and no ``# fmt: skip``, every module a file imports present in
+the tree by then (in an optional-import block: added by a later pull request of the series), and no import of a module
+the series never adds. The series' ``config.py`` leaves out the ``ConsolidationConfig`` fields of later additions
 (:data:`LATER_FIELDS`, :func:`without_later_fields`). ``tests/test_upstream_patch.py`` applies the series to the
 installed NeMo and runs each pull request's tests there: the same test files the product's suite runs
 against the overlay.
@@ -317,6 +317,7 @@ def check_file(path: str, text: str, tree_root: Path) -> List[str]:
         for n, line in enumerate(text.splitlines(), 1)
         if len(line) > 119
     ]
+    problems += [f"{path}:{n}: '# fmt: skip'" for n, line in enumerate(text.splitlines(), 1) if "# fmt: skip" in line]
     if path.endswith(".py"):
         tree = ast.parse(text)
         optional, later = _optional_imports(tree), series_modules()

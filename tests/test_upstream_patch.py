@@ -199,6 +199,7 @@ def test_the_packager_refuses_an_import_of_a_module_the_series_never_adds(tmp_pa
         f"nemo/a.py:2: imports {never}, a module the series never adds"
     ]
     assert check("nemo/a.py", optional(f"{package}.publish"), tmp_path) == []  # the writers pull request adds it
+    assert check("nemo/a.py", "x = [1,\n  2]  # fmt: skip\n", tmp_path) == ["nemo/a.py:2: '# fmt: skip'"]
     assert check("nemo/a.py", f"from {package}.publish import publish_dir\n", tmp_path) == [
         f"nemo/a.py:1: imports {package}.publish, not in the tree yet"
     ]
