@@ -429,9 +429,9 @@ class LaunchedGroup:
             report = {"error": failure}
         try:
             self._exchange(torch.ones(1, dtype=torch.uint8), _DONE, "finish writing its part")
-        except PeerError:
-            if 0 in self._lost:
-                self._remove_output()
+        except PeerError:  # rank 0 lost before every rank reported cannot publish: its temporary output is removed
+            if 0 in self._lost and self._output_dir is not None and self._output_dir.name.startswith(TMP_PREFIX):
+                shutil.rmtree(self._output_dir, ignore_errors=True)
             raise
         self._send_text(json.dumps(report), 0, _REPORT)
         texts, lost = self._receive_texts([0], _OUTCOME, time.monotonic() + self.timeout)
@@ -441,8 +441,3 @@ class LaunchedGroup:
         if "lost" in outcome:  # a peer rank 0 found lost, that this rank did not wait for
             raise PeerError(outcome["lost"])
         return int(outcome["exit"])
-
-    def _remove_output(self) -> None:
-        """Remove rank 0's temporary output (rank 0 was lost before every rank reported: it cannot publish)."""
-        if self._output_dir is not None and self._output_dir.name.startswith(TMP_PREFIX):
-            shutil.rmtree(self._output_dir, ignore_errors=True)
