@@ -13,14 +13,9 @@
 # limitations under the License.
 
 """The later additions of the training side, which NeMo's tree does not have yet, registered where the core takes
-extensions: each one's ``Observer`` with :func:`~nemo_patch.training.schedule.register_observer` (``BEST``, the
-journal, metrics; retention and the hooks, which every coordinator has, registered in between to keep that order)
-and the post command's result for the hooks (:data:`~nemo_patch.training.hooks.POST_COMMAND_READERS`); the
-``"best"`` cadence and cadence phases (:func:`~nemo_patch.training.policy.extend_cadences`); the consolidation
-process's isolation and post command, through its launcher (:func:`launch`, in
-:data:`~nemo_patch.training.worker.PROCESS_LAUNCHERS`) and entry point (:func:`extend_worker`). The package root calls
-:func:`register_extensions` when it is imported; a module that needs torch or Lightning is imported when it is first
-needed, so that ``import nemo_patch`` stays free of both.
+extensions (docs/UPSTREAM.md): observers, the post command's result, the ``"best"`` cadence and phases, the
+consolidation process's launcher (:func:`launch`) and entry point (:func:`extend_worker`). The package root calls
+:func:`register_extensions`; ``import nemo_patch`` stays free of torch and Lightning.
 """
 
 import importlib

@@ -15,18 +15,10 @@
 """The overlay's import hook: NeMo's modules are executed with the edits of ``nemo_edits/`` applied to their source.
 
 The edits are the unified diffs that go upstream, in the order ``nemo_edits/series`` lists. ``nemo_patch.pth`` calls
-:func:`install` at interpreter start-up (without importing the ``nemo_patch`` package), which adds a meta-path finder
-and nothing else. The finder's loader applies every hunk strictly (each hunk's old lines found exactly once) to the
-source of a NeMo module a diff edits, compiles it under NeMo's file name and registers the edited text in
-:mod:`linecache`; a series that does not apply leaves every NeMo module unedited, with one warning naming the NeMo
-version, the file and the hunk (docs/installation.md). :func:`edit_loaded_modules` does the same for NeMo modules
-imported before the hook was installed, and rebinds the names other ``nemo`` modules hold.
-
-On, or loudly off: an unedited ``MegatronStrategy`` refuses the consolidation arguments (:func:`guard_unedited`), where
-NeMo would pass them on to Lightning and consolidate nothing.
-
-Standard library only, and no other ``nemo_patch`` module: what runs before and after an edit is handed in. Set
-``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) to leave NeMo unedited.
+:func:`install` at interpreter start-up, which adds a meta-path finder whose loader applies every hunk strictly (its
+old lines found exactly once); a series that does not apply leaves NeMo unedited, with one warning
+(docs/installation.md), and the unedited ``MegatronStrategy`` refuses the consolidation arguments
+(:func:`guard_unedited`). Standard library only. ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) leaves NeMo unedited.
 """
 
 import functools

@@ -82,12 +82,7 @@ class Setting:
         return f"ConsolidationConfig.{self.field}"
 
 
-def setting(
-    default: Any,
-    *,
-    validate: Callable[[Any, str], Any],
-    cli: Optional[CliOption] = None,
-) -> Any:
+def setting(default: Any, *, validate: Callable[[Any, str], Any], cli: Optional[CliOption] = None) -> Any:
     """A :class:`ConsolidationConfig` field declaring one setting (see :class:`Setting`; its help text is the field's
     entry in the class's ``Attributes:``)."""
     return field(default=default, metadata={"setting": dict(validate=validate, cli=cli)})
@@ -304,18 +299,9 @@ class ConsolidationConfig:
             _whole_number,
         ),
     )
-    keep: Optional[int] = setting(
-        None,
-        validate=validate_keep,
-    )
-    max_pending: int = setting(
-        DEFAULT_MAX_PENDING,
-        validate=validate_max_pending,
-    )
-    timeout: float = setting(
-        DEFAULT_TIMEOUT,
-        validate=validate_timeout,
-    )
+    keep: Optional[int] = setting(None, validate=validate_keep)
+    max_pending: int = setting(DEFAULT_MAX_PENDING, validate=validate_max_pending)
+    timeout: float = setting(DEFAULT_TIMEOUT, validate=validate_timeout)
     merge_adapters: bool = setting(
         False,
         validate=validate_flag,

@@ -14,18 +14,12 @@
 
 """The one owner of a run's consolidation state on global rank 0: what happens to a checkpoint after its save.
 
-NeMo's checkpoint IO tells the coordinator about saves; it owns the rest: the cadence's schedule, the queue of the
-consolidation process, the ``-last`` copies that receive their step's output, and NeMo's removals. Every decision is
-taken under one lock, shared with the queue (NeMo removes checkpoints from its own thread under async save): a
-checkpoint whose removal has started is never queued, started or linked into any more, and a consolidation running
-delays the removal until it has ended. A save is the :class:`~.schedule.CheckpointSave` object, not its
-global step (a second ``fit`` starts its steps again; NeMo saves into ``-last`` directories again), and an
-output is published or linked only while the weights it was made from are still there. The training loop's per-step
-pass runs on a :class:`~.background.PollingWorker` (the stepper), off the training thread; every other entry point of
-the training thread first finishes the pass handed over (:meth:`ConsolidationCoordinator.sync`), so the schedule and
-the queue are used by one thread at a time. Extensions take part as observers, each a
-:class:`~.schedule.ConsolidationObserver` every new coordinator makes from the factories registered with
-:func:`~.schedule.register_observer`. Standard library and the engine's helpers only.
+NeMo's checkpoint IO tells the coordinator about saves; it owns the rest: the schedule, the consolidation process's
+queue, the ``-last`` copies, and NeMo's removals. Every decision is taken under one lock, shared with the queue: a
+checkpoint whose removal has started is never queued, started or linked into, and a running consolidation delays the
+removal. A save is the :class:`~.schedule.CheckpointSave` object, not its global step. The per-step pass runs on a
+:class:`~.background.PollingWorker` (the stepper); the training thread's other entry points first finish it
+(:meth:`ConsolidationCoordinator.sync`). Extensions are observers (:class:`~.schedule.ConsolidationObserver`).
 """
 
 import logging
@@ -184,7 +178,7 @@ class ConsolidationCoordinator:
         self.sync()
         self._submit_substitutes()
         done = True if self._queue is None else self._queue.wait(timeout)
-        self._wait_for_links()
+        self._linker.drain()  # the links handed to the linker's thread
         self.notify("on_changed")
         return done
 
@@ -194,7 +188,7 @@ class ConsolidationCoordinator:
         self.sync()
         if self._queue is not None:
             self._queue.close()
-        self._wait_for_links()
+        self._linker.drain()
         self.notify("on_changed")
 
     def end_process_unless_fitting(self) -> None:
@@ -519,10 +513,6 @@ class ConsolidationCoordinator:
                 self._link_copy(copy, save)
             except Exception:  # noqa: BLE001 - a copy without its output is logged, the run goes on
                 logger.exception("Could not reuse the output of %s for the copy %s", save.path, copy.path)
-
-    def _wait_for_links(self) -> None:
-        """Make the links handed to the linker's thread now (``fit``'s end, the teardown)."""
-        self._linker.drain()
 
     def _record(self, save: CheckpointSave) -> ConsolidationRecord:
         """A :class:`ConsolidationRecord` of a published output, logged in one INFO line."""

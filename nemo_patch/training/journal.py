@@ -15,21 +15,11 @@
 """The journal of due consolidations: ``<root>/.consolidation-due.json`` lists those waiting or running.
 
 A job killed (SIGKILL, a lost node) leaves it behind; the next run of the same root consolidates what it lists when
-training starts, or says once that it cannot. Each entry names a checkpoint of the root by its directory name, with
-the global step, the run that saved it, the ``"best"`` record, its ``-last`` copies and the identity of its weights'
-files (:func:`~.schedule.weights_identity`): an entry is only resumed while its checkpoint is still those very files
-(inode, size, modification time; not the device number, which differs between nodes), so a journal copied from
-another root, or a checkpoint saved again since, never has another save consolidated under the entry's name.
-
-The journal is never trusted: it is read without following a symlink, only as a regular file of at most 4 MiB of a
-version this package writes, and each entry must name a plain directory inside the root. Anything else is one
-``WARNING``, and the file is then replaced by this run's journal. Training never fails because of the journal.
-
-Writes happen off the training thread (:class:`_Writer`), into a new temporary file renamed over the journal: a change
-is on disk within :data:`WRITE_INTERVAL` plus one write, and a job SIGKILLed at any moment leaves the previous
-complete journal or the new one. A journal that cannot be written is one ``WARNING`` and retried at the next change.
-
-Standard library and the training side's schedule only.
+training starts, or says once that it cannot. An entry is only resumed while its checkpoint is still the files it
+recorded (:func:`~.schedule.weights_identity` without the device number, which differs between nodes). The journal is
+never trusted (no symlink, a regular file of at most 4 MiB, entries naming plain directories inside the root): anything
+else is one ``WARNING``. It is written off the training thread (:class:`_Writer`), atomically. Training never fails
+because of the journal (docs/how-it-works.md).
 """
 
 import contextlib
@@ -240,13 +230,9 @@ def _unchanged_since(checkpoint: Path, identity: Optional[Tuple[int, ...]], jour
 
 
 class _Writer:
-    """One thread that brings the journals up to date (``sync``) after a change was signalled.
-
-    Signalling a change only sets a flag: the training thread never wakes another thread (on a loaded host a woken
-    thread preempts the one that woke it) and never computes or writes the journal. The writer thread looks every
-    :data:`WRITE_INTERVAL` seconds, runs ``sync`` once for all the changes signalled since, and ends after
-    :data:`_IDLE_SECONDS` without a change (the next signal starts another).
-    """
+    """One thread that brings the journals up to date (``sync``) after a change was signalled: signalling only sets a
+    flag (the training thread wakes no thread); the thread looks every :data:`WRITE_INTERVAL` seconds and ends after
+    :data:`_IDLE_SECONDS` without a change (the next signal starts another)."""
 
     def __init__(self, sync: Callable[[], None]) -> None:
         self._sync = sync
@@ -403,9 +389,8 @@ class Observer(ConsolidationObserver):
 
     @staticmethod
     def _remove_leftovers(root: Path) -> None:
-        """Remove what a job killed while it replaced the journal or a pointer left: ``.consolidation-due.json.tmp-*``
-        files and ``.LATEST.tmp-*``/``.BEST.tmp-*`` links (never followed), once older than
-        :data:`LEFTOVER_SECONDS` (a sidecar on the same root may be replacing ``LATEST`` right now)."""
+        """Remove the journal's temporary files and the pointers' temporary links (never followed) a killed job left,
+        once older than :data:`LEFTOVER_SECONDS` (a sidecar may be replacing ``LATEST`` right now)."""
         now = time.time()
         for entry in os.scandir(root):
             journal_tmp = _JOURNAL_TMP.fullmatch(entry.name) is not None

@@ -14,17 +14,10 @@
 
 """A run's ``LATEST`` and ``BEST`` pointers, and which checkpoint a run's checkpoint root designates.
 
-``<root>/LATEST`` is a relative symlink in the checkpoint root naming the newest consolidated checkpoint of the run;
-the training side replaces it atomically after each consolidation is published. ``<root>/BEST`` (cadences with
-``"best"``) names the consolidated checkpoint that NeMo's ``ModelCheckpoint`` ranks best by its monitored metric, and
-is kept the same way. :func:`locate_checkpoint` resolves a
-path a user gives (a checkpoint, or a run's root) to one checkpoint, following ``LATEST`` first.
-
-Both pointers move forward only, by one comparison (:func:`moves_forward`) of the saves the outputs came from: the
-identity each output's ``metadata.json`` records under ``"save"`` (``save_identity.order_key``: run order, fit,
-global step; runs that record no id by when their save finished), read wherever the output lies, a checkpoint or
-``retained/``. Outputs that record no identity (written before identities were recorded) compare by
-their recorded run, then global step. Standard library and the engine's torch-free checkpoint layout only.
+``<root>/LATEST`` is a relative symlink naming the run's newest consolidated checkpoint, replaced atomically after
+each publish; ``<root>/BEST`` (``"best"`` cadences) names the one NeMo's ``ModelCheckpoint`` ranks best. Both move
+forward only (:func:`moves_forward`). :func:`locate_checkpoint` resolves a path a user gives (a checkpoint, or a run's
+root) to one checkpoint, following ``LATEST`` first. Standard library and the engine's torch-free layout only.
 """
 
 import os

@@ -80,7 +80,6 @@ class _Process:
     def __init__(self, process: subprocess.Popen, log_file: IO[bytes]) -> None:
         self.process = process
         self.log_file = log_file
-        self.retire = False  # end it once the request it serves has ended
         self.ready = False  # it has imported what it needs and serves requests
         self.published = False  # the request it serves published its output (its post command runs)
         self._received = b""
@@ -495,8 +494,9 @@ class ConsolidationQueue:
             self._move(running.save, RequestState.FAILED if error is not None else RequestState.PUBLISHED)
         server = running.server
         if error is not None and server is not None:  # the engine removes its own temporary output; a killed one can't
-            _remove_tmp_dirs(running.save.path, server.process.pid)
-        if server is not None and server is self._server and (server.retire or not server.alive):
+            for path in tmp_dirs_of(running.save.path, server.process.pid):
+                shutil.rmtree(path, ignore_errors=True)
+        if server is not None and server is self._server and not server.alive:
             self._discard_server()
         running.save.seconds = time.monotonic() - running.started
         self.completed.append((running.save.global_step, running.save.seconds, error))
@@ -516,9 +516,3 @@ def _describe_exit(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
-
-
-def _remove_tmp_dirs(parent: Path, pid: int) -> None:
-    """Remove temporary output left by a consolidation that failed or died (named with the process's pid)."""
-    for path in tmp_dirs_of(parent, pid):
-        shutil.rmtree(path, ignore_errors=True)

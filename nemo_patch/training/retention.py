@@ -15,14 +15,9 @@
 """Consolidated outputs outlive NeMo's top-k retention, and ``LATEST`` never names a removed checkpoint.
 
 Before NeMo's ``ModelCheckpoint(save_top_k=...)`` removes a checkpoint that holds a complete output, the output is
-given a second home, ``<root>/retained/<checkpoint name>/consolidated/`` (hard links, or copies; published atomically;
-all or nothing), bounded by ``ConsolidationConfig.keep``; ``<root>/LATEST`` moves off the checkpoint first, within the
-run whose output it names (the ``"run"`` each ``metadata.json`` records), and ``<root>/BEST`` follows its output or is
-removed. The rules are docs/retention.md's. NeMo's resume ignores ``retained/`` (it lists the root's entries one level
-deep and picks ``*-last``/``*-end`` checkpoints).
-
-:class:`Observer` does all this for a run (the coordinator calls it). Imports the standard library, the engine's
-layout and publishing helpers and the training side's schedule and ``LATEST`` only: never NeMo or Lightning.
+given a second home, ``<root>/retained/<checkpoint name>/consolidated/`` (hard links, or copies; all or nothing),
+bounded by ``ConsolidationConfig.keep``; ``LATEST`` and ``BEST`` move off the checkpoint first (docs/retention.md).
+NeMo's resume ignores ``retained/``. :class:`Observer` does this for a run; never imports NeMo or Lightning.
 """
 
 import contextlib
@@ -183,17 +178,6 @@ def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path, run: O
     return max(found)[2] if found else None
 
 
-def _unique_entry(retained_root: Path, name: str, output_name: str) -> Path:
-    """``<retained_root>/<name>``, or when that holds an output already (another run or fit saved a checkpoint of the
-    same name), the first free ``<name>-v<N>`` (N = 1, 2, ...), as NeMo versions a checkpoint name that exists."""
-    entry = retained_root / name
-    version = 0
-    while (entry / output_name).exists() or entry.is_symlink() or (entry.exists() and not entry.is_dir()):
-        version += 1
-        entry = retained_root / f"{name}-v{version}"
-    return entry
-
-
 def same_output_files(one: Path, other: Path) -> bool:
     """Whether two outputs hold the same files (hard links: the first tensor file of ``one`` is ``other``'s)."""
     try:
@@ -225,10 +209,14 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
     metadata = read_output_metadata(source)
     if metadata is None:
         return None
-    same = checkpoint_dir.parent / RETAINED_DIRNAME / retained_name(checkpoint_dir)
-    if same_output_files(source, same / output_name):  # kept already (a -last copy of a step whose output was kept)
+    retained_root, name = checkpoint_dir.parent / RETAINED_DIRNAME, retained_name(checkpoint_dir)
+    if same_output_files(source, retained_root / name / output_name):  # kept already (a -last copy's step's output)
         return None
-    entry = _unique_entry(checkpoint_dir.parent / RETAINED_DIRNAME, retained_name(checkpoint_dir), output_name)
+    # another run or fit saved a checkpoint of the same name: the first free <name>-v<N>, as NeMo versions a name
+    entry, version = retained_root / name, 0
+    while (entry / output_name).exists() or entry.is_symlink() or (entry.exists() and not entry.is_dir()):
+        version += 1
+        entry = retained_root / f"{name}-v{version}"
     if is_copy_name(checkpoint_dir.name) and _held_elsewhere(checkpoint_dir, output_name):
         return None
     created = not entry.exists()
@@ -263,14 +251,8 @@ def _held_elsewhere(checkpoint_dir: Path, output_name: str) -> bool:
 
 
 def _keep_post_command_log(log: Path, kept: Path) -> bool:
-    """Give the post command's log of a retained output a second home beside it (a hard link, else a copy), made
-    under a temporary name and renamed over whatever ``kept`` is (a file or link left there is not this output's:
-    an output is retained once), so nothing is written through a link. A log that cannot be kept is logged, never
-    raised: the output is what is retained.
-
-    Returns:
-        Whether ``kept`` is now the log.
-    """
+    """Hard-link (else copy) the post command's log of a retained output to ``kept`` through a temporary name
+    renamed over it (nothing is written through a link); ``True`` once ``kept`` is the log. A failure is logged."""
     if not log.is_file() or log.is_symlink():
         return False
     staging = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
@@ -451,7 +433,21 @@ class Observer(ConsolidationObserver):
         self._latest: Optional[Tuple[str, int, int]] = None
 
     def on_train_start(self, root: Optional[Path]) -> None:
-        self._warn_if_top_k_drops_consolidations()
+        # NeMo keeping at most one checkpoint drops a due consolidation not started when the next one is saved
+        policy = self.coordinator.policy
+        save_top_k = getattr(self.coordinator.checkpoint_callback, "save_top_k", -1)
+        if policy.consolidates_periodically and 0 <= save_top_k <= 1:
+            logger.warning(
+                "ModelCheckpoint(save_top_k=%d) removes each checkpoint as soon as the next one is saved: a "
+                "checkpoint due for consolidation (ckpt_consolidation_frequency=%r) is dropped whenever the "
+                "consolidation process is still busy with an earlier one at that moment. Consolidated outputs "
+                "themselves are kept under <root>/%s/ (ConsolidationConfig.keep). To consolidate every due "
+                "checkpoint, keep more checkpoints (a larger save_top_k, or -1) or save less often than a "
+                "consolidation takes; ckpt_consolidation_frequency='latest' consolidates only the final one.",
+                save_top_k,
+                str(policy),
+                RETAINED_DIRNAME,
+            )
         if root is None:
             return
         retained = root / RETAINED_DIRNAME
@@ -470,25 +466,6 @@ class Observer(ConsolidationObserver):
                     except OSError:
                         logger.exception("Could not point LATEST at %s", outputs[0].entry)
                 self.move_pointer_off(root, pointer, None)
-
-    def _warn_if_top_k_drops_consolidations(self) -> None:
-        """One warning when NeMo's top-k retention keeps at most one checkpoint while checkpoints are consolidated
-        during training: a due consolidation that has not started when the next checkpoint is saved is dropped."""
-        policy = self.coordinator.policy
-        save_top_k = getattr(self.coordinator.checkpoint_callback, "save_top_k", -1)
-        if not policy.consolidates_periodically or not 0 <= save_top_k <= 1:
-            return
-        logger.warning(
-            "ModelCheckpoint(save_top_k=%d) removes each checkpoint as soon as the next one is saved: a checkpoint "
-            "due for consolidation (ckpt_consolidation_frequency=%r) is dropped whenever the consolidation process is "
-            "still busy with an earlier one at that moment. Consolidated outputs themselves are kept under <root>/%s/ "
-            "(ConsolidationConfig.keep). To consolidate every due checkpoint, keep more checkpoints (a larger "
-            "save_top_k, or -1) or save less often than a consolidation takes; ckpt_consolidation_frequency='latest' "
-            "consolidates only the final one.",
-            save_top_k,
-            str(policy),
-            RETAINED_DIRNAME,
-        )
 
     def before_removal(self, checkpoint_dir: Path) -> None:
         """Keep the checkpoint's output (within ``keep``) and move ``LATEST``/``BEST`` off it, each step on its own: a
@@ -560,13 +537,8 @@ class Observer(ConsolidationObserver):
 
     def _point_latest(self, save: CheckpointSave) -> None:
         """``LATEST`` -> ``save``, unless it names a later save already, by (run order, fit, global step): a late
-        output of an older checkpoint (the end-of-fit redo of a failed one) never moves it back, and neither does the
-        output of an earlier run's save (a journal entry of a killed run, consolidated by this one: it is published
-        in that run's order, never as this run's newest). Against an output of another run that ``LATEST`` names
-        (written by another process: a sidecar, a run sharing the root), the outputs' recorded saves are compared
-        (:func:`.latest.moves_forward`), read from that output's own ``metadata.json`` wherever it
-        lies (a checkpoint, or ``retained/``), unless that save finished before this fit started (:meth:`_superseded`).
-        """
+        or an earlier run's output never moves it back. Against another run's output (a sidecar, a run sharing the
+        root) the recorded saves are compared (:func:`.latest.moves_forward`), unless :meth:`_superseded`."""
         run = save.run if save.run is not None else getattr(self.coordinator, "run_id", None)
         order = (run or "", save.fit, save.global_step)
         if self._latest is not None and order < self._latest:
@@ -592,9 +564,8 @@ class Observer(ConsolidationObserver):
 
     def _superseded(self, run: Optional[str], current: Path) -> bool:
         """Whether this fit's own output (``run`` is the training run's) supersedes the ``current`` output of another
-        run: its save finished before this fit started (a rollback or a resume of an older run after a newer one ran
-        in the root: the run that trains now publishes the newest outputs). A run training beside it (its save
-        finished later) keeps the order of runs."""
+        run, whose save finished before this fit started (a rollback, or a resume of an older run): the run that
+        trains now publishes the newest outputs."""
         from nemo_patch.engine.save_identity import recorded_identity
 
         started = getattr(self.coordinator, "fit_started_ns", None)
