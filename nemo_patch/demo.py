@@ -40,8 +40,8 @@ EVALUATE = "{python} -m nemo_patch.demo --evaluate {{output}} --format {{format}
 
 
 def overlay_off_reason() -> Optional[str]:
-    """Why the overlay is not in effect in this process (NeMo's ``MegatronStrategy`` module imported unedited), or
-    ``None`` when it is: the demo refuses to run then, its summary would describe a run that consolidated nothing."""
+    """Why the overlay is not in effect in this process, or ``None``: the demo would describe a run that consolidated
+    nothing."""
     import nemo_patch  # noqa: F401 - importing the package applies the overlay (at once, or as NeMo is imported)
     from nemo_patch.overlay import hook
 

@@ -340,8 +340,7 @@ def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Tuple[Any, Any]:
 
     Raises:
         ExportError: NeMo is not importable, the context cannot be read, or the class has no ``"hf"`` exporter.
-        AdapterCheckpointError: with ``peft``, the class has no ``"hf-peft"`` exporter or the PEFT method cannot be
-            read.
+        AdapterCheckpointError: with ``peft``, no ``"hf-peft"`` exporter, or the PEFT method cannot be read.
     """
     try:
         from nemo.lightning import io
@@ -384,9 +383,8 @@ def _run_exporter(exporter: Any, output_dir: Path) -> Dict[str, torch.Tensor]:
     """Run NeMo's ``exporter.apply(output_dir)`` (an :class:`_OfflineExport`) and return the state dict it saved.
 
     Raises:
-        ExportError: the exporter failed (NeMo's message, with the exception's type), or saved nothing through the
-            model its ``convert_state`` returned.
-        ConsolidationError: or a subclass, from reading the checkpoint (as :func:`read_state_dict`).
+        ExportError: the exporter failed (NeMo's message) or saved no model its ``convert_state`` returned.
+        ConsolidationError: or a subclass, from reading the checkpoint.
     """
     name = exporter._np_exporter_class.__qualname__
     try:

@@ -28,6 +28,7 @@ split run as NeMo's own ``apply_transforms`` on the whole model, with one log li
 Imports torch and the engine at module level; NeMo inside the functions that need it.
 """
 
+import json
 import logging
 import os
 import re
@@ -264,7 +265,7 @@ class StreamedConversion:
             VerificationError: with :attr:`compare_with`, a file or a tensor differs (names it).
             OSError: the files cannot be written.
         """
-        from nemo.lightning.io.state import StateDictTransform
+        from nemo.lightning.io.state import StateDictTransform, TransformCTX
 
         transforms = list(transforms or [])
         state = source.state_dict() if hasattr(source, "state_dict") else None
@@ -304,67 +305,49 @@ class StreamedConversion:
         self.total_parameters = target.num_parameters()
         self.files = plan_hf_files(self.planned, self.max_shard_size)
         groups = sorted((g for g in by_layer if g is not None)) + ([None] if None in by_layer else [])
-        converted = self._converted(groups, everything, by_layer, target_by_layer, source, target, target_state,
-                                    cast_dtype)  # fmt: skip
+
+        def converted_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
+            """Each saved tensor, group by group, checked and cast as NeMo's ``apply_transforms`` does; at the end,
+            every transform must have matched and every planned tensor been assigned."""
+            saved = {spec.name for spec in self.planned}
+            applied = set()
+            written: Set[str] = set()
+            for group in groups:
+                keys = by_layer[group]
+                todo = [t for t in everything if all(_matches(keys, p) for p in _patterns(t.source_key))]
+                if not todo:
+                    continue
+                ctx = TransformCTX(
+                    source=source,
+                    source_state={key: state[key] for key in keys},
+                    target=target,
+                    target_state={key: target_state[key] for key in target_by_layer.get(group, [])},
+                )
+                for transform in todo:
+                    ctx = transform(ctx)
+                    applied.add(id(transform))
+                tensors = {name: tensor for name, tensor in ctx.target_state.items() if not tensor.is_meta}
+                del ctx
+                for name in list(tensors):
+                    tensor = _checked(name, tensors.pop(name), target_state[name], cast_dtype)
+                    written.add(name)
+                    if name in saved:  # else a tensor save_pretrained leaves out (a tied duplicate)
+                        yield name, tensor
+                    del tensor
+            for transform in everything:
+                if id(transform) not in applied and isinstance(transform.source_key, str):
+                    raise ValueError(f"No matches found for source key: {transform.source_key}")
+            missing = [spec.name for spec in self.planned if spec.name not in written]
+            if missing:
+                raise unassigned_error(self.exporter, missing)
+
         if self.compare_with is None:
-            self._write(converted, [name for group in groups for name in target_by_layer.get(group, [])])
+            self._write(converted_tensors(), [name for group in groups for name in target_by_layer.get(group, [])])
         else:
-            self._compare(converted)
+            self._compare(converted_tensors())
         self.streamed = True
         target.cpu = lambda *args, **kwargs: target  # its parameters stay on meta: what apply calls next keeps it
         return target
-
-    def _converted(
-        self,
-        groups: List[Any],
-        everything: List[Any],
-        by_layer: Mapping[Any, List[str]],
-        target_by_layer: Mapping[Any, List[str]],
-        source: Any,
-        target: Any,
-        target_state: Mapping[str, torch.Tensor],
-        cast_dtype: Optional[torch.dtype],
-    ) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Run the transforms group by group; yield each converted tensor that is saved, checked as NeMo's
-        ``apply_transforms`` checks it and cast; at the end, check that every transform and planned tensor was used.
-
-        Raises:
-            ValueError, AssertionError, ExportError: as :meth:`apply_transforms`.
-        """
-        from nemo.lightning.io.state import TransformCTX
-
-        state = source.state_dict()
-        saved = {spec.name for spec in self.planned}
-        applied = set()
-        written: Set[str] = set()
-        for group in groups:
-            keys = by_layer[group]
-            todo = [t for t in everything if all(_matches(keys, p) for p in _patterns(t.source_key))]
-            if not todo:
-                continue
-            ctx = TransformCTX(
-                source=source,
-                source_state={key: state[key] for key in keys},
-                target=target,
-                target_state={key: target_state[key] for key in target_by_layer.get(group, [])},
-            )
-            for transform in todo:
-                ctx = transform(ctx)
-                applied.add(id(transform))
-            converted = {name: tensor for name, tensor in ctx.target_state.items() if not tensor.is_meta}
-            del ctx
-            for name in list(converted):
-                tensor = _checked(name, converted.pop(name), target_state[name], cast_dtype)
-                written.add(name)
-                if name in saved:  # else a tensor save_pretrained leaves out (a tied duplicate)
-                    yield name, tensor
-                del tensor
-        for transform in everything:
-            if id(transform) not in applied and isinstance(transform.source_key, str):
-                raise ValueError(f"No matches found for source key: {transform.source_key}")
-        missing = [spec.name for spec in self.planned if spec.name not in written]
-        if missing:
-            raise unassigned_error(self.exporter, missing)
 
     def _write(self, converted: Iterator[Tuple[str, torch.Tensor]], order: List[str]) -> None:
         """Write the converted tensors with the engine's writer (:func:`.part_writer.write_part`), asking for them in
@@ -422,8 +405,6 @@ class StreamedConversion:
 
     def write_index(self) -> None:
         """``model.safetensors.index.json`` as ``save_pretrained`` writes it, when there are several files."""
-        import json
-
         if len(self.files) < 2:
             return
         index = {

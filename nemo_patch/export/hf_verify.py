@@ -54,7 +54,6 @@ __all__ = [
     "TensorView",
     "VOCABULARY_TENSORS",
     "check_through_importer",
-    "checkpoint_names",
     "importer_class",
     "read_checkpoint_tensors",
     "verify_hf_output",
@@ -442,8 +441,10 @@ def check_through_importer(
     try:
         dtype = written.dtype() or torch.float32
         # 1. The importer's mapping, from its convert_state on stand-ins: the checkpoint's names and shapes (meta
-        #    tensors: nothing read yet) and the written files.
-        names = checkpoint_names(location, merge_adapters, base_checkpoint)
+        #    tensors, named as read_checkpoint_tensors names them: nothing read yet) and the written files.
+        outputs = open_sources(location, None, merge_adapters, base_checkpoint).outputs
+        meta = {o.spec.name: torch.empty(o.spec.shape, dtype=o.spec.dtype, device="meta") for o in outputs}
+        names = te_layer_norm_names(meta)
         target = _CheckpointModel(model.config, _Imported(names, written, dtype))
         source, mapping, transforms, ignored = _importer_mapping(importer_type, output_dir, hf_config, written, target,
                                                                  trust_remote_code)  # fmt: skip
@@ -532,8 +533,7 @@ def _importer_mapping(
     them to ``io.apply_transforms`` for the stand-ins (the written files, ``target``).
 
     Raises:
-        ImporterUnavailable: ``convert_state`` needs more than the stand-ins have, or does not call
-            ``io.apply_transforms`` once for ``target``.
+        ImporterUnavailable: ``convert_state`` needs more than stand-ins, or does not call ``apply_transforms`` once.
         VerificationError: ``convert_state`` fails otherwise (NeMo's message), or reads a tensor that is not written.
     """
     importer_name = importer_type.__qualname__
@@ -573,8 +573,7 @@ def _replay(
     transforms: List[Any],
     written: _WrittenTensors,
 ) -> None:
-    """Run the importer's ``mapping`` and ``transforms`` as ``io.apply_transforms`` does (NeMo's
-    ``StateDictTransform``), into ``target``'s state dict.
+    """Run the importer's ``mapping`` and ``transforms`` into ``target``'s state dict, as ``io.apply_transforms`` does.
 
     Raises:
         VerificationError: a transform fails on the written tensors (a tensor missing, a shape that does not fit),
@@ -654,20 +653,6 @@ def verify_hf_output(
             return check_through_importer(location, Path(output_dir), model, merge_adapters, base_checkpoint)
     except ImporterUnavailable as error:
         raise VerificationError(f"Cannot check {output_dir} against {location.checkpoint_dir}: {error}") from error
-
-
-def checkpoint_names(
-    location: CheckpointLocation, merge_adapters: bool = False, base_checkpoint: Optional[Union[str, Path]] = None
-) -> Dict[str, torch.Tensor]:
-    """The names of :func:`read_checkpoint_tensors`, each with a meta tensor of its shape and dtype.
-
-    Raises:
-        ConsolidationError: or a subclass, from reading the checkpoint's metadata.
-    """
-    outputs = open_sources(location, None, merge_adapters, base_checkpoint).outputs
-    return te_layer_norm_names(
-        {out.spec.name: torch.empty(out.spec.shape, dtype=out.spec.dtype, device="meta") for out in outputs}
-    )
 
 
 def read_checkpoint_tensors(
