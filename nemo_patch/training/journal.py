@@ -18,8 +18,8 @@ A job killed (SIGKILL, a lost node) leaves it behind; the next run of the same r
 training starts, or says once that it cannot. An entry is only resumed while its checkpoint is still the files it
 recorded (:func:`~.schedule.weights_identity` without the device number, which differs between nodes). The journal is
 never trusted (no symlink, a regular file of at most 4 MiB, entries naming plain directories inside the root): anything
-else is one ``WARNING``. It is written off the training thread (:class:`_Writer`), atomically. Training never fails
-because of the journal (docs/how-it-works.md).
+else is one ``WARNING``. It is written off the training thread (a :class:`~.background.PollingWorker`), atomically.
+Training never fails because of the journal (docs/how-it-works.md).
 """
 
 import contextlib
@@ -32,9 +32,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_patch.engine.output_layout import METADATA_FILENAME, RETAINED_DIRNAME
+from nemo_patch.training.background import PollingWorker
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver, files_gone, weights_identity
 
 __all__ = ["JOURNAL_NAME", "JOURNAL_VERSION", "Observer", "read_journal", "write_journal"]
@@ -203,8 +204,8 @@ def _identity(value: Any) -> Optional[Tuple[int, ...]]:
 
 
 def _portable(identity: Tuple[int, ...]) -> Tuple[int, ...]:
-    """A :func:`weights_identity` without its devices (``st_dev`` of one file system differs between the nodes that
-    mount it, and a job killed with its node is resumed on another): inodes, sizes and times only."""
+    """A :func:`weights_identity` without its devices (``st_dev`` differs between the nodes that mount one file
+    system): inodes, sizes and times only."""
     parts, i = [], 0
     while i < len(identity):
         if identity[i] == -1:  # a missing file
@@ -229,61 +230,6 @@ def _unchanged_since(checkpoint: Path, identity: Optional[Tuple[int, ...]], jour
     return bool(mtimes) and max(mtimes) <= journal_mtime_ns
 
 
-class _Writer:
-    """One thread that brings the journals up to date (``sync``) after a change was signalled: signalling only sets a
-    flag (the training thread wakes no thread); the thread looks every :data:`WRITE_INTERVAL` seconds and ends after
-    :data:`_IDLE_SECONDS` without a change (the next signal starts another)."""
-
-    def __init__(self, sync: Callable[[], None]) -> None:
-        self._sync = sync
-        self._lock = threading.Lock()
-        #: Held while ``sync`` runs: one at a time, so the newest state taken is the one written last.
-        self._write_lock = threading.Lock()
-        self._changed = False
-        self._thread: Optional[threading.Thread] = None
-
-    def changed(self) -> None:
-        """Have the journals brought up to date within :data:`WRITE_INTERVAL` seconds (returns at once)."""
-        with self._lock:
-            self._changed = True
-            if self._thread is not None:
-                return
-            thread = self._thread = threading.Thread(target=self._run, name="consolidation-journal", daemon=True)
-        thread.start()
-
-    def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
-        """Bring the journals up to date in the calling thread (after a write in progress); ``False`` when a write in
-        progress did not end within ``timeout`` seconds."""
-        if not self._write_lock.acquire(timeout=timeout):
-            return False
-        try:
-            with self._lock:
-                self._changed = False
-            self._sync()
-        finally:
-            self._write_lock.release()
-        return True
-
-    def _run(self) -> None:
-        idle = 0.0
-        while True:
-            time.sleep(WRITE_INTERVAL)
-            with self._write_lock:
-                with self._lock:
-                    changed, self._changed = self._changed, False
-                if changed:
-                    try:
-                        self._sync()
-                    except Exception:  # noqa: BLE001 - the journal never ends the run
-                        logger.exception("Could not bring the consolidation journal up to date; training goes on")
-            idle = 0.0 if changed else idle + WRITE_INTERVAL
-            if idle >= _IDLE_SECONDS:
-                with self._lock:
-                    if not self._changed:
-                        self._thread = None
-                        return
-
-
 class Observer(ConsolidationObserver):
     """Keeps a run's journal current (computed and written off the training thread), and resumes an earlier run's when
     training starts."""
@@ -295,7 +241,10 @@ class Observer(ConsolidationObserver):
         self._journals: Dict[Path, List[Dict[str, Any]]] = {}
         #: Journals whose last write failed (warned once until a write succeeds again).
         self._failing: Dict[Path, bool] = {}
-        self._writer = _Writer(self._sync)
+        #: Held while the journals are written: one sync at a time, so the newest state taken is the one written last.
+        self._write_lock = threading.Lock()
+        self._writer = PollingWorker("consolidation-journal", WRITE_INTERVAL, _IDLE_SECONDS)
+        self._sync_handed = False
 
     @property
     def run(self) -> Optional[str]:
@@ -327,16 +276,26 @@ class Observer(ConsolidationObserver):
         """Signal the writer thread that the waiting/running consolidations may have changed; returns at once while
         ``fit`` runs, and brings the journals up to date before it returns once the coordinator closed (the end of
         ``fit``, the teardown)."""
-        self._writer.changed()
+        if not self._sync_handed:  # one sync, at the writer's next look, for every change signalled until it starts
+            self._sync_handed = True
+            self._writer.hand(self._handed_sync)
         if not getattr(self.coordinator, "fitting", True):
             self.flush()
 
     def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
         """Bring the journals up to date now (after a write in progress); ``False`` after ``timeout``."""
-        done = self._writer.flush(timeout)
+        done = self._writer.drain(timeout)
         if not done:
             logger.warning("The consolidation journal was not written within %.0f s; going on", timeout)
         return done
+
+    def _handed_sync(self) -> None:
+        self._sync_handed = False  # cleared first: a change from now on hands another sync
+        try:
+            with self._write_lock:
+                self._sync()
+        except Exception:  # noqa: BLE001 - the journal never ends the run
+            logger.exception("Could not bring the consolidation journal up to date; training goes on")
 
     def _sync(self) -> None:
         """Write the journal of each root whose waiting/running consolidations differ from what it lists (removed when
@@ -383,7 +342,7 @@ class Observer(ConsolidationObserver):
             self._resume(root)
         except Exception:  # noqa: BLE001 - the journal never ends the run
             logger.exception("Could not resume the consolidation journal %s; training goes on", root / JOURNAL_NAME)
-        with self._writer._write_lock:
+        with self._write_lock:
             self._journals[root] = [{"stale": True}]  # rewritten (or removed) by the next sync
         self.on_changed()
 
@@ -417,7 +376,7 @@ class Observer(ConsolidationObserver):
         if problem is not None:
             directory = os.path.isdir(path) and not os.path.islink(path)
             if directory:  # said now: its writes' failures are not said again
-                with self._writer._write_lock:
+                with self._write_lock:
                     self._failing[path] = True
             logger.warning(
                 "Not resuming the consolidation journal %s: %s%s",
