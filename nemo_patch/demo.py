@@ -65,9 +65,8 @@ def format_table(root: Path, report: dict) -> str:
 
 
 def evaluate(output: Path, output_format: str) -> Dict[str, float]:
-    """``--evaluate``, the default post command: load one output and return metrics of it. A ``safetensors`` output is
-    read with the ``safetensors`` library (tensors, their global L2 norm); an ``hf`` one is loaded with
-    ``transformers.AutoModelForCausalLM`` and scored on a fixed sequence of the tiny vocabulary (its loss)."""
+    """``--evaluate``, the default post command: one output's metrics (``safetensors``: its tensors' global L2 norm;
+    ``hf``: the loss of ``AutoModelForCausalLM`` on a fixed sequence)."""
     import torch
 
     if output_format == "hf":
@@ -91,9 +90,8 @@ def evaluate(output: Path, output_format: str) -> Dict[str, float]:
 
 
 def make_tiny_llama(out: Path) -> Path:
-    """``out/hf``: a random 2-layer ``LlamaForCausalLM`` made locally with ``transformers`` (no download), and
-    ``out/nemo``, its import with NeMo's own ``HFLlamaImporter``; made once (a resumed run reuses them). Returns the
-    NeMo checkpoint to fine-tune."""
+    """The NeMo checkpoint to fine-tune: ``out/nemo``, NeMo's ``HFLlamaImporter``'s import of ``out/hf``, a random
+    2-layer ``LlamaForCausalLM`` made locally with ``transformers``; made once (a resumed run reuses them)."""
     if not (out / "nemo" / "context").is_dir():
         print(f"making a tiny Llama with transformers and importing it with NeMo's importer into {out} ...")
         command = [sys.executable, "-m", "nemo_patch.testing.tiny_llama", "--out", str(out)]

@@ -156,8 +156,7 @@ class _TokenizerSaving:
 
 
 class _OfflineExport:
-    """Mixed in before NeMo's registered exporter class so that the exporter's own ``apply`` runs offline, with only
-    these replaced:
+    """Mixed in before NeMo's registered exporter class so that its own ``apply`` runs offline, only these replaced:
 
     - ``nemo_load`` returns a :class:`_StateSource` of the checkpoint read by the engine, in the export's dtype;
     - ``init`` builds the target model in that dtype and records its parameters' storages (still there after

@@ -154,15 +154,6 @@ def saved_names(target: Any, state: Mapping[str, torch.Tensor]) -> List[str]:
     return [name for name in names if name not in dropped]
 
 
-def _same_bytes(fd: int, offset: int, data: memoryview, chunk: int = 1 << 26) -> bool:
-    """Whether the file ``fd`` holds ``data`` at ``offset`` (read in chunks of ``chunk`` bytes)."""
-    for start in range(0, len(data), chunk):
-        want = data[start : start + chunk]
-        if os.pread(fd, len(want), offset + start) != want:
-            return False
-    return True
-
-
 def _checked(name: str, tensor: torch.Tensor, meta: torch.Tensor, cast_dtype: Optional[torch.dtype]) -> torch.Tensor:
     """A converted tensor checked as NeMo's ``apply_transforms`` checks it, cast to ``cast_dtype`` and contiguous.
 
@@ -216,8 +207,8 @@ class StreamedConversion:
         exporter: the exporter's class name, for log lines and errors.
         output_dir: where ``save_pretrained`` will save (the files are created there).
         max_shard_size: bytes of tensor data per safetensors file.
-        compare_with: a directory this conversion wrote before: nothing is written, each converted tensor is compared
-            with that directory's files instead (``verify`` where NeMo's importer cannot run).
+        compare_with: a directory this conversion wrote before, whose files each converted tensor is compared with
+            instead of being written (``verify`` where NeMo's importer cannot run).
     """
 
     def __init__(
@@ -395,10 +386,13 @@ class StreamedConversion:
         try:
             for name, tensor in converted:
                 filename, offset = where[name]
-                if not _same_bytes(descriptors[filename], offset, tensor.reshape(-1).view(torch.uint8).numpy().data):
-                    raise VerificationError(
-                        f"Tensor {name} in {directory / filename} differs from the exported model's"
-                    )
+                data = tensor.reshape(-1).view(torch.uint8).numpy().data
+                for start in range(0, len(data), 1 << 26):  # read back 64 MiB at a time
+                    want = data[start : start + (1 << 26)]
+                    if os.pread(descriptors[filename], len(want), offset + start) != want:
+                        raise VerificationError(
+                            f"Tensor {name} in {directory / filename} differs from the exported model's"
+                        )
         finally:
             for fd in descriptors.values():
                 os.close(fd)
