@@ -15,12 +15,9 @@
 """The overlay's deprecated spellings, which upstream NeMo never had; removed in the next minor release.
 
 * the flat keywords ``MegatronStrategy(ckpt_consolidation_<field>=...)`` and ``MegatronCheckpointIO(
-  consolidation_<field>=..., save_consolidated=..., ckpt_consolidation_frequency=...)``: :func:`install` wraps the
-  edited classes' ``__init__`` (outside NeMo's ``IOMixin`` wrapper, so that NeMo records the new spelling in
-  ``context/io.json``) to turn them into ``ckpt_consolidation=ConsolidationConfig(...)`` or
-  ``consolidation_settings=ConsolidationSettings(...)``, with a ``DeprecationWarning`` naming it;
-* the attributes named as those keywords (and as ``save_consolidated`` and ``ckpt_consolidation_frequency``), and
-  ``consolidation_policy``: read-only views of ``consolidation_settings`` that warn the same way;
+  consolidation_<field>=..., save_consolidated=..., ckpt_consolidation_frequency=...)``, turned into the new spelling
+  outside NeMo's ``IOMixin`` wrapper (NeMo records the new one), with a ``DeprecationWarning`` naming it;
+* the attributes named as those keywords, and ``consolidation_policy``: read-only views that warn the same way;
 * ``MegatronCheckpointIO.set_consolidation_settings(settings)``.
 """
 

@@ -40,8 +40,7 @@ OBSERVER_MODULES = tuple(
 )
 
 
-#: The engine's later additions: engine module -> the modules it takes as attributes of the same name (``None`` in
-#: NeMo's tree until they land), set as soon as it is executed: the ``zarr`` reader, PEFT adapters' settings and merge.
+#: The engine's later additions (``None`` in NeMo's tree): engine module -> modules set as its attributes when run.
 ENGINE_EXTENSIONS = {
     "nemo_patch.engine.checkpoint_reader": ("zarr_reader",),
     "nemo_patch.engine.consolidate": ("adapter_settings",),

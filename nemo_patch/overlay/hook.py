@@ -32,17 +32,8 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-__all__ = [
-    "EDITS_DIR",
-    "OverlayNotAppliedError",
-    "TARGET_MODULE",
-    "edit_loaded_modules",
-    "guard_unedited",
-    "install",
-    "not_applied_reason",
-    "overlay_applied",
-    "overlay_disabled",
-]
+__all__ = ["EDITS_DIR", "OverlayNotAppliedError", "TARGET_MODULE", "edit_loaded_modules", "guard_unedited", "install"]
+__all__ += ["not_applied_reason", "overlay_applied", "overlay_disabled"]
 
 #: The diffs and their ``series`` file.
 EDITS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nemo_edits")
@@ -340,11 +331,8 @@ def install(prepare: Prepare, after_exec: Optional[AfterExec] = None) -> None:
 
 def edit_loaded_modules() -> List[str]:
     """Execute again, edited, the NeMo modules that were imported unedited (before :func:`install`), and make every
-    loaded ``nemo`` module use their classes: names bound to an earlier class are rebound, and its subclasses (e.g.
-    ``LoRA`` of ``PEFT``) take the new class as their base.
-
-    When the edits do not apply (or the overlay is disabled), guards NeMo's unedited ``MegatronStrategy`` instead
-    (:func:`guard_unedited`).
+    loaded ``nemo`` module use their classes (names rebound, subclasses rebased). When the edits do not apply (or the
+    overlay is disabled), guards NeMo's unedited ``MegatronStrategy`` instead (:func:`guard_unedited`).
 
     Returns:
         The modules edited now.

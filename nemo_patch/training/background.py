@@ -14,11 +14,9 @@
 
 """Work the training loop hands over without waiting for it, and without waking a thread to do it.
 
-On a loaded host, waking a thread (a condition, a queue) makes the kernel run it at once, preempting the training
-thread inside its hook; and the woken thread's Python holds the GIL the hook needs. A :class:`PollingWorker` instead
-appends the work to a list under an uncontended lock; its one thread looks every ``interval`` seconds (by then the
-hook has returned and the training step's kernels run without the GIL) and does what it finds, in order. Standard
-library only.
+On a loaded host, a woken thread preempts the training thread inside its hook and holds the GIL the hook needs. A
+:class:`PollingWorker` instead appends the work to a list; its one thread looks every ``interval`` seconds (by then the
+hook has returned) and does what it finds, in order. Standard library only.
 """
 
 import logging

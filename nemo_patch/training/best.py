@@ -12,13 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The ``"best"`` cadence and ``<root>/BEST``: the checkpoints NeMo's ``ModelCheckpoint`` ranks best by its monitored
-metric.
+"""The ``"best"`` cadence and ``<root>/BEST``: the checkpoints NeMo's ``ModelCheckpoint`` ranks best.
 
-A save is best when ``ModelCheckpoint.best_model_path`` names it as it is issued (``ModelCheckpoint`` sets it before it
-saves); its record (``{"monitor", "value", "mode"}``) goes into the output's ``metadata.json``. ``BEST`` follows each
-best output as it is published, and when ``fit`` ends the run's best finished checkpoint is consolidated if it is not
-yet. Needs :mod:`nemo_patch.training.retention` (the pointers).
+A save is best when ``ModelCheckpoint.best_model_path`` names it as it is issued; its record (``{"monitor", "value",
+"mode"}``) goes into the output's ``metadata.json``. ``BEST`` follows each best output as it is published, and when
+``fit`` ends the run's best finished checkpoint is consolidated if it is not yet.
 """
 
 import logging

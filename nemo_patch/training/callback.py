@@ -62,10 +62,8 @@ class ConsolidationCallback(Callback):
     """Consolidates finished checkpoints at the cadence of the trainer's checkpoint IO.
 
     ``MegatronStrategy`` appends it in ``setup``, so it runs after NeMo's ``ModelCheckpoint`` and
-    ``AsyncFinalizerCallback`` in every hook: a save made or finalized in a hook is seen in the same hook. It starts
-    the consolidation process when ``fit`` sets up, hands due saves to it after each step and validation, queues what
-    ``fit``'s end consolidates, and stores the count of finished checkpoints in each checkpoint (so that ``every_n``
-    counts across a resume). Global rank 0 does the work; the other ranks only check what ``fit`` needs.
+    ``AsyncFinalizerCallback`` in every hook: a save made or finalized in a hook is seen in the same hook. Global rank
+    0 does the work; the other ranks only check what ``fit`` needs.
 
     Args:
         trainer: the trainer it is attached to (for :meth:`state_dict`).
@@ -151,8 +149,7 @@ class ConsolidationCallback(Callback):
         consolidation = self._consolidation(trainer)
         if consolidation is None:
             return
-        # NeMo's AsyncFinalizerCallback finalizes pending async saves in its own on_train_end; so does this one (it is
-        # idempotent), so that the checkpoints saved last are finished whichever callback runs first.
+        # as NeMo's AsyncFinalizerCallback does in its own (idempotent): the last saves finish whichever runs first
         finalize = getattr(trainer.strategy.checkpoint_io, "maybe_finalize_save_checkpoint", None)
         if finalize is not None:
             finalize(blocking=True)

@@ -380,8 +380,7 @@ class ConsolidationCoordinator:
 
     def _link_copy(self, copy: CheckpointSave, source: CheckpointSave) -> None:
         """Hard-link ``source``'s output into the ``-last`` copy (never into a copy whose removal has started), only
-        when the copy is the same trainer state as the save: the same run, ``fit`` and global step (a copy of another
-        run or fit reusing the name is another save, consolidated on its own)."""
+        when the copy is the same run, ``fit`` and global step as the save."""
         name = self.settings.output_dirname
         with self.lock:
             output = source.output
@@ -418,9 +417,8 @@ class ConsolidationCoordinator:
     # --- removals -----------------------------------------------------------------------------------------------
 
     def remove_checkpoint(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
-        """Run ``remove`` (NeMo's removal, any thread) without racing the checkpoint's consolidation: from now on
-        nothing queues, starts or links into it; a waiting request is dropped; a running one delays ``remove`` until
-        it has ended. Observers see the removal just before ``remove`` runs."""
+        """Run ``remove`` (NeMo's removal, any thread) without racing the checkpoint's consolidation: a waiting
+        request is dropped, a running one delays it; observers see the removal just before ``remove`` runs."""
         checkpoint_dir = Path(checkpoint_dir)
         with self.lock:
             self._removing.add(checkpoint_dir)

@@ -15,13 +15,9 @@
 """Every rank leaves ``fit`` together while global rank 0 waits for its consolidations.
 
 Rank 0 waits in the strategy's ``teardown`` for its consolidations (up to ``ConsolidationConfig.timeout``); were the
-other ranks to leave meanwhile, their next collective (``trainer.validate()``, a barrier) would time out on rank 0
-(NCCL's default: 10 minutes). So they wait in their own ``teardown`` for a key rank 0 sets in the job's rendezvous
-store once it is done (a client of it, public ``TCPStore``): no collective, no communicator, no process-group timeout,
-nothing running on the GPU. Only ranks that would otherwise leave ``fit`` early wait; rank 0 never waits for them. Each
-waits at most ``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS` by its own clock, then logs one warning and
-leaves.
-Standard library and ``torch.distributed`` only.
+other ranks to leave meanwhile, their next collective would time out on rank 0. So they wait in their own
+``teardown`` for a key rank 0 sets in the job's rendezvous store (a ``TCPStore`` client: no collective, nothing on the
+GPU), at most ``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS`, then log one warning and leave.
 """
 
 import datetime

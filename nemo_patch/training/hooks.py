@@ -14,11 +14,9 @@
 
 """What the training process hears of each consolidation after it ended, and the callbacks' hooks.
 
-For each consolidation that ended (global rank 0, reaped in the training loop), :class:`Observer` calls the
-callbacks' ``on_consolidation_end`` / ``on_consolidation_failed`` with a :class:`ConsolidationOutcome`
-(docs/after-consolidation.md) and logs a post command's metrics to the trainer's loggers at the checkpoint's global
-step (where an extension runs one: :data:`POST_COMMAND_READERS`). An exception in a hook is logged
-(:class:`HookCaller`) and never fails training. Standard library only: never NeMo or Lightning.
+For each consolidation that ended, :class:`Observer` calls the callbacks' ``on_consolidation_end`` /
+``on_consolidation_failed`` with a :class:`ConsolidationOutcome` (docs/after-consolidation.md) and logs a post
+command's metrics to the trainer's loggers. An exception in a hook is logged, never raised. Never imports NeMo.
 """
 
 import dataclasses
@@ -31,14 +29,7 @@ from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, post_command_log_pa
 from nemo_patch.training.latest import read_output_metadata
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver
 
-__all__ = [
-    "END_HOOK",
-    "FAILED_HOOK",
-    "ConsolidationOutcome",
-    "HookCaller",
-    "Observer",
-    "POST_COMMAND_READERS",
-]
+__all__ = ["END_HOOK", "FAILED_HOOK", "ConsolidationOutcome", "HookCaller", "Observer", "POST_COMMAND_READERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +37,7 @@ logger = logging.getLogger(__name__)
 END_HOOK = "on_consolidation_end"
 FAILED_HOOK = "on_consolidation_failed"
 #: What a post command did after a publish, for its outcome: ``read(settings, save, output_dir)`` of an extension that
-#: runs one (the last registered answers; each is called once per published output whose ``save.post_command`` the
-#: consolidation process reported, and logs it).
+#: runs one (the last registered answers; each is called once per published output with a ``save.post_command``).
 POST_COMMAND_READERS: List[Callable[[Any, CheckpointSave, Path], Any]] = []
 
 

@@ -30,29 +30,16 @@ from nemo_patch.training.coordinator import ConsolidationCoordinator
 from nemo_patch.training.fit_end import FitEnd
 from nemo_patch.training.settings import ConsolidationSettings
 
-__all__ = [
-    "ARGUMENTS",
-    "before_deletion",
-    "consolidate_latest_checkpoint",
-    "consolidation_of",
-    "coordinator",
-    "ensure_consolidating_io",
-    "find_base_checkpoint_io",
-    "remove_checkpoint",
-    "setup",
-    "strategy_settings",
-    "teardown",
-    "with_consolidation",
-]
+__all__ = ["ARGUMENTS", "before_deletion", "consolidate_latest_checkpoint", "consolidation_of", "coordinator"]
+__all__ += ["ensure_consolidating_io", "find_base_checkpoint_io", "remove_checkpoint", "setup", "strategy_settings"]
+__all__ += ["teardown", "with_consolidation"]
 
 logger = logging.getLogger(__name__)
 
 
 class _NeMoLogging(logging.Handler):
-    """Hands the training side's log records to NeMo's logger (``nemo.utils.logging``), so that they read as NeMo's
-    own lines (``[NeMo I <time> coordinator:<line>] Consolidated ...``) on NeMo's streams and log files; then to the
-    root logger's handlers other than those writing to the console (a log file, ``pytest``'s capture), which NeMo's
-    line already reached. NeMo logs on global rank 0 only; a warning of another rank goes to stderr."""
+    """Hands the training side's log records to NeMo's logger, so that they read as NeMo's own lines; then to the
+    root logger's handlers that do not write to the console. A warning of a rank NeMo silences goes to stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from nemo.utils import logging as nemo_logging
@@ -76,10 +63,8 @@ class _NeMoLogging(logging.Handler):
 
 
 def use_nemo_logging() -> None:
-    """Route the loggers of ``nemo_patch.training``
-    through NeMo's logger (once per process; called when a strategy is made and set up, so NeMo is imported by then),
-    instead of propagating (:class:`_NeMoLogging`). Their level becomes ``INFO`` unless one was set, so that a
-    consolidation's start and publication show in the job's log as NeMo's INFO lines do."""
+    """Route the loggers of ``nemo_patch.training`` through NeMo's logger (:class:`_NeMoLogging`, once per process),
+    instead of propagating; their level becomes ``INFO`` unless one was set, as NeMo's INFO lines show."""
     training = logging.getLogger("nemo_patch.training")
     if not any(type(handler).__name__ == "_NeMoLogging" for handler in training.handlers):  # also across reloads
         training.addHandler(_NeMoLogging())
@@ -159,13 +144,9 @@ def _with_settings(checkpoint_io: Any, settings: ConsolidationSettings) -> Any:
 
 
 def with_consolidation(checkpoint_io: Any, settings: ConsolidationSettings) -> Any:
-    """``MegatronStrategy``'s ``checkpoint_io`` argument and setter: ``checkpoint_io`` itself, made to consolidate as
-    the strategy's ``settings`` say when it was given any.
-
-    NeMo's ``MegatronCheckpointIO`` at the bottom of the chain (of Lightning's wrappers) takes the settings in place:
-    the strategy keeps the object it was given, no copy, and no wrapper is rebuilt. Any other checkpoint IO is kept,
-    without consolidation (a warning says so).
-    """
+    """``MegatronStrategy``'s ``checkpoint_io`` argument and setter: ``checkpoint_io`` itself, whose NeMo
+    ``MegatronCheckpointIO`` at the bottom of the chain takes the strategy's ``settings`` in place (no copy, no
+    wrapper rebuilt). Any other checkpoint IO is kept, without consolidation (a warning says so)."""
     if checkpoint_io is None or not settings.requested:
         return checkpoint_io
     from nemo.lightning.io.pl import MegatronCheckpointIO
@@ -234,9 +215,8 @@ def setup(strategy: Any, trainer: Any) -> None:
 
 def teardown(strategy: Any) -> None:
     """``MegatronStrategy.teardown`` (the end of ``fit``, normally or by an exception), before NeMo's: global rank 0
-    waits for running and queued consolidations (up to ``ConsolidationConfig.timeout``) and reports the last ones;
-    with several ranks, the others wait until it is done (:mod:`.fit_end`), so that every rank
-    leaves ``fit`` together. Never raises."""
+    waits for its consolidations (up to ``ConsolidationConfig.timeout``) and reports the last ones; the other ranks
+    wait until it is done (:mod:`.fit_end`). Never raises."""
     settings = strategy.consolidation_settings
     fit_end = FitEnd(settings.config.timeout) if settings.enabled else None
     try:

@@ -33,20 +33,9 @@ from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES, RETAINED_DIRNAME
 from nemo_patch.engine.output_target import refuse_an_output_as_checkpoint
 from nemo_patch.runs.checkpoint_root import checkpoint_root, checkpoints_newest_first
 
-__all__ = [
-    "BEST_NAME",
-    "LATEST_NAME",
-    "OutputOrder",
-    "locate_checkpoint",
-    "moves_forward",
-    "output_order",
-    "pointed_output",
-    "read_latest_pointer",
-    "read_output_metadata",
-    "remove_latest_pointer",
-    "set_aside_non_link",
-    "update_latest_pointer",
-]
+__all__ = ["BEST_NAME", "LATEST_NAME", "OutputOrder", "locate_checkpoint", "moves_forward", "output_order"]
+__all__ += ["pointed_output", "read_latest_pointer", "read_output_metadata", "remove_latest_pointer"]
+__all__ += ["set_aside_non_link", "update_latest_pointer"]
 
 #: File name of the pointer to the newest consolidated checkpoint, in the checkpoint root.
 LATEST_NAME = "LATEST"
@@ -137,10 +126,8 @@ def update_latest_pointer(
 ) -> Path:
     """Point ``<root>/LATEST`` (or ``<root>/<name>``, e.g. :data:`BEST_NAME`) at ``checkpoint_dir``.
 
-    The symlink is relative (``LATEST -> <checkpoint name>``, or ``LATEST -> retained/<name>`` for an output kept
-    after its checkpoint was removed; see :mod:`.retention`) so the run directory can be moved. It
-    is replaced atomically: a new link is created under a temporary name and renamed over the old one, so a reader
-    never finds ``LATEST`` missing or half-written.
+    The symlink is relative (``LATEST -> <checkpoint name>`` or ``retained/<name>``), so the run directory can be
+    moved, and replaced atomically (a new link renamed over the old one).
 
     Args:
         checkpoint_dir: the directory to point at (a checkpoint directory, or a retained entry).
@@ -167,10 +154,9 @@ def update_latest_pointer(
 
 
 def set_aside_non_link(checkpoint_root: Union[str, Path], name: str = LATEST_NAME) -> Optional[Path]:
-    """Make room for the ``<checkpoint_root>/LATEST`` (or ``<name>``) symlink when something else took its place: a
-    directory (e.g. a copy made by a sync tool that follows symlinks) or a file is renamed to a hidden
-    ``.<name>.replaced-<UTC time>`` beside it (kept, not deleted: it may be the only copy of something), which
-    neither NeMo's resume, nor the outputs' listing, nor :func:`locate_checkpoint` take for a checkpoint.
+    """Make room for the ``<checkpoint_root>/LATEST`` (or ``<name>``) symlink when a directory (e.g. a copy made by a
+    sync tool that follows symlinks) or a file took its place: it is renamed, not deleted, to a hidden
+    ``.<name>.replaced-<UTC time>`` beside it, which nothing takes for a checkpoint.
 
     Returns:
         Where it was moved, or ``None`` when ``<name>`` is a symlink or absent (nothing to do).

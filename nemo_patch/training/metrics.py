@@ -14,11 +14,9 @@
 
 """Consolidation metrics in the trainer's loggers (TensorBoard, W&B, ...), from global rank 0.
 
-Each published consolidation is logged once, at its checkpoint's own global step (as ``eval/*`` metrics of a post
-command are), when the training loop sees it end:
-``consolidation/seconds`` (wall seconds of the consolidation, a post command's excluded),
-``consolidation/bytes_per_second`` (output bytes on disk per second) and ``consolidation/skipped`` (due consolidations
-of the run that did not happen so far; cumulative, also logged alone when only it changes).
+Each published consolidation is logged once, at its checkpoint's own global step: ``consolidation/seconds`` (a post
+command's excluded), ``consolidation/bytes_per_second`` (output bytes on disk) and ``consolidation/skipped`` (due
+consolidations of the run that did not happen so far; also logged alone when only it changes).
 """
 
 from typing import Any, List, Optional, Tuple

@@ -19,9 +19,8 @@
   resume count);
 * ``"latest"``: none during training; the newest finished checkpoint when ``fit`` ends.
 
-A policy is a tuple of phases (one, here) and whether the newest checkpoint is consolidated when ``fit`` ends, so that
-extensions (:func:`extend_cadences`: ``"best"``, phases such as ``"every_n:10; each@50000"``) change no user of
-it. Standard library only.
+A policy is a tuple of phases (one, here) and whether the newest checkpoint is consolidated when ``fit`` ends;
+extensions add cadences and phases (:func:`extend_cadences`). Standard library only.
 """
 
 import re

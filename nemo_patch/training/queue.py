@@ -15,15 +15,11 @@
 """Consolidation off the training path: one long-lived process per run (global rank 0), fed by a small bounded queue.
 
 :class:`ConsolidationQueue` hands its requests, one at a time, to one ``python -m <package>.worker --serve`` process
-(:mod:`.worker`) that lives for the whole run, so the interpreter's start (2-5 s, mostly ``import torch``) is paid
-once per run. Protocol: one JSON line per request on its stdin, ``{"checkpoint", "global_step", "best", "run"}``; on
-its stdout ``{"ready": true}`` once it has imported what it needs, then one line per ended request, ``{"error": null |
-"<one-line reason>"}`` (``{"published": true}`` before it when a post command runs after the publish); anything else
-it prints goes to an anonymous temporary file. A process that dies fails the request it was serving (with the
-signal, or its last line of output), its temporary output is removed, and the next request starts a new one. The
-training loop only polls (a non-blocking read, microseconds); it waits only when ``fit`` ends.
-
-Standard library, the engine's publishing helpers and the training side's schedule and settings only.
+that lives for the whole run (``import torch`` is paid once). Protocol: one JSON line per request on its stdin,
+``{"checkpoint", "global_step", "best", "run"}``; on its stdout ``{"ready": true}`` once it has imported what it
+needs, then one line per ended request, ``{"error": null | "<one-line reason>"}`` (``{"published": true}`` before it
+when a post command runs); anything else goes to an anonymous temporary file. A process that dies fails the request it
+was serving, and the next request starts a new one. The training loop only polls; it waits only when ``fit`` ends.
 """
 
 import contextlib

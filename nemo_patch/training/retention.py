@@ -46,20 +46,9 @@ from nemo_patch.training.latest import (
 )
 from nemo_patch.training.schedule import CheckpointSave, ConsolidationObserver, files_gone
 
-__all__ = [
-    "RETAINED_DIRNAME",
-    "ConsolidatedOutput",
-    "Observer",
-    "consolidated_outputs",
-    "output_run",
-    "prune_retained",
-    "repair_best",
-    "repoint_best",
-    "repoint_latest",
-    "retain_output",
-    "retained_name",
-    "same_output_files",
-]
+__all__ = ["RETAINED_DIRNAME", "ConsolidatedOutput", "Observer", "consolidated_outputs", "output_run"]
+__all__ += ["prune_retained", "repair_best", "repoint_best", "repoint_latest", "retain_output", "retained_name"]
+__all__ += ["same_output_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,13 +138,9 @@ def _written(output_dir: Path) -> int:
 
 
 def retained_entry_of(root: Path, output_name: str, checkpoint_dir: Path, run: Optional[str] = None) -> Optional[Path]:
-    """The retained entry that holds the output of ``checkpoint_dir`` (its ``metadata.json``'s ``retained_from`` is
-    that checkpoint, or the step's own checkpoint of that ``-last`` copy), ``None`` if none.
-
-    While the checkpoint's output is still there, only an entry holding its very files (hard links) counts: an entry
-    of another run or fit that reused the name is never taken for it. Once the checkpoint is gone, the one of ``run``
-    (``None``: an entry that records no run) kept last.
-    """
+    """The retained entry that holds the output of ``checkpoint_dir`` (by its ``metadata.json``'s ``retained_from``),
+    ``None`` if none: while the checkpoint's output is there, only one holding its very files; once it is gone, the
+    one of ``run`` (``None``: an entry that records no run) kept last."""
     retained_root = root / RETAINED_DIRNAME
     name = retained_name(checkpoint_dir)
     source = Path(checkpoint_dir) / output_name
@@ -196,11 +181,8 @@ def retain_output(checkpoint_dir: Path, output_name: str) -> Optional[Path]:
 
     Returns:
         The retained entry ``<root>/retained/<name>`` (``<name>-v<N>`` when an entry of that name holds another
-        output: a checkpoint name reused by another run or fit; both are kept), or ``None`` if the checkpoint holds
-        no complete output, the entry of its name holds the same files already (a step's ``-last`` copy whose own
-        checkpoint's output was retained), or it is a ``-last`` copy and another complete output holds the same files
-        (its own checkpoint's, which NeMo keeps for now and which is retained when it is removed). An output is thus
-        only ever not kept when another output holds its very files.
+        output), or ``None`` if the checkpoint holds no complete output or another output (retained, or the step's
+        own checkpoint's for a ``-last`` copy) holds its very files.
 
     Raises:
         OSError: the files cannot be linked or copied (nothing is left behind: no entry, no staging directory).
@@ -373,11 +355,9 @@ def repoint_latest(
     """Keep ``<root>/LATEST`` on a complete output of the run that owns it when the checkpoint it names is being
     removed or is gone.
 
-    The owner is the run recorded in the ``metadata.json`` of the output ``LATEST`` names (``run`` when that output
-    is gone). ``LATEST`` moves to another output holding the same files (its retained entry, or its ``-last``
-    copy's), else to the owner's newest output below its global step (an output of the owner above it belongs to
-    checkpoints the owner left behind when it resumed from an older one); when the owner has none left, ``LATEST``
-    is removed (one log line): it never names another run's weights. Outputs that record no run count as one run.
+    The owner is the run the named output's ``metadata.json`` records (``run`` when it is gone). ``LATEST`` moves to
+    another output holding the same files, else to the owner's newest output below its global step; when the owner
+    has none left, it is removed (one log line): it never names another run's weights (docs/retention.md).
 
     Args:
         root: the checkpoint root.

@@ -14,13 +14,10 @@
 
 """Book-keeping of a run's checkpoint saves: which are finished, and which of those to consolidate.
 
-The cadence counts *finished checkpoints by global step*: NeMo's ``<name>-last`` copy of a step it has just saved is
-not counted again and not consolidated again (it gets the step's output). The count is stored in each checkpoint (as
-callback state), so a run resumed after its 3rd finished checkpoint with ``every_n:2`` consolidates its 4th; an
-``every_n`` phase counts the checkpoints saved in it. :class:`ConsolidationObserver` is how a later feature takes part
-in what happens to a save (see :class:`nemo_patch.training.coordinator.ConsolidationCoordinator`).
-
-Standard library, the engine's checkpoint layout and the cadence only: never torch, NeMo or Lightning.
+The cadence counts *finished checkpoints by global step* (NeMo's ``<name>-last`` copy of a step is not counted again:
+it gets the step's output), stored in each checkpoint so that the count goes on across a resume.
+:class:`ConsolidationObserver` is how a later feature takes part in what happens to a save. Never imports torch, NeMo
+or Lightning.
 """
 
 import enum
@@ -34,25 +31,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
 from nemo_patch.training.policy import ConsolidationPolicy
 
-__all__ = [
-    "OBSERVER_FACTORIES",
-    "CheckpointSave",
-    "ConsolidationObserver",
-    "ConsolidationSchedule",
-    "ObserverOf",
-    "RequestState",
-    "files_gone",
-    "register_observer",
-    "weights_identity",
-]
+__all__ = ["OBSERVER_FACTORIES", "CheckpointSave", "ConsolidationObserver", "ConsolidationSchedule", "ObserverOf"]
+__all__ += ["RequestState", "files_gone", "register_observer", "weights_identity"]
 
 logger = logging.getLogger(__name__)
 
 
 class RequestState(enum.Enum):
-    """Where a save's consolidation request stands (only the queue changes it, under its lock): never queued,
-    waiting, running (a removal of its checkpoint then waits for it), published, failed (or stopped), skipped (queue
-    full), dropped before it could start (its checkpoint removed, or ``fit`` ended first)."""
+    """Where a save's consolidation request stands (only the queue changes it, under its lock); ``SKIPPED``: the
+    queue was full; ``DROPPED``: its checkpoint was removed, or ``fit`` ended, before it could start."""
 
     NONE = "none"
     WAITING = "waiting"

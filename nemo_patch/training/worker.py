@@ -14,15 +14,12 @@
 
 """The consolidation process: ``python -m <package>.worker --serve --settings JSON``.
 
-Started once per run by :class:`.queue.ConsolidationQueue` (protocol there), it lowers its CPU priority before it
-starts any thread (:data:`WORKER_NICENESS`; the environment variable :data:`NICENESS_VARIABLE` sets another, 0 to 19),
-imports what a consolidation needs, says it is ready and serves requests until its stdin ends. Its stdout carries
-result lines only (fd 1 goes to fd 2 before anything is imported). A request that fails with a ``ConsolidationError``
-is answered with its reason; any other exception is answered, then ends the process (the queue starts a new one). It
-reads only files and uses no process group. ``python -m <package>.worker <ckpt> --global-step N`` consolidates one
-checkpoint (exit 1 with the reason on stderr). It imports neither NeMo, Lightning nor megatron-core. An ``--extension``
-module's ``extend_worker(parent)`` runs first, before torch is imported; it may add what consolidates
-(:data:`CONSOLIDATORS`) and what runs after publishing (:data:`AFTER_PUBLISH`).
+Started once per run by :class:`.queue.ConsolidationQueue` (protocol there), it lowers its CPU priority
+(:data:`WORKER_NICENESS`, or :data:`NICENESS_VARIABLE`), imports what a consolidation needs, says it is ready and
+serves requests until its stdin ends; its stdout carries result lines only. A ``ConsolidationError`` is answered with
+its reason; any other exception is answered, then ends the process. ``python -m <package>.worker <ckpt>
+--global-step N`` consolidates one checkpoint. Never imports NeMo, Lightning or megatron-core. An ``--extension``
+module's ``extend_worker(parent)`` runs first; it may add to :data:`CONSOLIDATORS` and :data:`AFTER_PUBLISH`.
 """
 
 import argparse
