@@ -63,8 +63,9 @@ class _NeMoLogging(logging.Handler):
 
 
 def use_nemo_logging() -> None:
-    """Route the loggers of ``nemo_patch.training`` through NeMo's logger (:class:`_NeMoLogging`, once per process),
-    instead of propagating; their level becomes ``INFO`` unless one was set, as NeMo's INFO lines show."""
+    """Route the loggers of ``nemo_patch.training``
+    through NeMo's logger (:class:`_NeMoLogging`, once per process) instead of propagating; their level becomes
+    ``INFO`` unless one was set, as NeMo's INFO lines show."""
     training = logging.getLogger("nemo_patch.training")
     if not any(type(handler).__name__ == "_NeMoLogging" for handler in training.handlers):  # also across reloads
         training.addHandler(_NeMoLogging())
