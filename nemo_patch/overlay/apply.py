@@ -41,11 +41,8 @@ def after_exec(module: ModuleType) -> None:
 
 def apply_overlay() -> bool:
     """Register the hook (unless the start-up did) and edit the NeMo modules imported before it; applying twice is
-    harmless.
-
-    With ``NEMO_PATCH_DISABLE`` (or edits that do not apply to this NeMo) nothing is edited, and NeMo's
-    ``MegatronStrategy`` refuses the consolidation arguments (:func:`.hook.guard_unedited`), now if it is imported,
-    else as soon as it is.
+    harmless. When nothing is edited, NeMo's ``MegatronStrategy`` refuses the consolidation arguments
+    (:func:`.hook.guard_unedited`).
 
     Returns:
         Whether NeMo's ``MegatronStrategy`` module is in effect edited (``False`` with ``NEMO_PATCH_DISABLE``, or

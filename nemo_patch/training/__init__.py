@@ -14,16 +14,8 @@
 
 """The training side: when a run's checkpoints are consolidated, and what NeMo's edited classes call.
 
-The knob: the settings (:mod:`.config`, :mod:`.settings`, the cadence in :mod:`.policy`), what NeMo's
-``MegatronStrategy``, ``MegatronCheckpointIO`` and ``ModelCheckpoint`` call (:mod:`.integration`), the Lightning
-callback (:mod:`.callback`), the run's coordinator (:mod:`.coordinator`, the saves in :mod:`.schedule`), the
-consolidation process (:mod:`.queue`, :mod:`.worker`) and the end of ``fit`` on every rank (:mod:`.fit_end`). The later
-additions, each reached only through an optional import or the coordinator's observers: outputs kept past NeMo's
-removals and ``LATEST`` (:mod:`.retention`, :mod:`.latest`), the ``"best"`` cadence and ``BEST`` (:mod:`.best`),
-cadence phases (:mod:`.phases`), the journal of due consolidations (:mod:`.journal`), the post command and the
-callbacks' hooks (:mod:`.hooks`), and the training metrics (:mod:`.metrics`).
-
-NeMo is imported by ``integration`` only, inside its functions; the consolidation process (``worker``) imports none of
-NeMo, Lightning or megatron-core. May import the engine and the export, nothing else of this package's parent. This
-``__init__`` imports nothing.
+The settings (:mod:`.config`, :mod:`.settings`, :mod:`.policy`), what NeMo's edited classes call
+(:mod:`.integration`), the run's coordinator (:mod:`.coordinator`) and the consolidation process (:mod:`.queue`,
+:mod:`.worker`); extensions take part as the coordinator's observers. NeMo is imported by ``integration`` only,
+inside its functions. This ``__init__`` imports nothing.
 """

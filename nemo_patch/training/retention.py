@@ -357,7 +357,7 @@ def repoint_latest(
 
     The owner is the run the named output's ``metadata.json`` records (``run`` when it is gone). ``LATEST`` moves to
     another output holding the same files, else to the owner's newest output below its global step; when the owner
-    has none left, it is removed (one log line): it never names another run's weights (docs/retention.md).
+    has none left, it is removed (one log line): it never names another run's weights.
 
     Args:
         root: the checkpoint root.
