@@ -136,13 +136,8 @@ def consolidator(settings: Any, preload: bool) -> Optional[Tuple[Callable[..., A
 
 
 def after_publish(settings: Any) -> Optional[Callable[[Any, Path, Optional[int]], Tuple[Any, bool]]]:
-    """The post command's runner (:func:`nemo_patch.training.post_results.run_post_command`) where ``settings`` have
-    one."""
-    if settings.config.post_command is None:
-        return None
-    from nemo_patch.training import post_results
-
-    return post_results.run_post_command
+    """The post command's runner (:func:`.post_results.run_post_command`) where ``settings`` have one."""
+    return None if settings.config.post_command is None else post_results.run_post_command
 
 
 def output_dirname(config: Any) -> str:

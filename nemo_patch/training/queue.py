@@ -76,6 +76,7 @@ class _Process:
     def __init__(self, process: subprocess.Popen, log_file: IO[bytes]) -> None:
         self.process = process
         self.log_file = log_file
+        self.retire = False  # end it once the request it serves has ended
         self.ready = False  # it has imported what it needs and serves requests
         self.published = False  # the request it serves published its output (its post command runs)
         self._received = b""
@@ -492,7 +493,7 @@ class ConsolidationQueue:
         if error is not None and server is not None:  # the engine removes its own temporary output; a killed one can't
             for path in tmp_dirs_of(running.save.path, server.process.pid):
                 shutil.rmtree(path, ignore_errors=True)
-        if server is not None and server is self._server and not server.alive:
+        if server is not None and server is self._server and (server.retire or not server.alive):
             self._discard_server()
         running.save.seconds = time.monotonic() - running.started
         self.completed.append((running.save.global_step, running.save.seconds, error))
