@@ -39,6 +39,7 @@ from nemo_patch.training.config import ConsolidationConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SERIES = make_upstream_patch.SERIES
+UPSTREAM_DOC = (REPO / "docs" / "UPSTREAM.md").read_text()
 
 
 def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -93,6 +94,8 @@ def test_one_described_patch_per_pull_request_within_its_size(series):
         assert make_upstream_patch.NEMO_DOCS_PAGE in _added(patch), "each pull request documents its part"
         assert any(re.match(r"tests/.*test_[^/]*\.py$", path) for path in _added(patch)), "each is tested"
         assert _added_lines(patch) <= (800 if number == 1 else 2000), f"{patch.name}: +{_added_lines(patch)}"
+        documented = re.search(rf"^\| {number} \| `{pr.key}` \|.*\| \+(\d+) \|$", UPSTREAM_DOC, flags=re.M)
+        assert documented and int(documented.group(1)) == _added_lines(patch), f"docs/UPSTREAM.md's size of {pr.key}"
 
 
 def _created_texts(patch: Path) -> Dict[str, str]:
