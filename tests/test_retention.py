@@ -456,3 +456,22 @@ def test_best_follows_its_checkpoints_output_to_retained_or_is_removed_saying_wh
     assert caplog.messages == [
         f"BEST removed: checkpoint {other.name} is being removed and its consolidated output is not kept"
     ]
+
+
+def test_linking_a_retained_output_into_a_last_copy_reads_its_metadata_bounded(tmp_path):
+    """A retained output's ``metadata.json`` replaced by a link to a huge file (256 MiB, sparse) is not read whole
+    into the training process when the output is linked into a ``-last`` copy: the copy gets the files as they are."""
+    from types import SimpleNamespace
+
+    from nemo_patch.training import retention
+    from nemo_patch.training.schedule import CheckpointSave
+
+    output = tmp_path / "retained" / "ckpt--step=3" / "consolidated"
+    output.mkdir(parents=True)
+    with open(tmp_path / "huge", "wb") as huge:
+        huge.truncate(256 << 20)
+    (output / "metadata.json").symlink_to(tmp_path / "huge")
+    observer = retention.Observer(SimpleNamespace(settings=SimpleNamespace(output_dirname="consolidated")))
+    source = CheckpointSave(tmp_path / "ckpt--step=3", 4)
+    copy = CheckpointSave(tmp_path / "ckpt--step=3-last", 4, copy_of=source)
+    assert observer.link_files(output, copy) == {}

@@ -560,7 +560,9 @@ class Observer(ConsolidationObserver):
         name = self.coordinator.settings.output_dirname
         if copy.copy_of is None or output == copy.copy_of.path / name:
             return {}
-        metadata = json.loads((output / METADATA_FILENAME).read_text())
+        metadata = read_output_metadata(output)  # bounded, a regular file only
+        if metadata is None:  # unreadable since it was published: the copy gets the files as they are
+            return {}
         metadata.pop("retained_from", None)
         if isinstance(metadata.get("source_checkpoint"), str):
             metadata["source_checkpoint"] = os.path.relpath(copy.path / "weights", copy.path / name)
