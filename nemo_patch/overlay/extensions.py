@@ -20,7 +20,7 @@ consolidation process's launcher (:func:`launch`) and entry point (:func:`extend
 
 import importlib
 import sys
-from importlib.machinery import ModuleSpec
+from importlib.machinery import ModuleSpec, PathFinder, SourceFileLoader
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -53,40 +53,25 @@ def _extend_engine_module(module: ModuleType) -> None:
         setattr(module, name, importlib.import_module(f"nemo_patch.engine.{name}"))
 
 
-class _ExtendingLoader:
-    """Executes an engine module with its own loader, then gives it its extensions."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
-        module: Optional[ModuleType] = self._loader.create_module(spec)
-        return module
+class _ExtendingLoader(SourceFileLoader):
+    """Executes an engine module from its source file, then gives it its extensions."""
 
     def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
+        super().exec_module(module)
         _extend_engine_module(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
 
 
 class _EngineFinder:
-    """Meta-path finder that wraps the loaders of the engine modules of :data:`ENGINE_EXTENSIONS`, and no other."""
+    """Meta-path finder that gives the engine modules of :data:`ENGINE_EXTENSIONS` an :class:`_ExtendingLoader`."""
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
     ) -> Optional[ModuleSpec]:
-        if fullname not in ENGINE_EXTENSIONS:
-            return None
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec"):
-                spec: Optional[ModuleSpec] = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    if spec.loader is not None and not isinstance(spec.loader, _ExtendingLoader):
-                        spec.loader = _ExtendingLoader(spec.loader)  # type: ignore[assignment]
-                    return spec
-        return None
+        spec = PathFinder.find_spec(fullname, path, target) if fullname in ENGINE_EXTENSIONS else None
+        if spec is None or not isinstance(spec.loader, SourceFileLoader):
+            return None  # not ours, or not from a source file: the other finders answer
+        spec.loader = _ExtendingLoader(fullname, spec.loader.path)
+        return spec
 
 
 def launch(args: List[str], environ: Mapping[str, str]) -> Tuple[List[str], Mapping[str, str]]:
