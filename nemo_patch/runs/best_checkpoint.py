@@ -12,18 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The best checkpoint of a run by its monitored metric, found offline from what NeMo recorded.
+"""The best checkpoint of a run by its monitored metric, found offline from what NeMo recorded (docs/cadences.md).
 
-Two records are read, in this order: ``ModelCheckpoint``'s own state in the newest finished checkpoint's
-``weights/common.pt`` (``monitor``, ``best_model_path``, ``best_model_score``; read safely by
+``ModelCheckpoint``'s own state in the newest finished checkpoint's ``weights/common.pt`` is read (safely, by
 :func:`.save_identity.read_common_state`), else the metric in the checkpoint names (``...--val_loss=1.23-step=9-...``),
 as NeMo's ``nemo_topk_check_previous_run`` reads it on resume, ``-last`` copies left out. The best checkpoint is never
-replaced by another one: when the one NeMo recorded is missing or unfinished, the error names it.
-
-Imports the standard library, and torch when reading ``common.pt``; never NeMo or Lightning.
+replaced by another one. Imports the standard library, and torch when reading ``common.pt``; never NeMo or Lightning.
 """
 
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +55,6 @@ class NoMonitoredMetricError(ConsolidationError):
     #: a watcher (``--watch --frequency best``) waits; otherwise the run records no monitored metric at all.
     transient: bool = False
 
-
-logger = logging.getLogger(__name__)
 
 #: ``ModelCheckpoint(monitor=...)`` values that rank checkpoints by time, not by a metric.
 NOT_A_METRIC = (None, "step", "epoch")

@@ -55,17 +55,14 @@ def checkpoints_newest_first(root: Union[str, Path]) -> List[Path]:
     it, then by modification time. Hidden entries are skipped; a checkpoint that NeMo's top-k removal deletes while
     the root is listed is left out.
     """
-    root = Path(root)
     keys: Dict[Path, Tuple[int, bool, float]] = {}
-    for path in root.iterdir():
+    for path in Path(root).iterdir():
         if path.name.startswith(".") or not (path / "weights").is_dir():
             continue
         try:
             mtime = path.stat().st_mtime
         except FileNotFoundError:
             continue
-        # NeMo's ``-last`` copy of a step holds the same weights as the step's own checkpoint; prefer the latter
-        # (the one ``LATEST`` names) whatever the two modification times say.
         match = _STEP_IN_NAME.search(path.name)
         keys[path] = (int(match.group(1)) if match else -1, not is_copy_name(path.name), mtime)
     return sorted(keys, key=keys.__getitem__, reverse=True)

@@ -12,18 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-
 """Run a user's command after a consolidated output is published: evaluate it, upload it, smoke-test it.
 
-:func:`run_post_command` runs in the process that published the output (the run's consolidation process, or
-``nemo-consolidate``), never in a training process, through ``/bin/sh -c`` in that process's working directory, with
-the placeholders replaced by shell-quoted values (also in the environment as ``NEMO_CONSOLIDATED_<NAME>``). Its
-process group is ended with this process (a guard in the group reads a pipe whose only writer is this process), at
-its timeout, or when the caller asks (``should_stop``). Its stdout and stderr go to ``<output>.post-command.log``
-beside the output, a new file renamed over that name (whatever was there is replaced, never written through); stdout
-lines that are JSON objects of numbers are metrics. The result is recorded in the output's ``metadata.json``
-(:func:`record_result`); the output itself stays published either way. ``docs/after-consolidation.md`` has the
-whole contract.
+:func:`run_post_command` runs it through ``/bin/sh -c`` in the process that published the output, never in a training
+process, and records the result in the output's ``metadata.json``; ``docs/after-consolidation.md`` has the whole
+contract.
 
 Standard library only; never torch, NeMo, Lightning or megatron-core, and nothing outside the engine.
 """
@@ -141,12 +134,10 @@ class PostCommandResult:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             return float(value) if ok else None
 
-        metrics = data.get("metrics")
-        returncode = data.get("returncode")
-        error = data.get("error")
+        code, error, metrics = data.get("returncode"), data.get("error"), data.get("metrics")
         return cls(
             command=str(data.get("command", "")),
-            returncode=returncode if isinstance(returncode, int) and not isinstance(returncode, bool) else None,
+            returncode=code if isinstance(code, int) and not isinstance(code, bool) else None,
             seconds=number(data.get("seconds")) or 0.0,
             timed_out=data.get("timed_out") is True,
             log=str(data.get("log", "")),
@@ -226,8 +217,7 @@ def _create_in_place_of(path: Path) -> BinaryIO:
         OSError: it cannot be created, or ``path`` is a directory (nothing is left behind).
     """
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -249,12 +239,11 @@ def record_result(output_dir: Union[str, Path], result: PostCommandResult) -> No
     if not isinstance(manifest, dict):
         return
     manifest["post_command"] = result.to_json()
-    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     tmp = output_dir / f".{_METADATA}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+            handle.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -272,7 +261,7 @@ def run_post_command(
     timeout: float = DEFAULT_POST_COMMAND_TIMEOUT,
     should_stop: Optional[Callable[[], bool]] = None,
 ) -> PostCommandResult:
-    """Run ``command`` for a published output and record the result in its ``metadata.json`` (module docstring).
+    """Run ``command`` for a published output and record the result in its ``metadata.json``.
 
     Args:
         command: a shell command; ``{output}``, ``{format}``, ``{global_step}``, ``{checkpoint}`` are replaced.
@@ -301,8 +290,7 @@ def run_post_command(
         "checkpoint": str(checkpoint_dir),
     }
     expanded = _expand(command, values)
-    env = dict(os.environ)
-    env.update({f"NEMO_CONSOLIDATED_{name.upper()}": value for name, value in values.items()})
+    env = dict(os.environ, **{f"NEMO_CONSOLIDATED_{name.upper()}": value for name, value in values.items()})
     log_path = post_command_log_path(output_dir)
     started = time.monotonic()
     metrics: Dict[str, float] = {}

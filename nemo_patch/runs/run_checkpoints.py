@@ -14,17 +14,10 @@
 
 """The checkpoints of a training run's save directory, which of them are finished, and their global steps.
 
-Two layouts are recognised from what the directory holds:
-
-* **NeMo 2** (``<log_dir>/<name>/checkpoints``): a directory per checkpoint with ``weights/``, finished when the file
-  its format writes last is there and NeMo's ``<name>-unfinished`` marker is not; its global step is
-  :func:`.save_identity.global_step_of`'s. A name ending in ``-last`` or ``-last-v<k>`` is NeMo's copy of its step's
-  save.
-* **Megatron-LM and Megatron-Bridge** (their ``--save`` directory): ``iter_<N>/`` directories (``iter_0000100``:
-  seven digits at least, no other zero-padding) and ``latest_checkpointed_iteration.txt`` (the tracker), rewritten
-  once a save is finalized. ``iter_<N>`` is finished when the tracker names ``N`` or a later iteration and its
-  ``.metadata`` is there; its global step is ``N``. Its ``common.pt`` is never unpickled.
-
+Two layouts are recognised from what the directory holds (docs/sidecar.md): a NeMo 2 checkpoint root, whose
+checkpoints are finished when their weights are written and NeMo's ``<name>-unfinished`` marker is absent; and a
+Megatron-LM or Megatron-Bridge ``--save`` directory, whose ``iter_<N>/`` is finished when its ``.metadata`` exists and
+``latest_checkpointed_iteration.txt`` (the tracker) names ``N`` or later (its ``common.pt`` is never unpickled).
 Hidden entries, ``LATEST``/``BEST`` and outputs kept under ``retained/`` are never checkpoints. Reads only: nothing
 here writes. Standard library, and torch for ``common.pt``.
 """
@@ -118,8 +111,7 @@ def _entries(root: Path) -> List[os.DirEntry]:
 
 def run_layout(root: Union[str, Path]) -> Optional[str]:
     """:data:`MEGATRON_LAYOUT`, :data:`NEMO_LAYOUT`, or ``None`` while ``root`` holds neither kind of checkpoint."""
-    root = Path(root)
-    entries = _entries(root)
+    entries = _entries(Path(root))
     if any(entry.name == TRACKER_FILENAME for entry in entries) or any(
         _iteration(entry.name) is not None and entry.is_dir(follow_symlinks=False) for entry in entries
     ):
