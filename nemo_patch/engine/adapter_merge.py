@@ -14,18 +14,15 @@
 
 """Merge a LoRA adapter checkpoint into its base model's weights, one output tensor at a time.
 
-NeMo's LoRA wraps a linear layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) and saves, per
-wrapped layer, ``<layer>.adapter.linear_in.weight`` (``A``, shape ``[dim, in]``) and
-``<layer>.adapter.linear_out.weight`` (``B``, ``[out, dim]``); the adapter checkpoint holds only those, and
-``weights/adapter_metadata.json`` names the base checkpoint. The merged weight is computed as NeMo's ``LoRAMerge``
-does, on the TP=1 (consolidated, TP shards reassembled) tensors::
+NeMo's LoRA saves, per wrapped linear layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``),
+``<layer>.adapter.linear_in.weight`` (``A``, ``[dim, in]``) and ``<layer>.adapter.linear_out.weight`` (``B``,
+``[out, dim]``); ``weights/adapter_metadata.json`` names the base checkpoint. As NeMo's ``LoRAMerge``, on the TP=1
+tensors::
 
     merged = base + alpha / dim * B @ A        # (alpha / dim * B) @ A, in the stored dtype
 
-so the output is the model ``llm.peft.merge_lora`` would give, as ``model.safetensors`` with the base model's names.
-Everything that is not a LoRA-wrapped weight is the base checkpoint's tensor unchanged.
-
-Imports torch and the rest of the engine only.
+so the output is the model ``llm.peft.merge_lora`` would give, with the base model's names; every other tensor is the
+base checkpoint's, unchanged. Imports torch and the rest of the engine only.
 """
 
 import re

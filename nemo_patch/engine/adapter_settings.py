@@ -15,19 +15,11 @@
 """The PEFT method and settings of an adapter checkpoint, as NeMo recorded them in its context.
 
 NeMo's PEFT callback saves adapter-only checkpoints (``weights/adapter_metadata.json`` names the base model) whose
-``context/model.yaml`` holds the model's ``model_transform``: the PEFT object, e.g.::
-
-    model_transform:
-      _target_: nemo.collections.llm.peft.lora.LoRA
-      dim: 8
-      alpha: 16
-      dropout: 0.0
-      target_modules: [linear_qkv, linear_proj]
-
-:func:`peft_settings` reads that block with PyYAML (installed with NeMo; without it, or without the file, the settings
-are unknown: ``None``). Only plain values are kept; NeMo's own objects (``_call_`` entries) are left out.
-
-Standard library (and PyYAML when present) and the engine's bounded file reads only.
+``context/model.yaml`` holds the model's ``model_transform``, the PEFT object (``_target_:
+nemo.collections.llm.peft.lora.LoRA``, ``dim``, ``alpha``, ``dropout``, ``target_modules``). :func:`peft_settings`
+reads it with PyYAML (installed with NeMo; without it, or without the file, the settings are unknown: ``None``),
+keeping plain values only (not NeMo's ``_call_`` objects). Standard library (and PyYAML when present) and the
+engine's bounded file reads only.
 """
 
 import json

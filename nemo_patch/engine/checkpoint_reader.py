@@ -18,9 +18,7 @@
 :mod:`.dcp_reader`) is read, and megatron-core's ``zarr`` where a reader is registered (:data:`zarr_reader`). Both
 are described by ``torch.distributed.checkpoint`` ``Metadata`` (global shape, dtype and chunks of each key), so
 naming and planning the output (:mod:`.plan`) is one code path, and both readers read a key, or one index of it
-along dimension 0, into a given tensor.
-
-Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
+along dimension 0, into a given tensor. Imports the standard library, torch and the rest of the engine only.
 """
 
 from pathlib import Path

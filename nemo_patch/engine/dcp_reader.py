@@ -56,8 +56,7 @@ def _refused_in_one_line(where: str, load: Callable[[], Any]) -> Any:
         return load()
     except pickle.UnpicklingError as error:
         match = _REFUSED.search(str(error))
-        what = match.group("what") if match else " ".join(str(error).split())
-        what = what.split(". ")[0]
+        what = (match.group("what") if match else " ".join(str(error).split())).split(". ")[0]
         raise pickle.UnpicklingError(f"{where}: torch.load(weights_only=True) refused it: {what}") from error
 
 
@@ -129,9 +128,8 @@ class DCPRegionReader:
         self._staging = torch.empty(0, dtype=torch.uint8)
 
     def _chunks_holding(self, key: str, item: TensorStorageMetadata, leading: Tuple[int, ...]) -> Any:
-        """``item`` with only the chunks that hold ``key[leading]`` (all of them for no index), from an index of the
-        chunks by their leading offsets made at the first read of ``key`` (one pass over its chunks: the index
-        pairs :mod:`.plan` bounds)."""
+        """``item`` with only the chunks that hold ``key[leading]`` (all for no index), from an index by leading
+        offsets made at the first read of ``key`` (one pass over its chunks: the pairs :mod:`.plan` bounds)."""
         if not leading:
             return item
         index = self._by_leading.get((key, len(leading)))
@@ -156,17 +154,10 @@ class DCPRegionReader:
         storage = self.metadata.storage_data or {}
         return sorted({info.relative_path for index, info in storage.items() if index.fqn == key})
 
-    def _check(self, key: str) -> None:
-        """Check ``key``'s layout and files once (:func:`.layout_checks.check_dcp_layout`)."""
-        if key not in self._checked:
-            self._files.update(check_dcp_layout(self.path, self.metadata, [key]))
-            self._checked.add(key)
-
     def _load(self, stream: Any, key: str, item: TensorStorageMetadata, storage_index: Any, place: Any) -> None:
-        """Load one record and hand its tensor to ``place(tensor, read_into)``. ``read_into`` is ``None`` when
-        ``tensor`` holds the data (a record loaded whole); else ``tensor`` only describes it (on the ``meta`` device)
-        and ``read_into(out)`` reads it into ``out``, a ``memoryview`` of its bytes or the pieces that take them in
-        order (:meth:`.record_checks.RecordWindow.read_member`)."""
+        """Load one record and call ``place(tensor, read_into)``: ``read_into`` is ``None`` when ``tensor`` holds the
+        data (loaded whole); else ``tensor`` is on the ``meta`` device and ``read_into(out)`` reads the data into
+        ``out``, a ``memoryview`` of its bytes or pieces taking them in order (:meth:`.RecordWindow.read_member`)."""
         info = self.metadata.storage_data[storage_index]
         where = f"{info.relative_path}, record at byte {info.offset}"
         window, finish = open_record(stream, info.offset, info.length, where, self.verify_checksums)
@@ -209,7 +200,9 @@ class DCPRegionReader:
         item = self.metadata.state_dict_metadata.get(key)
         if not isinstance(item, TensorStorageMetadata):
             raise KeyError(f"{key} is not a tensor entry of {self.path}")
-        self._check(key)
+        if key not in self._checked:
+            self._files.update(check_dcp_layout(self.path, self.metadata, [key]))
+            self._checked.add(key)
         leading = () if index is None else (index,) if isinstance(index, int) else tuple(index)
         if len(leading) > len(item.size) or any(not 0 <= i < n for i, n in zip(leading, item.size)):
             raise KeyError(f"{key}{list(leading)} is outside its size {list(item.size)}")
@@ -233,16 +226,13 @@ class DCPRegionReader:
                         whole = list(request.lengths) == list(tensor.shape) and not any(request.storage_offsets)
                         if read_into is not None and whole and target.is_contiguous():
                             read_into(target.reshape(-1).view(torch.uint8).numpy().data)  # straight into the output
-                            return
-                        pieces = _pieces(target, destination) if read_into is not None and whole else None
-                        if read_into is not None and pieces is not None:
+                        elif read_into is not None and whole and (pieces := _pieces(target, destination)) is not None:
                             read_into(pieces)  # row by row into the output (a column block)
-                            return
-                        if read_into is not None:
-                            staged = self._staged(tensor)
-                            read_into(staged.reshape(-1).view(torch.uint8).numpy().data)
-                            tensor = staged
-                        target.copy_(narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths))
+                        else:
+                            if read_into is not None:  # into a reused buffer, then copied
+                                tensor = self._staged(tensor)
+                                read_into(tensor.reshape(-1).view(torch.uint8).numpy().data)
+                            target.copy_(narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths))
 
                     self._load(stream, key, item, request.storage_index, place)
         return destination

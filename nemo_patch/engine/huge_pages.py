@@ -14,15 +14,11 @@
 
 """Let torch back a consolidation's large tensors with transparent huge pages (THP).
 
-A consolidation allocates every output tensor, and ``torch.load`` every stored chunk, afresh: with 4 KiB pages that
-is a page fault per 4 KiB of the checkpoint, twice. With ``THP_MEM_ALLOC_ENABLE=1`` torch's CPU allocator (c10)
-marks allocations of 2 MiB or more ``madvise(MADV_HUGEPAGE)``, so where THP is enabled the kernel maps them 2 MiB at
-a time (``scripts/bench_consolidation.py``'s 2.55 GB checkpoint: page faults from about 520,000 to 42,000, one
-writer's wall time about 20% less). c10 reads the variable once, at the first CPU tensor allocation, so
+With ``THP_MEM_ALLOC_ENABLE=1`` torch's CPU allocator (c10) marks allocations of 2 MiB or more
+``madvise(MADV_HUGEPAGE)``: far fewer page faults for the output tensors and stored chunks a consolidation allocates
+afresh (``docs/benchmarks.md``). c10 reads the variable once, at the first CPU tensor allocation, so
 :func:`prefer_huge_pages` runs before torch is imported, in the processes that exist only to consolidate (never in a
-training process); writer processes inherit it. A value the user set, ``0`` included, is kept.
-
-Standard library only.
+training process); writer processes inherit it. A value the user set, ``0`` included, is kept. Standard library only.
 """
 
 import os

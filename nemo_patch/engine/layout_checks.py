@@ -12,7 +12,6 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-
 """Prove, from a ``torch_dist`` checkpoint's metadata and file sizes alone, that reading it fills every output byte.
 
 Before any tensor is read or any output is allocated, :func:`check_dcp_layout` checks every model tensor entry of the
@@ -22,10 +21,7 @@ fails there); and a storage record per chunk and a chunk per record (a chunk tak
 silently drop a layer), each record in a plain, regular file of ``weights/``, inside it, holding at least the chunk's
 bytes, sharing no byte with another record and carrying no storage transform. So the bytes a plan allocates are
 bounded by the bytes the checkpoint holds. What a record holds (dtype, shape) is checked when it is read
-(:class:`.dcp_reader.DCPRegionReader`).
-
-Imports the standard library, torch and the engine's errors and safe file access only; never NeMo, Lightning or
-megatron-core.
+(:class:`.dcp_reader.DCPRegionReader`). Imports the standard library, torch and the engine only.
 """
 
 import math
@@ -50,7 +46,6 @@ __all__ = [
     "resolve_inside",
     "shard_file",
 ]
-
 
 #: The dtypes a model weight may have (a safetensors file's name of each): any other (``qint8``, ``bits8``, ``uint1``,
 #: ``quint4x2``, complex, ...) has no safetensors encoding and is refused when the layout is checked.
@@ -163,12 +158,11 @@ def check_chunk_tiling(key: str, size: Sequence[int], chunks: Sequence[ChunkStor
         dims = tuple(d for d in dims if len({(c.offsets[d], c.sizes[d]) for c in group}) > 1)
         if not dims:  # the same interval in every dimension
             raise _overlapping(key, group[0], group[1])
-        parts = None
         for dim in dims:  # a cut costs a sort of the group
             steps, parts = steps + len(group) * len(group).bit_length(), _cut(group, dim)
             if len(parts) > 1:
                 break
-        if parts is not None and len(parts) > 1:
+        if len(parts) > 1:
             pending.extend((part, dims) for part in parts)
             continue
         axis = max(dims, key=lambda dim: len({chunk.offsets[dim] for chunk in group}))
@@ -292,8 +286,7 @@ def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str])
                     f"{key}: chunk {_describe(chunk)} declares {needed} bytes of data; its record in "
                     f"{info.relative_path} has {info.length}"
                 )
-            identity = (status.st_dev, status.st_ino)
-            extents.append((identity, info.offset, info.length, key, info.relative_path))
+            extents.append(((status.st_dev, status.st_ino), info.offset, info.length, key, info.relative_path))
     extents.sort()
     for (file, offset, length, key, name), (other_file, other_offset, _, other_key, other_name) in zip(
         extents, extents[1:]

@@ -20,9 +20,7 @@ names with each ``TransformerLayer``'s ``submodules_config.sharded_state_dict_ke
 experts named as ``SequentialMLP`` names them (``<...>.mlp.experts.local_experts.<e>.linear_fc1.weight``).
 :func:`canonical_key_map` applies the same map, read from the model itself, and maps grouped-GEMM experts
 (``TEGroupedMLP``: ``<...>.mlp.experts.linear_fc1.weight<e>``) to those names, so a model of any spec loads one file.
-
-Imports torch, safetensors and the engine's output files and layout only; never NeMo, Lightning or megatron-core, and
-nothing outside the engine (a NeMo model is taken as any ``torch.nn.Module``).
+Imports torch, safetensors and the engine only (a NeMo model is taken as any ``torch.nn.Module``).
 """
 
 import re
@@ -37,19 +35,9 @@ from nemo_patch.engine.output_layout import INDEX_FILENAME
 
 __all__ = ["canonical_key_map", "load_consolidated_into", "load_consolidated_state_dict"]
 
-
 _GROUPED_EXPERT = re.compile(
     r"^(?P<head>.*\.experts)\.(?P<linear>linear_fc[12])\.(?P<param>weight|bias)(?P<expert>\d+)$"
 )
-
-
-def _expert_name(key: str) -> str:
-    """``<...>.experts.linear_fc1.weight3`` (``TEGroupedMLP``) -> ``<...>.experts.local_experts.3.linear_fc1.weight``;
-    other keys unchanged."""
-    match = _GROUPED_EXPERT.match(key)
-    if match is None:
-        return key
-    return f"{match['head']}.local_experts.{match['expert']}.{match['linear']}.{match['param']}"
 
 
 def load_consolidated_state_dict(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
@@ -122,7 +110,10 @@ def canonical_key_map(model: torch.nn.Module) -> Dict[str, str]:
                 if rest.startswith(old) and fused in state_keys:
                     canonical = layer_prefix + new + rest[len(old) :]
                     break
-        mapping[key] = _expert_name(canonical)
+        match = _GROUPED_EXPERT.match(canonical)  # TEGroupedMLP's ``linear_fc1.weight3``: ``local_experts.3.``
+        if match:
+            canonical = f"{match['head']}.local_experts.{match['expert']}.{match['linear']}.{match['param']}"
+        mapping[key] = canonical
     return dict(sorted(mapping.items()))
 
 

@@ -22,7 +22,6 @@ each member's CRC-32 on the bytes as they are read: straight into the caller's m
 way is streamed through ``zipfile`` by the returned ``finish``. The CRC-32 is ``zlib-ng``'s where installed.
 """
 
-
 import io
 import os
 import zipfile
@@ -128,11 +127,7 @@ class RecordWindow(io.RawIOBase):
 
 
 def _members(file: Any, offset: int, length: int) -> List[_Member]:
-    """The record's members, after refusing compressed ones and members whose data overlap.
-
-    Raises:
-        zipfile.BadZipFile: naming the member.
-    """
+    """The record's members; ``zipfile.BadZipFile`` naming one that is compressed, past the end or sharing data."""
     members: List[_Member] = []
     with zipfile.ZipFile(RecordWindow(file, offset, length)) as archive:
         for info in archive.infolist():

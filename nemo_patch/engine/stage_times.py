@@ -12,16 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Where a consolidation's time goes: busy seconds per stage, summed over the threads and processes that did it.
+"""Where a consolidation's time goes: busy seconds per stage (:data:`STAGES`), summed over threads and processes.
 
-Stages (:data:`STAGES`): ``metadata`` (read the checkpoint's metadata, plan the outputs, lay out and create the
-files), ``read_crc`` (load stored records and check their CRC-32), ``placement`` (copy each loaded chunk into its
-place in the output tensor, casting if asked), ``hashing`` (BLAKE3 of each output tensor), ``write`` (copy the bytes
-into the output files) and ``fsync`` (make them durable: the ``fdatasync`` calls that run beside the writes, then the
-final ``fsync``). Stages overlap: a writer reads the next tensor while it writes, hashes and syncs the current one,
-and several writers run at once, so the sum is more than the wall time; the largest stage is the bottleneck.
-
-Standard library only.
+``metadata`` (read the checkpoint's metadata, plan the outputs, lay out and create the files), ``read_crc`` (load
+stored records and check their CRC-32), ``placement`` (copy each loaded chunk into its place in the output tensor,
+casting if asked), ``hashing`` (BLAKE3 of each output tensor), ``write`` (copy the bytes into the output files),
+``fsync`` (the ``fdatasync`` calls beside the writes, then the final ``fsync``). Stages overlap (a writer reads the
+next tensor while it writes, hashes and syncs the current one; several writers run at once), so the sum is more than
+the wall time; the largest stage is the bottleneck. Standard library only.
 """
 
 import contextlib

@@ -16,11 +16,10 @@
 
 :func:`open_sources` turns a checkpoint (and the consolidation's options: a dtype cast, merging LoRA adapters) into a
 :class:`Sources`: the checkpoint's metadata, a reader of its ``weights/`` and the planned output tensors, in output
-order (:func:`.plan.plan_outputs`). The same call, in any process, on any node, gives the same plan:
-it is a function of the checkpoint's files and the options alone, which is what lets several writers share one
-consolidation (:mod:`.parts`). :meth:`Sources.producer` reads one output tensor at a time.
-
-Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
+order (:func:`.plan.plan_outputs`). The same call, in any process, on any node, gives the same plan: it is a function
+of the checkpoint's files and the options alone, which is what lets several writers share one consolidation
+(:mod:`.parts`). :meth:`Sources.producer` reads one output tensor at a time. Imports the standard library, torch and
+the rest of the engine only.
 """
 
 import time
@@ -84,21 +83,16 @@ def tensor_producer(
     turn = [0]
 
     def read(source: OutputTensor, out: torch.Tensor) -> torch.Tensor:
-        placed = stage_times.snapshot()["placement"]
-        start = time.perf_counter()
+        placed, start = stage_times.snapshot()["placement"], time.perf_counter()
         tensor = reader.read(source.key, source.index, out=out)
         stage_times.add("read_crc", time.perf_counter() - start - (stage_times.snapshot()["placement"] - placed))
         return tensor
 
     def produce(spec: TensorSpec) -> torch.Tensor:
         source = sources[spec.name]
-        buffer = buffers[turn[0] % 2]
+        buffer = buffers[turn[0] % 2] if reuse else torch.empty(spec.nbytes, dtype=torch.uint8)
         turn[0] += 1
-        out = (
-            buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
-            if reuse
-            else torch.empty(spec.shape, dtype=spec.dtype)
-        )
+        out = buffer[: spec.nbytes].view(spec.dtype).view(spec.shape)
         item = cast(TensorStorageMetadata, metadata.state_dict_metadata[source.key])
         stored = TensorSpec(spec.name, item.properties.dtype, spec.shape)
         try:
@@ -129,11 +123,9 @@ def merged_reader(merge: Any, planned: List[OutputTensor], adapter_reader: Regio
 
     def read(spec: TensorSpec) -> torch.Tensor:
         tensor = merged(stored[spec.name].spec)
-        return (
-            tensor
-            if tensor.dtype == spec.dtype
-            else casting.checked_cast(spec.name, tensor, torch.empty(tensor.shape, dtype=spec.dtype))
-        )
+        if tensor.dtype == spec.dtype:
+            return tensor
+        return casting.checked_cast(spec.name, tensor, torch.empty(tensor.shape, dtype=spec.dtype))
 
     return read
 

@@ -14,20 +14,13 @@
 
 """Read tensors, or layers of them, from a megatron-core ``zarr`` distributed checkpoint, checking every chunk file.
 
-megatron-core's ``zarr`` save strategy (NeMo's ``save_ckpt_format='zarr'``) writes one Zarr v2 array per tensor into
-``weights/``: ``<key>/.zarray`` (JSON: ``shape``, ``chunks``, ``dtype``, no compressor, C order) and one file of raw
-bytes per chunk, ``<key>/<i>.<j>...``. Zarr stores no checksum, so what is checked is the layout: a ``.zarray`` must
-describe what this reader understands (else :class:`~.errors.UnsupportedFormatError` names the key and the field), and
-every chunk file a read needs must exist with exactly its size (else :class:`~.errors.CorruptShardError` names it;
-zarr itself would return the fill value for a missing chunk). Chunk files that are hard links to one file are
-refused, and every path component under ``weights/`` is opened without following a symbolic link (``O_NOFOLLOW``
-per component, through ``dir_fd``); a chunk is read with ``pread`` from the descriptor so opened.
-
-:func:`read_zarr_metadata` describes the arrays as DCP ``Metadata``, so output planning is the same for both formats;
-:class:`ZarrRegionReader` has the interface of :class:`.dcp_reader.DCPRegionReader`.
-
-Imports the standard library and torch; never ``zarr``, NeMo, Lightning or megatron-core, and nothing outside the
-engine.
+megatron-core's ``zarr`` strategy writes one Zarr v2 array per tensor into ``weights/``: ``<key>/.zarray`` (JSON) and
+one file of raw bytes per chunk, ``<key>/<i>.<j>...``. Zarr stores no checksum, so the layout is checked: a
+``.zarray`` this reader does not understand raises :class:`~.errors.UnsupportedFormatError`, and a chunk file a read
+needs that is missing (zarr would return the fill value), of another size, a hard link to another chunk or reached
+through a symbolic link raises :class:`~.errors.CorruptShardError` (``docs/security.md``). :func:`read_zarr_metadata`
+describes the arrays as DCP ``Metadata``, so output planning is the same for both formats; :class:`ZarrRegionReader`
+has the interface of :class:`.dcp_reader.DCPRegionReader`. Imports the standard library, torch and the engine only.
 """
 
 import errno
@@ -77,13 +70,8 @@ _MAX_ZARRAY_BYTES = 1 << 20
 
 def _open_below(root: Path, parts: Tuple[str, ...]) -> int:
     """A file descriptor of ``root/parts[0]/.../parts[-1]``, each component opened relative to the one before it
-    without following a symbolic link (the last one without blocking: a FIFO is refused later by ``fstat``).
-
-    Raises:
-        CorruptShardError: a component is a symbolic link (or not a directory where one is needed).
-        FileNotFoundError: a component is missing.
-        OSError: another error opening a component.
-    """
+    without following a symbolic link (the last one without blocking: a FIFO is refused later by ``fstat``); raises
+    :class:`CorruptShardError` for a symbolic link (or not a directory where one is needed), else ``OSError``."""
     if os.open not in os.supports_dir_fd or not _NOFOLLOW:  # pragma: no cover - not Linux/macOS: check, then open
         for depth in range(1, len(parts) + 1):
             if os.path.islink(root.joinpath(*parts[:depth])):
@@ -124,12 +112,8 @@ def _read_zarray(path: Path) -> Any:
 
 
 def _chunk_inodes(array: "_Array", seen: Dict[Tuple[int, int], Path]) -> int:
-    """Walk an array's directory (never following a link): the number of files in it; ``seen`` gets every chunk
-    file's (device, inode).
-
-    Raises:
-        CorruptShardError: a symbolic link in it, or a chunk file that is the same file as another (a hard link).
-    """
+    """The number of files in an array's directory, walked never following a link (:class:`CorruptShardError` for
+    a symbolic link in it, or a chunk file that is the same file as another in ``seen``, which gets their inodes)."""
     count = 0
     for directory, dirs, files in os.walk(array.path, followlinks=False):
         for name in dirs + files:
@@ -166,7 +150,6 @@ class _Array:
 
     @property
     def chunk_count(self) -> int:
-        """How many chunk files the array's shape needs."""
         return math.prod(math.ceil(size / chunk) for size, chunk in zip(self.shape, self.chunks))
 
     def chunk_file(self, index: Tuple[int, ...]) -> Path:
@@ -223,16 +206,6 @@ def _parse_array(key: str, path: Path, inodes: Optional[Dict[Tuple[int, int], Pa
     return array
 
 
-def _arrays(weights_dir: Path) -> Dict[str, _Array]:
-    """Every array of ``weights/``, checked; no chunk file of one is the same file as another's."""
-    arrays: Dict[str, _Array] = {}
-    inodes: Dict[Tuple[int, int], Path] = {}
-    for path in sorted(weights_dir.iterdir()):
-        if path.is_dir() and path.suffix != ".sync" and (path / _ARRAY_FILE).exists():
-            arrays[path.name] = _parse_array(path.name, path, inodes)
-    return arrays
-
-
 def read_zarr_metadata(weights_dir: Path) -> Metadata:
     """Describe the arrays of a zarr checkpoint as ``torch.distributed.checkpoint`` ``Metadata``.
 
@@ -248,7 +221,11 @@ def read_zarr_metadata(weights_dir: Path) -> Metadata:
         CorruptShardError: a ``.zarray`` cannot be read.
     """
     entries: Dict[str, Any] = {}
-    for key, array in _arrays(Path(weights_dir)).items():
+    inodes: Dict[Tuple[int, int], Path] = {}  # no chunk file of one array is the same file as another's
+    for path in sorted(Path(weights_dir).iterdir()):
+        if not (path.is_dir() and path.suffix != ".sync" and (path / _ARRAY_FILE).exists()):
+            continue
+        array = _parse_array(path.name, path, inodes)
         chunks = [
             ChunkStorageMetadata(
                 offsets=torch.Size(i * c for i, c in zip(index, array.chunks)),
@@ -256,8 +233,7 @@ def read_zarr_metadata(weights_dir: Path) -> Metadata:
             )
             for index in array.chunk_indices()
         ]
-        properties = TensorProperties(dtype=array.dtype)
-        entries[key] = TensorStorageMetadata(properties=properties, size=torch.Size(array.shape), chunks=chunks)
+        entries[path.name] = TensorStorageMetadata(TensorProperties(array.dtype), torch.Size(array.shape), chunks)
     return Metadata(state_dict_metadata=entries)
 
 
@@ -290,9 +266,8 @@ class ZarrRegionReader:
         """The part of one chunk at the leading indices (a tensor of shape ``chunks[len(leading):]``), read from the
         chunk file opened without following a link, after checking it."""
         file = array.chunk_file(chunk)
-        parts = file.relative_to(self.path).parts
         try:
-            fd = _open_below(self.path, parts)
+            fd = _open_below(self.path, file.relative_to(self.path).parts)
         except FileNotFoundError:
             raise CorruptShardError(
                 f"{file}: chunk file missing (the save did not finish, or the file was lost)"
@@ -313,15 +288,11 @@ class ZarrRegionReader:
                     f"{file} is a hard link to the same file as {other}: each chunk holds its own bytes; refusing to "
                     "read it"
                 )
-            element = torch.empty((), dtype=array.dtype).element_size()
-            inner = array.chunks[len(leading) :]
-            count = math.prod(inner)
+            element, inner = array.dtype.itemsize, array.chunks[len(leading) :]
             position = 0  # the rows at the leading indices are contiguous in a C-order chunk
             for dim, index in enumerate(leading):
                 position = position * array.chunks[dim] + (index - chunk[dim] * array.chunks[dim])
-            for size_of_dim in inner:
-                position *= size_of_dim
-            wanted = count * element
+            position, wanted = position * math.prod(inner), math.prod(inner) * element
             data = bytearray(wanted)
             view, done = memoryview(data), 0
             while done < wanted:
@@ -365,11 +336,7 @@ class ZarrRegionReader:
         result = out if out is not None else torch.empty(shape, dtype=array.dtype)
         for chunk in array.chunk_indices(leading):
             rows = self._chunk_rows(array, chunk, leading)
-            target, source = [], []
-            for dim in range(len(leading), len(array.shape)):
-                origin = chunk[dim] * array.chunks[dim]
-                extent = min(array.chunks[dim], array.shape[dim] - origin)
-                target.append(slice(origin, origin + extent))
-                source.append(slice(0, extent))
-            result[tuple(target)] = rows[tuple(source)]
+            inner = zip(chunk[len(leading) :], array.chunks[len(leading) :], array.shape[len(leading) :])
+            extents = [(i * n, min(n, size - i * n)) for i, n, size in inner]  # (origin, extent) of each inner dim
+            result[tuple(slice(o, o + e) for o, e in extents)] = rows[tuple(slice(0, e) for _, e in extents)]
         return result
