@@ -12,13 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The dtype cast of floating-point output tensors, refusing one that would turn finite weights into ``inf``.
-
-A consolidation may write another floating-point dtype than the stored one (``bf16``, ``fp16``, ``fp32``); integer
-tensors are never cast. A cast to a dtype of smaller range is checked on every tensor (one ``aminmax`` pass), and a
-finite value that became ``inf`` fails the consolidation naming the tensor and its largest magnitude; a value too
-small for the dtype becoming 0 is precision loss and is not refused.
-"""
+"""The dtype cast of floating-point output tensors, refusing one that would turn finite weights into ``inf``."""
 
 import math
 import sys

@@ -22,13 +22,9 @@ while their bytes are in its cache, and ``metadata.json`` records, per safetenso
         "tensors_blake3": {"<name>": "<BLAKE3 of its data bytes>", ...},
         "blake3_tree": "<BLAKE3 of the header's digest, then each tensor's digest, 32 raw bytes each, in file order>"}
 
-and ``{"size", "blake3"}`` for a JSON file (the index). Together these cover every byte of every file exactly once
-and say which tensor changed, whatever the number of writers. BLAKE3 hashes about 4.9 GB/s on one core against
-sha256's 1.8 GB/s (digests are what ``b3sum`` gives); where the ``blake3`` package is not installed, outputs record
-sha256 under the same keys with ``sha256`` in place of ``blake3``, and :func:`verify_digests` checks either.
-
-Imports the standard library, ``blake3`` (optional), and the engine's errors, output layout, output files and
-safetensors file layout only.
+and ``{"size", "blake3"}`` for a JSON file (the index): every byte of every file exactly once, whatever the number
+of writers. Where the ``blake3`` package is not installed, outputs record sha256 under the same keys with ``sha256`` in
+place of ``blake3``, and :func:`verify_digests` checks either.
 """
 
 import hashlib
@@ -37,6 +33,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
+from nemo_patch.engine.errors import CorruptShardError
 from nemo_patch.engine.output_files import is_plain_filename, output_weight_map
 from nemo_patch.engine.output_layout import (
     ADAPTER_STEM,
@@ -45,7 +42,7 @@ from nemo_patch.engine.output_layout import (
     index_filename,
     single_filename,
 )
-from nemo_patch.engine.safe_files import open_regular, read_json_file
+from nemo_patch.engine.safe_files import open_regular, read_json_file, read_regular_file
 from nemo_patch.engine.safetensors_writer import MAX_HEADER_BYTES, OutputFile
 from nemo_patch.engine.verify import VerificationError
 
@@ -231,8 +228,7 @@ def verify_digests(output_dir: Union[str, Path]) -> int:
                     checked += 1
                 in_file_order = sorted(entry["tensors_blake3"], key=lambda tensor: header[tensor]["data_offsets"][0])
             tensor_digests = [entry["tensors_blake3"][tensor] for tensor in in_file_order]
-            tree = blake3_tree(entry["header_blake3"], tensor_digests, algorithm)
-            if tree != entry["blake3_tree"]:
+            if blake3_tree(entry["header_blake3"], tensor_digests, algorithm) != entry["blake3_tree"]:
                 raise VerificationError(f"{path}: {METADATA_FILENAME}'s blake3_tree does not match its tensor digests")
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
         raise VerificationError(
@@ -251,9 +247,6 @@ def source_fingerprint(weights_dir: Union[str, Path]) -> Dict[str, Any]:
     Raises:
         CorruptShardError: the file cannot be read, or is not a regular file of at most 1 GiB.
     """
-    from nemo_patch.engine.errors import CorruptShardError
-    from nemo_patch.engine.safe_files import read_regular_file
-
     path = Path(weights_dir) / ".metadata"
     path = path if os.path.lexists(path) else path.with_name("metadata.json")  # zarr has no DCP metadata
     try:

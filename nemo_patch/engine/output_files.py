@@ -14,14 +14,8 @@
 
 """Find and read the weights files of a consolidated output: one file, or shards through their index.
 
-An output holds its weights as ``<stem>.safetensors`` or as shards plus ``<stem>.safetensors.index.json``
-(:mod:`.output_layout`). Every reader of outputs goes through :func:`output_weight_map`, which checks the index
-against the files' headers before anything is read: every file it names is a plain file name of a file that exists
-(a shard may be a symlink, as in a Hugging Face cache), and every tensor appears once in the index and in exactly
-the file the index maps it to. The index is read as a regular file of bounded size.
-
-Imports the standard library, torch, safetensors and the engine's output layout and safe files only; never NeMo,
-Lightning or megatron-core.
+Every reader of outputs goes through :func:`output_weight_map`, which checks the index against the files' headers
+before anything is read. Never imports NeMo, Lightning or megatron-core.
 """
 
 import json

@@ -14,12 +14,7 @@
 
 """The names of everything a consolidation writes, and the default shard size (standard library only).
 
-Inside a checkpoint directory ``<ckpt>/``, the output directory is ``consolidated/`` for this package's
-``safetensors`` format and ``hf/`` for a Hugging Face directory (:data:`OUTPUT_DIRNAMES`). In it, the weights are
-``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards plus ``model.safetensors.index.json`` when they
-exceed the shard size (``transformers``' ``save_pretrained`` naming), and this package's ``metadata.json``
-(version :data:`FORMAT_VERSION`). Kept free of torch so that settings and the CLI can name outputs without importing
-it.
+Kept free of torch so that settings and the CLI can name outputs without importing it.
 """
 
 from pathlib import Path

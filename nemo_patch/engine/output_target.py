@@ -15,14 +15,8 @@
 """Where a consolidation may publish its output, and what an overwrite may replace: nothing of the user's is lost.
 
 Publishing renames a complete temporary directory over the output's name (:mod:`.publish`), so with ``overwrite``
-whatever is there goes. :func:`check_output_target` says first whether that is safe: the output may not be the
-checkpoint, a directory above it, or on or inside its ``weights/`` or ``context/`` (paths resolved, so an alias such
-as ``LATEST`` is refused too); and an existing entry is replaced only when it is a previous output of this package
-or an empty directory. A URL as the checkpoint or the output is refused first (:func:`refuse_remote`): ``pathlib``
-would read ``s3://bucket/out`` as the local directory ``s3:/bucket/out``.
-
-Imports the standard library and the engine's checkpoint layout and errors only (no torch), so the CLI checks its
-``--out`` before importing torch.
+whatever is there goes: :func:`check_output_target` says first whether that is safe. Imports no torch, so the CLI
+checks its ``--out`` before importing torch.
 """
 
 import os
@@ -183,11 +177,10 @@ def check_output_target(
             )
     if read_only or not os.path.lexists(output_dir):
         return
-    replaceable = is_replaceable_output(output_dir)
-    if replaceable and not overwrite:
-        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")
-    if not replaceable:
+    if not is_replaceable_output(output_dir):
         raise OutputExistsError(
             f"Refusing to replace {shown}: it is {describe_entry(output_dir)}; only a previous output of "
             "a consolidation or an empty directory is replaced (--force), so choose another output directory"
         )
+    if not overwrite:
+        raise OutputExistsError(f"{output_dir} exists (overwrite it with --force)")

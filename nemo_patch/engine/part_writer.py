@@ -18,22 +18,17 @@ The output files' layout (:class:`.safetensors_writer.OutputFile`) fixes every t
 data is read; :func:`create_files` creates the files at their final size, :func:`split_parts` cuts the tensors into
 contiguous runs of about equal bytes (*parts*), and :func:`write_part` fills one part's ranges with ``os.pwrite`` from
 any process or node that sees the files, hashing each tensor as it writes it. Parts are disjoint: their writers need
-no locks, and the bytes do not depend on how many parts filled a file. A filesystem that refuses writes at offsets
-(write-once volumes) fails with :class:`OffsetWritesRefusedError`, which says what works there.
-
-Imports the standard library, torch and the engine's digests, errors, layout and stage times only; never NeMo,
-Lightning or megatron-core.
+no locks, and the bytes do not depend on how many parts filled a file. Never imports NeMo, Lightning or megatron-core.
 """
 
 import contextlib
 import errno
-import functools
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -181,11 +176,7 @@ class _Writeback:
             self._syncs.append(self._pool.submit(_fdatasync, fd))
 
     def wait(self) -> None:
-        """Wait for the ``fdatasync`` calls started so far.
-
-        Raises:
-            OSError: one of them failed (``EIO``: the device lost written data).
-        """
+        """Wait for the ``fdatasync`` calls started so far; ``OSError`` if one failed (``EIO``: written data lost)."""
         for sync in self._syncs:
             sync.result()
 
@@ -228,14 +219,13 @@ def write_part(
     writeback = _Writeback()
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="part-writer") as pool:
-            in_flight: List[Future] = []
-            pending: List[Placement] = []
+            pending: List[Tuple[Placement, Future]] = []  # the tensor being written, at most one
 
             def settle() -> None:
-                if pending:
-                    digests[pending[0].name] = in_flight[0].result()
-                    writeback.written(fds[pending[0].file], pending[0].nbytes)
-                    progress(pending[0].nbytes)
+                for placement, written in pending:
+                    digests[placement.name] = written.result()
+                    writeback.written(fds[placement.file], placement.nbytes)
+                    progress(placement.nbytes)
 
             for placement in part:
                 spec = specs.get(placement.name)
@@ -252,14 +242,12 @@ def write_part(
                     )
                 data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
                 settle()
+                path = directory / placement.file
                 if placement.file not in fds:
-                    with _offsets_refused(directory / placement.file, "reopening a file to write it"):
-                        fds[placement.file] = os.open(directory / placement.file, os.O_WRONLY | os.O_NOFOLLOW)
-                fd = fds[placement.file]
-                write = functools.partial(_pwrite_all, fd, data, placement.offset, directory / placement.file)
-                in_flight = [pool.submit(write)]
-                pending = [placement]
-                del tensor, data  # the futures keep the buffer alive until written and hashed
+                    with _offsets_refused(path, "reopening a file to write it"):
+                        fds[placement.file] = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+                pending = [(placement, pool.submit(_pwrite_all, fds[placement.file], data, placement.offset, path))]
+                del tensor, data  # the future keeps the buffer alive until written and hashed
             settle()
         writeback.wait()
         with stage_times.timed("fsync"):

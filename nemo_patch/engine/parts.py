@@ -18,9 +18,8 @@ A :class:`PartJob` is all a process needs to fill one part (:func:`.part_writer.
 files: plain JSON, handed to a writer process on this node (:func:`run_parts`) or to another node by a runner the
 caller gives; whoever runs it re-plans the outputs from the checkpoint and checks that the placements agree. Writers
 are forked where that is safe (:func:`_fork_is_safe`), else come from a ``forkserver`` or are spawned; each runs one
-part with one torch thread, and a failure in any part stops the others with the part's own error.
-
-Imports the standard library, torch and the rest of the engine only; never NeMo, Lightning or megatron-core.
+part with one torch thread, and a failure in any part stops the others with the part's own error. Never imports
+NeMo, Lightning or megatron-core.
 """
 
 import json
@@ -106,8 +105,7 @@ class PartJob:
 
     def to_json(self) -> str:
         """The job as one JSON object."""
-        data = dict(self.__dict__, placements=[placement.to_dict() for placement in self.placements])
-        return json.dumps(data, sort_keys=True)
+        return json.dumps(dict(self.__dict__, placements=[p.to_dict() for p in self.placements]), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "PartJob":

@@ -14,13 +14,8 @@
 
 """What a consolidating process sets on itself so that it never outlives, or costs, the process it serves.
 
-A training run's consolidation process and its writer processes run on the training job's nodes, beside the training
-ranks. Each of them calls :func:`die_with_parent` (Linux ``PR_SET_PDEATHSIG``: SIGKILL when the process that started
-it dies, so a killed training rank leaves no consolidation behind) and inherits :func:`raise_oom_score` from the
-consolidation process (the kernel's OOM killer then picks a consolidating process before a training rank; raising
-``oom_score_adj`` needs no privilege, and forked children inherit it).
-
-Imports the standard library only; ``ctypes`` inside :func:`die_with_parent`, on Linux only.
+A training run's consolidation process and its writer processes call :func:`die_with_parent` (a killed training rank
+leaves no consolidation behind) and inherit :func:`raise_oom_score` (the OOM killer picks them before a training rank).
 """
 
 import os

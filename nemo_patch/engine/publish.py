@@ -19,10 +19,6 @@ Output is written into a hidden temporary directory next to its final place, ``<
 (:func:`staged_output`); an existing output is replaced as :func:`publish_dir` says. The creator of a temporary
 directory holds a ``flock`` on its lock file for the directory's whole life (:func:`make_tmp_dir`), so what a killed
 process left is the temporary directory whose lock nobody holds (:func:`remove_stale_tmp_dirs`).
-
-Imports the standard library, torch (for DCP's exception type) and the engine's errors and output rules only.
-``fcntl`` (POSIX) and ``ctypes`` (Linux) are imported only where used, on a platform that has them; elsewhere a
-temporary directory is protected by its age, and an output is replaced by two renames.
 """
 
 import contextlib
@@ -93,12 +89,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def _lock_now(fd: int) -> None:
-    """Take an exclusive ``flock`` on ``fd`` without waiting (``fcntl`` imported here: Windows has none).
-
-    Raises:
-        OSError: the lock is held by another process, the filesystem has no ``flock``, or this platform has no
-            ``fcntl`` (``ENOTSUP``).
-    """
+    """Take an exclusive ``flock`` on ``fd`` without waiting; ``OSError`` when another process holds it, or there is
+    no ``flock`` here (``ENOTSUP`` without ``fcntl``, which Windows lacks)."""
     try:
         if os.name != "posix":
             raise ImportError(f"no fcntl on {sys.platform}")
@@ -170,11 +162,7 @@ def _libc_renameat2() -> Any:
 
 def _renameat2(source: Path, target: Path, flags: int) -> bool:
     """``renameat2(AT_FDCWD, source, AT_FDCWD, target, flags)``; ``False`` where libc, the kernel or the filesystem
-    lacks it or the flag (no symbol, ``ENOSYS``, ``EINVAL``, ``EOPNOTSUPP``), so the caller falls back.
-
-    Raises:
-        OSError: any other failure, with its errno.
-    """
+    lacks it or the flag, so the caller falls back; any other failure raises its ``OSError``."""
     function = _libc_renameat2()
     if function is None:
         return False
@@ -248,14 +236,15 @@ def publish_dir(tmp_dir: Path, output_dir: Path, overwrite: bool = True) -> None
         remove_tmp_dir(old)
 
 
+def _pid_of(path: Path) -> Optional[int]:
+    """The process id a temporary entry's name holds, if it is one of this host's."""
+    match = _TMP_NAME.match(path.name)
+    return int(match.group("pid")) if match and match.group("host") in (None, _host()) else None
+
+
 def tmp_dirs_of(parent: Path, pid: int) -> List[Path]:
     """The temporary entries in ``parent`` made by process ``pid`` of this host."""
-    found = []
-    for path in Path(parent).glob(f"{TMP_PREFIX}*"):
-        match = _TMP_NAME.match(path.name)
-        if match and int(match.group("pid")) == pid and match.group("host") in (None, _host()):
-            found.append(path)
-    return found
+    return [path for path in Path(parent).glob(f"{TMP_PREFIX}*") if _pid_of(path) == pid]
 
 
 def _alive(pid: int) -> bool:
@@ -348,11 +337,8 @@ def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[
     except OSError:
         return removed
     for path in entries:
-        match = _TMP_NAME.match(path.name)
-        if match is None or match.group("host") not in (None, _host()):
-            continue
-        pid = int(match.group("pid"))
-        if pid == keep_pid:
+        pid = _pid_of(path)
+        if pid is None or pid == keep_pid:
             continue
         why = _remove_if_stale(path, pid)
         if why is not None and not os.path.lexists(path):
@@ -362,12 +348,8 @@ def remove_stale_tmp_dirs(parent: Path, keep_pid: Optional[int] = None) -> List[
 
 
 def _make_output_parent(checkpoint_dir: Path, output_dir: Path) -> None:
-    """Create ``output_dir``'s parent, never ``checkpoint_dir`` itself (gone: NeMo removed it meanwhile).
-
-    Raises:
-        FileNotFoundError: the output belongs inside ``checkpoint_dir`` and that directory is gone.
-        OSError: a directory cannot be created.
-    """
+    """Create ``output_dir``'s parent, never ``checkpoint_dir`` itself: ``FileNotFoundError`` when the output belongs
+    inside it and it is gone (NeMo removed it meanwhile)."""
     checkpoint = Path(os.path.abspath(checkpoint_dir))
     parent = Path(os.path.abspath(output_dir.parent))
     if parent != checkpoint and checkpoint not in parent.parents:

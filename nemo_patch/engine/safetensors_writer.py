@@ -14,15 +14,9 @@
 
 """Safetensors files written tensor by tensor, front to back, without holding the model in memory.
 
-The ``safetensors`` library writes a file from a dict that holds every tensor at once. Here every output file is laid
-out first from the tensors' names, dtypes and shapes (all in the checkpoint's metadata), so each file's header is
-known before any tensor is read; :func:`write_file` then writes the header and each tensor's bytes in order, asking
-for one tensor at a time (no seek and no reopen, so write-once filesystems work). The format (the ``safetensors``
-specification): an 8-byte little-endian header length N, N bytes of JSON header (``{name: {"dtype", "shape",
-"data_offsets": [begin, end]}, "__metadata__": {...}}``, padded with spaces to a multiple of 8), then the raw
-little-endian tensor bytes in header order. Sharding is ``huggingface_hub``'s (``transformers``' ``save_pretrained``
-naming): ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` bytes of tensor data (a larger
-tensor gets a file of its own) plus ``model.safetensors.index.json``; one ``model.safetensors`` when all fits.
+Every output file is laid out first from the tensors' names, dtypes and shapes (all in the checkpoint's metadata), so
+its header is known before any tensor is read; :func:`write_file` then writes the header and each tensor's bytes in
+order, asking for one tensor at a time (no seek and no reopen, so write-once filesystems work).
 """
 
 import errno
@@ -38,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from nemo_patch.engine.errors import UnknownLayoutError
-from nemo_patch.engine.layout_checks import SAFETENSORS_DTYPES
+from nemo_patch.engine.layout_checks import SAFETENSORS_DTYPES as _DTYPES
 from nemo_patch.engine.plan import TensorSpec
 from nemo_patch.engine.stage_times import stage_times
 
@@ -46,7 +40,6 @@ __all__ = ["MAX_HEADER_BYTES", "OutputFile", "TensorSpec", "encode_header", "wri
 
 #: The largest header the ``safetensors`` library reads (its ``MAX_HEADER_SIZE``).
 MAX_HEADER_BYTES = 100_000_000
-_DTYPES = SAFETENSORS_DTYPES
 
 
 def encode_header(specs: Sequence[TensorSpec], metadata: Dict[str, str]) -> bytes:

@@ -14,8 +14,7 @@
 
 """Check a consolidated output tensor by tensor against the distributed checkpoint it was made from.
 
-Imports torch, safetensors and the rest of the engine only; never NeMo, Lightning or megatron-core, and nothing outside
-the engine.
+Never imports NeMo, Lightning or megatron-core.
 """
 
 from pathlib import Path
@@ -32,6 +31,7 @@ from nemo_patch.engine.errors import ConsolidationError, CorruptShardError, Unfi
 from nemo_patch.engine.output_files import output_weight_map
 from nemo_patch.engine.output_layout import ADAPTER_STEM, MODEL_STEM
 from nemo_patch.engine.plan import OutputTensor, plan_outputs
+from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.engine.save_identity import SaveIdentity, save_identity
 
 __all__ = [
@@ -197,8 +197,6 @@ def verify_identity(checkpoint_dir: Union[str, Path], output_dir: Union[str, Pat
         VerificationError: the checkpoint holds another save (saved again, or copied, after the output was made),
             or a save is in progress in it; the message says which.
     """
-    from nemo_patch.engine.safe_files import read_json_file
-
     try:
         manifest = read_json_file(Path(output_dir) / "metadata.json")
     except (OSError, ValueError):

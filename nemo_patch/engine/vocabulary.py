@@ -15,12 +15,7 @@
 """The vocabulary sizes of a checkpoint, as ``metadata.json`` records them: padded (the model's) and the tokenizer's.
 
 megatron-core pads the vocabulary to a multiple of ``make_vocab_size_divisible_by`` (times the TP size), so the
-embedding and output layer have more rows than the tokenizer has tokens; the ``safetensors`` format keeps them, a
-Hugging Face export prunes them. Both sizes are read from files only: the padded one from the embedding's rows in the
-checkpoint's metadata, the tokenizer's from NeMo's ``context/nemo_tokenizer/tokenizer.json`` (any other tokenizer
-gives ``None``: unknown, never a guess).
-
-Standard library, the engine's metadata types and its bounded file reads only.
+embedding and output layer have more rows than the tokenizer has tokens. Both sizes are read from files only.
 """
 
 from pathlib import Path
