@@ -14,11 +14,10 @@
 
 """Open a checkpoint's weights for reading, whatever distributed-checkpoint format wrote them.
 
-``torch_dist`` (``torch.distributed.checkpoint``: ``.metadata`` + ``*.distcp`` shard files; :mod:`.dcp_metadata`,
-:mod:`.dcp_reader`) is read, and megatron-core's ``zarr`` where a reader is registered (:data:`zarr_reader`). Both
-are described by ``torch.distributed.checkpoint`` ``Metadata`` (global shape, dtype and chunks of each key), so
-naming and planning the output (:mod:`.plan`) is one code path, and both readers read a key, or one index of it
-along dimension 0, into a given tensor. Imports the standard library, torch and the rest of the engine only.
+``torch_dist`` is read (:mod:`.dcp_reader`), and megatron-core's ``zarr`` where a reader is registered
+(:data:`zarr_reader`). Both are described by DCP ``Metadata``, so planning the output (:mod:`.plan`) is one code path,
+and both readers read a key, or one index of it, into a given tensor. Imports the standard library, torch and the
+engine only.
 """
 
 from pathlib import Path

@@ -14,12 +14,10 @@
 
 """Read tensors, or one layer of a layer-stacked tensor, from a ``torch_dist`` checkpoint without a process group.
 
-``torch.distributed.checkpoint.load`` reads whole tensors (all layers of a stacked parameter); a consolidation reads
-one output tensor at a time, so memory is one region plus one chunk. DCP's planner helper gives the overlaps of the
-chunks that hold the region's layer or expert (an index by leading offsets keeps reading every layer linear in the
-chunks). The read loop is not ``FileSystemReader.read_data``, because a checkpoint is not trusted: a record must lie
-in a plain, regular file of ``weights/`` and hold exactly the dtype and shape its chunk declares (DCP would cast
-silently), and the chunks must cover the region (:mod:`.layout_checks`, :mod:`.record_checks`).
+A consolidation reads one output tensor at a time (DCP's ``load`` reads whole tensors), so memory is one region plus
+one chunk; DCP's planner helper gives the overlaps of the chunks that hold the region's layer or expert. The read loop
+is not ``FileSystemReader.read_data``: a record must lie in a plain, regular file of ``weights/`` and hold exactly the
+dtype and shape its chunk declares (DCP would cast silently), and the chunks must cover the region.
 
 A record is read in one pass: ``torch.load(weights_only=True, map_location="meta")`` reads what it holds without its
 data, which is then read straight into its place in the output (row by row for a column block; into a reused buffer
@@ -173,8 +171,7 @@ class DCPRegionReader:
             _check_holds(tensor, where, key, item, sizes)
             place(tensor, None)
         else:
-            nbytes = meta.numel() * meta.element_size()
-            place(meta, lambda out: window.read_member(start, out, nbytes))
+            place(meta, lambda out: window.read_member(start, out, meta.numel() * meta.element_size()))
             finish()
 
     def read(

@@ -14,14 +14,12 @@
 
 """Prove, from a ``torch_dist`` checkpoint's metadata and file sizes alone, that reading it fills every output byte.
 
-Before any tensor is read or any output is allocated, :func:`check_dcp_layout` checks every model tensor entry of the
-DCP metadata: a dtype a safetensors file can hold; chunks inside the tensor that do not overlap, proved in
-O(n log n) steps (:func:`check_chunk_tiling`; :mod:`.plan` then counts each output's coverage exactly, so a hole
-fails there); and a storage record per chunk and a chunk per record (a chunk taken out of the metadata would
-silently drop a layer), each record in a plain, regular file of ``weights/``, inside it, holding at least the chunk's
-bytes, sharing no byte with another record and carrying no storage transform. So the bytes a plan allocates are
-bounded by the bytes the checkpoint holds. What a record holds (dtype, shape) is checked when it is read
-(:class:`.dcp_reader.DCPRegionReader`). Imports the standard library, torch and the engine only.
+Before any tensor is read or output allocated, :func:`check_dcp_layout` checks every model tensor entry: a dtype a
+safetensors file can hold; chunks inside the tensor that do not overlap (:func:`check_chunk_tiling`; :mod:`.plan`
+then counts each output's coverage, so a hole fails there); a record per chunk and a chunk per record, each in a
+plain, regular file of ``weights/``, holding at least the chunk's bytes, sharing none with another record and with no
+storage transform. So a plan allocates at most the bytes the checkpoint holds. Imports the standard library, torch
+and the engine only.
 """
 
 import math

@@ -14,13 +14,12 @@
 
 """Load a consolidated output back into a megatron-core model with TP=1 and PP=1.
 
-Consolidated names are the distributed checkpoint's canonical keys, which megatron-core derives from ``state_dict``
-names with each ``TransformerLayer``'s ``submodules_config.sharded_state_dict_keys_map`` (the local spec maps
-``input_layernorm.`` to ``self_attention.linear_qkv.layer_norm_``; the Transformer Engine spec maps nothing), and
-experts named as ``SequentialMLP`` names them (``<...>.mlp.experts.local_experts.<e>.linear_fc1.weight``).
-:func:`canonical_key_map` applies the same map, read from the model itself, and maps grouped-GEMM experts
-(``TEGroupedMLP``: ``<...>.mlp.experts.linear_fc1.weight<e>``) to those names, so a model of any spec loads one file.
-Imports torch, safetensors and the engine only (a NeMo model is taken as any ``torch.nn.Module``).
+Consolidated names are the distributed checkpoint's canonical keys: megatron-core maps ``state_dict`` names with each
+``TransformerLayer``'s ``submodules_config.sharded_state_dict_keys_map`` (the local spec's ``input_layernorm.`` is
+``self_attention.linear_qkv.layer_norm_``), and experts are named as ``SequentialMLP`` names them.
+:func:`canonical_key_map` applies the map read from the model itself and maps grouped-GEMM experts (``TEGroupedMLP``'s
+``linear_fc1.weight<e>``) to those names, so a model of any spec loads one file. Imports torch, safetensors and the
+engine only (a NeMo model is taken as any ``torch.nn.Module``).
 """
 
 import re
@@ -56,9 +55,8 @@ def load_consolidated_state_dict(path: Union[str, Path]) -> Dict[str, torch.Tens
         FileNotFoundError: ``path`` holds neither ``model.safetensors`` nor ``model.safetensors.index.json``, or a
             shard the index names is missing.
         nemo_patch.engine.output_files.InvalidOutputError: (a ``ValueError``) the directory holds both a single file
-            and an index, or the index is malformed or contradicts its shards: it names a path instead of a plain
-            file name in the directory, names a tensor twice, or a shard holds a tensor the index does not map to it
-            or lacks one it does (the message names the tensor and the files).
+            and an index, or the index is malformed or contradicts its shards (a path for a file name, a tensor named
+            twice, a shard holding a tensor the index does not map to it or lacking one it does), naming them.
     """
     path = Path(path)
     if path.is_dir():

@@ -14,11 +14,9 @@
 
 """Read a ``.metadata`` file of a checkpoint from elsewhere: bounded, checked before and after it is unpickled.
 
-:func:`read_dcp_metadata` reads the file as a bounded regular file (:mod:`.safe_files`), checks its opcodes
-(:func:`.pickle_limits.prescan`), unpickles it with the allowlist (:func:`.dcp_metadata.load_dcp_metadata`), and
-checks every field the engine reads: an allowlisted file can still hold wrong values of the right classes
-(``size="abc"``, ``chunks=None``, an integer key), which then fail here naming the entry (:func:`validate_metadata`).
-Whether the chunks tile their tensor and where the files are is checked by :mod:`.layout_checks`.
+:func:`read_dcp_metadata` reads it bounded (:mod:`.safe_files`), checks its opcodes (:mod:`.pickle_limits`),
+unpickles it with the allowlist (:mod:`.dcp_metadata`) and checks every field the engine reads
+(:func:`validate_metadata`): an allowlisted file can still hold ``size="abc"``, ``chunks=None`` or an integer key.
 """
 
 import gc

@@ -14,15 +14,13 @@
 
 """The opcodes of a ``.metadata`` pickle, checked before anything is built from them (:func:`prescan`).
 
-:mod:`.dcp_metadata` resolves only allowlisted names; an allowlisted pickle can still cost unbounded memory or time or
-harm the interpreter. One pass over the opcodes, making no object, refuses: a memo index past the memo's end
-(``LONG_BINPUT`` 2**30 makes CPython allocate and zero a memo array of that size); nesting deeper than
-:data:`MAX_NESTING` (hashing a deeply nested tuple crashes CPython in C recursion); walking more than
-:data:`MAX_ELEMENTS_PER_BYTE` elements per byte of the file (``torch.Size`` applied again and again to one memoised
-list of N items copies N elements per 3-byte ``BINGET, TUPLE1, REDUCE``: the elements each stack item holds are
-tracked, and what a callable is given, a hashed key and an object's state count as walked); ``BUILD`` on anything but
-an object ``NEWOBJ`` just made (on a class it would change the class for the whole process); and changing a container
-or object once the memo referenced it (its count would be stale; so no reference cycle can be made).
+An allowlisted pickle (:mod:`.dcp_metadata`) can still cost unbounded memory or time or harm the interpreter. One
+pass over the opcodes, making no object, refuses: a memo index past the memo's end (``LONG_BINPUT`` 2**30 allocates
+a memo array of that size); nesting deeper than :data:`MAX_NESTING` (hashing it crashes CPython in C recursion);
+walking more than :data:`MAX_ELEMENTS_PER_BYTE` elements per byte of the file (``torch.Size`` applied again and again
+to one memoised list copies it each time: what a callable is given, a hashed key and an object's state count as
+walked); ``BUILD`` on anything but an object ``NEWOBJ`` just made (on a class it changes it process-wide); and
+changing a container or object once the memo referenced it (its count would be stale; so no cycle can be made).
 """
 
 import pickle

@@ -184,11 +184,8 @@ class _CheckedWindow(RecordWindow):
         return got
 
     def finish(self) -> None:
-        """Raise for a bad CRC-32 seen, then check the members not read whole by streaming them through ``zipfile``.
-
-        Raises:
-            zipfile.BadZipFile: a member's data does not match its CRC-32.
-        """
+        """Raise ``zipfile.BadZipFile`` for a bad CRC-32 seen, then check the members not read whole by streaming
+        them through ``zipfile``."""
         if self.failed:
             raise zipfile.BadZipFile(f"Bad CRC-32 for file {self.failed[0]!r}")
         names = sorted({name for _, _, name in self.pending.values()})

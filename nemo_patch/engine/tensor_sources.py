@@ -75,8 +75,7 @@ def tensor_producer(
     (:mod:`.stage_times`).
 
     The function raises :class:`CorruptShardError` naming the shard file(s) when a tensor cannot be read, and
-    :class:`~.errors.DtypeOverflowError` when the cast to the output dtype would turn a finite value
-    into ``inf`` (:func:`.casting.checked_cast`).
+    :class:`~.errors.DtypeOverflowError` when a cast would make a finite value ``inf`` (:func:`.casting.checked_cast`).
     """
     buffers = [torch.empty(largest if reuse else 0, dtype=torch.uint8) for _ in range(2)]
     staging: List[torch.Tensor] = []

@@ -101,16 +101,6 @@ def _open_below(root: Path, parts: Tuple[str, ...]) -> int:
         raise
 
 
-def _read_zarray(path: Path) -> Any:
-    """The JSON in ``<array>/.zarray``, opened without following links (a regular file of at most 1 MiB)."""
-    fd = _open_below(path.parent, (path.name, _ARRAY_FILE))
-    with open(fd, "rb") as handle:
-        status = os.fstat(handle.fileno())
-        if not stat.S_ISREG(status.st_mode) or status.st_size > _MAX_ZARRAY_BYTES:
-            raise UnsafeFileError(f"{path / _ARRAY_FILE} is not a regular file of at most {_MAX_ZARRAY_BYTES} bytes")
-        return json.loads(handle.read(_MAX_ZARRAY_BYTES + 1))
-
-
 def _chunk_inodes(array: "_Array", seen: Dict[Tuple[int, int], Path]) -> int:
     """The number of files in an array's directory, walked never following a link (:class:`CorruptShardError` for
     a symbolic link in it, or a chunk file that is the same file as another in ``seen``, which gets their inodes)."""
@@ -169,13 +159,18 @@ def _parse_array(key: str, path: Path, inodes: Optional[Dict[Tuple[int, int], Pa
     try:
         if path.is_symlink():
             raise UnsafeFileError(f"{path} is a symlink; an array directory must lie in weights/ itself")
-        meta = _read_zarray(path)
+        with open(_open_below(path.parent, (path.name, _ARRAY_FILE)), "rb") as handle:  # never following a link
+            status = os.fstat(handle.fileno())
+            if not stat.S_ISREG(status.st_mode) or status.st_size > _MAX_ZARRAY_BYTES:
+                raise UnsafeFileError(
+                    f"{path / _ARRAY_FILE} is not a regular file of at most {_MAX_ZARRAY_BYTES} bytes"
+                )
+            meta = json.loads(handle.read(_MAX_ZARRAY_BYTES + 1))
         if not isinstance(meta, dict):
             raise ValueError(f"a {type(meta).__name__}, not a JSON object")
     except (OSError, ValueError, RecursionError) as error:
         raise CorruptShardError(f"Cannot read {where}: {type(error).__name__}: {error}") from error
-    expected: Dict[str, Any] = {"zarr_format": 2, "compressor": None, "filters": None, "order": "C"}
-    for field, value in expected.items():
+    for field, value in {"zarr_format": 2, "compressor": None, "filters": None, "order": "C"}.items():
         if meta.get(field, None if field == "filters" else "missing") != value:
             raise UnsupportedFormatError(
                 f"{where}: {field}={meta.get(field)!r} cannot be read safely (only megatron-core's layout: "
