@@ -14,17 +14,10 @@
 
 """The integrity data ``metadata.json`` records for a consolidated output, and its check.
 
-A whole-file digest would serialise the writers that fill one file; instead each writer hashes the tensors it writes,
-while their bytes are in its cache, and ``metadata.json`` records, per safetensors file (format version 2)::
-
-    "model-00001-of-00002.safetensors": {
-        "size": 4999, "header_blake3": "<BLAKE3 of the first 8 + N bytes>",
-        "tensors_blake3": {"<name>": "<BLAKE3 of its data bytes>", ...},
-        "blake3_tree": "<BLAKE3 of the header's digest, then each tensor's digest, 32 raw bytes each, in file order>"}
-
-and ``{"size", "blake3"}`` for a JSON file (the index): every byte of every file exactly once, whatever the number
-of writers. Where the ``blake3`` package is not installed, outputs record sha256 under the same keys with ``sha256`` in
-place of ``blake3``, and :func:`verify_digests` checks either.
+Each writer hashes the tensors it writes while their bytes are in its cache: per safetensors file, ``metadata.json``
+records its ``size``, ``header_blake3``, ``tensors_blake3`` (name -> digest) and ``blake3_tree`` (the digest of the
+header's digest then each tensor's, 32 raw bytes each, in file order), and ``{"size", "blake3"}`` per JSON file.
+Without the ``blake3`` package, outputs record sha256 under the same keys, ``sha256`` in place of ``blake3``.
 """
 
 import hashlib

@@ -14,17 +14,13 @@
 
 """Fill byte ranges of laid-out safetensors files: the unit of work that writers share.
 
-The output files' layout (:class:`.safetensors_writer.OutputFile`) fixes every tensor's file and byte range before any
-data is read; :func:`create_files` creates the files at their final size, :func:`split_parts` cuts the tensors into
-contiguous runs of about equal bytes (*parts*), and :func:`write_part` fills one part's ranges with ``os.pwrite`` from
-any process or node that sees the files, hashing each tensor as it writes it. Parts are disjoint: their writers need
-no locks, and the bytes do not depend on how many parts filled a file. Never imports NeMo, Lightning or megatron-core.
+Every tensor's file and byte range is fixed before any data is read, and parts are disjoint: their writers need no
+locks, and the bytes do not depend on how many parts filled a file. Never imports NeMo, Lightning or megatron-core.
 """
 
 import contextlib
 import errno
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,13 +30,13 @@ import torch
 
 from nemo_patch.engine.digests import new_digest
 from nemo_patch.engine.errors import ConsolidationError
-from nemo_patch.engine.safetensors_writer import WRITE_BLOCK, WRITEBACK_BYTES, OutputFile, TensorSpec
+from nemo_patch.engine.safetensors_writer import WRITEBACK_BYTES, OutputFile, TensorSpec, write_blocks
 from nemo_patch.engine.stage_times import stage_times
 
 __all__ = ["OffsetWritesRefusedError", "Placement", "create_files", "placements_of", "split_parts", "write_part"]
 
-#: Bytes per ``pwrite`` call, and bytes written to a file between two writebacks: :mod:`.safetensors_writer`'s.
-_WRITE_BLOCK, _WRITEBACK_BYTES = WRITE_BLOCK, WRITEBACK_BYTES
+#: Bytes written to a file between two writebacks: :mod:`.safetensors_writer`'s.
+_WRITEBACK_BYTES = WRITEBACK_BYTES
 #: What a filesystem that cannot write at offsets answers ``ftruncate``, ``pwrite`` or reopening a file with.
 _REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ESPIPE, errno.EINVAL, errno.EPERM)
 
@@ -134,22 +130,11 @@ def split_parts(files: Sequence[OutputFile], count: int) -> List[List[Placement]
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> str:
-    """Write ``data`` at ``offset`` of ``fd`` in blocks of :data:`_WRITE_BLOCK`, each hashed just before it is written
-    (from the CPU's cache); return its digest (BLAKE3 where installed, else sha256)."""
+    """Write ``data`` at ``offset`` of ``fd``, each block hashed just before it is written (from the CPU's cache);
+    return its digest (BLAKE3 where installed, else sha256)."""
     digest = new_digest()
-    hashing = writing = 0.0
     with _offsets_refused(path, "writing at an offset (pwrite)"):
-        for at in range(0, len(data), _WRITE_BLOCK):
-            block = data[at : at + _WRITE_BLOCK]
-            start = time.perf_counter()
-            digest.update(block)
-            hashed = time.perf_counter()
-            done = 0
-            while done < len(block):
-                done += os.pwrite(fd, block[done:], offset + at + done)
-            hashing, writing = hashing + hashed - start, writing + time.perf_counter() - hashed
-    stage_times.add("hashing", hashing)
-    stage_times.add("write", writing)
+        write_blocks(data, lambda block, at: os.pwrite(fd, block, offset + at), digest)
     return digest.hexdigest()
 
 

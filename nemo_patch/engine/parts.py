@@ -14,12 +14,9 @@
 
 """One consolidation written by several processes: part jobs, and a pool of writer processes on this node.
 
-A :class:`PartJob` is all a process needs to fill one part (:func:`.part_writer.split_parts`) of the created output
-files: plain JSON, handed to a writer process on this node (:func:`run_parts`) or to another node by a runner the
-caller gives; whoever runs it re-plans the outputs from the checkpoint and checks that the placements agree. Writers
-are forked where that is safe (:func:`_fork_is_safe`), else come from a ``forkserver`` or are spawned; each runs one
-part with one torch thread, and a failure in any part stops the others with the part's own error. Never imports
-NeMo, Lightning or megatron-core.
+A :class:`PartJob` is plain JSON, run by a writer process on this node (:func:`run_parts`) or on another node by a
+runner the caller gives; a failure in any part stops the others with the part's own error. Never imports NeMo,
+Lightning or megatron-core.
 """
 
 import json

@@ -14,11 +14,9 @@
 
 """Publish a consolidation's output all at once, and clean up what a killed one left behind.
 
-Output is written into a hidden temporary directory next to its final place, ``<parent>/.consolidated.tmp-<pid>-<id>@
-<host>``, and renamed to its final name when complete, so a reader sees either no output directory or a complete one
-(:func:`staged_output`); an existing output is replaced as :func:`publish_dir` says. The creator of a temporary
-directory holds a ``flock`` on its lock file for the directory's whole life (:func:`make_tmp_dir`), so what a killed
-process left is the temporary directory whose lock nobody holds (:func:`remove_stale_tmp_dirs`).
+A hidden temporary directory (:func:`staged_output`), locked by its creator for its whole life (:func:`make_tmp_dir`),
+is renamed to the output's name when complete (:func:`publish_dir`), so a reader sees either no output or a complete
+one; what a killed process left is a temporary directory whose lock nobody holds (:func:`remove_stale_tmp_dirs`).
 """
 
 import contextlib

@@ -94,8 +94,9 @@ WRITEBACK_BYTES = 64 << 20
 WRITE_BLOCK = 1 << 18
 
 
-def _write_all(fd: int, data: memoryview, digest: Optional[Any] = None) -> None:
-    """Write ``data`` to ``fd`` in blocks of :data:`WRITE_BLOCK`, each fed to ``digest`` first when one is given."""
+def write_blocks(data: memoryview, write: Callable[[memoryview, int], int], digest: Optional[Any] = None) -> None:
+    """Write ``data`` in blocks of :data:`WRITE_BLOCK` with ``write(bytes, their offset in data)``, which returns how
+    many it wrote; each block is fed to ``digest`` first when one is given."""
     hashing = writing = 0.0
     for at in range(0, len(data), WRITE_BLOCK):
         block = data[at : at + WRITE_BLOCK]
@@ -104,8 +105,9 @@ def _write_all(fd: int, data: memoryview, digest: Optional[Any] = None) -> None:
             digest.update(block)
             hashing += time.perf_counter() - start
         start = time.perf_counter()
-        while block:
-            block = block[os.write(fd, block) :]
+        done = 0
+        while done < len(block):
+            done += write(block[done:], at + done)
         writing += time.perf_counter() - start
     stage_times.add("hashing", hashing)
     stage_times.add("write", writing)
@@ -157,7 +159,7 @@ def write_file(
 
     def write(spec: TensorSpec, data: memoryview) -> None:
         hashed = None if digest is None else digest()
-        _write_all(fd, data, hashed)
+        write_blocks(data, lambda block, at: os.write(fd, block), hashed)
         if hashed is not None:
             digests[spec.name] = hashed.hexdigest()
         if on_tensor is not None:
@@ -166,7 +168,7 @@ def write_file(
     try:
         synced: List[Future] = []
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="safetensors-writer") as pool:
-            _write_all(fd, memoryview(file.header))
+            write_blocks(memoryview(file.header), lambda block, at: os.write(fd, block))
             pending: Optional[Future] = None
             unsynced, in_flight = 0, 0
             for spec in file.specs:

@@ -45,9 +45,8 @@ def padded_vocab_size(metadata: Metadata) -> Optional[int]:
 def tokenizer_vocab_size(checkpoint_dir: Path) -> Optional[int]:
     """Number of distinct token ids of the Hugging Face tokenizer in ``<checkpoint_dir>/context``, or ``None`` when
     there is none or it is not a ``tokenizer.json`` this function can read (it never raises for those)."""
-    path = Path(checkpoint_dir) / TOKENIZER_JSON
     try:
-        data = read_json_file(path)
+        data = read_json_file(Path(checkpoint_dir) / TOKENIZER_JSON)
         vocab = data["model"]["vocab"]
         if isinstance(vocab, dict):
             ids = {int(token_id) for token_id in vocab.values()}
@@ -65,6 +64,4 @@ def vocabulary_sizes(checkpoint_dir: Path, metadata: Metadata) -> Optional[Dict[
     """``{"padded": <embedding rows>, "tokenizer": <tokenizer's size or None>}`` for ``metadata.json``; ``None`` for a
     checkpoint without a word embedding or output layer."""
     padded = padded_vocab_size(metadata)
-    if padded is None:
-        return None
-    return {"padded": padded, "tokenizer": tokenizer_vocab_size(checkpoint_dir)}
+    return None if padded is None else {"padded": padded, "tokenizer": tokenizer_vocab_size(checkpoint_dir)}
