@@ -12,10 +12,5 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The training side: when a run's checkpoints are consolidated, and what NeMo's edited classes call.
-
-The settings (:mod:`.config`, :mod:`.settings`, :mod:`.policy`), what NeMo's edited classes call
-(:mod:`.integration`), the run's coordinator (:mod:`.coordinator`) and the consolidation process (:mod:`.queue`,
-:mod:`.worker`); extensions take part as the coordinator's observers. NeMo is imported by ``integration`` only,
-inside its functions. This ``__init__`` imports nothing.
-"""
+"""The training side: when a run's checkpoints are consolidated, and what NeMo's edited classes call
+(:mod:`.integration`, the only module that imports NeMo, inside its functions). This ``__init__`` imports nothing."""

@@ -12,12 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The ``"best"`` cadence and ``<root>/BEST``: the checkpoints NeMo's ``ModelCheckpoint`` ranks best.
-
-A save is best when ``ModelCheckpoint.best_model_path`` names it as it is issued; its record (``{"monitor", "value",
-"mode"}``) goes into the output's ``metadata.json``. ``BEST`` follows each best output as it is published, and when
-``fit`` ends the run's best finished checkpoint is consolidated if it is not yet.
-"""
+"""The ``"best"`` cadence and ``<root>/BEST``: the checkpoints NeMo's ``ModelCheckpoint`` ranks best (its
+``best_model_path`` when a save is issued), consolidated with their record in ``metadata.json``."""
 
 import logging
 from pathlib import Path

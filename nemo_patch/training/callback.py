@@ -121,8 +121,7 @@ class ConsolidationCallback(Callback):
         if consolidation is not None:
             with _never_fails_training("handing finished checkpoints to the consolidation process"):
                 consolidation.after_step()
-            if trainer.is_global_zero:
-                self._report(consolidation, trainer)
+            self.report_consolidations(trainer)
         self.blocked_seconds += time.perf_counter() - start
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -133,12 +132,7 @@ class ConsolidationCallback(Callback):
         """On global rank 0, let the later features report the consolidations that ended since the last call (in
         their order). Never raises."""
         consolidation = self._consolidation(trainer)
-        if consolidation is not None and trainer.is_global_zero:
-            self._report(consolidation, trainer)
-
-    @staticmethod
-    def _report(consolidation: Any, trainer: "pl.Trainer") -> None:
-        for observer in consolidation.reporters:
+        for observer in consolidation.reporters if consolidation is not None and trainer.is_global_zero else []:
             try:
                 observer.report(trainer)
             except Exception:

@@ -14,12 +14,10 @@
 
 """How a run's checkpoints are consolidated: :class:`ConsolidationConfig`, each setting one field, declared once.
 
-``MegatronStrategy(ckpt_consolidation=ConsolidationConfig(...))`` takes it, as NeMo's ``ddp=`` takes a
-``DistributedDataParallelConfig``. Each field's metadata (:func:`setting`) is the setting's only declaration: its
-validator, its help text (the class's ``Attributes:`` and the documentation's reference are made from it) and its
-command-line option (:class:`CliOption`). A config is validated once, when it is made, and stores values
-in one normal form, so that configs compare and serialise by value (NeMo's ``context/io.json``, fiddle, NeMo-Run).
-Standard library only (plus the engine's torch-free output names).
+Each field's metadata (:func:`setting`) is the setting's only declaration: its validator, its help text (from the
+class's ``Attributes:``) and its command-line option (:class:`CliOption`). A config is validated once, when it is made,
+and stores values in one normal form, so that configs compare and serialise by value (NeMo's ``context/io.json``,
+fiddle, NeMo-Run). Standard library only (plus the engine's torch-free output names).
 """
 
 import inspect
@@ -112,16 +110,11 @@ def _whole_number(text: str) -> Union[int, str]:
     return int(text) if text.strip().isdecimal() else text  # isdigit() also takes "²", which int() does not
 
 
-def validate_count(value: object, name: str, what: str) -> int:
-    """``value`` if it is an ``int`` >= 1 (not ``bool``): a number of ``what``."""
-    if _is_int(value, 1):
-        return cast(int, value)
-    raise _invalid(name, value, f"a whole number of {what} >= 1")
-
-
 def validate_workers(value: object, name: str) -> Optional[int]:
     """``None`` (the default number of writer processes) or an ``int`` >= 1."""
-    return None if value is None else validate_count(value, name, "writer processes")
+    if value is None or _is_int(value, 1):
+        return cast(Optional[int], value)
+    raise _invalid(name, value, "a whole number of writer processes >= 1")
 
 
 def validate_timeout(value: object, name: str) -> float:

@@ -14,10 +14,8 @@
 
 """The one owner of a run's consolidation state on global rank 0: what happens to a checkpoint after its save.
 
-NeMo's checkpoint IO tells the coordinator about saves; it owns the rest: the schedule, the consolidation process's
-queue, the ``-last`` copies, and NeMo's removals. Every decision is taken under one lock, shared with the queue: a
-checkpoint whose removal has started is never queued, started or linked into, and a running consolidation delays the
-removal. A save is the :class:`~.schedule.CheckpointSave` object, not its global step. The per-step pass runs on a
+Every decision is taken under one lock, shared with the queue: a checkpoint whose removal has started is never queued,
+started or linked into, and a running consolidation delays the removal. The per-step pass runs on a
 :class:`~.background.PollingWorker` (the stepper); the training thread's other entry points first finish it
 (:meth:`ConsolidationCoordinator.sync`). Extensions are observers (:class:`~.schedule.ConsolidationObserver`).
 """
@@ -116,7 +114,6 @@ class ConsolidationCoordinator:
         #: The training run its saves belong to (``"run"`` in their outputs' ``metadata.json``): a new id when a
         #: ``fit`` starts, then the one stored in the checkpoint it resumes from, if any (``ConsolidationCallback``).
         self.run_id: str = new_run_id()
-        #: The trainer's ``ModelCheckpoint``.
         self.checkpoint_callback: Optional[Any] = None
         #: Due consolidations that did not happen because their checkpoint was removed (or saved again) first.
         self.dropped_by_removal: List[CheckpointSave] = []
@@ -132,9 +129,7 @@ class ConsolidationCoordinator:
         factories: List[Callable[[Any], ConsolidationObserver]] = [*OBSERVER_FACTORIES, *core]
         self.observers: List[ConsolidationObserver] = [make(self) for make in factories]
         #: The observers that report in the training loop (those whose ``report`` does something).
-        self.reporters: List[ConsolidationObserver] = [
-            o for o in self.observers if type(o).report is not ConsolidationObserver.report
-        ]
+        self.reporters = [o for o in self.observers if type(o).report is not ConsolidationObserver.report]
 
     @property
     def policy(self) -> ConsolidationPolicy:
@@ -154,8 +149,6 @@ class ConsolidationCoordinator:
     def of_checkpoint_callback(checkpoint_callback: Any) -> Optional["ConsolidationCoordinator"]:
         """The coordinator of the ``fit`` that ``checkpoint_callback`` (NeMo's ``ModelCheckpoint``) last started."""
         return _BY_CHECKPOINT_CALLBACK.get(checkpoint_callback)
-
-    # --- the queue ----------------------------------------------------------------------------------------------
 
     @property
     def queue(self) -> ConsolidationQueue:
@@ -200,8 +193,6 @@ class ConsolidationCoordinator:
     def skipped_count(self) -> int:
         """Due consolidations of this run that did not happen (queue full, or their checkpoint removed first)."""
         return len(self.dropped_by_removal) + (len(self._queue.skipped) if self._queue is not None else 0)
-
-    # --- saves --------------------------------------------------------------------------------------------------
 
     def begin_fit(self, checkpoint_callback: Optional[Any] = None) -> None:
         """A ``fit`` starts (its global steps may start again), with NeMo's ``ModelCheckpoint``."""
@@ -262,15 +253,12 @@ class ConsolidationCoordinator:
     def is_gone(self, save: CheckpointSave) -> bool:
         """Whether ``save``'s checkpoint is removed or being removed, or was saved again since it finished."""
         with self.lock:
-            if save.path in self._removing:
-                return True
-        return self._changed(save)
+            removing = save.path in self._removing
+        return removing or self._changed(save)
 
     def _changed(self, save: CheckpointSave) -> bool:
         """Whether the checkpoint's files are no longer those ``save`` finished with."""
         return files_gone(save.path) or (save.identity is not None and weights_identity(save.path) != save.identity)
-
-    # --- the training loop's steps -----------------------------------------------------------------------------
 
     def after_step(self) -> None:
         """The training loop's per-step call: the stepper thread does :meth:`consolidate_finished`'s pass within
@@ -339,8 +327,6 @@ class ConsolidationCoordinator:
                 "Checkpoint %s (global step %d) never finished; not consolidated.", save.path, save.global_step
             )
 
-    # --- -last copies -------------------------------------------------------------------------------------------
-
     def _place_copy(self, copy: CheckpointSave) -> None:
         """Give a finished ``-last`` copy its step's output (links, now or once published), or its own consolidation
         when that checkpoint was removed before it could be consolidated."""
@@ -386,18 +372,15 @@ class ConsolidationCoordinator:
             output = source.output
             if output is None or not (output / METADATA_FILENAME).is_file():
                 return
-            if (copy.run, copy.fit, copy.global_step) != (source.run, source.fit, source.global_step):
+            mine, its = (copy.run, copy.fit, copy.global_step), (source.run, source.fit, source.global_step)
+            if mine != its:
                 logger.warning(
                     "Not linking the output of %s into %s: another save (run %s, fit %d, global step %d; the output's "
                     "is run %s, fit %d, global step %d)",
                     source.path.name,
                     copy.path.name,
-                    copy.run,
-                    copy.fit,
-                    copy.global_step,
-                    source.run,
-                    source.fit,
-                    source.global_step,
+                    *mine,
+                    *its,
                 )
                 return
             if self.is_gone(copy):
@@ -413,8 +396,6 @@ class ConsolidationCoordinator:
                 return
             copy.consolidated, copy.output = True, copy.path / name
             self._outputs[copy.path] = copy
-
-    # --- removals -----------------------------------------------------------------------------------------------
 
     def remove_checkpoint(self, checkpoint_dir: Path, remove: Callable[[], None]) -> None:
         """Run ``remove`` (NeMo's removal, any thread) without racing the checkpoint's consolidation: a waiting
@@ -434,8 +415,6 @@ class ConsolidationCoordinator:
         else:
             self._queue.remove_checkpoint(checkpoint_dir, removal)
         self.notify("on_changed")
-
-    # --- results ------------------------------------------------------------------------------------------------
 
     def _on_dropped(self, save: CheckpointSave) -> None:
         """The queue dropped a waiting request: its checkpoint was removed, or saved again, first."""
@@ -492,16 +471,13 @@ class ConsolidationCoordinator:
                 else:
                     save.consolidated, save.output = True, output
                     self._outputs[save.path] = save
-        if error is not None:
-            self.notify("on_ended", save, None, error)
-            self.notify("on_changed")
-            return
-        self.notify("on_ended", save, self._record(save), None)
-        self.notify("on_published", save)
-        with self.lock:
-            copies, save.copies = save.copies, []
-            if copies:  # links and directory syncs (tens of ms on a busy disk) are not the training loop's to wait for
-                self._linker.hand(lambda: self._link_copies(copies, save))
+        self.notify("on_ended", save, None if error is not None else self._record(save), error)
+        if error is None:
+            self.notify("on_published", save)
+            with self.lock:
+                copies, save.copies = save.copies, []
+                if copies:  # links and directory syncs (tens of ms on a busy disk): not in the training loop
+                    self._linker.hand(lambda: self._link_copies(copies, save))
         self.notify("on_changed")
 
     def _link_copies(self, copies: List[CheckpointSave], save: CheckpointSave) -> None:

@@ -12,12 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""What the training process hears of each consolidation after it ended, and the callbacks' hooks.
-
-For each consolidation that ended, :class:`Observer` calls the callbacks' ``on_consolidation_end`` /
-``on_consolidation_failed`` with a :class:`ConsolidationOutcome` (docs/after-consolidation.md) and logs a post
-command's metrics to the trainer's loggers. An exception in a hook is logged, never raised. Never imports NeMo.
-"""
+"""What the training process hears of each consolidation after it ended: the callbacks' ``on_consolidation_end`` /
+``on_consolidation_failed`` hooks, and a post command's metrics in the trainer's loggers. Never imports NeMo."""
 
 import dataclasses
 import logging

@@ -22,7 +22,7 @@ import difflib
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 from nemo_patch.training.callback import ConsolidationCallback, consolidation_of, find_base_checkpoint_io
 from nemo_patch.training.config import SETTINGS, ConsolidationConfig
@@ -63,9 +63,8 @@ class _NeMoLogging(logging.Handler):
 
 
 def use_nemo_logging() -> None:
-    """Route the loggers of ``nemo_patch.training``
-    through NeMo's logger (:class:`_NeMoLogging`, once per process) instead of propagating; their level becomes
-    ``INFO`` unless one was set, as NeMo's INFO lines show."""
+    """Route the loggers of ``nemo_patch.training`` through NeMo's logger (:class:`_NeMoLogging`, once per process)
+    instead of propagating; their level becomes ``INFO`` unless one was set, as NeMo's INFO lines show."""
     training = logging.getLogger("nemo_patch.training")
     if not any(type(handler).__name__ == "_NeMoLogging" for handler in training.handlers):  # also across reloads
         training.addHandler(_NeMoLogging())
@@ -165,14 +164,6 @@ def with_consolidation(checkpoint_io: Any, settings: ConsolidationSettings) -> A
     return checkpoint_io
 
 
-def _chain(checkpoint_io: Any) -> str:
-    names: List[str] = []
-    while checkpoint_io is not None:
-        names.append(f"{type(checkpoint_io).__module__}.{type(checkpoint_io).__qualname__}")
-        checkpoint_io = getattr(checkpoint_io, "_checkpoint_io", None)
-    return " > ".join(names)
-
-
 def ensure_consolidating_io(strategy: Any) -> None:
     """Give consolidation back to a checkpoint IO that replaced the strategy's after it was built (user code, or
     NeMo's PEFT callback without the strategy's settings): NeMo's ``MegatronCheckpointIO`` at the bottom of the new
@@ -182,9 +173,14 @@ def ensure_consolidating_io(strategy: Any) -> None:
         return
     from nemo.lightning.io.pl import MegatronCheckpointIO
 
-    chain = _chain(checkpoint_io)
-    if type(find_base_checkpoint_io(checkpoint_io)) is MegatronCheckpointIO:
-        _with_settings(find_base_checkpoint_io(checkpoint_io), settings)
+    names, layer = [], checkpoint_io
+    while layer is not None:
+        names.append(f"{type(layer).__module__}.{type(layer).__qualname__}")
+        layer = getattr(layer, "_checkpoint_io", None)
+    chain = " > ".join(names)
+    base = find_base_checkpoint_io(checkpoint_io)
+    if type(base) is MegatronCheckpointIO:
+        _with_settings(base, settings)
         logger.info(
             "The checkpoint IO was replaced after MegatronStrategy was built (now %s, e.g. by NeMo's PEFT callback); "
             "checkpoint consolidation was re-installed inside it",

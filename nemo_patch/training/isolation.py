@@ -12,13 +12,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The consolidation process kept apart from the training job on a GPU node (Linux).
-
-It is started without the job's rank variables (it is no rank of the job, and a library that looks for them, such as
-a launcher's error file, must not find them) and with no GPU visible (an import of NeMo for the ``hf`` format would
-otherwise create a CUDA context on the training rank's GPU); it raises its ``oom_score_adj`` (+500), so that the OOM
-killer takes it before a training rank, and dies with the training process that started it (``PR_SET_PDEATHSIG``);
-it prefers transparent huge pages for its large tensors. Its writers inherit all of it.
+"""The consolidation process kept apart from the training job on a GPU node (Linux): no rank of the job (a library
+looking for the rank variables must not find them), no GPU visible (no CUDA context on a training rank's GPU), the OOM
+killer's first choice, dead with the training process that started it. Its writers inherit all of it.
 """
 
 import os

@@ -15,11 +15,8 @@
 """The journal of due consolidations: ``<root>/.consolidation-due.json`` lists those waiting or running.
 
 A job killed (SIGKILL, a lost node) leaves it behind; the next run of the same root consolidates what it lists when
-training starts, or says once that it cannot. An entry is only resumed while its checkpoint is still the files it
-recorded (:func:`~.schedule.weights_identity` without the device number, which differs between nodes). The journal is
-never trusted (no symlink, a regular file of at most 4 MiB, entries naming plain directories inside the root): anything
-else is one ``WARNING``. It is written off the training thread (a :class:`~.background.PollingWorker`), atomically.
-Training never fails because of the journal (docs/how-it-works.md).
+training starts (while each checkpoint is still the files it recorded), or says once that it cannot. The journal is
+never trusted, is written atomically off the training thread, and never fails training.
 """
 
 import contextlib
@@ -132,18 +129,12 @@ def read_journal(root: Path) -> Tuple[List[Any], Optional[str], Optional[str]]:
             return [], None, "it is not a regular file"
         if info.st_size > _JOURNAL_MAX_BYTES:
             return [], None, f"it is {info.st_size} bytes, more than a journal ever is ({_JOURNAL_MAX_BYTES})"
-        chunks, left = [], _JOURNAL_MAX_BYTES + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(_JOURNAL_MAX_BYTES + 1)  # until the end of the file, or one byte too many
     except OSError as error:
         return [], None, f"it cannot be read ({error.strerror or error})"
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > _JOURNAL_MAX_BYTES:
         return [], None, f"it is more than {_JOURNAL_MAX_BYTES} bytes, more than a journal ever is"
     try:
@@ -162,8 +153,9 @@ def read_journal(root: Path) -> Tuple[List[Any], Optional[str], Optional[str]]:
     return journal["due"], run if isinstance(run, str) and _RUN.fullmatch(run) else None, None
 
 
-def _entry_name(entry: Any) -> Tuple[Optional[str], Optional[str]]:
-    """``(name, None)`` for an entry naming a checkpoint directory's name, else ``(None, why)``."""
+def _entry_path(root: Path, entry: Any) -> Tuple[Optional[Path], Optional[str]]:
+    """``(checkpoint, None)`` for an entry naming a plain directory inside ``root`` (not a symlink: an output would be
+    written where it points), ``(None, None)`` for one that is gone, else ``(None, why)``."""
     name = entry.get("checkpoint") if isinstance(entry, dict) else None
     if not isinstance(name, str) or not name:
         return None, "names no checkpoint"
@@ -171,15 +163,6 @@ def _entry_name(entry: Any) -> Tuple[Optional[str], Optional[str]]:
         return None, "names a path, not a checkpoint inside the root"
     if name.startswith(".") or name in (RETAINED_DIRNAME, "LATEST", "BEST"):
         return None, "names no checkpoint (a hidden entry, retained/ or a pointer)"
-    return name, None
-
-
-def _entry_path(root: Path, entry: Any) -> Tuple[Optional[Path], Optional[str]]:
-    """``(checkpoint, None)`` for an entry naming a plain directory inside ``root`` (not a symlink: an output would be
-    written where it points), ``(None, None)`` for one that is gone, else ``(None, why)``."""
-    name, why = _entry_name(entry)
-    if name is None:
-        return None, why
     path = root / name
     try:
         info = os.lstat(path)
@@ -352,9 +335,8 @@ class Observer(ConsolidationObserver):
         once older than :data:`LEFTOVER_SECONDS` (a sidecar may be replacing ``LATEST`` right now)."""
         now = time.time()
         for entry in os.scandir(root):
-            journal_tmp = _JOURNAL_TMP.fullmatch(entry.name) is not None
             pointer = _POINTER_TMP.fullmatch(entry.name)
-            if not journal_tmp and pointer is None:
+            if pointer is None and _JOURNAL_TMP.fullmatch(entry.name) is None:
                 continue
             try:
                 info = entry.stat(follow_symlinks=False)
@@ -364,11 +346,9 @@ class Observer(ConsolidationObserver):
                 continue
             if pointer is not None and not stat.S_ISLNK(info.st_mode):
                 continue
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(entry.path)
                 logger.debug("Removed %s, left by a job killed while it wrote it", entry.path)
-            except OSError:
-                pass
 
     def _resume(self, root: Path) -> None:
         path = root / JOURNAL_NAME
@@ -397,8 +377,7 @@ class Observer(ConsolidationObserver):
         gone: List[str] = []
         refused: List[str] = []
         changed: List[str] = []
-        runs = set()
-        seen = set()
+        runs, seen = set(), set()
         for entry in listed:
             checkpoint, why = _entry_path(root, entry)
             if why is not None:

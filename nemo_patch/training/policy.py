@@ -12,15 +12,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""When a training run consolidates its checkpoints: ``ckpt_consolidation_frequency``, parsed once.
-
-* ``"each"``: every finished checkpoint;
-* ``"every_n:<k>"`` (``k`` an integer >= 1): the k-th, 2k-th, ... finished checkpoint of the run (saves made before a
-  resume count);
-* ``"latest"``: none during training; the newest finished checkpoint when ``fit`` ends.
-
-A policy is a tuple of phases (one, here) and whether the newest checkpoint is consolidated when ``fit`` ends;
-extensions add cadences and phases (:func:`extend_cadences`). Standard library only.
+"""When a training run consolidates its checkpoints: ``ckpt_consolidation_frequency`` (``"each"``,
+``"every_n:<k>"`` or ``"latest"``), parsed once into a :class:`ConsolidationPolicy`; extensions add cadences and phases
+(:func:`extend_cadences`). Standard library only.
 """
 
 import re

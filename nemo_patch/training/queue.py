@@ -140,14 +140,17 @@ class _Process:
             text = self.log_file.read().decode(errors="replace")
         except (OSError, ValueError):
             return None
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        return lines[-1] if lines else None
+        return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), None)
 
     def terminate(self) -> None:
         """SIGTERM, then SIGKILL after a grace period; waits for the exit."""
         self.process.terminate()
+        self._wait(_TERMINATE_GRACE_SECONDS)
+
+    def _wait(self, seconds: float) -> None:
+        """Wait for the exit, killing the process after ``seconds``."""
         try:
-            self.process.wait(_TERMINATE_GRACE_SECONDS)
+            self.process.wait(seconds)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -163,11 +166,7 @@ class _Process:
             with contextlib.suppress(OSError):
                 if self.process.stdin is not None:
                     self.process.stdin.close()
-            try:
-                self.process.wait(_CLOSE_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self._wait(_CLOSE_GRACE_SECONDS)
         finally:
             if self.process.stdout is not None:
                 self.process.stdout.close()
@@ -225,7 +224,7 @@ class ConsolidationQueue:
         if settings.config.max_pending < 0:
             raise ValueError(f"max_pending must be >= 0, got {settings.config.max_pending}")
         self._on_done = on_done
-        self._on_dropped = on_dropped
+        self._on_dropped = on_dropped or (lambda save: None)
         self.settings = settings
         self._max_pending = settings.config.max_pending
         self._settings_json = settings.to_json()  # serialised once, for every process this queue starts
@@ -310,8 +309,7 @@ class ConsolidationQueue:
                 skipped = self._pending.popleft()
                 self._move(skipped, RequestState.SKIPPED)
                 self.skipped.append(skipped)
-                log = logger.debug if self._warned_skip else logger.warning
-                log(
+                (logger.debug if self._warned_skip else logger.warning)(
                     "Consolidation queue full (1 running, %d waiting): skipping checkpoint %s (global step %d)%s",
                     self._max_pending,
                     skipped.path,
@@ -319,7 +317,8 @@ class ConsolidationQueue:
                     "" if self._warned_skip else "; further skips are logged at debug level",
                 )
                 self._warned_skip = True
-        self._report_dropped(dropped)
+        for save in dropped:
+            self._on_dropped(save)
         self.poll()
 
     def poll(self) -> None:
@@ -342,14 +341,10 @@ class ConsolidationQueue:
                     continue
                 self._move(save, RequestState.RUNNING)
                 self._running, start = _Running(save), save
-        self._report_dropped(dropped)
+        for save in dropped:
+            self._on_dropped(save)
         if start is not None:
             self._start(start)
-
-    def _report_dropped(self, dropped: Sequence[CheckpointSave]) -> None:
-        for save in dropped:
-            if self._on_dropped is not None:
-                self._on_dropped(save)
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for running and queued consolidations.
@@ -399,7 +394,8 @@ class ConsolidationQueue:
             deferred = running is not None and running.save.path == checkpoint_dir
             if deferred:
                 self._deferred_removals.append(remove)
-        self._report_dropped(dropped)
+        for save in dropped:
+            self._on_dropped(save)
         if deferred:
             return False
         remove()

@@ -102,9 +102,8 @@ def consolidated_outputs(root: Path, output_name: str) -> List[ConsolidatedOutpu
         output_name: ``consolidated`` or ``hf``.
     """
     found: List[ConsolidatedOutput] = []
-    candidates = []
     try:
-        candidates += [(path, False) for path in root.iterdir() if not path.is_symlink() and path.is_dir()]
+        candidates = [(path, False) for path in root.iterdir() if not path.is_symlink() and path.is_dir()]
     except OSError:
         return []
     retained_root = root / RETAINED_DIRNAME
@@ -398,9 +397,7 @@ def repoint_latest(
 
 
 def _why(removing: Optional[Path]) -> str:
-    return (
-        f"checkpoint {removing.name} is being removed" if removing is not None else "the checkpoint it named is gone"
-    )
+    return "the checkpoint it named is gone" if removing is None else f"checkpoint {removing.name} is being removed"
 
 
 class Observer(ConsolidationObserver):
@@ -470,11 +467,8 @@ class Observer(ConsolidationObserver):
                     error,
                 )
             else:
-                if (
-                    entry is None
-                    and read_output_metadata(checkpoint_dir / name) is not None
-                    and not _held_elsewhere(checkpoint_dir, name)
-                ):
+                lost = entry is None and read_output_metadata(checkpoint_dir / name) is not None
+                if lost and not _held_elsewhere(checkpoint_dir, name):
                     logger.warning(
                         "The consolidated output of %s was not kept: it goes with its checkpoint, which NeMo is "
                         "removing",

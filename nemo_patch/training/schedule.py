@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 from nemo_patch.engine.checkpoint_layout import is_marked_unfinished, weights_written
 from nemo_patch.training.policy import ConsolidationPolicy
@@ -309,8 +309,7 @@ class ObserverOf:
     module: str
 
     def __call__(self, coordinator: Any) -> ConsolidationObserver:
-        observer: ConsolidationObserver = importlib.import_module(self.module).Observer(coordinator)
-        return observer
+        return cast(ConsolidationObserver, importlib.import_module(self.module).Observer(coordinator))
 
 
 #: Every new coordinator's observers are ``factory(coordinator)`` of these, in order (:func:`register_observer`).

@@ -14,12 +14,10 @@
 
 """The consolidation process: ``python -m <package>.worker --serve --settings JSON``.
 
-Started once per run by :class:`.queue.ConsolidationQueue` (protocol there), it lowers its CPU priority
-(:data:`WORKER_NICENESS`, or :data:`NICENESS_VARIABLE`), imports what a consolidation needs, says it is ready and
-serves requests until its stdin ends; its stdout carries result lines only. A ``ConsolidationError`` is answered with
-its reason; any other exception is answered, then ends the process. ``python -m <package>.worker <ckpt>
---global-step N`` consolidates one checkpoint. Never imports NeMo, Lightning or megatron-core. An ``--extension``
-module's ``extend_worker(parent)`` runs first; it may add to :data:`CONSOLIDATORS` and :data:`AFTER_PUBLISH`.
+Started once per run by :class:`.queue.ConsolidationQueue` (protocol there), it lowers its CPU priority, imports what
+a consolidation needs, says it is ready and serves requests until its stdin ends. A ``ConsolidationError`` is answered
+with its reason; any other exception is answered, then ends the process. Never imports NeMo, Lightning or
+megatron-core. An ``--extension`` module's ``extend_worker(parent)`` runs first.
 """
 
 import argparse
@@ -153,11 +151,7 @@ def _consolidator(
     def consolidate(
         checkpoint: Path, global_step: Optional[int], best: Optional[Dict[str, Any]], run_id: Optional[str]
     ) -> Optional[str]:
-        options: Dict[str, Any] = {
-            "global_step": global_step,
-            "max_shard_size": settings.config.max_shard_size,
-            **more,
-        }
+        options = {"global_step": global_step, "max_shard_size": settings.config.max_shard_size, **more}
         if best is not None:
             options["best"] = best
         if run_id is not None:
