@@ -69,10 +69,9 @@ def open_weights(
         ``(metadata, reader)``.
 
     Raises:
-        CorruptShardError: the metadata cannot be read (``.metadata`` truncated, corrupt or holding values of the
-            wrong types, a ``.zarray`` unreadable), or the model entries' chunks do not tile their tensors or name
-            shard files that are missing, outside ``weights/``, not regular files or too short
-            (:func:`.layout_checks.check_dcp_layout`).
+        CorruptShardError: the metadata cannot be read (``.metadata`` truncated, corrupt or of the wrong types, a
+            ``.zarray`` unreadable), or the chunks do not tile their tensors or name shard files that are missing,
+            outside ``weights/``, not regular files or too short (:func:`.layout_checks.check_dcp_layout`).
         UnsupportedFormatError: a zarr array this package cannot read safely, or zarr/ml_dtypes not installed.
         ConsolidationError: any other backend.
     """

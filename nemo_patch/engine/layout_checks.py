@@ -217,9 +217,8 @@ def shard_file(weights_dir: Path, name: str) -> Tuple[Path, os.stat_result]:
 
 
 def check_dcp_layout(weights_dir: Path, metadata: Metadata, keys: Iterable[str]) -> Dict[str, Tuple[Path, int]]:
-    """Check the dtype, the tiling and the storage of every chunk of ``keys`` (see the module docstring).
-
-    Records are compared by the identity of their files (device and inode, links resolved), not by their names.
+    """Check the dtype, the tiling and the storage of every chunk of ``keys`` (see the module docstring). Records are
+    compared by the identity of their files (device and inode, links resolved), not by their names.
 
     Args:
         weights_dir: the DCP directory.

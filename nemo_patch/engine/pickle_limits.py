@@ -97,15 +97,9 @@ def prescan(data: bytes) -> int:  # noqa: C901 - one loop over the opcodes, for 
             i += 1
             if op == 0x94:  # MEMOIZE
                 memo.append(stack[-1])
-            elif op == 0x68:  # BINGET
-                item = memo[data[i]]
-                i += 1
-                if item < 0:
-                    states[~item] = 2
-                push(item)
-            elif op == 0x6A:  # LONG_BINGET
-                item = memo[int.from_bytes(data[i : i + 4], "little")]
-                i += 4
+            elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+                item = memo[data[i] if op == 0x68 else int.from_bytes(data[i : i + 4], "little")]
+                i += 1 if op == 0x68 else 4
                 if item < 0:
                     states[~item] = 2
                 push(item)

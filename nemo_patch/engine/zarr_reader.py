@@ -61,10 +61,9 @@ ZARR_DTYPES: Dict[str, torch.dtype] = {
 }
 _ARRAY_FILE = ".zarray"
 #: Flags of the walk below ``weights/`` (0 where the platform has no such flag: the module still imports there).
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_NOFOLLOW, _DIRECTORY, _CLOEXEC, _NONBLOCK = (
+    getattr(os, flag, 0) for flag in ("O_NOFOLLOW", "O_DIRECTORY", "O_CLOEXEC", "O_NONBLOCK")
+)
 _MAX_ZARRAY_BYTES = 1 << 20
 
 
