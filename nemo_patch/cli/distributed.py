@@ -18,22 +18,17 @@ Every process runs the same command line with ``--workers`` writer processes, on
 docs/parallel.md); rank 0 plans the output and cuts it into ``world size x workers`` parts. A ``gloo`` group of these
 processes alone (``env://``) carries five messages, in this order:
 
-1. every rank to every rank: the SHA-256 of its parsed arguments (:func:`arguments_digest`), before any work; any
-   difference makes every rank refuse with :class:`PeerError` (exit code 15) naming the rank(s);
-2. rank 0 to each rank: its share of the part jobs (before rank 0 starts its own, so that the others know the
-   temporary output directory), or that rank 0 failed before planning, or does the rest alone (a Hugging Face export,
-   ``--verify`` of an existing output: the other ranks exit 0);
+1. every rank to every rank: the SHA-256 of its parsed arguments (:func:`arguments_digest`), before any work;
+2. rank 0 to each rank: its share of the part jobs (before rank 0 starts its own), or that rank 0 failed before
+   planning, or does the rest alone (a Hugging Face export, ``--verify`` of an existing output);
 3. every rank to every rank, once its share is written (or failed): "done";
 4. each rank to rank 0: its results (the tensors' digests) or its error;
 5. rank 0 to each rank that reported: the exit code. Rank 0 publishes only when every part reported done.
 
 Every message is a tensor (fixed-size, or JSON text as ``uint8`` after its length): nothing a peer sends is unpickled.
-
-Each wait for a peer is bounded by ``--timeout``; a peer that closed its connection or sent nothing in time ends the
-run on every other rank with :class:`PeerError` naming it. gloo closes every connection of a process once one of its
-waits times out, so each rank finds lost peers itself, in the all-to-all messages 1 and 3 (``monitored_barrier``
-names them on rank 0 only). Rank 0's temporary output is removed by rank 0, or by the others when rank 0 is lost
-before the reports.
+Each wait for a peer is bounded by ``--timeout``. gloo closes every connection of a process once one of its waits
+times out, so each rank finds lost peers itself, in the all-to-all messages 1 and 3 (``monitored_barrier`` names them
+on rank 0 only).
 """
 
 import contextlib
@@ -137,8 +132,7 @@ def _error_of(report: Mapping[str, Any], prefix: str) -> ConsolidationError:
     if not (isinstance(cls, type) and issubclass(cls, ConsolidationError)):
         cls = ConsolidationError
     error = cls(f"{prefix}: {report.get('message')}")
-    code = report.get("exit_code")
-    if isinstance(code, int) and code != error.exit_code:
+    if isinstance(code := report.get("exit_code"), int) and code != error.exit_code:
         error.exit_code = code
     return error
 

@@ -14,10 +14,8 @@
 
 """``nemo-consolidate``: consolidate one NeMo 2 distributed checkpoint offline, on CPU, without writing code.
 
-``nemo-consolidate <path> [options]`` (also ``python -m nemo_patch``); ``--help`` and docs/cli.md list the options and
-exit codes. ``--watch`` and ``--list`` are :mod:`nemo_patch.cli.watch` and :mod:`nemo_patch.cli.listing`; ``torchrun``
-or ``srun`` launches are :mod:`nemo_patch.cli.distributed`. Imports NeMo only for ``--format hf`` and ``--verify``
-with a context; never the overlay or ``nemo_patch.testing``.
+``--help`` and docs/cli.md list the options and exit codes. Imports NeMo only for ``--format hf`` and ``--verify`` with
+a context; never the overlay or ``nemo_patch.testing``.
 """
 
 import argparse
@@ -146,7 +144,7 @@ def _add_setting_options(groups: Dict[str, Any]) -> None:
 
 def _path_argument(text: str) -> Any:
     """argparse's ``type=`` for a path: a :class:`~pathlib.Path`, but a URL (``s3://b/out``) as given, for
-    :func:`_refuse_urls` to name it; a local ``./s3:/out`` is made absolute (``Path`` drops the ``./``)."""
+    :func:`.refuse_remote` to name it; a local ``./s3:/out`` is made absolute (``Path`` drops the ``./``)."""
     if is_url(text):
         return text
     path = Path(text)
@@ -158,16 +156,6 @@ _UPLOAD_ADVICE = (
     ", then upload it with a post command, e.g. --post-command 'aws s3 cp --recursive --only-show-errors {output} "
     "s3://bucket/run/' (docs/after-consolidation.md, \"Upload: a model hub or object storage\")"
 )
-
-
-def _refuse_urls(args: argparse.Namespace) -> None:
-    """Exit code 19 (:class:`~nemo_patch.engine.output_target.RemoteStorageError`) for a URL as the checkpoint, the
-    base checkpoint or ``--out``."""
-    refuse_remote(args.path, "the checkpoint")
-    if args.base_checkpoint is not None:
-        refuse_remote(args.base_checkpoint, "the base checkpoint")
-    if args.out is not None:
-        refuse_remote(args.out, "--out", _UPLOAD_ADVICE)
 
 
 def _installed_version() -> str:
@@ -213,17 +201,16 @@ def _check(parser: argparse.ArgumentParser) -> None:
 
 
 def _exit_codes_epilog() -> str:
-    """``Exit codes: 0 ok, 2 usage, 3 path missing, ..., 1 other.``: from the error classes' ``exit_code`` and
-    ``summary`` (:mod:`nemo_patch.engine.errors`)."""
+    """``Exit codes: 0 ok, 2 usage, 3 path missing, ..., 1 other, 130 interrupted.``: from the error classes'
+    ``exit_code`` and ``summary`` (:mod:`nemo_patch.engine.errors`) and :data:`CLI_EXIT_CODES`."""
     from nemo_patch.cli.exit_codes import error_classes
 
-    classes = error_classes().values()
-    causes = [(cls.exit_code, cls.summary) for cls in classes if cls is not ConsolidationError]
-    causes += [(code, CLI_EXIT_CODES[code][0]) for code in CLI_EXIT_CODES if code not in (0, 2, 130)]
-    causes.append((ConsolidationError.exit_code, ConsolidationError.summary))
-    fixed = [(code, CLI_EXIT_CODES[code][0]) for code in (0, 2)]
-    interrupted = [(130, CLI_EXIT_CODES[130][0])]
-    return "Exit codes: " + ", ".join(f"{code} {summary}" for code, summary in fixed + causes + interrupted) + "."
+    cli = {code: words for code, (words, _) in CLI_EXIT_CODES.items()}
+    codes = [(0, cli[0]), (2, cli[2])]
+    codes += [(cls.exit_code, cls.summary) for cls in error_classes().values() if cls is not ConsolidationError]
+    codes += [(code, words) for code, words in cli.items() if code not in (0, 2, 130)]
+    codes += [(ConsolidationError.exit_code, ConsolidationError.summary), (130, cli[130])]
+    return "Exit codes: " + ", ".join(f"{code} {summary}" for code, summary in codes) + "."
 
 
 class _Parser(argparse.ArgumentParser):
@@ -468,7 +455,11 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
     started = time.perf_counter()
     try:
         try:
-            _refuse_urls(args)
+            refuse_remote(args.path, "the checkpoint")  # exit 19 for a URL
+            if args.base_checkpoint is not None:
+                refuse_remote(args.base_checkpoint, "the base checkpoint")
+            if args.out is not None:
+                refuse_remote(args.out, "--out", _UPLOAD_ADVICE)
             best = None
             if args.best:
                 from nemo_patch.runs.best_checkpoint import find_best_checkpoint
@@ -484,14 +475,10 @@ def _consolidate(args: argparse.Namespace, group: Optional["LaunchedGroup"]) -> 
                 print(f"{PROG}: warning: {location.checkpoint_dir} is unfinished; consolidating it anyway "
                       "(--allow-unfinished): the output may be incomplete or wrong", file=sys.stderr)  # fmt: skip
             options: Dict[str, Any] = dict(
-                overwrite=args.force,
-                allow_unfinished=args.allow_unfinished,
-                progress=update,
-                merge_adapters=args.merge_adapters,
-                base_checkpoint=args.base_checkpoint,
-                best=best.record() if best else None,
-                global_step=global_step_of(location.checkpoint_dir),
-            )
+                overwrite=args.force, allow_unfinished=args.allow_unfinished, progress=update,
+                merge_adapters=args.merge_adapters, base_checkpoint=args.base_checkpoint,
+                best=best.record() if best else None, global_step=global_step_of(location.checkpoint_dir),
+            )  # fmt: skip
             out = args.out or location.checkpoint_dir / OUTPUT_DIRNAMES[args.format]
             verify_only = args.verify and not args.force and args.format == "safetensors" and out.is_dir()
             check_output_target(location.checkpoint_dir, out, args.force, read_only=verify_only)

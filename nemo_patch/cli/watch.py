@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 #: At most this many different log lines are remembered so as to be said once.
 _SEEN_REASONS_LIMIT = 10_000
 
-
 #: Writes one checkpoint's output (see :class:`Watcher`).
 Consolidate = Callable[[RunCheckpoint, Path, Path, Callable[[], None]], Tuple[int, int]]
 
@@ -213,9 +212,8 @@ def same_state(one: Path, other: Path) -> Optional[str]:
             same_sizes = all(os.lstat(files_a[name]).st_size == os.lstat(files_b[name]).st_size for name in files_a)
             return "run" if a.run == b.run and same_sizes else None
         side = "metadata.json"
-        if os.path.lexists(wa / side) or os.path.lexists(wb / side):
-            if not _same_bytes(wa / side, wb / side):
-                return None
+        if (os.path.lexists(wa / side) or os.path.lexists(wb / side)) and not _same_bytes(wa / side, wb / side):
+            return None
         if a.layout != "zarr" and not _same_dcp_metadata(wa / ".metadata", wb / ".metadata"):
             return None
         return "bytes" if all(_same_bytes(files_a[name], files_b[name]) for name in sorted(files_a)) else None
@@ -461,24 +459,20 @@ class Watcher:
         try:
             if self.stopping:
                 raise WatchStopped
-            check = self._check_still_finished(checkpoint, save)
-            count, size = self.consolidate(checkpoint, output, self.root, check)
+            count, size = self.consolidate(checkpoint, output, self.root, self._check_still_finished(checkpoint, save))
         except Exception as error:  # noqa: BLE001 - any failure of one checkpoint is one line; the watcher goes on
             self._busy = False
             return self._failed(checkpoint, save, error)
         finally:
             self._busy = False
-        seconds = time.monotonic() - started
         self.tally.consolidated += 1
         self._published.add(checkpoint.global_step)
         self.tally.bytes += size
         self.say(f"Consolidated {checkpoint.path.name} (global step {checkpoint.global_step}) -> {output}: "
-                 f"{count} tensors, {human_size(size)} in {seconds:.1f} s")  # fmt: skip
-        if self.after_publish is not None:
-            code = self.after_publish(checkpoint, output)
-            if code:
-                self.tally.failed += 1
-                self.tally.exit_code = code
+                 f"{count} tensors, {human_size(size)} in {time.monotonic() - started:.1f} s")  # fmt: skip
+        if self.after_publish is not None and (code := self.after_publish(checkpoint, output)):
+            self.tally.failed += 1
+            self.tally.exit_code = code
         return True
 
     def _failed(self, checkpoint: RunCheckpoint, save: str, error: Exception) -> bool:
@@ -515,12 +509,7 @@ class Watcher:
 
     def _same_state(self, one: RunCheckpoint, other: RunCheckpoint) -> Optional[str]:
         """:func:`same_state`, asked once per pair of saves (again when either's ``.metadata`` changes)."""
-        key = (
-            one.path,
-            other.path,
-            _stat_key(self._metadata_file(one.path)),
-            _stat_key(self._metadata_file(other.path)),
-        )
+        key = (one.path, other.path, *(_stat_key(self._metadata_file(c.path)) for c in (one, other)))
         if key in self._states:
             return self._states[key]
         try:
@@ -686,8 +675,7 @@ class Watcher:
         return bool(due)
 
     def _remove_stale_staging(self) -> None:
-        """Remove the staging directories in ``ROOT`` that no running process holds
-        (:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs`); one line per removal."""
+        """:func:`nemo_patch.engine.publish.remove_stale_tmp_dirs` in ``ROOT``; one line per removal."""
         from nemo_patch.engine.publish import remove_stale_tmp_dirs
 
         try:
@@ -800,12 +788,10 @@ def check_watch_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     from nemo_patch.training.policy import parse_consolidation_frequency
 
     if not args.watch:
-        given = given_options(args, ("frequency", "until_idle", "poll_interval"))
-        if given:
+        if given := given_options(args, ("frequency", "until_idle", "poll_interval")):
             parser.error(f"{', '.join(given)} only with --watch")
         return None
-    given = given_options(args, ONE_CHECKPOINT_OPTIONS)
-    if given:
+    if given := given_options(args, ONE_CHECKPOINT_OPTIONS):
         parser.error(f"--watch consolidates each checkpoint into its own directory: {', '.join(given)} cannot be used")
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         parser.error("--watch runs as one process: do not launch it with torchrun or srun on several ranks")
