@@ -36,11 +36,8 @@ def best_record(checkpoint_callback: Any) -> Dict[str, Any]:
     """What ``metadata.json`` records of a best checkpoint, from ``ModelCheckpoint``'s ``monitor``,
     ``best_model_score`` (a 0-d tensor in Lightning) and ``mode``."""
     score = checkpoint_callback.best_model_score
-    return {
-        "monitor": checkpoint_callback.monitor,
-        "value": None if score is None else float(score),
-        "mode": checkpoint_callback.mode,
-    }
+    value = None if score is None else float(score)
+    return {"monitor": checkpoint_callback.monitor, "value": value, "mode": checkpoint_callback.mode}
 
 
 def check_best_has_a_metric(checkpoint_callback: Any, policy: Any) -> None:
@@ -53,11 +50,9 @@ def check_best_has_a_metric(checkpoint_callback: Any, policy: Any) -> None:
     monitor = getattr(checkpoint_callback, "monitor", None)
     if not policy.uses_best or (checkpoint_callback is not None and monitor not in NOT_A_METRIC):
         return
-    what = (
-        "the trainer has no ModelCheckpoint"
-        if checkpoint_callback is None
-        else f"ModelCheckpoint(monitor={monitor!r})"
-    )
+    what = f"ModelCheckpoint(monitor={monitor!r})"
+    if checkpoint_callback is None:
+        what = "the trainer has no ModelCheckpoint"
     raise ValueError(
         f"ckpt_consolidation_frequency={str(policy)!r} consolidates the best checkpoint by the metric NeMo's "
         f"ModelCheckpoint monitors, but {what} monitors none: pass ModelCheckpoint(monitor='val_loss', mode='min') "

@@ -129,8 +129,7 @@ class ConsolidationCallback(Callback):
         self.on_train_batch_end(trainer)
 
     def report_consolidations(self, trainer: "pl.Trainer") -> None:
-        """On global rank 0, let the later features report the consolidations that ended since the last call (in
-        their order). Never raises."""
+        """On global rank 0, have the observers report the consolidations ended since the last call. Never raises."""
         consolidation = self._consolidation(trainer)
         for observer in consolidation.reporters if consolidation is not None and trainer.is_global_zero else []:
             try:
@@ -154,12 +153,11 @@ class ConsolidationCallback(Callback):
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """``fit`` ends by an exception: still queue what its end consolidates (the teardown waits for it)."""
         consolidation = self._consolidation(trainer)
-        if consolidation is None:
-            return
-        with _never_fails_training("queueing the end-of-fit consolidation"):
-            if consolidation.policy.consolidates_at_fit_end:
-                consolidation.consolidate_newest()
-            consolidation.notify("on_exception")
+        if consolidation is not None:
+            with _never_fails_training("queueing the end-of-fit consolidation"):
+                if consolidation.policy.consolidates_at_fit_end:
+                    consolidation.consolidate_newest()
+                consolidation.notify("on_exception")
 
     def state_dict(self) -> Dict[str, Any]:
         """The counts of finished checkpoints and the run's id, for the checkpoint being saved (or ``{}``)."""

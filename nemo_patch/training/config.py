@@ -38,7 +38,6 @@ __all__ += ["validate_post_command", "validate_timeout", "validate_workers", "co
 
 #: Output formats of a consolidation: ``ConsolidationConfig.format`` and the CLI's ``--format``.
 ACCEPTED_FORMATS = tuple(OUTPUT_DIRNAMES)
-#: The default output format.
 DEFAULT_FORMAT = "safetensors"
 #: Default ``ConsolidationConfig.max_pending``: requests that may wait behind the running one.
 DEFAULT_MAX_PENDING = 2

@@ -160,8 +160,7 @@ class ConsolidationCoordinator:
         return self._queue
 
     def start_process(self) -> None:
-        """Start the stepper's thread (not in the first step), and the consolidation process unless the cadence
-        consolidates only when ``fit`` ends."""
+        """Start the stepper's thread, and the consolidation process unless only the end of ``fit`` consolidates."""
         self._stepper.start()
         if self.policy.consolidates_periodically or self.policy.uses_best:
             self.queue.start_process()

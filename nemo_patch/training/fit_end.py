@@ -12,12 +12,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Every rank leaves ``fit`` together while global rank 0 waits for its consolidations.
-
-Rank 0 waits in the strategy's ``teardown`` for its consolidations (up to ``ConsolidationConfig.timeout``); were the
-other ranks to leave meanwhile, their next collective would time out on rank 0. So they wait in their own
-``teardown`` for a key rank 0 sets in the job's rendezvous store (a ``TCPStore`` client: no collective, nothing on the
-GPU), at most ``ConsolidationConfig.timeout`` + :data:`GRACE_SECONDS`, then log one warning and leave.
+"""Every rank leaves ``fit`` together while global rank 0 waits for its consolidations in the strategy's ``teardown``
+(else the others' next collective would time out on rank 0): they wait for a key rank 0 sets in the job's rendezvous
+store (a ``TCPStore`` client: no collective, nothing on the GPU), at most ``ConsolidationConfig.timeout`` +
+:data:`GRACE_SECONDS`, then log one warning and leave.
 """
 
 import datetime

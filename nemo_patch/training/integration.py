@@ -119,8 +119,7 @@ def strategy_settings(
 
 
 def coordinator(settings: Optional[ConsolidationSettings]) -> Optional[ConsolidationCoordinator]:
-    """``MegatronCheckpointIO.__init__``: the run's coordinator when ``settings`` consolidate checkpoints, else
-    ``None``.
+    """``MegatronCheckpointIO.__init__``: the run's coordinator, or ``None`` when ``settings`` do not consolidate.
 
     Raises:
         ValueError: ``settings`` that are neither ``None`` nor a ``ConsolidationSettings``.

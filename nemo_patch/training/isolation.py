@@ -54,8 +54,7 @@ def parent_arguments() -> List[str]:
 
 
 def set_up(parent: Optional[int]) -> None:
-    """In the consolidation process, before it imports torch: OOM killer's first choice, dead with ``parent``, huge
-    pages preferred."""
+    """In the consolidation process, before torch: the OOM killer's first choice, dead with ``parent``, huge pages."""
     raise_oom_score()
     if parent is not None:
         die_with_parent(parent)

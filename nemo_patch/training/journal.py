@@ -214,8 +214,7 @@ def _unchanged_since(checkpoint: Path, identity: Optional[Tuple[int, ...]], jour
 
 
 class Observer(ConsolidationObserver):
-    """Keeps a run's journal current (computed and written off the training thread), and resumes an earlier run's when
-    training starts."""
+    """Keeps a run's journal current (off the training thread), and resumes an earlier run's when training starts."""
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
@@ -377,7 +376,7 @@ class Observer(ConsolidationObserver):
         gone: List[str] = []
         refused: List[str] = []
         changed: List[str] = []
-        runs, seen = set(), set()
+        seen = set()
         for entry in listed:
             checkpoint, why = _entry_path(root, entry)
             if why is not None:
@@ -403,10 +402,8 @@ class Observer(ConsolidationObserver):
             best = entry.get("best")
             save.best = best if isinstance(best, dict) else None
             save.due, save.identity = True, weights_identity(checkpoint)
-            run = entry.get("run") if _RUN.fullmatch(str(entry.get("run"))) else journal_run
-            if run is not None:
-                runs.add(run)
-                save.run = run  # the output belongs to the run that saved the checkpoint
+            # the output belongs to the run that saved the checkpoint
+            save.run = entry.get("run") if _RUN.fullmatch(str(entry.get("run"))) else journal_run
             self._resume_copies(root, entry, save)
             resumed.append(save)
         if refused:
@@ -432,7 +429,7 @@ class Observer(ConsolidationObserver):
                 root,
             )
         if resumed:
-            other = sorted(run for run in runs if run != self.run)
+            other = sorted({save.run for save in resumed if save.run is not None and save.run != self.run})
             logger.warning(
                 "Consolidating %s now: due when an earlier run of %s ended without finishing it (the job was "
                 "killed?)%s",

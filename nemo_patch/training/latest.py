@@ -12,12 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""A run's ``LATEST`` and ``BEST`` pointers, and which checkpoint a run's checkpoint root designates.
-
-``<root>/LATEST`` is a relative symlink naming the run's newest consolidated checkpoint, replaced atomically after
-each publish; ``<root>/BEST`` (``"best"`` cadences) names the one NeMo's ``ModelCheckpoint`` ranks best. Both move
-forward only (:func:`moves_forward`). :func:`locate_checkpoint` resolves a path a user gives (a checkpoint, or a run's
-root) to one checkpoint, following ``LATEST`` first. Standard library and the engine's torch-free layout only.
+"""A run's ``LATEST`` and ``BEST`` pointers (relative symlinks, replaced atomically, moving forward only), and which
+checkpoint a run's checkpoint root designates. Standard library and the engine's torch-free layout only.
 """
 
 import os
@@ -173,8 +169,7 @@ def set_aside_non_link(checkpoint_root: Union[str, Path], name: str = LATEST_NAM
 
 
 def remove_latest_pointer(checkpoint_root: Union[str, Path], name: str = LATEST_NAME) -> None:
-    """Remove ``<checkpoint_root>/LATEST`` (or ``<name>``) if it exists (a reader then finds no pointer, never a
-    dangling one)."""
+    """Remove ``<checkpoint_root>/LATEST`` (or ``<name>``) if it exists: no pointer rather than a dangling one."""
     (Path(checkpoint_root) / name).unlink(missing_ok=True)
 
 

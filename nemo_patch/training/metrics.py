@@ -31,8 +31,7 @@ class Observer(ConsolidationObserver):
 
     def __init__(self, coordinator: Any) -> None:
         super().__init__(coordinator)
-        #: ``(ConsolidationRecord, global step of its checkpoint)`` per published consolidation of this run, oldest
-        #: first.
+        #: ``(ConsolidationRecord, global step of its checkpoint)`` per published consolidation, oldest first.
         self.records: List[Tuple[Any, int]] = []
         self._logged_records = 0
         self._logged_skipped = 0
@@ -42,9 +41,8 @@ class Observer(ConsolidationObserver):
             self.records.append((record, save.global_step))
 
     def report(self, trainer: Any) -> None:
-        """Log the consolidations published since the last call, each at its checkpoint's global step (one
-        ``log_metrics`` call each), and ``consolidation/skipped`` alone at ``trainer.global_step`` when only that
-        changed."""
+        """Log the consolidations published since the last call, each at its checkpoint's global step, and
+        ``consolidation/skipped`` alone at ``trainer.global_step`` when only that changed."""
         if not trainer.loggers:
             return
         new = self.records[self._logged_records :]

@@ -12,12 +12,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Phases of ``ckpt_consolidation_frequency``: ``"<cadence>; <cadence>@<step>; ...[; latest]"``.
+"""Phases of ``ckpt_consolidation_frequency``: ``"<cadence>; <cadence>@<step>; ...[; latest]"`` (:data:`ACCEPTED`).
 
-The first cadence applies from the start; each ``<cadence>@<step>`` replaces it for checkpoints saved at global step
-``<step>`` or later (steps strictly increasing), and ``every_n`` counts the checkpoints of its own phase. A final
-``"; latest"`` also consolidates the newest finished checkpoint when ``fit`` ends. Examples:
-``"every_n:10; each@50000"``, ``"best; each@90000"``, ``"every_n:20; latest"``. Standard library only.
+Each ``<cadence>@<step>`` replaces the cadence before it for checkpoints saved at global step ``<step>`` or later, and
+``every_n`` counts the checkpoints of its own phase. Standard library only.
 """
 
 import re

@@ -83,12 +83,7 @@ class ConsolidationPolicy:
 
     def phase_at(self, global_step: int) -> Optional[CadencePhase]:
         """The phase of a checkpoint saved at ``global_step`` (``None`` for ``"latest"``)."""
-        current = None
-        for phase in self.phases:
-            if phase.start_step > global_step:
-                break
-            current = phase
-        return current
+        return next((phase for phase in reversed(self.phases) if phase.start_step <= global_step), None)
 
     def is_due(self, global_step: int, index_in_phase: int, best: bool = False) -> bool:
         """Whether a finished checkpoint is consolidated when it finishes: always in ``"each"``, the k-th of its phase
@@ -128,11 +123,7 @@ def _invalid(value: object, why: str) -> ValueError:
 
 def _cadence(item: str) -> Tuple[CadencePhase, bool]:
     """One cadence (``"each"``, ``"every_n:<k>"``, ``"best"`` where installed) with the ``@<global step>`` it applies
-    from, and whether that step was given.
-
-    Raises:
-        ValueError: saying why ``item`` is not one.
-    """
+    from, and whether that step was given; ``ValueError`` says why ``item`` is not one."""
     match = _CADENCE.fullmatch(item)
     if match is None or (match.group(1) == "best" and "best" not in _MORE_CADENCES):
         lower = item.lower()

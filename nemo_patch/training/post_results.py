@@ -12,10 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The post command of a training run, on the training side's two ends: run in the consolidation process after each
-publish (:func:`run_post_command`, registered in ``worker.AFTER_PUBLISH``), and its result read in the training
-process when the consolidation is reaped (:func:`read_post_command`, registered in ``hooks.POST_COMMAND_READERS``).
-Standard library and :mod:`nemo_patch.runs.post_command` only."""
+"""The post command of a training run: run in the consolidation process after each publish (:func:`run_post_command`),
+and its result read in the training process when the consolidation is reaped (:func:`read_post_command`)."""
 
 import logging
 import signal

@@ -15,11 +15,10 @@
 """Consolidation off the training path: one long-lived process per run (global rank 0), fed by a small bounded queue.
 
 :class:`ConsolidationQueue` hands its requests, one at a time, to one ``python -m <package>.worker --serve`` process
-that lives for the whole run (``import torch`` is paid once). Protocol: one JSON line per request on its stdin,
-``{"checkpoint", "global_step", "best", "run"}``; on its stdout ``{"ready": true}`` once it has imported what it
-needs, then one line per ended request, ``{"error": null | "<one-line reason>"}`` (``{"published": true}`` before it
-when a post command runs); anything else goes to an anonymous temporary file. A process that dies fails the request it
-was serving, and the next request starts a new one. The training loop only polls; it waits only when ``fit`` ends.
+that lives for the whole run. Protocol: one JSON line per request on its stdin, ``{"checkpoint", "global_step",
+"best", "run"}``; on its stdout ``{"ready": true}`` once it has imported what it needs, then one line per ended
+request, ``{"error": null | "<one-line reason>"}`` (``{"published": true}`` before it when a post command runs). A
+process that dies fails the request it was serving, and the next request starts a new one.
 """
 
 import contextlib
@@ -148,7 +147,6 @@ class _Process:
         self._wait(_TERMINATE_GRACE_SECONDS)
 
     def _wait(self, seconds: float) -> None:
-        """Wait for the exit, killing the process after ``seconds``."""
         try:
             self.process.wait(seconds)
         except subprocess.TimeoutExpired:
@@ -176,8 +174,12 @@ class _Process:
         """Why the (ended) process ended, in one line."""
         code = self.process.wait()
         if code < 0:  # killed by a signal: what it printed last is not the reason
-            return f"consolidation process was killed by {_describe_exit(code)}"
-        return self.last_line() or f"consolidation process exited with {_describe_exit(code)}"
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            return f"consolidation process was killed by signal {name}"
+        return self.last_line() or f"consolidation process exited with exit code {code}"
 
 
 class _Running:
@@ -301,11 +303,8 @@ class ConsolidationQueue:
                     dropped.append(save)
                 else:
                     self._pending.append(save)
-            while (
-                bounded
-                and len(self._pending) > self._max_pending + (0 if self._running else 1)
-                and id(self._pending[0]) not in burst
-            ):
+            waiting = self._max_pending + (0 if self._running else 1)  # may wait: one more while none runs
+            while bounded and len(self._pending) > waiting and id(self._pending[0]) not in burst:
                 skipped = self._pending.popleft()
                 self._move(skipped, RequestState.SKIPPED)
                 self.skipped.append(skipped)
@@ -500,12 +499,3 @@ class ConsolidationQueue:
                 removals, self._deferred_removals = self._deferred_removals, []
             for remove in removals:
                 remove()
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"

@@ -15,9 +15,8 @@
 """Consolidated outputs outlive NeMo's top-k retention, and ``LATEST`` never names a removed checkpoint.
 
 Before NeMo's ``ModelCheckpoint(save_top_k=...)`` removes a checkpoint that holds a complete output, the output is
-given a second home, ``<root>/retained/<checkpoint name>/consolidated/`` (hard links, or copies; all or nothing),
-bounded by ``ConsolidationConfig.keep``; ``LATEST`` and ``BEST`` move off the checkpoint first (docs/retention.md).
-NeMo's resume ignores ``retained/``. :class:`Observer` does this for a run; never imports NeMo or Lightning.
+given a second home, ``<root>/retained/<checkpoint name>/consolidated/`` (within ``ConsolidationConfig.keep``), and
+``LATEST`` and ``BEST`` move off the checkpoint. Never imports NeMo or Lightning.
 """
 
 import contextlib
@@ -538,8 +537,7 @@ class Observer(ConsolidationObserver):
 
     def _superseded(self, run: Optional[str], current: Path) -> bool:
         """Whether this fit's own output (``run`` is the training run's) supersedes the ``current`` output of another
-        run, whose save finished before this fit started (a rollback, or a resume of an older run): the run that
-        trains now publishes the newest outputs."""
+        run, whose save finished before this fit started (a rollback, or a resume of an older run)."""
         from nemo_patch.engine.save_identity import recorded_identity
 
         started = getattr(self.coordinator, "fit_started_ns", None)
@@ -563,9 +561,8 @@ class Observer(ConsolidationObserver):
         return {METADATA_FILENAME: (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode()}
 
     def point(self, checkpoint_dir: Path, pointer: str = LATEST_NAME) -> None:
-        """Point ``LATEST`` (or ``BEST``) at a checkpoint whose output was published, unless its removal has started.
-        Something that took the pointer's place (a directory a sync tool made by following the link) is moved aside
-        first (a warning)."""
+        """Point ``LATEST`` (or ``BEST``) at a checkpoint whose output was published, unless its removal has started;
+        what took the pointer's place (e.g. a directory a sync tool made) is moved aside first (a warning)."""
         with self.coordinator.lock:
             if checkpoint_dir in self.coordinator.deleting or files_gone(checkpoint_dir):
                 return

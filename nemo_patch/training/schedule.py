@@ -15,9 +15,8 @@
 """Book-keeping of a run's checkpoint saves: which are finished, and which of those to consolidate.
 
 The cadence counts *finished checkpoints by global step* (NeMo's ``<name>-last`` copy of a step is not counted again:
-it gets the step's output), stored in each checkpoint so that the count goes on across a resume.
-:class:`ConsolidationObserver` is how a later feature takes part in what happens to a save. Never imports torch, NeMo
-or Lightning.
+it gets the step's output), stored in each checkpoint so that the count goes on across a resume. Extensions take part
+through :class:`ConsolidationObserver`. Never imports torch, NeMo or Lightning.
 """
 
 import enum

@@ -13,8 +13,7 @@
 # limitations under the License.
 
 """A run's consolidation settings, resolved once into one frozen value that travels unchanged: strategy -> checkpoint
-IO -> queue -> the consolidation process's command line (:meth:`ConsolidationSettings.to_json`). Standard library
-only (plus the cadence and the config)."""
+IO -> queue -> the consolidation process's command line (:meth:`ConsolidationSettings.to_json`)."""
 
 import json
 from dataclasses import asdict, dataclass, field, fields
