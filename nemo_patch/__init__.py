@@ -16,26 +16,9 @@
 
 Importing this package enables the overlay (unless ``NEMO_PATCH_DISABLE=1``): NeMo's ``MegatronStrategy``,
 ``MegatronCheckpointIO``, ``ModelCheckpoint`` and ``PEFT`` run with the edits of ``nemo_patch/overlay/nemo_edits/``
-applied to their source, so that ``nemo.lightning.MegatronStrategy`` accepts ``save_consolidated``,
-``ckpt_consolidation_frequency`` and ``ckpt_consolidation`` (a :class:`ConsolidationConfig`) -- at once if NeMo is
-already imported, else as soon as it is. Installing the package does the same for every interpreter, without
-importing NeMo at start-up (see :mod:`nemo_patch.overlay.hook`).
-
-The package is three layers, one subpackage each, plus the export and the CLI (see "Architecture" in
-docs/how-it-works.md):
-
-* :mod:`nemo_patch.engine`: a distributed checkpoint in, safetensors out (torch and safetensors only);
-* :mod:`nemo_patch.training`: settings, cadence, what NeMo's edited classes call, the consolidation process and its
-  queue, and the later features (retention and ``LATEST``, ``BEST``, the journal, hooks, metrics);
-* :mod:`nemo_patch.overlay`: the import hook that applies NeMo's edits, the version gate and the deprecated
-  spellings (standard library until NeMo is imported);
-* :mod:`nemo_patch.export` (Hugging Face) and :mod:`nemo_patch.cli` (``nemo-consolidate``).
-
-The public names (``__all__``) are those the API reference documents. :class:`MegatronStrategy` and
-:class:`MegatronCheckpointIO` are NeMo's own (edited) classes, imported on first use, so that the consolidation engine
-(:func:`consolidate_checkpoint`) can run in a process that never imports NeMo; so are the torch-dependent ones, so
-that ``import nemo_patch`` itself imports neither. Everything else lives in the subpackages and may change between
-releases.
+applied to their source (subpackages: "Architecture" in docs/how-it-works.md). The public names (``__all__``) are
+those the API reference documents; NeMo's (edited) classes and the torch-dependent names are imported on first use,
+so that ``import nemo_patch`` imports neither NeMo nor torch. The rest may change between releases.
 """
 
 import importlib
@@ -69,31 +52,16 @@ _LAZY = {
     "consolidation_config": "nemo_patch.training.config",
 }
 
-__all__ = [
-    "ConsolidationConfig",
-    "ConsolidationError",
-    "ConsolidationOutcome",
-    "ConsolidationResult",
-    "ConsolidationSettings",
-    "MegatronCheckpointIO",
-    "MegatronStrategy",
-    "consolidate_checkpoint",
-    "consolidation_config",
-    "export_hf_checkpoint",
-    "find_best_checkpoint",
-    "load_consolidated_into",
-    "load_consolidated_state_dict",
-    "locate_checkpoint",
-    "overlay_applied",
-    "read_latest_pointer",
-    "verify_consolidated",
-]
+__all__ = ["ConsolidationConfig", "ConsolidationError", "ConsolidationOutcome", "ConsolidationResult"]
+__all__ += ["ConsolidationSettings", "MegatronCheckpointIO", "MegatronStrategy", "consolidate_checkpoint"]
+__all__ += ["consolidation_config", "export_hf_checkpoint", "find_best_checkpoint", "load_consolidated_into"]
+__all__ += ["load_consolidated_state_dict", "locate_checkpoint", "overlay_applied", "read_latest_pointer"]
+__all__ += ["verify_consolidated"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
+        globals()[name] = value = getattr(importlib.import_module(_LAZY[name]), name)
         return value
     raise AttributeError(f"module 'nemo_patch' has no attribute {name!r}")
 

@@ -14,9 +14,7 @@
 
 """``python -m nemo_patch``: the ``nemo-consolidate`` command (:mod:`nemo_patch.cli.nemo_consolidate`)."""
 
-import sys
-
 from nemo_patch.cli.nemo_consolidate import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -14,10 +14,7 @@
 
 """The overlay: NeMo's own modules run with the edits that go upstream (``nemo_edits/*.diff``) applied to their source.
 
-:mod:`.hook` is the import hook that ``nemo_patch.pth`` installs at interpreter start-up (standard library only, and
-no other ``nemo_patch`` module); it applies the diffs as NeMo imports the files they edit. :mod:`.apply` connects it to
-the package; :mod:`.version` refuses an unsupported NeMo before anything of NeMo's is imported; :mod:`.deprecated`
-holds the spellings the overlay deprecates (upstream NeMo never had them). Nothing here goes upstream except the
-diffs. May import the training side; nothing else imports this package but the package root. This ``__init__``
-imports nothing.
+:mod:`.hook` is the start-up import hook (standard library only), :mod:`.apply` connects it to the package,
+:mod:`.version` refuses an unsupported NeMo, :mod:`.deprecated` holds the deprecated spellings. Nothing here goes
+upstream except the diffs. This ``__init__`` imports nothing.
 """

@@ -13,10 +13,8 @@
 # limitations under the License.
 
 """Apply the overlay: NeMo's modules edited by the start-up hook (:mod:`.hook`), and the overlay's own additions to
-the edited classes (:mod:`.deprecated`).
-
-Imports the standard library and :mod:`.hook` at module level; the training side (and with it NeMo) only inside the
-functions the hook calls once NeMo is being imported.
+the edited classes (:mod:`.deprecated`). Imports the standard library and :mod:`.hook` at module level; the training
+side (and with it NeMo) only inside the functions the hook calls once NeMo is being imported.
 """
 
 from types import ModuleType

@@ -194,8 +194,7 @@ def install(module: ModuleType) -> None:
     strategy = vars(module).get("MegatronStrategy")
     if module.__name__.endswith(".megatron_strategy") and isinstance(strategy, type):
         _accepting(strategy, _strategy_keywords)
-        views = dict(common)
-        views.update({keyword: f"config.{field}" for keyword, field in deprecated_keywords("strategy").items()})
+        views = {**common, **{kw: f"config.{field}" for kw, field in deprecated_keywords("strategy").items()}}
         for name, path in views.items():
             setattr(strategy, name, _view("MegatronStrategy", name, path))
     io = vars(module).get("MegatronCheckpointIO")

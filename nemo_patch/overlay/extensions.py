@@ -18,6 +18,7 @@ consolidation process's launcher (:func:`launch`) and entry point (:func:`extend
 :func:`register_extensions`; ``import nemo_patch`` stays free of torch and Lightning.
 """
 
+import contextlib
 import importlib
 import sys
 from importlib.machinery import ModuleSpec, PathFinder, SourceFileLoader
@@ -25,20 +26,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES
 from nemo_patch.training import hooks, phases, post_results
 from nemo_patch.training.policy import _MORE_CADENCES, extend_cadences
 from nemo_patch.training.schedule import ObserverOf, register_observer
+from nemo_patch.training.settings import OUTPUT_DIRNAME_OF
 from nemo_patch.training.worker import PROCESS_LAUNCHERS
 
 __all__ = ["ENGINE_EXTENSIONS", "OBSERVER_MODULES", "after_publish", "consolidator", "extend_worker", "launch"]
 __all__ += ["output_dirname", "register_extensions"]
 
-#: The modules whose ``Observer`` every coordinator gets, in the order it calls them (``BEST`` moves before retention
-#: prunes).
+#: The modules whose ``Observer`` every coordinator gets, in call order (``BEST`` moves before retention prunes).
 OBSERVER_MODULES = tuple(
     f"nemo_patch.training.{name}" for name in ("best", "retention", "journal", "metrics", "hooks")
 )
-
 
 #: The engine's later additions (``None`` in NeMo's tree): engine module -> modules set as its attributes when run.
 ENGINE_EXTENSIONS = {
@@ -48,17 +49,13 @@ ENGINE_EXTENSIONS = {
 }
 
 
-def _extend_engine_module(module: ModuleType) -> None:
-    for name in ENGINE_EXTENSIONS.get(module.__name__, ()):
-        setattr(module, name, importlib.import_module(f"nemo_patch.engine.{name}"))
-
-
 class _ExtendingLoader(SourceFileLoader):
     """Executes an engine module from its source file, then gives it its extensions."""
 
     def exec_module(self, module: ModuleType) -> None:
         super().exec_module(module)
-        _extend_engine_module(module)
+        for name in ENGINE_EXTENSIONS.get(module.__name__, ()):
+            setattr(module, name, importlib.import_module(f"nemo_patch.engine.{name}"))
 
 
 class _EngineFinder:
@@ -107,10 +104,8 @@ def consolidator(settings: Any, preload: bool) -> Optional[Tuple[Callable[..., A
         from nemo_patch.export.hf import export_hf_checkpoint
 
         if preload:
-            try:
+            with contextlib.suppress(Exception):  # reported by the consolidation that needs it
                 importlib.import_module("nemo.collections.llm")
-            except Exception:  # noqa: BLE001 - reported by the consolidation that needs it
-                pass
         return export_hf_checkpoint, more
     if more:
         from nemo_patch.engine.consolidate import consolidate_checkpoint
@@ -127,14 +122,10 @@ def after_publish(settings: Any) -> Optional[Callable[[Any, Path, Optional[int]]
 
 def output_dirname(config: Any) -> str:
     """The output directory's name for ``config.format`` (``consolidated`` or ``hf``)."""
-    from nemo_patch.engine.output_layout import OUTPUT_DIRNAMES
-
     return OUTPUT_DIRNAMES[config.format]
 
 
 def _register_output_dirname() -> None:
-    from nemo_patch.training.settings import OUTPUT_DIRNAME_OF
-
     if output_dirname not in OUTPUT_DIRNAME_OF:
         OUTPUT_DIRNAME_OF.append(output_dirname)
 

@@ -14,11 +14,10 @@
 
 """The overlay's import hook: NeMo's modules are executed with the edits of ``nemo_edits/`` applied to their source.
 
-The edits are the unified diffs that go upstream, in the order ``nemo_edits/series`` lists. ``nemo_patch.pth`` calls
-:func:`install` at interpreter start-up, which adds a meta-path finder whose loader applies every hunk strictly (its
-old lines found exactly once); a series that does not apply leaves NeMo unedited, with one warning
-(docs/installation.md), and the unedited ``MegatronStrategy`` refuses the consolidation arguments
-(:func:`guard_unedited`). Standard library only. ``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) leaves NeMo unedited.
+``nemo_patch.pth`` calls :func:`install` at interpreter start-up. Every hunk of the diffs ``nemo_edits/series`` lists
+applies strictly (its old lines found exactly once), or NeMo runs unedited, with one warning, and its
+``MegatronStrategy`` refuses the consolidation arguments (:func:`guard_unedited`). Standard library only.
+``NEMO_PATCH_DISABLE=1`` (or ``true``/``yes``) leaves NeMo unedited.
 """
 
 import functools
@@ -29,6 +28,7 @@ import re
 import sys
 import warnings
 from importlib.machinery import ModuleSpec
+from importlib.util import find_spec
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -55,8 +55,7 @@ class OverlayNotAppliedError(RuntimeError):
 
 
 class _State:
-    """What this process knows: the edited sources by module (``None`` until computed; empty when refused), and why
-    they are empty."""
+    """What this process knows: the edited sources by module (``None`` until computed; empty when refused), and why."""
 
     sources: Optional[Dict[str, str]] = None
     reason: Optional[str] = None
@@ -75,12 +74,6 @@ def overlay_applied() -> bool:
     return TARGET_MODULE in _State.edited and TARGET_MODULE in sys.modules
 
 
-def is_consolidation_keyword(name: str) -> bool:
-    """Whether ``name`` is a keyword only the edited ``MegatronStrategy`` takes: ``save_consolidated``,
-    ``ckpt_consolidation`` and ``ckpt_consolidation_<anything>`` (the cadence and the deprecated flat keywords)."""
-    return name == "save_consolidated" or name.startswith("ckpt_consolidation")
-
-
 def not_applied_reason() -> Optional[str]:
     """Why NeMo's ``MegatronStrategy`` module is not edited in this process, or ``None`` when it is."""
     if overlay_applied():
@@ -95,9 +88,9 @@ def not_applied_reason() -> Optional[str]:
 
 
 def guard_unedited(module: ModuleType) -> None:
-    """Make the unedited ``MegatronStrategy`` of NeMo's ``module`` refuse the consolidation keywords
-    (:func:`is_consolidation_keyword`) with :class:`OverlayNotAppliedError`; other modules, a class already guarded,
-    and one whose ``__init__`` takes ``ckpt_consolidation_frequency`` itself (a NeMo with the series merged) are left
+    """Make the unedited ``MegatronStrategy`` of NeMo's ``module`` refuse ``save_consolidated`` and the
+    ``ckpt_consolidation*`` keywords with :class:`OverlayNotAppliedError`; other modules, a class already guarded, and
+    one whose ``__init__`` takes ``ckpt_consolidation_frequency`` itself (a NeMo with the series merged) are left
     alone. The class keeps its signature (``functools.wraps``) and NeMo's ``IOMixin`` wrapping."""
     strategy = vars(module).get("MegatronStrategy")
     if module.__name__ != TARGET_MODULE or not isinstance(strategy, type):
@@ -109,7 +102,7 @@ def guard_unedited(module: ModuleType) -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        asked = sorted(name for name in kwargs if is_consolidation_keyword(name))
+        asked = sorted(name for name in kwargs if name == "save_consolidated" or name.startswith("ckpt_consolidation"))
         if asked:
             raise OverlayNotAppliedError(
                 f"MegatronStrategy({', '.join(asked)}=...) needs the nemo_patch overlay, which is not applied to "
@@ -124,7 +117,6 @@ def guard_unedited(module: ModuleType) -> None:
 
 
 def _takes_the_knob(init: Any) -> bool:
-    """Whether ``init`` already takes ``ckpt_consolidation_frequency`` (a NeMo with the series merged)."""
     try:
         return "ckpt_consolidation_frequency" in inspect.signature(init).parameters
     except (TypeError, ValueError):
@@ -192,7 +184,8 @@ def _nemo_version() -> str:
 def _refuse(message: str) -> Dict[str, str]:
     _State.reason = message
     warnings.warn(f"nemo_patch overlay not applied: {message}; NeMo runs unedited", RuntimeWarning, stacklevel=3)
-    return {}
+    _State.sources = {}
+    return _State.sources
 
 
 def edited_sources() -> Dict[str, str]:
@@ -208,10 +201,7 @@ def edited_sources() -> Dict[str, str]:
             _State.prepare()
         series = read_series()
     except Exception as error:  # never break `import nemo` because of the overlay
-        _State.sources = _refuse(str(error))
-        return _State.sources
-    from importlib.util import find_spec
-
+        return _refuse(str(error))
     spec = find_spec("nemo")
     root = os.path.dirname(list(spec.submodule_search_locations or [""])[0]) if spec is not None else ""
     sources: Dict[str, str] = {}
@@ -222,12 +212,10 @@ def edited_sources() -> Dict[str, str]:
                 with open(os.path.join(root, path)) as file:
                     sources[module] = file.read()
             except OSError as error:
-                _State.sources = _refuse(f"{path} of nemo_toolkit {_nemo_version()} cannot be read ({error})")
-                return _State.sources
+                return _refuse(f"{path} of nemo_toolkit {_nemo_version()} cannot be read ({error})")
         sources[module], reason = apply_hunks(sources[module], hunks)
         if reason is not None:
-            _State.sources = _refuse(f"{path} of nemo_toolkit {_nemo_version()} does not match {name} ({reason})")
-            return _State.sources
+            return _refuse(f"{path} of nemo_toolkit {_nemo_version()} does not match {name} ({reason})")
     _State.sources = sources
     return sources
 
@@ -287,7 +275,6 @@ class _OverlayFinder:
 
     # Set while this finder asks the others (another copy of this hook would ask us back): answer nothing then.
     _searching = False
-
     _watched: Optional[Set[str]] = None
 
     def find_spec(

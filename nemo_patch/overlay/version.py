@@ -12,11 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Which NeMo releases nemo_patch supports, checked before anything of NeMo's is imported.
-
-Imports the standard library and ``packaging`` only, never NeMo (it runs before NeMo is imported) nor other
-``nemo_patch`` modules.
-"""
+"""Which NeMo releases nemo_patch supports, checked before anything of NeMo's is imported (standard library and
+``packaging`` only, never NeMo nor other ``nemo_patch`` modules)."""
 
 import os
 from importlib import metadata, util
