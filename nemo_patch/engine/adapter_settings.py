@@ -60,8 +60,7 @@ def peft_settings(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
         return None
     settings: Dict[str, Any] = {"method": transform["_target_"]}
     for key, value in sorted(transform.items()):
-        if key.startswith("_"):
-            continue
-        if isinstance(value, _KEPT) or (isinstance(value, list) and all(isinstance(v, _KEPT) for v in value)):
+        plain = isinstance(value, _KEPT) or (isinstance(value, list) and all(isinstance(v, _KEPT) for v in value))
+        if not key.startswith("_") and plain:  # not NeMo's own objects
             settings[key] = value
     return settings

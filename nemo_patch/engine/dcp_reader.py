@@ -59,7 +59,6 @@ def _refused_in_one_line(where: str, load: Callable[[], Any]) -> Any:
 
 
 def _check_holds(tensor: Any, where: str, key: str, item: TensorStorageMetadata, sizes: Any) -> None:
-    """Refuse a record that does not hold a tensor of its chunk's dtype and shape."""
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != item.properties.dtype or tensor.shape != sizes:
         got = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         declared = f"{item.properties.dtype} {list(sizes or [])}"

@@ -69,7 +69,6 @@ def load_consolidated_state_dict(path: Union[str, Path]) -> Dict[str, torch.Tens
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """Return the megatron-core module inside a NeMo ``LightningModule`` (its ``.module``), else ``model``."""
     inner = getattr(model, "module", None)
     return inner if isinstance(inner, torch.nn.Module) else model
 

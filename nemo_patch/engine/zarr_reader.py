@@ -153,7 +153,6 @@ class _Array:
 
 
 def _parse_array(key: str, path: Path, inodes: Optional[Dict[Tuple[int, int], Path]] = None) -> _Array:
-    """The ``.zarray`` of one array, checked field by field."""
     where = f"zarr array {key} ({path / _ARRAY_FILE})"
     try:
         if path.is_symlink():
@@ -241,8 +240,7 @@ class ZarrRegionReader:
     """
 
     def __init__(self, path: Path, metadata: Metadata) -> None:
-        self.path = Path(path)
-        self.metadata = metadata
+        self.path, self.metadata = Path(path), metadata
         self._arrays: Dict[str, _Array] = {}
         self._inodes: Dict[Tuple[int, int], Path] = {}  # every chunk file read: no two the same file
 
