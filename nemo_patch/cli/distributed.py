@@ -192,13 +192,10 @@ class LaunchedGroup:
         os.environ.setdefault("RANK", str(self.rank))
         os.environ.setdefault("WORLD_SIZE", str(self.world_size))
         try:
+            timeout = capped_timedelta(self.timeout)
             with _stderr_held():
                 dist.init_process_group(
-                    "gloo",
-                    init_method="env://",
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    timeout=capped_timedelta(self.timeout),
+                    "gloo", init_method="env://", rank=self.rank, world_size=self.world_size, timeout=timeout
                 )
         except Exception as error:  # noqa: BLE001 - the store's and gloo's errors have no common type
             raise PeerError(

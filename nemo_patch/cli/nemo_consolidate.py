@@ -130,16 +130,11 @@ def _add_setting_options(groups: Dict[str, Any]) -> None:
         group = groups[spec.cli.group]
         if spec.default is False:
             group.add_argument(spec.cli.flag, action="store_true", help=spec.cli.help)
-            continue
-        group.add_argument(
-            spec.cli.flag,
-            # with choices, no type: argparse checks choices after the type
-            type=None if spec.cli.choices else _setting_type(spec, spec.cli.flag, spec.cli.parse),
-            default=spec.default,
-            choices=spec.cli.choices,
-            metavar=spec.cli.metavar,
-            help=spec.cli.help,
-        )
+        else:  # with choices, no type: argparse checks choices after the type
+            group.add_argument(
+                spec.cli.flag, type=None if spec.cli.choices else _setting_type(spec, spec.cli.flag, spec.cli.parse),
+                default=spec.default, choices=spec.cli.choices, metavar=spec.cli.metavar, help=spec.cli.help,
+            )  # fmt: skip
 
 
 def _path_argument(text: str) -> Any:
@@ -530,10 +525,8 @@ def _post_command(args: argparse.Namespace, location: "CheckpointLocation", resu
     one line when it fails or times out (the output stays published: it is complete)."""
     from nemo_patch.runs.post_command import PostCommandError, run_post_command
 
-    done = run_post_command(
-        args.post_command, result.output_dir, args.format, result.global_step, location.checkpoint_dir,
-        timeout=args.post_command_timeout,
-    )  # fmt: skip
+    done = run_post_command(args.post_command, result.output_dir, args.format, result.global_step,
+                            location.checkpoint_dir, timeout=args.post_command_timeout)  # fmt: skip
     if not done.ok:
         print(f"{PROG}: error: {PostCommandError.__name__}: {done.describe()}", file=sys.stderr)
         return PostCommandError.exit_code

@@ -811,10 +811,8 @@ def _consolidator(args: argparse.Namespace, write_output: Callable[..., Any]) ->
     ) -> "tuple[int, int]":
         log = not args.quiet and not sys.stderr.isatty()  # a job log: a progress line every --progress-interval
         progress, _ = progress_bar(log, sys.stderr, args.progress_interval, checkpoint.path.name)
-        result = write_output(
-            args, checkpoint.path, output, overwrite=True, global_step=checkpoint.global_step, staging_dir=staging,
-            before_publish=before_publish, progress=progress,
-        )  # fmt: skip
+        result = write_output(args, checkpoint.path, output, overwrite=True, global_step=checkpoint.global_step,
+                              staging_dir=staging, before_publish=before_publish, progress=progress)  # fmt: skip
         return result.tensor_count, result.total_bytes
 
     return consolidate
