@@ -31,10 +31,13 @@ from typing import List, Tuple
 import pytest
 import torch
 from conftest import REPO
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from nemo_patch.cli.nemo_consolidate import build_parser
 from nemo_patch.cli.nemo_consolidate import main as consolidate_main
+from nemo_patch.engine.adapter_settings import peft_settings
 from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.export.errors import UntrustedContextError
 from nemo_patch.runs.post_command import PLACEHOLDERS, check_placeholders, run_post_command
@@ -293,3 +296,39 @@ def test_a_json_side_file_that_is_a_device_or_a_fifo_is_read_as_none(tmp_path):
     (tmp_path / "small.json").write_text('{"sharded_backend": "zarr"}')
     assert [_json(tmp_path / name) for name in ("zero.json", "fifo.json", "big.json")] == [{}, {}, {}]
     assert _json(tmp_path / "small.json") == {"sharded_backend": "zarr"}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    transform=st.dictionaries(
+        st.one_of(st.text(max_size=8), st.integers(), st.booleans(), st.none(), st.floats(allow_nan=False)),
+        st.recursive(
+            st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=8)),
+            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+            max_leaves=6,
+        ),
+        max_size=6,
+    )
+)
+def test_a_crafted_model_transform_gives_settings_or_none_never_an_error(tmp_path, transform):
+    """``context/model.yaml`` is the checkpoint's: a ``model_transform`` whose keys are not all strings (YAML allows
+    ``1: 2`` or ``null: x``) made ``peft_settings`` raise ``TypeError`` from sorting them (or ``AttributeError`` on
+    ``key.startswith``), crashing the consolidation or export of an adapter checkpoint instead of treating its settings
+    as unknown."""
+    yaml = pytest.importorskip("yaml")
+    transform = {**transform, "_target_": "nemo.collections.llm.peft.lora.LoRA", "dim": 8}
+    (tmp_path / "context").mkdir(exist_ok=True)
+    (tmp_path / "context" / "model.yaml").write_text(yaml.safe_dump({"model_transform": transform}))
+
+    found = peft_settings(tmp_path)
+
+    assert found is not None and found["dim"] == 8
+    assert all(isinstance(key, str) and (key == "method" or not key.startswith("_")) for key in found)
+
+    def plain(value):
+        return not isinstance(value, (list, dict)) or (
+            isinstance(value, list) and all(not isinstance(item, (list, dict)) for item in value)
+        )
+
+    kept = {key: value for key, value in transform.items() if isinstance(key, str) and key[:1] != "_" and plain(value)}
+    assert found == {"method": transform["_target_"], **kept}

@@ -59,7 +59,7 @@ def peft_settings(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
     if not isinstance(transform, dict) or not isinstance(transform.get("_target_"), str):
         return None
     settings: Dict[str, Any] = {"method": transform["_target_"]}
-    for key, value in sorted(transform.items()):
+    for key, value in sorted((key, value) for key, value in transform.items() if isinstance(key, str)):
         plain = isinstance(value, _KEPT) or (isinstance(value, list) and all(isinstance(v, _KEPT) for v in value))
         if not key.startswith("_") and plain:  # not NeMo's own objects
             settings[key] = value
