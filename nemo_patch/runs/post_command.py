@@ -349,14 +349,11 @@ def _collect(
             metrics.update(parse_metrics_line(line.decode("utf-8", errors="replace")) or {})
 
     pending = b""
-    timed_out = stopped = False
     while True:
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            timed_out = True
-            break
-        if asked():
-            stopped = True
+        timed_out = remaining <= 0
+        stopped = not timed_out and asked()
+        if timed_out or stopped:
             break
         if not selector.select(timeout=min(remaining, 1.0)):
             continue
