@@ -267,8 +267,7 @@ class LaunchedGroup:
         """Wait until every message sent so far has reached its peer (PeerError: a peer was lost before)."""
         deadline, lost = time.monotonic() + self.timeout, {}
         for peer, work, _ in self._sends:
-            reason = None if peer in lost else self._wait(work, deadline)
-            if reason is not None:
+            if peer not in lost and (reason := self._wait(work, deadline)) is not None:
                 lost[peer] = reason
         self._sends.clear()
         self._lost.update(lost)
@@ -285,8 +284,7 @@ class LaunchedGroup:
             except RuntimeError as error:
                 lost[peer] = self._failure(error, deadline)
         for peer, work in works.items():
-            reason = self._wait(work, deadline)
-            if reason is not None:
+            if (reason := self._wait(work, deadline)) is not None:
                 lost[peer] = reason
         self._lost.update(lost)
         return lost
