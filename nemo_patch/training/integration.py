@@ -63,8 +63,9 @@ class _NeMoLogging(logging.Handler):
 
 
 def use_nemo_logging() -> None:
-    """Route the loggers of ``nemo_patch.training`` through NeMo's logger (:class:`_NeMoLogging`, once per process)
-    instead of propagating; their level becomes ``INFO`` unless one was set, as NeMo's INFO lines show."""
+    """Route the loggers of ``nemo_patch.training``
+    through NeMo's logger (:class:`_NeMoLogging`, once per process) instead of propagating; their level becomes
+    ``INFO`` unless one was set, as NeMo's INFO lines show."""
     training = logging.getLogger("nemo_patch.training")
     if not any(type(handler).__name__ == "_NeMoLogging" for handler in training.handlers):  # also across reloads
         training.addHandler(_NeMoLogging())
@@ -136,10 +137,9 @@ def coordinator(settings: Optional[ConsolidationSettings]) -> Optional[Consolida
     return ConsolidationCoordinator(settings, is_global_zero=is_global_rank_zero)
 
 
-def _with_settings(checkpoint_io: Any, settings: ConsolidationSettings) -> Any:
+def _with_settings(checkpoint_io: Any, settings: ConsolidationSettings) -> None:
     checkpoint_io.consolidation_settings = settings
     checkpoint_io.consolidation = coordinator(settings)
-    return checkpoint_io
 
 
 def with_consolidation(checkpoint_io: Any, settings: ConsolidationSettings) -> Any:

@@ -392,8 +392,7 @@ class Observer(ConsolidationObserver):
             if files_gone(checkpoint):
                 gone.append(_show(checkpoint.name))
                 continue
-            identity = _identity(entry.get("identity"))
-            if not _unchanged_since(checkpoint, identity, journal_mtime):
+            if not _unchanged_since(checkpoint, _identity(entry.get("identity")), journal_mtime):
                 changed.append(_show(checkpoint.name))
                 continue
             step = entry.get("global_step")
