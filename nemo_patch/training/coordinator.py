@@ -279,9 +279,8 @@ class ConsolidationCoordinator:
             self.synced_seconds += time.perf_counter() - start
 
     def consolidate_finished(self, bounded: bool = True) -> None:
-        """Hand the saves that finished since the last call and are due to the consolidation process, give ``-last``
-        copies their step's output, reap and start consolidations; returns at once. ``bounded``: apply the queue's
-        ``max_pending`` (``False`` when ``fit`` ends)."""
+        """Hand the due saves that finished since the last call to the consolidation process, give ``-last`` copies
+        their step's output, reap and start consolidations; returns at once. ``bounded``: within ``max_pending``."""
         self.sync()
         self._pass(bounded)
 

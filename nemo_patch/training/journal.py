@@ -255,9 +255,8 @@ class Observer(ConsolidationObserver):
         return entries
 
     def on_changed(self) -> None:
-        """Signal the writer thread that the waiting/running consolidations may have changed; returns at once while
-        ``fit`` runs, and brings the journals up to date before it returns once the coordinator closed (the end of
-        ``fit``, the teardown)."""
+        """Have the writer thread sync the journals, returning at once while ``fit`` runs; once the coordinator closed
+        (the end of ``fit``, the teardown), bring them up to date before returning."""
         if not self._sync_handed:  # one sync, at the writer's next look, for every change signalled until it starts
             self._sync_handed = True
             self._writer.hand(self._handed_sync)
