@@ -12,7 +12,6 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""A run's checkpoint root, above the engine (which reads and writes one checkpoint): which checkpoint a root
-designates and how NeMo names its copies (:mod:`.checkpoint_root`), a root's finished checkpoints and their global
-steps (:mod:`.run_checkpoints`), the best one by NeMo's ``ModelCheckpoint`` record (:mod:`.best_checkpoint`), and the
-command run after an output is published (:mod:`.post_command`). Imports the engine, nothing else of this package."""
+"""A run's checkpoint root and its checkpoints, above the engine (which reads and writes one checkpoint): which
+checkpoint a root designates and how NeMo names its copies (:mod:`.checkpoint_root`). Imports the engine, nothing else
+of this package."""
