@@ -14,15 +14,11 @@
 
 """The names and shapes a consolidated output must have, from the model a checkpoint's NeMo ``context/`` describes.
 
-:func:`context_model_shapes` builds that model with TP = PP = EP = CP = 1 on the ``meta`` device (nothing allocated or
-initialised), inside a one-process ``gloo`` group on an in-memory ``HashStore`` (megatron-core builds modules only with
-its process groups initialised), and names its ``state_dict`` as the ``safetensors`` format does
-(:func:`nemo_patch.engine.load.canonical_key_map`).
-
-Imports torch and the engine at module level; NeMo and megatron-core only inside :func:`context_model_shapes`.
+:func:`context_model_shapes` builds that model with TP = PP = EP = CP = 1 on the ``meta`` device, inside a
+one-process ``gloo`` group (megatron-core builds modules only with its process groups initialised). Imports torch and
+the engine at module level; NeMo and megatron-core only inside :func:`context_model_shapes`.
 """
 
-import logging
 from pathlib import Path
 from typing import Dict, Tuple
 
@@ -33,8 +29,6 @@ from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.errors import ExportError
 
 __all__ = ["context_model_shapes"]
-
-logger = logging.getLogger(__name__)
 
 #: Config fields set for the build: one rank of everything, no sequence parallelism, CPU-style creation (which makes
 #: the parameters where the default device says: ``meta``), no initialisation.

@@ -14,19 +14,11 @@
 
 """Decide whether a checkpoint's NeMo ``context/`` may be loaded: what it names must come from NeMo's own world.
 
-NeMo's ``io.load_context`` imports and calls every ``{"module": M, "name": N}`` of ``context/io.json`` (fiddle), so a
-checkpoint from elsewhere could run any importable callable (``subprocess.getoutput``, ...).
-:func:`check_context_trusted` reads ``io.json`` as plain JSON first and checks every reference against the allowlists
-below (a denylist could never be complete): the module, the name, and where what it resolves to is defined (its
-``__module__``, so that a re-export does not pass); the file must not ask for ``trust_remote_code``.
-:func:`check_context_files` proves every file NeMo would open a directory or a bounded regular file (a FIFO would block
-it for ever) and refuses hub artifacts; :func:`offline` keeps the process off the network while NeMo loads the context.
-Anything else raises :class:`~nemo_patch.export.errors.UntrustedContextError` unless the user passes
-``nemo-consolidate --trust-context`` (docs/security.md). The training path does not call this: the context it reads is
-the one the run itself just wrote.
-
-This is a check of names, not a sandbox: a trusted package's own functions run with the arguments the file gives them.
-Imports the standard library and the engine at module level; the modules a context names only when checking them.
+NeMo's ``io.load_context`` imports and calls every ``{"module": M, "name": N}`` of ``context/io.json``: its names
+(:func:`check_context_trusted`, against the allowlists below) and files (:func:`check_context_files`) are checked
+first, and NeMo loads it :func:`offline`; else :class:`~nemo_patch.export.errors.UntrustedContextError`, unless
+``--trust-context`` (docs/security.md). A check of names, not a sandbox. Imports the standard library and the engine
+at module level; the modules a context names only when checking them.
 """
 
 import contextlib
@@ -42,23 +34,9 @@ from typing import Any, Callable, ContextManager, Iterator, List, Optional, Set,
 from nemo_patch.engine.safe_files import read_json_file
 from nemo_patch.export.errors import UntrustedContextError
 
-__all__ = [
-    "DENIED_MODULES",
-    "DENIED_NAMES",
-    "TRUSTED_BUILTINS",
-    "TRUSTED_CLASS_MODULES",
-    "TRUSTED_FUNCTION_MODULES",
-    "TRUSTED_SETTINGS_CLASSES",
-    "TRUSTED_OBJECTS",
-    "TRUSTED_PACKAGES",
-    "HUB_ARTIFACTS",
-    "MAX_CONTEXT_ENTRIES",
-    "MAX_CONTEXT_FILE_BYTES",
-    "check_context_files",
-    "check_context_trusted",
-    "context_loading",
-    "offline",
-]
+__all__ = ["DENIED_MODULES", "DENIED_NAMES", "TRUSTED_BUILTINS", "TRUSTED_CLASS_MODULES", "TRUSTED_FUNCTION_MODULES"]
+__all__ += ["TRUSTED_SETTINGS_CLASSES", "TRUSTED_OBJECTS", "TRUSTED_PACKAGES", "HUB_ARTIFACTS", "MAX_CONTEXT_ENTRIES"]
+__all__ += ["MAX_CONTEXT_FILE_BYTES", "check_context_files", "check_context_trusted", "context_loading", "offline"]
 
 #: Top-level packages whose names a trusted context may reference.
 TRUSTED_PACKAGES = frozenset({"nemo", "megatron", "torch", "transformers", "lightning", "pytorch_lightning", "fiddle"})
@@ -155,10 +133,7 @@ TRUSTED_OBJECTS = frozenset(
 #: checkpoint IO record (:class:`nemo_patch.ConsolidationConfig`, :class:`nemo_patch.ConsolidationSettings`), whose
 #: construction only validates them.
 TRUSTED_SETTINGS_CLASSES = frozenset(
-    {
-        ("nemo_patch.training.config", "ConsolidationConfig"),
-        ("nemo_patch.training.settings", "ConsolidationSettings"),
-    }
+    {("nemo_patch.training.config", "ConsolidationConfig"), ("nemo_patch.training.settings", "ConsolidationSettings")}
 )
 #: The ``builtins`` a trusted context may reference: types that build plain data, nothing that runs code.
 TRUSTED_BUILTINS = frozenset(
@@ -182,22 +157,6 @@ def _io_json(context_dir: Union[str, Path]) -> Any:
         raise UntrustedContextError(f"Cannot read {path} as JSON: {error}") from error
 
 
-def _scan(context_dir: Union[str, Path]) -> Tuple[Set[Tuple[str, str]], bool]:
-    """The references of ``io.json`` and whether the file mentions ``trust_remote_code``."""
-    path = Path(context_dir) / _IO_JSON
-    found: Set[Tuple[str, str]] = set()
-    remote_code = False
-    for value in _values(_io_json(context_dir)):
-        if isinstance(value, dict) and "module" in value and "name" in value:
-            module, name = value["module"], value["name"]
-            if not isinstance(module, str) or not isinstance(name, str):
-                raise UntrustedContextError(f"{path}: a reference {value!r:.200} that is not a module and a name")
-            found.add((module, name))
-        elif isinstance(value, str) and "trust_remote_code" in value:
-            remote_code = True
-    return found, remote_code
-
-
 def _values(data: Any) -> Iterator[Any]:
     """Every value of a JSON document, depth first, its objects' keys included."""
     stack: List[Any] = [data]
@@ -213,13 +172,6 @@ def _values(data: Any) -> Iterator[Any]:
 
 def _under(module: str, prefixes: Tuple[str, ...]) -> bool:
     return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
-
-
-def _hf_config_or_tokenizer(module: str) -> bool:
-    """A ``transformers.models.<family>.configuration_*`` or ``tokenization_*`` module (not the models, whose
-    construction may load remote code or weights)."""
-    parts = module.split(".")
-    return parts[:2] == ["transformers", "models"] and parts[-1].startswith(("configuration_", "tokenization_"))
 
 
 def _why_untrusted(module: str, name: str) -> Optional[str]:
@@ -247,7 +199,9 @@ def _why_untrusted(module: str, name: str) -> Optional[str]:
     if f"{owner}.{own_name}" in TRUSTED_OBJECTS:
         return None
     if isinstance(value, type):
-        if not (_under(owner, TRUSTED_CLASS_MODULES) or _hf_config_or_tokenizer(owner)):
+        parts = owner.split(".")  # transformers.models.<family>.configuration_* or tokenization_*, not the models
+        hf_ok = parts[:2] == ["transformers", "models"] and parts[-1].startswith(("configuration_", "tokenization_"))
+        if not (_under(owner, TRUSTED_CLASS_MODULES) or hf_ok):
             return f"a class defined in {owner}, not where the classes a NeMo model's context builds come from"
     elif callable(value):
         if not _under(owner, TRUSTED_FUNCTION_MODULES) or own_name in DENIED_NAMES:
@@ -267,7 +221,17 @@ def check_context_trusted(context_dir: Union[str, Path], trust: bool = False) ->
     """
     if trust:
         return
-    found, remote_code = _scan(context_dir)
+    path = Path(context_dir) / _IO_JSON
+    found: Set[Tuple[str, str]] = set()
+    remote_code = False
+    for value in _values(_io_json(context_dir)):
+        if isinstance(value, dict) and "module" in value and "name" in value:
+            module, name = value["module"], value["name"]
+            if not isinstance(module, str) or not isinstance(name, str):
+                raise UntrustedContextError(f"{path}: a reference {value!r:.200} that is not a module and a name")
+            found.add((module, name))
+        elif isinstance(value, str) and "trust_remote_code" in value:
+            remote_code = True
     untrusted = []
     for module, name in sorted(found):
         why = _why_untrusted(module, name)
@@ -277,7 +241,7 @@ def check_context_trusted(context_dir: Union[str, Path], trust: bool = False) ->
         untrusted.append("trust_remote_code (Hugging Face code shipped with the checkpoint would run)")
     if untrusted:
         raise UntrustedContextError(
-            f"{Path(context_dir) / _IO_JSON} references code that a NeMo model's context has no need of: "
+            f"{path} references code that a NeMo model's context has no need of: "
             f"{', '.join(untrusted[:3])}{' ...' if len(untrusted) > 3 else ''}; loading it would import "
             "and run that code. Pass --trust-context if you trust whoever wrote this checkpoint."
         )

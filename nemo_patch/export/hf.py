@@ -15,9 +15,8 @@
 """Export a NeMo 2 ``torch_dist`` checkpoint as a Hugging Face model directory, with NeMo's own registered exporter.
 
 The exporter registered for the context's model class runs its own ``apply``; only what needs a GPU or a trainer is
-replaced (:class:`_OfflineExport`). The output, streaming, memory and verification are described in docs/outputs.md.
-
-Imports torch and the engine at module level; NeMo only inside the functions that need it.
+replaced (:class:`_OfflineExport`). docs/outputs.md describes the output, streaming, memory and verification. Imports
+torch and the engine at module level; NeMo only inside the functions that need it.
 """
 
 import contextlib
@@ -95,7 +94,6 @@ def cast_floating(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype) -> Di
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    """The address of ``tensor``'s storage (views of one storage share it)."""
     return tensor.untyped_storage().data_ptr()
 
 
@@ -113,8 +111,7 @@ class _StateSource:
 
     def __init__(self, state_dict: Dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
         self._state_dict: Any = state_dict  # or a LazyCheckpointState (streamed)
-        self.config = config
-        self.dtype = dtype
+        self.config, self.dtype = config, dtype
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return self._state_dict
@@ -244,8 +241,6 @@ class _OfflineExport:
         return target
 
     def convert_state(self, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        """NeMo's ``convert_state``, its ``io.apply_transforms`` streamed (unless ``stream=False``) into the directory
-        ``apply`` saves to; the model it returns saves through :meth:`_save_checked`."""
         from nemo.lightning import io
 
         nemo_apply, conversion = io.apply_transforms, None
@@ -267,12 +262,8 @@ class _OfflineExport:
     def _np_save_streamed(
         self, target: Any, state: Any, save: Callable[..., Any], output_path: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        """The streamed conversion's ``save_pretrained``: checks that the tensors written are those it would write,
-        writes the index, and lets it write the other files (``config.json``, ...) with no weights.
-
-        Raises:
-            ExportError: the tensors to be saved are not those written (names the first differences).
-        """
+        """The streamed conversion's ``save_pretrained``: the tensors to be saved must be those written (else
+        :class:`ExportError`); writes the index, then the other files (``config.json``, ...) with no weights."""
         conversion = self._np_conversion
         assert conversion is not None
         names = saved_names(target, state)
@@ -294,17 +285,12 @@ class _OfflineExport:
                     os.replace(path, output_path / path.name)
         finally:
             shutil.rmtree(scratch)
-        self._np_saved = {
-            spec.name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for spec in conversion.planned
-        }
+        self._np_saved = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in conversion.planned}
         return result
 
     @property
     def tokenizer(self) -> _TokenizerSaving:
         return _TokenizerSaving(lambda: super(_OfflineExport, self).tokenizer, self._np_output_dir)  # type: ignore
-
-    def _unassigned(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_meta or (tensor.numel() > 0 and _storage(tensor) in self._np_allocated)
 
     def _save_checked(self, target: Any, save: Callable[..., Any], output_path: Any, *args: Any, **kwargs: Any) -> Any:
         """``target.save_pretrained(output_path, ...)`` as ``apply`` calls it, after the checks in the class docstring.
@@ -325,7 +311,8 @@ class _OfflineExport:
             if self._np_conversion is not None:
                 return self._np_save_streamed(target, state, save, output_path, *args, **kwargs)
             kwargs.update(max_shard_size=self._np_max_shard_size, safe_serialization=True)
-        unassigned = sorted(name for name, tensor in state.items() if self._unassigned(tensor))
+        allocated = self._np_allocated
+        unassigned = sorted(n for n, t in state.items() if t.is_meta or (t.numel() > 0 and _storage(t) in allocated))
         if unassigned:
             raise unassigned_error(self._np_exporter_class.__qualname__, unassigned)
         result = save(output_path, *args, **kwargs)
@@ -365,8 +352,7 @@ def _exporter_for(checkpoint_dir: Path, peft: bool = False) -> Tuple[Any, Any]:
         ) from error
     offline = type(exporter_class.__name__, (_OfflineExport, exporter_class), {"__module__": __name__})
     exporter = offline(str(checkpoint_dir))
-    exporter._np_exporter_class = exporter_class
-    exporter._np_model_config = model.config
+    exporter._np_exporter_class, exporter._np_model_config = exporter_class, model.config
     exporter._np_reset()
     if peft:
         try:

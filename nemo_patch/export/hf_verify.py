@@ -14,16 +14,9 @@
 
 """Check a Hugging Face export against its checkpoint, tensor by tensor, through NeMo's *importer* for the model class.
 
-The ``"hf"`` importer registered for the checkpoint's model class maps the written tensors back to Megatron names, and
-every result must equal, bit for bit, the tensor of that name read straight from the checkpoint by the engine (cast to
-the written dtype); every written tensor must be read for some checkpoint tensor (docs/outputs.md says what may
-differ). The importer runs without a model: its ``convert_state`` gets stand-ins, and the ``mapping`` and
-``transforms`` it hands to ``io.apply_transforms`` are captured and replayed here with NeMo's ``StateDictTransform``.
-A mismatch raises :class:`~nemo_patch.engine.errors.VerificationError` naming the written tensor and its file (and
-the element, traced through the transform, :func:`_trace`); :class:`ImporterUnavailable` says why the check cannot
-run. Memory: about twice the model's weights.
-
-Imports torch and the engine at module level; NeMo and ``transformers`` only inside the functions that need them.
+Every written tensor, mapped back by the importer (run on stand-ins, its transforms captured and replayed), must equal
+the checkpoint's bit for bit (docs/outputs.md). Memory: about twice the model's weights. Imports torch and the engine
+at module level; NeMo and ``transformers`` only inside the functions that need them.
 """
 
 import contextlib
@@ -34,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Set, Tuple, Union
 
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_patch.engine.casting import cast_overflow
@@ -49,15 +43,8 @@ from nemo_patch.export.context_trust import context_loading
 from nemo_patch.export.hf_stream import floating_dtype
 from nemo_patch.export.layer_norms import te_layer_norm_names
 
-__all__ = [
-    "ImporterUnavailable",
-    "TensorView",
-    "VOCABULARY_TENSORS",
-    "check_through_importer",
-    "importer_class",
-    "read_checkpoint_tensors",
-    "verify_hf_output",
-]
+__all__ = ["ImporterUnavailable", "TensorView", "VOCABULARY_TENSORS", "check_through_importer", "importer_class"]
+__all__ += ["read_checkpoint_tensors", "verify_hf_output"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +53,7 @@ VOCABULARY_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_Call = Tuple[Any, Dict[str, Any], List[Any], List[str]]  # a captured call: source, mapping, transforms, ignored
 
 #: ``io.apply_transforms`` is replaced for the duration of one importer's ``convert_state`` at a time.
 _CAPTURE_LOCK = threading.Lock()
@@ -95,8 +83,6 @@ class _WrittenTensors(Mapping[str, torch.Tensor]):
         filename = self._weight_map[name]  # KeyError for a name not written
         handle = self._handles.get(filename)
         if handle is None:
-            from safetensors import safe_open
-
             handle = self._stack.enter_context(safe_open(str(self._output_dir / filename), framework="pt"))
             self._handles[filename] = handle
         return handle
@@ -158,8 +144,7 @@ class _WrittenModel:
     ``state_dict()`` (the written tensors) and attribute access to them."""
 
     def __init__(self, config: Any, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.config = config
-        self._tensors = tensors
+        self.config, self._tensors = config, tensors
 
     def state_dict(self) -> Mapping[str, torch.Tensor]:
         return self._tensors
@@ -219,8 +204,7 @@ class _CheckpointModel:
     """The NeMo model an importer's ``convert_state`` gets: the context's ``config`` and the state to fill."""
 
     def __init__(self, config: Any, state: _Imported) -> None:
-        self.config = config
-        self.state = state
+        self.config, self.state = config, state
 
     def state_dict(self) -> _Imported:
         return self.state
@@ -228,13 +212,11 @@ class _CheckpointModel:
 
 def importer_class(model_class: type) -> Optional[type]:
     """NeMo's ``"hf"`` importer registered for ``model_class`` exactly (as NeMo looks it up), or ``None``."""
-    importers = getattr(model_class, "_IMPORTERS", None) or {}
-    return importers.get(f"{model_class}hf")
+    return (getattr(model_class, "_IMPORTERS", None) or {}).get(f"{model_class}hf")
 
 
 def _hf_config(output_dir: Path) -> Any:
-    """``output_dir``'s ``config.json`` as ``AutoConfig`` reads it (no remote code), else a ``PretrainedConfig`` of its
-    keys."""
+    """``config.json`` as ``AutoConfig`` reads it (no remote code), else a ``PretrainedConfig`` of its keys."""
     from transformers import AutoConfig, PretrainedConfig
 
     try:
@@ -249,14 +231,12 @@ def _hf_config(output_dir: Path) -> Any:
 
 
 @contextlib.contextmanager
-def _captured_apply_transforms(
-    stand_in: _CheckpointModel,
-) -> Iterator[List[Tuple[Any, Dict[str, Any], List[Any], List[str]]]]:
+def _captured_apply_transforms(stand_in: _CheckpointModel) -> Iterator[List[_Call]]:
     """While the block runs, ``io.apply_transforms`` records a call for ``stand_in`` as ``(source, mapping, transforms,
     state_dict_ignored_entries)`` and returns ``stand_in``; any other call is NeMo's. One block at a time."""
     from nemo.lightning import io
 
-    calls: List[Tuple[Any, Dict[str, Any], List[Any], List[str]]] = []
+    calls: List[_Call] = []
     with _CAPTURE_LOCK:
         original = io.apply_transforms
 
@@ -297,8 +277,7 @@ def _tensors_text(names: List[str], written: _WrittenTensors) -> str:
     shown = names[:4]
     more = ", ..." if len(names) > len(shown) else ""
     if len(files) == 1:
-        listed = ", ".join(shown)
-        return f"Tensor{'s' if len(names) > 1 else ''} {listed}{more} in {files.pop()}"
+        return f"Tensor{'s' if len(names) > 1 else ''} {', '.join(shown)}{more} in {files.pop()}"
     return "Tensors " + ", ".join(f"{name} (in {written.file(name)})" for name in shown) + more
 
 
@@ -341,12 +320,8 @@ def _trace(
     if offset >= 2**50:
         return None
     state = _Imported({name: like}, None, torch.float64)
-    ctx = TransformCTX(
-        source=_WrittenModel(source_config, traced),
-        source_state=traced,
-        target=_CheckpointModel(target_config, state),
-        target_state=state,
-    )
+    source_model, target_model = _WrittenModel(source_config, traced), _CheckpointModel(target_config, state)
+    ctx = TransformCTX(source=source_model, source_state=traced, target=target_model, target_state=state)
     try:
         step(ctx)
     except Exception as error:  # noqa: BLE001 - no trace, only a less precise message
@@ -444,8 +419,7 @@ def check_through_importer(
         #    tensors, named as read_checkpoint_tensors names them: nothing read yet) and the written files.
         outputs = open_sources(location, None, merge_adapters, base_checkpoint).outputs
         meta = {o.spec.name: torch.empty(o.spec.shape, dtype=o.spec.dtype, device="meta") for o in outputs}
-        names = te_layer_norm_names(meta)
-        target = _CheckpointModel(model.config, _Imported(names, written, dtype))
+        target = _CheckpointModel(model.config, _Imported(te_layer_norm_names(meta), written, dtype))
         source, mapping, transforms, ignored = _importer_mapping(importer_type, output_dir, hf_config, written, target,
                                                                  trust_remote_code)  # fmt: skip
         if before_reading is not None:
@@ -454,8 +428,7 @@ def check_through_importer(
         # 2. The checkpoint's tensors (the oracle) and the importer's results from the written tensors.
         oracle, _ = read_checkpoint_tensors(location, merge_adapters, base_checkpoint)
         imported = target.state = _Imported(oracle, written, dtype)
-        written.read.clear()  # the reads of convert_state on stand-ins
-        written.group, written.group_closed = [], False
+        written.read, written.group, written.group_closed = set(), [], False  # the reads of convert_state on stand-ins
         _replay(importer_name, output_dir, source, target, mapping, transforms, written)
 
         # 3. Every checkpoint tensor made, and equal to the checkpoint's.
@@ -480,8 +453,7 @@ def check_through_importer(
                 raise VerificationError(f"{gives(name)} as a {type(value).__name__}, not a tensor")
             fresh = imported.fresh.pop(name, None)
             in_place = fresh is not None and value.data_ptr() == fresh.data_ptr()
-            like = expected
-            rows = None
+            like, rows = expected, None
             if (name in VOCABULARY_TENSORS and expected.dim() and isinstance(hf_vocab, int)
                     and hf_vocab < expected.shape[0] and hf_vocab in vocabulary):  # fmt: skip
                 rows = hf_vocab
@@ -528,7 +500,7 @@ def _importer_mapping(
     written: _WrittenTensors,
     target: _CheckpointModel,
     trust_remote_code: Optional[bool],
-) -> Tuple[Any, Dict[str, Any], List[Any], List[str]]:
+) -> _Call:
     """``(source, mapping, transforms, state_dict_ignored_entries)`` as NeMo's importer's ``convert_state`` hands
     them to ``io.apply_transforms`` for the stand-ins (the written files, ``target``).
 
@@ -583,8 +555,7 @@ def _replay(
 
     # source: the written files, or the _ModelState of modified tensors an importer rebuilt them as
     ctx = TransformCTX(source=source, source_state=source.state_dict(), target=target, target_state=target.state)
-    steps = [StateDictTransform(key, value) for key, value in mapping.items()] + list(transforms)
-    for step in steps:
+    for step in [StateDictTransform(key, value) for key, value in mapping.items()] + list(transforms):
         target.state.step = step
         try:
             ctx = step(ctx)

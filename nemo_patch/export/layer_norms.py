@@ -14,9 +14,8 @@
 
 """Layer-norm names: the Transformer Engine spec's fused names, which NeMo's Hugging Face exporters and importers use.
 
-A model of megatron-core's local (non-TE) spec saves its layer norms under the TE names too (its
-``sharded_state_dict_keys_map``), so consolidated names are the TE names for both specs; :func:`te_layer_norm_names`
-renames local names that reach it anyway. Imports torch and the engine's MoE names only.
+A model of megatron-core's local (non-TE) spec saves its layer norms under the TE names too;
+:func:`te_layer_norm_names` renames local names that reach it anyway. Imports torch and the engine's MoE names only.
 """
 
 import re
