@@ -14,7 +14,8 @@
 
 """Linux-only code is never imported at module import: ``nemo.lightning`` (with the overlay's edits of NeMo's files)
 imports where ``fcntl`` does not exist (Windows) and without our code importing ``ctypes``, and publishing works
-there through its portable path (no ``flock`` lock file, two renames instead of ``renameat2``)."""
+there through its portable path (no ``flock`` lock file, two renames instead of ``renameat2``); writing and reading
+work without the POSIX-only ``os`` names (``fdatasync``, ``O_NOFOLLOW``, ``O_NONBLOCK``, ``set_blocking``)."""
 
 import json
 
@@ -64,6 +65,11 @@ at_import = list(ours_tried)
 edited = "consolidation_settings" in inspect.signature(MegatronCheckpointIO.__init__).parameters
 edited = edited and "ckpt_consolidation_frequency" in inspect.signature(MegatronStrategy.__init__).parameters
 
+# POSIX-only names our code may use only where they exist (macOS and Windows have no fdatasync, Windows no O_NOFOLLOW,
+# O_NONBLOCK or set_blocking): from here on, this process is without them
+for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_DIRECTORY", "set_blocking", "fdatasync"):
+    delattr(os, name)
+
 root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(os.environ["PLATFORM_TMP"])
 output = root / "consolidated"
 published = []
@@ -75,14 +81,37 @@ for generation in range(2):
     published.append((lock_file, json.loads((output / "metadata.json").read_text())["generation"]))
 fresh = publish.make_tmp_dir(root)
 removed = publish.remove_stale_tmp_dirs(root, keep_pid=-1)
+entries = sorted(p.name == "consolidated" or p == fresh for p in root.iterdir())
+
+# two writers fill laid-out safetensors files at offsets, with a writeback after every tensor
+import torch
+from safetensors.torch import load_file
+from nemo_patch.engine import part_writer, plan, safe_files, safetensors_writer
+
+part_writer._WRITEBACK_BYTES = 1
+values = {f"layer.{i}.weight": torch.randn(64, 8 + i, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+specs = {name: safetensors_writer.TensorSpec(name, v.dtype, tuple(v.shape)) for name, v in values.items()}
+files = [safetensors_writer.OutputFile(name, safetensors_writer.encode_header(group, {"format": "pt"}), tuple(group))
+         for name, group in plan.plan_shards(list(specs.values()), 5000).items()]
+written = root / "written"
+written.mkdir()
+part_writer.create_files(written, files)
+for part in part_writer.split_parts(files, 2):
+    part_writer.write_part(written, part, specs, lambda spec: values[spec.name])
+loaded = {}
+for file in files:
+    loaded.update(load_file(written / file.name))
 print(json.dumps({
     "at_import": at_import,
     "edited": bool(edited),
     "renameat2": publish._libc_renameat2() is not None,
     "published": published,
     "fresh_kept": fresh.is_dir() and removed == [],
-    "entries": sorted(p.name == "consolidated" or p == fresh for p in root.iterdir()),
+    "entries": entries,
     "die_with_parent": process_limits.die_with_parent(),
+    "parts_written": len(files) > 1 and loaded.keys() == values.keys() and all(
+        torch.equal(loaded[name], value) for name, value in values.items()),
+    "read_back": safe_files.read_json_file(output / "metadata.json")["generation"],
     "tried_later": ours_tried[len(at_import):],
 }))
 '''
@@ -98,6 +127,9 @@ def test_nemo_lightning_imports_without_fcntl_and_publishing_falls_back(tmp_path
     assert result["renameat2"] is False and result["published"] == [[False, 0], [False, 1]]
     assert result["fresh_kept"] and result["entries"] == [True, True]  # a new lockless entry is not stale
     assert result["die_with_parent"] is False  # no prctl without ctypes: reported, not raised
+    # without fdatasync, O_NOFOLLOW, O_NONBLOCK and set_blocking: parallel writers' files load with safetensors (the
+    # values given), a side file is read through the reader's regular-file check
+    assert result["parts_written"] is True and result["read_back"] == 1
     assert sorted(set(result["tried_later"])) == [
         "nemo_patch.engine.process_limits imports ctypes",
         "nemo_patch.engine.publish imports ctypes",

@@ -140,7 +140,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> str:
 
 def _fdatasync(fd: int) -> None:
     with stage_times.timed("fsync"):
-        os.fdatasync(fd)
+        getattr(os, "fdatasync", os.fsync)(fd)  # macOS and Windows have no fdatasync
 
 
 class _Writeback:
@@ -230,7 +230,7 @@ def write_part(
                 path = directory / placement.file
                 if placement.file not in fds:
                     with _offsets_refused(path, "reopening a file to write it"):
-                        fds[placement.file] = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+                        fds[placement.file] = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
                 pending = [(placement, pool.submit(_pwrite_all, fds[placement.file], data, placement.offset, path))]
                 del tensor, data  # the future keeps the buffer alive until written and hashed
             settle()

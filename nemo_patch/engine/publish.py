@@ -68,6 +68,7 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
+_NOFOLLOW_CLOEXEC = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)  # POSIX only
 
 _held: Dict[str, int] = {}  # temporary directory -> the descriptor holding its lock
 _held_guard = threading.Lock()
@@ -112,7 +113,7 @@ def make_tmp_dir(parent: Path, kind: str = "") -> Path:
     path.mkdir()
     lock = path / TMP_LOCK_NAME
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW_CLOEXEC, 0o666)
     except OSError as error:
         logger.debug("No lock file in %s: %s", path, error)
         return path
@@ -269,7 +270,7 @@ def _open_lock(lock: Path) -> Optional[int]:
     """A descriptor of ``lock``; ``-1`` when there is no such file, ``None`` when it cannot be opened."""
     for flags in (os.O_RDWR, os.O_RDONLY):  # write access, for filesystems that emulate flock with fcntl locks
         try:
-            return os.open(lock, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+            return os.open(lock, flags | _NOFOLLOW_CLOEXEC)
         except FileNotFoundError:
             return -1
         except PermissionError:

@@ -35,11 +35,13 @@ def open_regular(path: Union[str, Path], mode: str = "rb") -> IO[bytes]:
     Raises:
         UnsafeFileError: it is not a regular file. OSError: it cannot be opened.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    nonblock = getattr(os, "O_NONBLOCK", 0)  # POSIX only, as FIFOs
+    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafeFileError(f"{path} is not a regular file")
-        os.set_blocking(fd, True)
+        if nonblock:
+            os.set_blocking(fd, True)
         return os.fdopen(fd, mode)
     except BaseException:
         os.close(fd)

@@ -118,7 +118,7 @@ def _writeback(fd: int) -> None:
     ``fsync``."""
     with stage_times.timed("fsync"):
         try:
-            os.fdatasync(fd)
+            getattr(os, "fdatasync", os.fsync)(fd)  # macOS and Windows have no fdatasync
         except OSError as error:
             if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
