@@ -39,6 +39,7 @@ against the overlay.
 
 import argparse
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -423,6 +424,14 @@ def installed_nemo_src() -> Path:
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` as a new file renamed over ``path``: a link planted there is replaced, never written through."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
+        file.write(text)
+    os.chmod(file.name, 0o644)
+    os.replace(file.name, path)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """The command line (module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -442,10 +451,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 stale.unlink()
             names = _git(Path(work), "format-patch", "-o", str(args.series.resolve()), f"{commits[0]}~1")
             patches = [Path(name).name for name in names.split()]
-            (args.series / "series").write_text("\n".join(patches) + "\n")
+            _replace(args.series / "series", "\n".join(patches) + "\n")
             for pr, patch in zip(SERIES, patches):
-                (args.series / patch).with_suffix(".md").write_text(
-                    (REPO / "docs" / "upstream" / f"{pr.key}.md").read_text()
+                _replace(
+                    (args.series / patch).with_suffix(".md"), (REPO / "docs" / "upstream" / f"{pr.key}.md").read_text()
                 )
             print(f"wrote {len(patches)} patches and {args.series / 'series'}", file=sys.stderr)
     return 0

@@ -210,3 +210,24 @@ def test_the_packager_refuses_an_import_of_a_module_the_series_never_adds(tmp_pa
         never not in make_upstream_patch.series_modules()
         and f"{package}.publish" in make_upstream_patch.series_modules()
     )
+
+
+def test_links_planted_where_the_series_is_written_are_replaced_not_written_through(tmp_path):
+    """A second run into the same directory, where ``series`` and a description are links to files elsewhere: the
+    links are replaced by the new files, the files they pointed at are untouched, stale patches go."""
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not the packager's\n")
+    first_md = "0001-Checkpoint-consolidation-NeMo-2-torch_dist-checkpoin.md"
+    for name in ("series", first_md):
+        (out / name).symlink_to(elsewhere)
+    (out / "0009-stale.patch").write_text("from an earlier run\n")
+
+    assert make_upstream_patch.main(["--series", str(out)]) == 0
+
+    assert elsewhere.read_text() == "not the packager's\n"
+    assert not (out / "series").is_symlink() and not (out / first_md).is_symlink()
+    patches = (out / "series").read_text().split()
+    assert len(patches) == len(SERIES) and sorted(p.name for p in out.glob("*.patch")) == sorted(patches)
+    assert (out / first_md).read_text() == (REPO / "docs" / "upstream" / "converter.md").read_text()
